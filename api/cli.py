@@ -1,0 +1,6 @@
+"""The single `vlmcap` command line. Each subcommand imports its layer lazily, so a camera node
+running `vlmcap pipeline` never loads the engine."""
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Captions for camera streams on a shared VLM engine.")

@@ -1,0 +1,68 @@
+"""Engine configuration: one dataclass, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """How the engine loads its model and schedules work.
+
+    model: a local Hugging Face checkpoint directory, a hub id, `tiny` (small random offline model) or
+        `dummy:<preset>` (a real architecture at real size with random weights).
+    max_num_batched_tokens: the token budget of one step (decode tokens plus prefill chunk tokens).
+    max_num_seqs: the most requests that run (hold KV blocks) at once.
+    enable_chunked_prefill: split prompts into chunks that fit the budget; off, a prompt is prefilled
+        whole in one step however long it is (for comparison).
+    max_encoder_inputs_per_step: vision encoder inputs (tiles for SmolVLM) run in one step; `None` runs
+        every tile a chunk needs in the step that needs it.
+    block_size: tokens per KV cache block.
+    num_kv_blocks: KV cache size in blocks; `None` sizes it from `kv_cache_memory_fraction` of the
+        device memory that is free after the model is loaded (capped at what `max_num_seqs` requests of
+        `max_model_len` tokens can use).
+    max_model_len: prompt plus output tokens of one request; `None` takes the model's own limit.
+    """
+
+    model: str = "tiny"
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+    max_encoder_inputs_per_step: int | None = 2
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_fraction: float = 0.5
+    max_model_len: int | None = None
+    watermark: float = 0.01
+    seed: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len!r}")
+        if self.max_encoder_inputs_per_step is not None and self.max_encoder_inputs_per_step < 1:
+            raise ValueError(
+                f"max_encoder_inputs_per_step must be positive or None, got {self.max_encoder_inputs_per_step!r}"
+            )
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

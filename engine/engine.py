@@ -1,0 +1,227 @@
+"""The engine: requests in, tokens out, one `step()` at a time.
+
+`add_request` validates and preprocesses a request (template, tokens, image tiles) without holding the
+engine's lock, so callers on other threads can add work while a step runs. `step` schedules, runs one
+forward and applies stop conditions.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from engine.config import EngineConfig
+from engine.detokenizer import render
+from engine.kv_cache import BlockPool, KVCache
+from engine.model_runner import ModelRunner
+from engine.models import load_adapter
+from engine.outputs import RequestOutput
+from engine.request import Request
+from engine.sampling import SamplingParams, make_generator
+from engine.scheduler import Scheduler
+
+ImageInput = Image.Image | bytes | bytearray | str | os.PathLike
+
+
+def _load_image(image: ImageInput, index: int) -> Image.Image:
+    try:
+        if isinstance(image, Image.Image):
+            image.load()
+            return image.convert("RGB")
+        if isinstance(image, (bytes, bytearray)):
+            opened = Image.open(io.BytesIO(image))
+        elif isinstance(image, (str, os.PathLike)):
+            opened = Image.open(Path(image))
+        else:
+            raise ValueError(f"image {index} has unsupported type {type(image).__name__}")
+        opened.load()
+        return opened.convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError) as exc:
+        raise ValueError(f"image {index} could not be read: {exc}") from exc
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.device = torch.device(config.device)
+        self.adapter = load_adapter(config.model, self.device, config.torch_dtype)
+        self.tokenizer = self.adapter.tokenizer
+        self.eos_token_ids = self.adapter.eos_token_ids
+
+        num_blocks = self._num_kv_blocks()
+        model_limit = self.adapter.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {model_limit} positions")
+        self.max_model_len = config.max_model_len or model_limit
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.kv_cache = KVCache(
+            self.adapter.num_layers, num_blocks, config.block_size, self.adapter.num_kv_heads,
+            self.adapter.head_dim, config.torch_dtype, self.device,
+        )
+        self.scheduler = Scheduler(config, self.pool)
+        self.runner = ModelRunner(self.adapter, self.kv_cache, config.block_size)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._lock = threading.RLock()
+        self._steps = 0
+        self._last_step_num_tokens = 0
+        self._tokens_generated = 0
+
+    def _num_kv_blocks(self) -> int:
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        per_block = KVCache.bytes_per_block(
+            self.adapter.num_layers, config.block_size, self.adapter.num_kv_heads, self.adapter.head_dim,
+            config.torch_dtype,
+        )
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        by_memory = int(free * config.kv_cache_memory_fraction) // per_block
+        max_len = config.max_model_len or self.adapter.max_position_embeddings
+        by_use = config.max_num_seqs * -(-max_len // config.block_size)
+        return max(1, min(by_memory, by_use))
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | None = None,
+        images: list[ImageInput] | None = None,
+        sampling: SamplingParams | None = None,
+        priority: int = 0,
+        messages: list[dict[str, Any]] | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request and return its id. Raises ValueError for a request that can never run."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        sampling = sampling or SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if messages is not None:
+            try:
+                prompt = self.adapter.render_messages(messages)
+            except Exception as exc:  # the template rejects malformed messages in many ways
+                raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
+        loaded = [_load_image(image, i) for i, image in enumerate(images or [])]
+        markers = prompt.count(self.adapter.image_marker)
+        if markers != len(loaded):
+            raise ValueError(
+                f"the prompt has {markers} {self.adapter.image_marker} marker(s) but {len(loaded)} image(s) were given"
+            )
+        try:
+            token_ids, mm = self.adapter.process(prompt, loaded)
+        except ValueError:
+            raise
+        except Exception as exc:
+            raise ValueError(f"the prompt and images could not be processed: {exc}") from exc
+
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, at or above max_model_len {self.max_model_len}"
+            )
+        if self.pool.blocks_for(len(token_ids)) > self.scheduler.max_prompt_blocks():
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, more than the KV cache can ever hold "
+                f"({self.scheduler.max_prompt_blocks()} blocks of {self.pool.block_size})"
+            )
+        request_id = request_id or uuid.uuid4().hex
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling=sampling,
+            priority=priority,
+            arrival=next(self._arrivals),
+            max_total_tokens=min(self.max_model_len, self.scheduler.max_prompt_blocks() * self.pool.block_size),
+            mm=mm,
+            generator=make_generator(sampling, self.device),
+        )
+        with self._lock:
+            if request_id in self.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self.requests[request_id] = request
+            self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks now. False if it was not running or waiting."""
+        with self._lock:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                return False
+            self.scheduler.finish(request, "abort")
+            self.runner.drop_encoder_outputs(self.scheduler.take_freed_encoder_inputs())
+            return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, and report every request that gained a token or finished."""
+        with self._lock:
+            scheduled = self.scheduler.schedule()
+            sampled = self.runner.execute(scheduled)
+            self.scheduler.update(scheduled, sampled)
+            self._steps += 1
+            self._last_step_num_tokens = scheduled.num_tokens
+            self._tokens_generated += len(sampled)
+            outputs = [self._advance(self.requests[rid]) for rid in sampled]
+            self.runner.drop_encoder_outputs(self.scheduler.take_freed_encoder_inputs())
+            return outputs
+
+    def _advance(self, request: Request) -> RequestOutput:
+        params = request.sampling
+        reason = None
+        if not params.ignore_eos and request.output_token_ids[-1] in self.eos_token_ids:
+            reason = "stop"
+        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= request.max_total_tokens:
+            reason = "length"
+        text, hit_stop = render(self.tokenizer, request.output_token_ids, params.stop, reason is not None)
+        if hit_stop:
+            reason = "stop"
+        request.text = text
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+            del self.requests[request.request_id]
+        return RequestOutput(
+            request_id=request.request_id,
+            token_ids=list(request.output_token_ids),
+            text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "kv_blocks_used": self.pool.num_used,
+                "kv_blocks_total": self.pool.num_blocks,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "last_step_num_tokens": self._last_step_num_tokens,
+                "max_num_batched_tokens": self.config.max_num_batched_tokens,
+                "encoder_inputs_encoded": self.runner.encoder_inputs_encoded,
+                "encoder_seconds": self.runner.encoder_seconds,
+                "num_steps": self._steps,
+                "num_generated_tokens": self._tokens_generated,
+            }

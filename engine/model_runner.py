@@ -1,0 +1,121 @@
+"""The model runner executes what the scheduler chose: it runs the vision encoder on the chosen inputs,
+packs every chunk of the step into one flat batch, runs the text model once, and samples one token for
+each request whose chunk reached its last token."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.attention import AttentionBatch, PrefillSpan
+from engine.kv_cache import KVCache
+from engine.models.base import VLMAdapter
+from engine.sampling import sample
+from engine.scheduler import ScheduledChunk, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, adapter: VLMAdapter, kv_cache: KVCache, block_size: int) -> None:
+        self.adapter = adapter
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = adapter.device
+        self.encoder_cache: dict[tuple[str, int], torch.Tensor] = {}
+        self.encoder_inputs_encoded = 0
+        self.encoder_seconds = 0.0
+
+    def drop_encoder_outputs(self, keys: list[tuple[str, int]]) -> None:
+        for key in keys:
+            self.encoder_cache.pop(key, None)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        if out.encoder_inputs:
+            self._encode(out)
+        if not out.chunks:
+            return {}
+        token_ids, positions, slot_mapping = [], [], []
+        decode_index, decode_slots, prefills = [], [], []
+        sample_rows: list[tuple[int, ScheduledChunk]] = []
+        for chunk in out.chunks:
+            request = chunk.request
+            query_start = len(token_ids)
+            token_ids.extend(request.token_at(p) for p in range(chunk.start, chunk.end))
+            positions.extend(range(chunk.start, chunk.end))
+            key_slots = self._slots(request.block_ids, chunk.end)
+            slot_mapping.append(key_slots[chunk.start :])
+            if chunk.num_tokens == 1:  # a single query sees every cached key: batch it with the decodes
+                decode_index.append(query_start)
+                decode_slots.append(key_slots)
+            else:
+                prefills.append(PrefillSpan(query_start, len(token_ids), key_slots, self._causal_mask(chunk)))
+            if chunk.samples:
+                sample_rows.append((len(token_ids) - 1, chunk))
+
+        ids = torch.tensor(token_ids, device=self.device)
+        embeds = self.adapter.embed_tokens(ids)
+        self._merge_encoder_outputs(out.chunks, embeds)
+        batch = AttentionBatch(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.cat(slot_mapping),
+            decode_query_index=None,
+            decode_key_slots=None,
+            decode_mask=None,
+            prefills=prefills,
+        )
+        if decode_index:
+            longest = max(len(s) for s in decode_slots)
+            padded = torch.zeros(len(decode_slots), longest, dtype=torch.long, device=self.device)
+            mask = torch.zeros(len(decode_slots), 1, 1, longest, dtype=torch.bool, device=self.device)
+            for i, slots in enumerate(decode_slots):
+                padded[i, : len(slots)] = slots
+                mask[i, ..., : len(slots)] = True
+            batch.decode_query_index = torch.tensor(decode_index, device=self.device)
+            batch.decode_key_slots = padded
+            batch.decode_mask = mask
+        hidden = self.adapter.forward_text(embeds, torch.tensor(positions, device=self.device), batch)
+        if not sample_rows:
+            return {}
+        rows = torch.tensor([row for row, _ in sample_rows], device=self.device)
+        logits = self.adapter.lm_head(hidden[rows]).float()
+        return {
+            chunk.request.request_id: sample(logits[i], chunk.request.sampling, chunk.request.generator)
+            for i, (_, chunk) in enumerate(sample_rows)
+        }
+
+    def _slots(self, block_ids: list[int], end: int) -> torch.Tensor:
+        """Cache slots of positions 0..end-1 of a request."""
+        positions = torch.arange(end, device=self.device)
+        table = torch.tensor(block_ids, device=self.device)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def _causal_mask(self, chunk: ScheduledChunk) -> torch.Tensor | None:
+        if chunk.start == 0:
+            return None  # plain causal attention over the chunk itself
+        return torch.ones(chunk.num_tokens, chunk.end, dtype=torch.bool, device=self.device).tril(chunk.start)
+
+    def _encode(self, out: SchedulerOutput) -> None:
+        began = time.perf_counter()
+        inputs = [request.mm.encoder_inputs[unit] for request, unit in out.encoder_inputs]
+        features = self.adapter.encode(inputs)
+        for (request, unit), feature in zip(out.encoder_inputs, features):
+            self.encoder_cache[(request.request_id, unit)] = feature
+        self.encoder_inputs_encoded += len(inputs)
+        self.encoder_seconds += time.perf_counter() - began
+
+    def _merge_encoder_outputs(self, chunks: list[ScheduledChunk], embeds: torch.Tensor) -> None:
+        """Put each chunk's slice of vision features where its placeholder tokens are."""
+        query_start = 0
+        for chunk in chunks:
+            mm = chunk.request.mm
+            if mm is not None:
+                first_row, end_row = mm.rows_in(chunk.start, chunk.end)
+                for unit in mm.units_in(chunk.start, chunk.end):
+                    unit_start = mm.unit_row_starts[unit]
+                    lo = max(first_row, unit_start)
+                    hi = min(end_row, unit_start + mm.unit_rows[unit])
+                    where = torch.tensor(mm.placeholder_positions[lo:hi], device=self.device) - chunk.start + query_start
+                    feature = self.encoder_cache[(chunk.request.request_id, unit)]
+                    embeds[where] = feature[lo - unit_start : hi - unit_start].to(embeds.dtype)
+            query_start += chunk.num_tokens

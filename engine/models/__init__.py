@@ -1,0 +1,52 @@
+"""Model families the engine runs, and how a `--model` value becomes a loaded model."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.models.base import VLMAdapter
+from engine.models.presets import PRESETS, preset_checkpoint
+from engine.models.smolvlm import SmolVLMAdapter
+
+ADAPTERS: dict[str, type[VLMAdapter]] = {arch: cls for cls in (SmolVLMAdapter,) for arch in cls.architectures}
+
+
+def resolve_checkpoint(model: str) -> str:
+    """`tiny`, `dummy:<preset>`, a local directory, or a hub id (loaded only where the network allows)."""
+    if model == "tiny":
+        return str(preset_checkpoint("tiny"))
+    if model.startswith("dummy:"):
+        name = model.removeprefix("dummy:")
+        if name not in PRESETS or name == "tiny":
+            known = ", ".join(f"dummy:{p}" for p in PRESETS if p != "tiny")
+            raise ValueError(f"unknown dummy preset {model!r}; known: {known}")
+        return str(preset_checkpoint(name))
+    return model
+
+
+def load_adapter(model: str, device: torch.device, dtype: torch.dtype) -> VLMAdapter:
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = resolve_checkpoint(model)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except OSError as exc:
+        where = "local directory" if os.path.isdir(path) else "hub id (needs network access)"
+        raise ValueError(f"cannot load model {model!r} as a {where}: {exc}") from exc
+    architectures = list(getattr(config, "architectures", None) or [])
+    adapter_cls = next((ADAPTERS[a] for a in architectures if a in ADAPTERS), None)
+    if adapter_cls is None:
+        raise ValueError(
+            f"model {model!r} has architecture {architectures or 'unknown'}, which the engine does not support; "
+            f"supported: {', '.join(sorted(ADAPTERS))}"
+        )
+    processor = AutoProcessor.from_pretrained(path)
+    hf_model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
+    return adapter_cls(hf_model, processor, device, dtype)
+
+
+__all__ = ["ADAPTERS", "VLMAdapter", "load_adapter", "resolve_checkpoint"]

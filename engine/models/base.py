@@ -1,0 +1,77 @@
+"""What the engine needs from a model family: turn a prompt and images into tokens and encoder inputs,
+run the vision encoder on some of those inputs, and run the stock text model on a packed batch."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from PIL import Image
+
+from engine.attention import ATTN_IMPLEMENTATION, AttentionBatch
+from engine.request import MultimodalPrompt
+
+
+class VLMAdapter:
+    """Wraps one transformers vision-language model; subclasses describe a family."""
+
+    architectures: ClassVar[tuple[str, ...]] = ()
+    image_marker: ClassVar[str] = "<image>"
+
+    def __init__(self, model: Any, processor: Any, device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.device = device
+        self.dtype = dtype
+        text_config = self.text_model.config
+        # Only the text model's attention is replaced; the vision tower keeps its own.
+        text_config._attn_implementation = ATTN_IMPLEMENTATION
+        self.num_layers = text_config.num_hidden_layers
+        self.num_heads = text_config.num_attention_heads
+        self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // self.num_heads
+        self.max_position_embeddings = int(getattr(text_config, "max_position_embeddings", 4096))
+        self.embed_tokens = self.text_model.get_input_embeddings()
+
+    # -- family-specific ------------------------------------------------------------------------
+    @property
+    def text_model(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.lm_head
+
+    def process(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], MultimodalPrompt | None]:
+        raise NotImplementedError
+
+    def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Vision features of each encoder input, one [rows, hidden] tensor each."""
+        raise NotImplementedError
+
+    # -- shared ---------------------------------------------------------------------------------
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        configured = getattr(self.model.generation_config, "eos_token_id", None)
+        if isinstance(configured, int):
+            ids.add(configured)
+        elif configured:
+            ids.update(configured)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def render_messages(self, messages: list[dict]) -> str:
+        """The model's own chat template, ending with the assistant's turn."""
+        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def forward_text(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        out = self.text_model(
+            inputs_embeds=inputs_embeds.unsqueeze(0),
+            position_ids=position_ids.unsqueeze(0),
+            use_cache=False,
+            vlmcap_batch=batch,
+        )
+        return out.last_hidden_state[0]

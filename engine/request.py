@@ -1,0 +1,107 @@
+"""A request's state as it moves through the engine: waiting, running (prefill, then decode), finished."""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class MultimodalPrompt:
+    """Where encoder outputs go in a prompt.
+
+    `placeholder_positions[r]` is the prompt position that takes feature row `r`; rows are grouped into
+    encoder inputs (a SmolVLM tile each), input `u` covering rows `unit_row_starts[u]` to
+    `unit_row_starts[u] + unit_rows[u]`. `encoder_inputs[u]` is what the model's vision encoder takes
+    for input `u`.
+    """
+
+    placeholder_positions: list[int]
+    unit_row_starts: list[int]
+    unit_rows: list[int]
+    encoder_inputs: list[dict[str, torch.Tensor]]
+
+    @property
+    def num_units(self) -> int:
+        return len(self.unit_rows)
+
+    def rows_in(self, start: int, end: int) -> tuple[int, int]:
+        """The feature rows whose positions lie in prompt positions [start, end)."""
+        return (
+            bisect.bisect_left(self.placeholder_positions, start),
+            bisect.bisect_left(self.placeholder_positions, end),
+        )
+
+    def units_in(self, start: int, end: int) -> range:
+        """The encoder inputs with at least one row in prompt positions [start, end)."""
+        first_row, end_row = self.rows_in(start, end)
+        if first_row == end_row:
+            return range(0)
+        first = bisect.bisect_right(self.unit_row_starts, first_row) - 1
+        last = bisect.bisect_right(self.unit_row_starts, end_row - 1) - 1
+        return range(first, last + 1)
+
+    def unit_first_position(self, unit: int) -> int:
+        return self.placeholder_positions[self.unit_row_starts[unit]]
+
+    def unit_last_position(self, unit: int) -> int:
+        return self.placeholder_positions[self.unit_row_starts[unit] + self.unit_rows[unit] - 1]
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int
+    arrival: int
+    max_total_tokens: int
+    mm: MultimodalPrompt | None = None
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    text: str = ""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Everything but the last sampled token is in the KV cache: one token a step from now on."""
+        return self.num_uncomputed_tokens == 1 and bool(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_at(self, position: int) -> int:
+        if position < len(self.prompt_token_ids):
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - len(self.prompt_token_ids)]
+
+    def sort_key(self) -> tuple[int, int]:
+        """Lower priority value first, then first come first served."""
+        return (self.priority, self.arrival)

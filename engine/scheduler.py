@@ -1,0 +1,222 @@
+"""The scheduler decides, each step, which tokens of which requests are computed.
+
+The rule, under a token budget B (`max_num_batched_tokens`) and a sequence cap S (`max_num_seqs`):
+
+1. Every running request that decodes gets exactly one token, in priority order.
+2. Every running request whose prompt is partly prefilled gets the next chunk of it, as large as the
+   budget left allows (its first chunk too, when it was admitted in an earlier step).
+3. Waiting requests are admitted in priority order (lower value first, FIFO within a priority) while
+   fewer than S run, the budget is not spent, and their whole prompt's blocks plus a watermark are free;
+   each gets a first chunk from what is left of the budget.
+
+A chunk may end anywhere, also inside an image's placeholder span. An encoder input (a tile) is run the
+step its first placeholder is reached, at most `max_encoder_inputs_per_step` of them a step; a chunk
+that would need more stops before the first placeholder of the input that must wait. With chunked
+prefill off, a prompt is prefilled whole: admitted when it fits in what is left of the budget, or when
+no other prefill runs this step (one oversized step).
+
+KV blocks are taken as the chunks need them. When a running request needs a block and none is free,
+the lowest-priority, newest running request not yet scheduled this step is preempted (possibly the
+one asking): its blocks are freed and it is recomputed later from its prompt plus the tokens it has
+already generated. No request is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache import BlockPool
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last token, so this step yields its next token."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    encoder_inputs: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.watermark_blocks = int(config.watermark * pool.num_blocks)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.encoded: dict[str, set[int]] = {}  # encoder inputs whose outputs the runner holds
+        self.freed_encoder_inputs: list[tuple[str, int]] = []  # for the runner to drop
+        self.num_preemptions = 0
+
+    # -- queue changes --------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=Request.sort_key)
+
+    def finish(self, request: Request, reason: str) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    def find(self, request_id: str) -> Request | None:
+        return next((r for r in self.running + self.waiting if r.request_id == request_id), None)
+
+    def max_prompt_blocks(self) -> int:
+        """The most blocks a prompt may need and still be admitted into an otherwise empty cache."""
+        return self.pool.num_blocks - self.watermark_blocks
+
+    def _release(self, request: Request) -> None:
+        self.pool.free(request.block_ids)
+        request.block_ids = []
+        for unit in sorted(self.encoded.pop(request.request_id, ())):
+            self.freed_encoder_inputs.append((request.request_id, unit))
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed_tokens = 0
+        self.add(request)
+        self.num_preemptions += 1
+        out.preempted.append(request)
+
+    # -- one step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        encoder_left = self.config.max_encoder_inputs_per_step
+        scheduled: set[str] = set()
+        prefill_scheduled = False
+
+        by_priority = sorted(self.running, key=Request.sort_key)
+        decodes = [r for r in by_priority if r.is_decoding]
+        prefills = [r for r in by_priority if not r.is_decoding]
+
+        for request in decodes:
+            if budget == 0:
+                break
+            if request.status is RequestStatus.RUNNING and self._reserve(request, 1, scheduled, out):
+                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, 1))
+                scheduled.add(request.request_id)
+                budget -= 1
+
+        for request in prefills:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted above
+            capacity = (len(request.block_ids) + self.pool.num_free) * self.pool.block_size
+            cap = max(capacity - request.num_computed_tokens, 1)
+            n, units = self._chunk(request, min(budget, cap), encoder_left, prefill_scheduled)
+            if n == 0 or not self._reserve(request, n, scheduled, out):
+                continue
+            self._take(request, n, units, out, scheduled)
+            budget -= n
+            encoder_left = None if encoder_left is None else encoder_left - len(units)
+            prefill_scheduled = True
+
+        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if self.pool.blocks_for(request.num_tokens) + self.watermark_blocks > self.pool.num_free:
+                break
+            n, units = self._chunk(request, budget, encoder_left, prefill_scheduled)
+            if n == 0:
+                break
+            self.waiting.pop(0)
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            self._reserve(request, n, scheduled, out)  # cannot fail: the whole prompt's blocks are free
+            self._take(request, n, units, out, scheduled)
+            budget -= n
+            encoder_left = None if encoder_left is None else encoder_left - len(units)
+            prefill_scheduled = True
+        return out
+
+    def _chunk(
+        self, request: Request, budget: int, encoder_left: int | None, prefill_scheduled: bool
+    ) -> tuple[int, list[int]]:
+        """How many prompt tokens `request` computes this step, and which encoder inputs that needs."""
+        start = request.num_computed_tokens
+        remaining = request.num_tokens - start
+        if not self.config.enable_chunked_prefill:
+            n = remaining if remaining <= budget or not prefill_scheduled else 0
+            return n, self._missing_units(request, start, start + n)
+        n = min(remaining, budget)
+        units = self._missing_units(request, start, start + n)
+        if encoder_left is not None and len(units) > encoder_left:
+            n = request.mm.unit_first_position(units[encoder_left]) - start
+            units = units[:encoder_left]
+        return n, units
+
+    def _missing_units(self, request: Request, start: int, end: int) -> list[int]:
+        if request.mm is None or end <= start:
+            return []
+        held = self.encoded.get(request.request_id, set())
+        return [u for u in request.mm.units_in(start, end) if u not in held]
+
+    def _take(
+        self, request: Request, n: int, units: list[int], out: SchedulerOutput, scheduled: set[str]
+    ) -> None:
+        out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+        out.encoder_inputs.extend((request, u) for u in units)
+        self.encoded.setdefault(request.request_id, set()).update(units)
+        scheduled.add(request.request_id)
+
+    def _reserve(self, request: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """Give `request` the blocks for `n` more tokens, preempting others if needed. False if the
+        request itself was preempted."""
+        needed = self.pool.blocks_for(request.num_computed_tokens + n) - len(request.block_ids)
+        while needed > self.pool.num_free:
+            candidates = [r for r in self.running if r.request_id not in scheduled or r is request]
+            victim = max(candidates, key=Request.sort_key)
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        if needed > 0:
+            request.block_ids.extend(self.pool.allocate(needed))
+        return True
+
+    # -- after the forward ----------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Advance each scheduled request past its chunk, append sampled tokens, and release the
+        encoder outputs that every later chunk has passed."""
+        for chunk in out.chunks:
+            request = chunk.request
+            request.num_computed_tokens = chunk.end
+            token = sampled.get(request.request_id)
+            if token is not None:
+                request.output_token_ids.append(token)
+            held = self.encoded.get(request.request_id)
+            if held:
+                done = [u for u in held if request.mm.unit_last_position(u) < request.num_computed_tokens]
+                for unit in sorted(done):
+                    held.discard(unit)
+                    self.freed_encoder_inputs.append((request.request_id, unit))
+
+    def take_freed_encoder_inputs(self) -> list[tuple[str, int]]:
+        freed, self.freed_encoder_inputs = self.freed_encoder_inputs, []
+        return freed
