@@ -44,7 +44,8 @@ class HogDetector:
         import cv2
 
         if not hasattr(cv2, "HOGDescriptor_getDefaultPeopleDetector"):
-            raise DetectorUnavailable(f"OpenCV {cv2.__version__} has no HOG people detector; install opencv-python<5")
+            raise DetectorUnavailable(
+                f"OpenCV {cv2.__version__} has no HOG people detector; install opencv-python<5")
         self._hog = cv2.HOGDescriptor()
         self._hog.setSVMDetector(cv2.HOGDescriptor_getDefaultPeopleDetector())
         self.min_box_area = min_box_area

@@ -1,0 +1,429 @@
+"""The consumer half of the job queue, independent of the engine: a member of the consumer group that
+reads camera jobs, captions them through any `Captioner` and finishes each job exactly once.
+
+- New jobs come in batches through `XREADGROUP`; jobs left pending by a dead or stuck consumer (or by a
+  failed attempt) are taken over with `XAUTOCLAIM` once idle for `claim_idle_seconds`.
+- A job whose attempt fails is retried after that idle time; on its `max_deliveries`-th failed attempt,
+  or when delivered more often than that without finishing (a consumer that keeps dying on it), it goes
+  to the dead-letter stream with its error.
+- Finishing (result, caption feeds, dead letter, `XACK`, `XDEL`) is one atomic script that writes the
+  result only if the job has none yet, so a redelivered job never yields a second caption.
+- Redis errors never end the worker: it backs off and reconnects, and re-creates its group when a
+  restarted Redis lost it.
+
+Also the reader API of results: `get_result`, `recent_captions`, `tail_captions`, `queue_stats`."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from pipeline.contract import (
+    CAPTIONS_STREAM,
+    CAPTIONS_STREAM_MAXLEN,
+    CONSUMER_GROUP,
+    DEAD_STREAM,
+    DEAD_STREAM_MAXLEN,
+    JOBS_STREAM,
+    RESULT_TTL_SECONDS,
+    CaptionResult,
+    Job,
+    JobStatus,
+    camera_captions_stream,
+    dead_letter_fields,
+    result_key,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CAPTION_PRIORITY = 10  # lower runs first; chat requests default to 0, so captions yield to chat
+
+
+class Captioner(Protocol):
+    async def caption(self, image_jpeg: bytes, prompt: str, priority: int) -> str:
+        """The caption of one JPEG image; raises for an image it cannot use (undecodable, too large)."""
+        ...
+
+
+class OpenAICaptioner:
+    """Captions through any OpenAI-compatible `/v1/chat/completions` (this project's server, vLLM, ...),
+    the image sent inline as a data URL. `priority` is sent as the request's `priority` (vLLM's and
+    this server's name for it) unless it is 0, so servers without priority scheduling accept it."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, model: str = "default",
+                 max_tokens: int = 128, timeout_seconds: float = 300.0) -> None:
+        from openai import AsyncOpenAI
+
+        base_url = base_url.rstrip("/")
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"VLM URL must start with http:// or https://, got {base_url!r}")
+        if not base_url.endswith("/v1"):
+            base_url += "/v1"
+        # Retries are the queue's business (redelivery), not the HTTP client's.
+        self.client = AsyncOpenAI(base_url=base_url, api_key=api_key or "none", timeout=timeout_seconds,
+                                  max_retries=0)
+        self.model = model
+        self.max_tokens = max_tokens
+
+    async def caption(self, image_jpeg: bytes, prompt: str, priority: int) -> str:
+        data_url = "data:image/jpeg;base64," + base64.b64encode(image_jpeg).decode()
+        response = await self.client.chat.completions.create(
+            model=self.model,
+            messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url}},
+                {"type": "text", "text": prompt},
+            ]}],
+            max_tokens=self.max_tokens,
+            extra_body={"priority": priority} if priority else None,
+        )
+        text = response.choices[0].message.content if response.choices else None
+        if not text or not text.strip():
+            raise ValueError(f"VLM returned no caption (finish reason "
+                             f"{response.choices[0].finish_reason if response.choices else 'none'})")
+        return text.strip()
+
+    async def aclose(self) -> None:
+        await self.client.close()
+
+
+# First-writer-wins finish, atomic with the XACK/XDEL of the stream entry.
+# KEYS: result key, jobs stream, captions feed, camera captions feed, dead-letter stream.
+# ARGV: group, entry id, result ttl, feed maxlen, dead maxlen, number of result fields,
+#       result fields..., dead-letter fields (none when the job is done).
+FINISH_SCRIPT = """
+local status = redis.call('HGET', KEYS[1], 'status')
+local first = status ~= 'done' and status ~= 'failed'
+if first then
+  local nresult = tonumber(ARGV[6]) * 2
+  local result = {unpack(ARGV, 7, 6 + nresult)}
+  redis.call('DEL', KEYS[1])
+  redis.call('HSET', KEYS[1], unpack(result))
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', unpack(result))
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', unpack(result))
+  if #ARGV > 6 + nresult then
+    redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', unpack(ARGV, 7 + nresult, #ARGV))
+  end
+end
+redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[2], ARGV[2])
+if first then return 1 end
+return 0
+"""
+
+# Marks an attempt in the result unless the job is already finished (then returns 0).
+# KEYS: result key. ARGV: field/value pairs.
+ATTEMPT_SCRIPT = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'done' or status == 'failed' then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+
+
+@dataclass
+class WorkerStats:
+    done: int = 0
+    dead: int = 0
+    failed_attempts: int = 0
+    duplicates: int = 0  # deliveries of jobs already finished, acknowledged without work
+    claimed: int = 0
+    redis_errors: int = 0
+
+
+def default_consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def connect(redis_url: str, block_seconds: float = 1.0) -> aioredis.Redis:
+    """An asyncio Redis client with timeouts that outlast a blocking XREADGROUP."""
+    return aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=block_seconds + 10,
+                                   health_check_interval=30)
+
+
+class QueueWorker:
+    def __init__(
+        self,
+        redis_client: aioredis.Redis | str,
+        captioner: Captioner,
+        consumer_name: str | None = None,
+        claim_idle_seconds: float = 60.0,
+        max_deliveries: int = 3,
+        priority: int = DEFAULT_CAPTION_PRIORITY,
+        batch_size: int = 8,
+        block_seconds: float = 1.0,
+        max_backoff_seconds: float = 10.0,
+    ) -> None:
+        if max_deliveries < 1:
+            raise ValueError(f"max_deliveries must be at least 1, got {max_deliveries}")
+        if claim_idle_seconds < 0:
+            raise ValueError(f"claim_idle_seconds must not be negative, got {claim_idle_seconds}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.redis = connect(redis_client, block_seconds) if isinstance(redis_client, str) else redis_client
+        self.captioner = captioner
+        self.consumer_name = consumer_name or default_consumer_name()
+        self.claim_idle_ms = int(claim_idle_seconds * 1000)
+        self.max_deliveries = max_deliveries
+        self.priority = priority
+        self.batch_size = batch_size
+        self.block_ms = int(block_seconds * 1000)
+        self.max_backoff_seconds = max_backoff_seconds
+        self.stats = WorkerStats()
+        self._finish = self.redis.register_script(FINISH_SCRIPT)
+        self._attempt = self.redis.register_script(ATTEMPT_SCRIPT)
+        self._group_ready = False
+        self._claim_cursor = "0-0"
+        self._stop_event: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> asyncio.Task:
+        """Run in the background of the running event loop (e.g. a FastAPI lifespan)."""
+        self._stop_event = asyncio.Event()
+        self._task = asyncio.create_task(self.run(self._stop_event),
+                                         name=f"queue-worker-{self.consumer_name}")
+        return self._task
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Stop after the batch in progress (cancelled after `timeout`; its jobs stay pending and are
+        reclaimed by another consumer)."""
+        if self._task is None or self._stop_event is None:
+            return
+        self._stop_event.set()
+        try:
+            await asyncio.wait_for(self._task, timeout)
+        except asyncio.TimeoutError:
+            log.warning("queue worker %s did not stop within %.0f s; cancelled", self.consumer_name, timeout)
+        self._task = None
+
+    async def run(self, stop_event: asyncio.Event | None = None) -> None:
+        stop_event = stop_event or asyncio.Event()
+        log.info("queue worker %s joined group %s on %s", self.consumer_name, CONSUMER_GROUP, JOBS_STREAM)
+        backoff = 0.0
+        while not stop_event.is_set():
+            try:
+                await self.run_once()
+                backoff = 0.0
+            except (RedisConnectionError, RedisTimeoutError, OSError) as err:
+                self.stats.redis_errors += 1
+                self._group_ready = False
+                backoff = min(self.max_backoff_seconds, backoff * 2 or 0.1)
+                log.warning("queue worker %s: Redis unreachable (%s); retrying in %.1f s",
+                            self.consumer_name, err, backoff)
+                try:
+                    await asyncio.wait_for(stop_event.wait(), backoff)
+                except asyncio.TimeoutError:
+                    pass
+            except ResponseError as err:
+                if "NOGROUP" not in str(err):
+                    raise
+                log.warning("queue worker %s: consumer group missing (Redis restarted empty?); recreating",
+                            self.consumer_name)
+                self._group_ready = False
+
+    async def run_once(self) -> int:
+        """One round: take over stale jobs, else wait up to `block_seconds` for new ones; process them.
+        Returns how many entries were handled."""
+        await self._ensure_group()
+        entries = await self._claim_stale()
+        if not entries:
+            entries = await self._read_new()
+        if entries:
+            await asyncio.gather(*(self._process(entry_id, fields, deliveries)
+                                   for entry_id, fields, deliveries in entries))
+        return len(entries)
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    async def _ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        try:
+            await self.redis.xgroup_create(JOBS_STREAM, CONSUMER_GROUP, id="0", mkstream=True)
+        except ResponseError as err:
+            if "BUSYGROUP" not in str(err):
+                raise
+        self._group_ready = True
+
+    async def _read_new(self) -> list[tuple[str, dict, int]]:
+        reply = await self.redis.xreadgroup(CONSUMER_GROUP, self.consumer_name, {JOBS_STREAM: ">"},
+                                            count=self.batch_size, block=self.block_ms)
+        return [(_text(entry_id), fields, 1) for _, entries in reply or [] for entry_id, fields in entries]
+
+    async def _claim_stale(self) -> list[tuple[str, dict, int]]:
+        reply = await self.redis.xautoclaim(JOBS_STREAM, CONSUMER_GROUP, self.consumer_name,
+                                            min_idle_time=self.claim_idle_ms, start_id=self._claim_cursor,
+                                            count=self.batch_size)
+        self._claim_cursor = _text(reply[0])
+        claimed = [(_text(entry_id), fields) for entry_id, fields in reply[1] if entry_id is not None]
+        if len(claimed) < len(reply[1]):
+            # Redis 6.2 returns deleted entries as nil and keeps them pending; drop them from our list.
+            await self._ack_deleted_pending()
+        if not claimed:
+            return []
+        self.stats.claimed += len(claimed)
+        pending = await self.redis.xpending_range(JOBS_STREAM, CONSUMER_GROUP, min=claimed[0][0],
+                                                  max=claimed[-1][0], count=len(claimed) * 4,
+                                                  consumername=self.consumer_name)
+        deliveries = {_text(p["message_id"]): p["times_delivered"] for p in pending}
+        return [(entry_id, fields, deliveries.get(entry_id, 1)) for entry_id, fields in claimed]
+
+    async def _ack_deleted_pending(self) -> None:
+        pending = await self.redis.xpending_range(JOBS_STREAM, CONSUMER_GROUP, min="-", max="+",
+                                                  count=1000, consumername=self.consumer_name)
+        for item in pending:
+            entry_id = _text(item["message_id"])
+            if not await self.redis.xrange(JOBS_STREAM, entry_id, entry_id):
+                await self.redis.xack(JOBS_STREAM, CONSUMER_GROUP, entry_id)
+
+    # -- processing --------------------------------------------------------------------------------
+
+    async def _process(self, entry_id: str, fields: dict, deliveries: int) -> None:
+        try:
+            job = Job.from_fields(fields)
+        except ValueError as err:
+            await self._dead_letter_malformed(entry_id, fields, deliveries, str(err))
+            return
+        key = result_key(job.job_id)
+        if deliveries > self.max_deliveries:
+            last_error = await self.redis.hget(key, "error")
+            error = f"delivered {deliveries} times without finishing"
+            if last_error:
+                error += f"; last error: {_text(last_error)}"
+            await self._finish_job(entry_id, job, deliveries, error=error)
+            return
+        started = await self._attempt(keys=[key], args=[
+            "status", JobStatus.RUNNING.value, "deliveries", deliveries, "consumer", self.consumer_name,
+            "started_at", repr(time.time()), "id", job.job_id, "camera_id", job.camera_id,
+            "created_at", repr(job.created_at), "frame_ts", repr(job.frame_ts),
+            "person_count", job.person_count,
+        ])
+        if not started:  # finished by an earlier delivery whose acknowledgement was lost
+            await self._acknowledge(entry_id)
+            self.stats.duplicates += 1
+            return
+        try:
+            caption = await self.captioner.caption(job.image, job.prompt, self.priority)
+        except Exception as err:  # any captioner failure is the job's error, recorded and retried
+            error = f"{type(err).__name__}: {err}"
+            self.stats.failed_attempts += 1
+            log.warning("job %s attempt %d/%d failed: %s", job.job_id, deliveries, self.max_deliveries, error)
+            if deliveries >= self.max_deliveries:
+                await self._finish_job(entry_id, job, deliveries, error=error)
+            else:
+                await self._attempt(keys=[key], args=["status", JobStatus.QUEUED.value, "error", error])
+            return
+        await self._finish_job(entry_id, job, deliveries, caption=caption)
+
+    async def _finish_job(self, entry_id: str, job: Job, deliveries: int, caption: str | None = None,
+                          error: str | None = None) -> None:
+        result = job.queued_result()
+        result.status = JobStatus.FAILED.value if error is not None else JobStatus.DONE.value
+        result.caption, result.error = caption, error
+        result.finished_at, result.deliveries = time.time(), deliveries
+        result_fields = result.to_fields()
+        dead = dead_letter_fields(job.to_fields(), error, deliveries) if error is not None else {}
+        first = await self._finish(
+            keys=[result_key(job.job_id), JOBS_STREAM, CAPTIONS_STREAM, camera_captions_stream(job.camera_id),
+                  DEAD_STREAM],
+            args=[CONSUMER_GROUP, entry_id, RESULT_TTL_SECONDS, CAPTIONS_STREAM_MAXLEN, DEAD_STREAM_MAXLEN,
+                  len(result_fields), *_flatten(result_fields), *_flatten(dead)],
+        )
+        if not first:
+            self.stats.duplicates += 1
+        elif error is not None:
+            self.stats.dead += 1
+            log.error("job %s dead-lettered after %d deliveries: %s", job.job_id, deliveries, error)
+        else:
+            self.stats.done += 1
+
+    async def _acknowledge(self, entry_id: str, dead_fields: dict | None = None) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            if dead_fields:
+                pipe.xadd(DEAD_STREAM, dead_fields, maxlen=DEAD_STREAM_MAXLEN, approximate=True)
+            pipe.xack(JOBS_STREAM, CONSUMER_GROUP, entry_id)
+            pipe.xdel(JOBS_STREAM, entry_id)
+            await pipe.execute()
+
+    async def _dead_letter_malformed(self, entry_id: str, fields: dict, deliveries: int, error: str) -> None:
+        """An entry that is not a job at all cannot be retried into one: dead-letter it at once."""
+        await self._acknowledge(entry_id, dead_letter_fields(fields, error, deliveries))
+        self.stats.dead += 1
+        log.error("stream entry %s is not a valid job (%s); dead-lettered", entry_id, error)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _flatten(fields: dict) -> list:
+    return [item for pair in fields.items() for item in pair]
+
+
+# -- reading results ---------------------------------------------------------------------------------
+
+async def get_result(redis_client: aioredis.Redis, job_id: str) -> CaptionResult | None:
+    """The job's current state (queued, running, done or failed), or None if unknown or expired."""
+    fields = await redis_client.hgetall(result_key(job_id))
+    return CaptionResult.from_fields(fields) if fields else None
+
+
+def _feed(camera: str | None) -> str:
+    return camera_captions_stream(camera) if camera else CAPTIONS_STREAM
+
+
+async def recent_captions(redis_client: aioredis.Redis, camera: str | None = None,
+                          limit: int = 50) -> list[CaptionResult]:
+    """Finished results (done and failed), newest first, of one camera or all."""
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    entries = await redis_client.xrevrange(_feed(camera), count=limit)
+    return [CaptionResult.from_fields(fields) for _, fields in entries]
+
+
+async def tail_captions(redis_client: aioredis.Redis, camera: str | None = None, after: str = "$",
+                        block_seconds: float = 5.0) -> AsyncIterator[tuple[str, CaptionResult]]:
+    """Finished results as they arrive, as (feed entry id, result); `after` is a feed entry id to resume
+    after (e.g. an SSE Last-Event-ID), or "$" for only new ones. Runs until the consumer stops
+    iterating."""
+    feed = _feed(camera)
+    if after == "$":
+        newest = await redis_client.xrevrange(feed, count=1)
+        after = _text(newest[0][0]) if newest else "0-0"
+    while True:
+        reply = await redis_client.xread({feed: after}, count=100, block=int(block_seconds * 1000))
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                after = _text(entry_id)
+                yield after, CaptionResult.from_fields(fields)
+
+
+async def queue_stats(redis_client: aioredis.Redis) -> dict[str, int]:
+    """backlog: jobs in the stream (waiting or in progress); pending: read but not finished;
+    dead: entries in the dead-letter stream."""
+    backlog = await redis_client.xlen(JOBS_STREAM)
+    try:
+        pending = (await redis_client.xpending(JOBS_STREAM, CONSUMER_GROUP))["pending"]
+    except ResponseError:  # no group yet: nothing was ever read
+        pending = 0
+    return {"backlog": backlog, "pending": pending, "dead": await redis_client.xlen(DEAD_STREAM)}
+
+
+__all__ = [
+    "DEFAULT_CAPTION_PRIORITY", "Captioner", "OpenAICaptioner", "QueueWorker", "WorkerStats",
+    "connect", "default_consumer_name", "get_result", "queue_stats", "recent_captions", "tail_captions",
+]

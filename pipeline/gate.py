@@ -1,0 +1,191 @@
+"""Which frames become jobs. Frames without people never do. People are tracked so that one person is
+not captioned on every frame: each track yields one job when it is first confirmed (its best frame of a
+short window) and at most one more every `cooldown_seconds`, and a camera yields at most
+`max_jobs_per_minute`. All times are frame times (`Frame.ts`), so the gate behaves the same whether a
+file is read faster or slower than real time."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from pipeline.contract import Detection
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One captured frame: BGR pixels, seconds (position for files, Unix time for live sources) and
+    its running number from the source."""
+
+    image: np.ndarray
+    ts: float
+    index: int
+
+
+def iou(a: Detection, b: Detection) -> float:
+    inter_w = min(a.x2, b.x2) - max(a.x1, b.x1)
+    inter_h = min(a.y2, b.y2) - max(a.y1, b.y1)
+    if inter_w <= 0 or inter_h <= 0:
+        return 0.0
+    inter = inter_w * inter_h
+    return inter / (a.area + b.area - inter)
+
+
+@dataclass
+class _IoUTrack:
+    track_id: int
+    box: Detection
+    hits: int = 1
+    missed: int = 0
+
+
+class IoUTracker:
+    """Greedy IoU matching frame to frame, for detectors without a tracker of their own (HOG). A track
+    is confirmed after `min_hits` matched frames, like ByteTrack's activation on its second frame, and
+    forgotten after `max_missed` frames without a match."""
+
+    def __init__(self, iou_threshold: float = 0.3, min_hits: int = 2, max_missed: int = 5) -> None:
+        self.iou_threshold = iou_threshold
+        self.min_hits = min_hits
+        self.max_missed = max_missed
+        self._tracks: list[_IoUTrack] = []
+        self._next_id = 1
+
+    def update(self, detections: list[Detection]) -> list[Detection]:
+        """The detections with `track_id` set for confirmed tracks and None for the others."""
+        pairs = sorted(
+            ((iou(track.box, det), t, d)
+             for t, track in enumerate(self._tracks) for d, det in enumerate(detections)),
+            key=lambda pair: pair[0],
+            reverse=True,
+        )
+        matched_tracks: set[int] = set()
+        track_of_detection: dict[int, _IoUTrack] = {}
+        for overlap, t, d in pairs:
+            if overlap < self.iou_threshold:
+                break
+            if t in matched_tracks or d in track_of_detection:
+                continue
+            matched_tracks.add(t)
+            track = self._tracks[t]
+            track.box, track.hits, track.missed = detections[d], track.hits + 1, 0
+            track_of_detection[d] = track
+        for t, track in enumerate(self._tracks):
+            if t not in matched_tracks:
+                track.missed += 1
+        self._tracks = [track for track in self._tracks if track.missed <= self.max_missed]
+        for d, det in enumerate(detections):
+            if d not in track_of_detection:
+                track_of_detection[d] = _IoUTrack(self._next_id, det)
+                self._tracks.append(track_of_detection[d])
+                self._next_id += 1
+        return [
+            replace(det, track_id=track.track_id if track.hits >= self.min_hits else None)
+            for det, track in ((det, track_of_detection[d]) for d, det in enumerate(detections))
+        ]
+
+
+def tracking_function(detector) -> Callable[[np.ndarray], list[Detection]]:
+    """Frame -> detections with track ids: the detector's own tracker when it has a usable one
+    (ultralytics' ByteTrack), else its detections through an IoUTracker."""
+    if getattr(detector, "can_track", False):
+        return detector.track
+    tracker = IoUTracker()
+    return lambda image: tracker.update(detector.detect(image))
+
+
+@dataclass
+class GatedFrame:
+    """A frame chosen to become a job, with all its detections and the tracks it was chosen for."""
+
+    frame: Frame
+    detections: list[Detection]
+    track_ids: list[int]
+
+
+@dataclass
+class _TrackState:
+    next_due_ts: float  # when this track may yield its next job
+    last_seen_ts: float
+    emitted: bool = False
+    best_score: float = -1.0
+    best_frame: Frame | None = None
+    best_detections: list[Detection] | None = None
+
+
+class Gate:
+    def __init__(
+        self,
+        cooldown_seconds: float = 30.0,
+        best_frame_window_seconds: float = 1.0,
+        max_jobs_per_minute: int = 12,
+        lost_after_seconds: float = 2.0,
+    ) -> None:
+        for name, value in (("cooldown_seconds", cooldown_seconds),
+                            ("best_frame_window_seconds", best_frame_window_seconds),
+                            ("lost_after_seconds", lost_after_seconds)):
+            if value < 0:
+                raise ValueError(f"{name} must not be negative, got {value}")
+        if max_jobs_per_minute < 1:
+            raise ValueError(f"max_jobs_per_minute must be at least 1, got {max_jobs_per_minute}")
+        self.cooldown_seconds = cooldown_seconds
+        self.window_seconds = best_frame_window_seconds
+        self.max_jobs_per_minute = max_jobs_per_minute
+        self.lost_after_seconds = lost_after_seconds
+        self.rate_limited = 0  # times a due job had to wait for the per-camera rate cap
+        self._tracks: dict[int, _TrackState] = {}
+        self._emitted_ts: deque[float] = deque()
+
+    def update(self, frame: Frame, detections: list[Detection]) -> list[GatedFrame]:
+        """Feed one frame's tracked detections; returns the frames to enqueue now (often none)."""
+        for det in detections:
+            if det.track_id is None:
+                continue
+            state = self._tracks.get(det.track_id)
+            if state is None:
+                state = self._tracks[det.track_id] = _TrackState(frame.ts + self.window_seconds, frame.ts)
+            state.last_seen_ts = frame.ts
+            score = det.confidence * det.area
+            if score > state.best_score:
+                state.best_score, state.best_frame, state.best_detections = score, frame, detections
+        return self._emit_due(frame.ts, flush=False)
+
+    def flush(self) -> list[GatedFrame]:
+        """At the end of a source: the pending first job of every track that has not had one yet
+        (the rate cap still applies at the time of the last frame seen)."""
+        if not self._tracks:
+            return []
+        return self._emit_due(max(state.last_seen_ts for state in self._tracks.values()), flush=True)
+
+    def _emit_due(self, now: float, flush: bool) -> list[GatedFrame]:
+        while self._emitted_ts and self._emitted_ts[0] <= now - 60.0:
+            self._emitted_ts.popleft()
+        due: dict[int, list[int]] = {}  # frame index -> track ids, so tracks sharing a best frame share a job
+        frames: dict[int, tuple[Frame, list[Detection]]] = {}
+        for track_id, state in list(self._tracks.items()):
+            lost = now - state.last_seen_ts > self.lost_after_seconds
+            if lost and (state.emitted or state.best_frame is None):
+                del self._tracks[track_id]
+                continue
+            first_job_ends_track = (lost or flush) and not state.emitted
+            if state.best_frame is None or not (now >= state.next_due_ts or first_job_ends_track):
+                continue
+            due.setdefault(state.best_frame.index, []).append(track_id)
+            frames[state.best_frame.index] = (state.best_frame, state.best_detections or [])
+        out: list[GatedFrame] = []
+        for index in sorted(due):
+            if len(self._emitted_ts) >= self.max_jobs_per_minute:
+                self.rate_limited += 1
+                continue
+            frame, detections = frames[index]
+            out.append(GatedFrame(frame, detections, sorted(due[index])))
+            self._emitted_ts.append(now)
+            for track_id in due[index]:
+                state = self._tracks[track_id]
+                state.emitted = True
+                state.next_due_ts = now + self.cooldown_seconds
+                state.best_score, state.best_frame, state.best_detections = -1.0, None, None
+        return out

@@ -1,0 +1,163 @@
+"""The camera pipeline loop: source -> detector/tracker -> gate -> JPEG job -> producer."""
+
+from __future__ import annotations
+
+import logging
+import string
+import threading
+import time
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+import cv2
+import numpy as np
+
+from pipeline.capture import open_source
+from pipeline.contract import DEFAULT_STREAM_MAXLEN, Detection, Job
+from pipeline.detector import load_detector
+from pipeline.gate import Gate, GatedFrame, tracking_function
+from pipeline.producer import Backpressure, JobProducer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PROMPT = "Camera {camera} shows {count} person(s). Describe briefly what they are doing."
+PROMPT_PLACEHOLDERS = {"camera", "count"}
+CROP_MARGIN = 0.1  # of the people's bounding box, on each side
+
+
+class Annotate(str, Enum):
+    """What the job's image shows: the full frame, the full frame with person boxes drawn, or the crop
+    around all people."""
+
+    NONE = "none"
+    BOXES = "boxes"
+    CROP = "crop"
+
+
+def validate_prompt_template(template: str) -> None:
+    """Raise ValueError naming any placeholder other than {camera} and {count}."""
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as err:
+        raise ValueError(f"prompt template {template!r} is malformed: {err}") from None
+    unknown = names - PROMPT_PLACEHOLDERS
+    if unknown:
+        raise ValueError(f"prompt template {template!r} has unknown placeholder(s) "
+                         f"{', '.join(sorted('{' + n + '}' for n in unknown))}; use {{camera}} and {{count}}")
+
+
+def job_image(image: np.ndarray, detections: list[Detection], annotate: Annotate,
+              jpeg_quality: int = 90) -> bytes:
+    if annotate is Annotate.BOXES:
+        image = image.copy()
+        for det in detections:
+            cv2.rectangle(image, (int(det.x1), int(det.y1)), (int(det.x2), int(det.y2)), (0, 255, 0), 2)
+    elif annotate is Annotate.CROP and detections:
+        x1, y1 = min(d.x1 for d in detections), min(d.y1 for d in detections)
+        x2, y2 = max(d.x2 for d in detections), max(d.y2 for d in detections)
+        margin_x, margin_y = (x2 - x1) * CROP_MARGIN, (y2 - y1) * CROP_MARGIN
+        height, width = image.shape[:2]
+        image = image[max(0, int(y1 - margin_y)):min(height, int(y2 + margin_y)),
+                      max(0, int(x1 - margin_x)):min(width, int(x2 + margin_x))]
+    ok, encoded = cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_QUALITY, jpeg_quality])
+    if not ok:
+        raise RuntimeError(f"JPEG encoding failed for an image of shape {image.shape}")
+    return encoded.tobytes()
+
+
+@dataclass
+class PipelineConfig:
+    source: str
+    camera_id: str
+    redis_url: str
+    prompt: str = DEFAULT_PROMPT
+    detector: str | None = None  # None: YOLO yolo26n.pt, falling back to HOG
+    conf: float = 0.25
+    imgsz: int = 640
+    min_box_area: float = 0.0
+    fps: float | None = None
+    realtime: bool = False
+    loop: bool = False
+    buffer_size: int = 2
+    max_frame_age_seconds: float = 2.0
+    watchdog_seconds: float = 10.0
+    max_backoff_seconds: float = 30.0
+    track_cooldown_seconds: float = 30.0
+    best_frame_window_seconds: float = 1.0
+    max_jobs_per_minute: int = 12
+    stream_maxlen: int = DEFAULT_STREAM_MAXLEN
+    backpressure: Backpressure = Backpressure.SKIP_NEW
+    annotate: Annotate = Annotate.NONE
+    jpeg_quality: int = 90
+    stats_interval_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.camera_id.strip():
+            raise ValueError("camera id must not be empty")
+        validate_prompt_template(self.prompt)
+        if not 1 <= self.jpeg_quality <= 100:
+            raise ValueError(f"jpeg_quality must be between 1 and 100, got {self.jpeg_quality}")
+
+
+class CameraPipeline:
+    """One camera: runs until its source ends (files without loop) or `stop` is set."""
+
+    def __init__(self, config: PipelineConfig) -> None:
+        self.config = config
+        self.source = open_source(
+            config.source, config.fps, config.realtime, config.loop, config.buffer_size,
+            config.max_frame_age_seconds, config.watchdog_seconds, config.max_backoff_seconds,
+        )
+        self.detector = load_detector(config.detector, config.conf, config.imgsz, config.min_box_area)
+        self._track = tracking_function(self.detector)
+        self.gate = Gate(config.track_cooldown_seconds, config.best_frame_window_seconds,
+                         config.max_jobs_per_minute)
+        self.producer = JobProducer(config.redis_url, config.stream_maxlen, config.backpressure,
+                                    max_backoff_seconds=config.max_backoff_seconds)
+        self.detected = 0  # frames with at least one person
+        self.jobs = 0  # jobs handed to the producer
+
+    def stats(self) -> dict[str, int]:
+        return {
+            **asdict(self.source.stats),
+            "detected": self.detected,
+            "jobs": self.jobs,
+            "rate_limited": self.gate.rate_limited,
+            **asdict(self.producer.stats),
+        }
+
+    def _submit(self, gated: GatedFrame) -> None:
+        config = self.config
+        job = Job(
+            camera_id=config.camera_id,
+            frame_ts=gated.frame.ts,
+            prompt=config.prompt.format(camera=config.camera_id, count=len(gated.detections)),
+            image=job_image(gated.frame.image, gated.detections, config.annotate, config.jpeg_quality),
+            detections=gated.detections,
+        )
+        self.producer.submit(job)
+        self.jobs += 1
+
+    def run(self, stop: threading.Event | None = None) -> dict[str, int]:
+        stop = stop or threading.Event()
+        log.info("camera %s: source %s, detector %s", self.config.camera_id, self.config.source,
+                 self.detector.name)
+        last_report = time.monotonic()
+        try:
+            for frame in self.source.frames(stop):
+                detections = self._track(frame.image)
+                if detections:
+                    self.detected += 1
+                for gated in self.gate.update(frame, detections):
+                    self._submit(gated)
+                if time.monotonic() - last_report >= self.config.stats_interval_seconds:
+                    log.info("camera %s: %s", self.config.camera_id, self.stats())
+                    last_report = time.monotonic()
+            for gated in self.gate.flush():
+                self._submit(gated)
+        finally:
+            self.source.close()
+            self.producer.close()
+        final = self.stats()
+        log.info("camera %s finished: %s", self.config.camera_id, final)
+        return final

@@ -1,0 +1,63 @@
+"""Makes samples/people.mp4: 10 s at 5 fps, 640x480, real photos with people (the two shipped with
+ultralytics) between scenes without people. Run with the project's Python:
+`.venv/bin/python samples/make_sample_video.py`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+FPS = 5
+WIDTH, HEIGHT = 640, 480
+SEGMENT_SECONDS = 2.0
+# In order; each lasts SEGMENT_SECONDS. "bus" is the band of bus.jpg where people stand (OpenCV's HOG
+# finds two of them at this size); "zidane" is letterboxed (HOG misses these close-ups at this size).
+SEGMENTS = ("empty-blur", "bus", "empty-dark", "zidane", "empty-blur")
+PEOPLE_SEGMENTS = {"bus", "zidane"}
+BUS_ROWS = (330, 938)
+
+
+def _fit(image: np.ndarray) -> np.ndarray:
+    """Scale to fit 640x480 and pad with black."""
+    scale = min(WIDTH / image.shape[1], HEIGHT / image.shape[0])
+    resized = cv2.resize(image, (round(image.shape[1] * scale), round(image.shape[0] * scale)),
+                         interpolation=cv2.INTER_AREA)
+    canvas = np.zeros((HEIGHT, WIDTH, 3), np.uint8)
+    top, left = (HEIGHT - resized.shape[0]) // 2, (WIDTH - resized.shape[1]) // 2
+    canvas[top:top + resized.shape[0], left:left + resized.shape[1]] = resized
+    return canvas
+
+
+def scenes() -> dict[str, np.ndarray]:
+    from ultralytics.utils import ASSETS
+
+    bus = cv2.imread(str(ASSETS / "bus.jpg"))
+    zidane = cv2.imread(str(ASSETS / "zidane.jpg"))
+    bus_band = cv2.resize(bus[BUS_ROWS[0]:BUS_ROWS[1]], (WIDTH, HEIGHT), interpolation=cv2.INTER_AREA)
+    # A street so blurred that no person shape is left, and a dark noisy scene like a camera at night.
+    blurred = cv2.GaussianBlur(bus_band, (0, 0), 25)
+    dark = np.random.default_rng(0).integers(10, 40, (HEIGHT, WIDTH, 3), dtype=np.uint8)
+    return {"empty-blur": blurred, "bus": bus_band, "empty-dark": dark, "zidane": _fit(zidane)}
+
+
+def segment_at(ts: float) -> str:
+    return SEGMENTS[min(len(SEGMENTS) - 1, int(ts // SEGMENT_SECONDS))]
+
+
+def main(out: Path = Path(__file__).with_name("people.mp4")) -> None:
+    images = scenes()
+    writer = cv2.VideoWriter(str(out), cv2.VideoWriter_fourcc(*"mp4v"), FPS, (WIDTH, HEIGHT))
+    if not writer.isOpened():
+        raise RuntimeError(f"cannot write {out}")
+    frames_per_segment = round(SEGMENT_SECONDS * FPS)
+    for name in SEGMENTS:
+        for _ in range(frames_per_segment):
+            writer.write(images[name])
+    writer.release()
+    print(f"wrote {out} ({out.stat().st_size // 1024} KiB, {len(SEGMENTS) * frames_per_segment} frames)")
+
+
+if __name__ == "__main__":
+    main()
