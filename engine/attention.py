@@ -76,7 +76,9 @@ def paged_attention_forward(
         dq = q[:, batch.decode_query_index].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, d]
         dk = _expand_kv(key_cache[batch.decode_key_slots].transpose(1, 2), num_heads)  # [B, heads, ctx, d]
         dv = _expand_kv(value_cache[batch.decode_key_slots].transpose(1, 2), num_heads)
-        o = F.scaled_dot_product_attention(dq, dk.to(q.dtype), dv.to(q.dtype), attn_mask=batch.decode_mask, scale=scaling)
+        o = F.scaled_dot_product_attention(
+            dq, dk.to(q.dtype), dv.to(q.dtype), attn_mask=batch.decode_mask, scale=scaling
+        )
         out[batch.decode_query_index] = o.squeeze(2)
 
     for span in batch.prefills:

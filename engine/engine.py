@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from engine.config import EngineConfig
 from engine.detokenizer import render
@@ -44,8 +44,10 @@ def _load_image(image: ImageInput, index: int) -> Image.Image:
             raise ValueError(f"image {index} has unsupported type {type(image).__name__}")
         opened.load()
         return opened.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError) as exc:
-        raise ValueError(f"image {index} could not be read: {exc}") from exc
+    except ValueError:
+        raise
+    except Exception as exc:  # PIL raises many types for bad data, and plugins add their own
+        raise ValueError(f"image {index} could not be read: {type(exc).__name__}: {exc}") from exc
 
 
 class Engine:
@@ -62,7 +64,9 @@ class Engine:
         num_blocks = self._num_kv_blocks()
         model_limit = self.adapter.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_limit:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {model_limit} positions")
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's limit of {model_limit} positions"
+            )
         self.max_model_len = config.max_model_len or model_limit
         self.pool = BlockPool(num_blocks, config.block_size)
         self.kv_cache = KVCache(

@@ -115,7 +115,8 @@ class ModelRunner:
                     unit_start = mm.unit_row_starts[unit]
                     lo = max(first_row, unit_start)
                     hi = min(end_row, unit_start + mm.unit_rows[unit])
-                    where = torch.tensor(mm.placeholder_positions[lo:hi], device=self.device) - chunk.start + query_start
+                    positions = torch.tensor(mm.placeholder_positions[lo:hi], device=self.device)
+                    where = positions - chunk.start + query_start
                     feature = self.encoder_cache[(chunk.request.request_id, unit)]
                     embeds[where] = feature[lo - unit_start : hi - unit_start].to(embeds.dtype)
             query_start += chunk.num_tokens

@@ -67,7 +67,9 @@ class VLMAdapter:
         """The model's own chat template, ending with the assistant's turn."""
         return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def forward_text(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    def forward_text(
+        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
         out = self.text_model(
             inputs_embeds=inputs_embeds.unsqueeze(0),
             position_ids=position_ids.unsqueeze(0),

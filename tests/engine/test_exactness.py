@@ -1,0 +1,86 @@
+"""Chunking and batching change when tokens are computed, never what is computed: greedy tokens equal
+transformers' `generate` for any budget, arrival order, and with or without preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.conftest import PROMPTS, Job, run_jobs
+
+
+def mixed_jobs(photos) -> list[Job]:
+    bus, zidane = photos
+    return [
+        Job(PROMPTS[0], [], max_tokens=14),
+        Job(PROMPTS[1], [bus], max_tokens=10, arrive_at_step=1),
+        Job(PROMPTS[2], [bus, zidane], max_tokens=8, arrive_at_step=3),
+        Job(PROMPTS[1], [zidane], max_tokens=9, arrive_at_step=6),
+        Job("User: Say something short.<end_of_utterance>\nAssistant:", [], max_tokens=6, arrive_at_step=7),
+    ]
+
+
+@pytest.mark.parametrize("budget", [8, 13, 64, 4096])
+def test_greedy_tokens_equal_generate_for_any_budget(make_engine, oracle, photos, budget):
+    jobs = mixed_jobs(photos)
+    engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=min(8, budget))
+    tokens, trace = run_jobs(engine, jobs)
+    for i, job in enumerate(jobs):
+        assert tokens[i] == oracle(job.prompt, job.images, job.max_tokens), f"job {i} at budget {budget}"
+    assert max(stats["last_step_num_tokens"] for _, stats in trace) <= budget
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_chunk_boundaries_fall_inside_image_spans(make_engine, photos):
+    """The odd budgets above really cut image spans: some step computes image tokens of a tile that an
+    earlier step had started."""
+    engine = make_engine(max_num_batched_tokens=13, max_num_seqs=8)
+    rid = engine.add_request(prompt=PROMPTS[1], images=[photos[0]])
+    request = engine.requests[rid]
+    positions = set(request.mm.placeholder_positions)
+    cuts = []
+    while engine.has_unfinished_requests() and request.num_computed_tokens < request.num_prompt_tokens:
+        engine.step()
+        cut = request.num_computed_tokens
+        cuts.append(cut in positions and cut - 1 in positions)
+    assert any(cuts)
+
+
+@pytest.mark.parametrize("budget", [13, 64])
+def test_greedy_tokens_equal_generate_under_preemption(make_engine, oracle, photos, budget):
+    bus, zidane = photos
+    # Each one-image prompt is about 100 tokens (7 blocks of 16) and grows to 9 blocks: 16 blocks admit
+    # two or three prompts, which then cannot all grow.
+    jobs = [
+        Job(PROMPTS[1], [bus], max_tokens=40),
+        Job(PROMPTS[1], [zidane], max_tokens=40, arrive_at_step=1),
+        Job(PROMPTS[0], [], max_tokens=40, arrive_at_step=2),
+        Job(PROMPTS[1], [zidane], max_tokens=20, priority=-1, arrive_at_step=12),
+    ]
+    engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=8, num_kv_blocks=16)
+    tokens, _ = run_jobs(engine, jobs)
+    assert engine.stats()["num_preemptions"] > 0
+    for i, job in enumerate(jobs):
+        assert tokens[i] == oracle(job.prompt, job.images, job.max_tokens), f"job {i}"
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_chunked_prefill_off_is_exact_too(make_engine, oracle, photos):
+    jobs = mixed_jobs(photos)
+    engine = make_engine(max_num_batched_tokens=64, max_num_seqs=8, enable_chunked_prefill=False)
+    tokens, _ = run_jobs(engine, jobs)
+    for i, job in enumerate(jobs):
+        assert tokens[i] == oracle(job.prompt, job.images, job.max_tokens)
+
+
+def test_chat_messages_use_the_model_template(make_engine, oracle, photos):
+    engine = make_engine()
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]}]
+    from engine import SamplingParams
+
+    rid = engine.add_request(messages=messages, images=[photos[0]], sampling=SamplingParams(max_tokens=8))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step()})
+    rendered = engine.adapter.render_messages(messages)
+    assert rendered.count("<image>") == 1 and rendered.endswith("Assistant:")
+    assert outputs[rid].token_ids == oracle(rendered, [photos[0]], 8)

@@ -1,0 +1,127 @@
+"""Properties of the schedule that do not depend on the machine's speed, counted in steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import SamplingParams
+from tests.engine.conftest import PROMPTS, Job, run_jobs
+
+CHAT = "User: Tell me a long story about buses.<end_of_utterance>\nAssistant:"
+
+
+def start_chats(engine, n: int) -> list[str]:
+    """n chats that decode for a long time, stepped until every one of them is decoding."""
+    ids = [
+        engine.add_request(prompt=CHAT, sampling=SamplingParams(max_tokens=500, ignore_eos=True)) for _ in range(n)
+    ]
+    while not all(engine.requests[rid].is_decoding for rid in ids):
+        engine.step()
+    return ids
+
+
+def prefill_image_prompt(engine, chats: list[str], images) -> tuple[list[dict[str, int]], list[dict]]:
+    """Add a two-image prompt while the chats decode; step until it yields its first token. Returns,
+    per step, the tokens each chat gained, and the stats."""
+    rid = engine.add_request(prompt=PROMPTS[2], images=images, sampling=SamplingParams(max_tokens=4))
+    gained, stats = [], []
+    counts = {c: len(engine.requests[c].output_token_ids) for c in chats}
+    while not engine.requests[rid].output_token_ids:
+        engine.step()
+        now = {c: len(engine.requests[c].output_token_ids) for c in chats}
+        gained.append({c: now[c] - counts[c] for c in chats})
+        stats.append(engine.stats())
+        counts = now
+    return gained, stats
+
+
+def test_decodes_gain_one_token_every_step_while_a_long_image_prompt_prefills(make_engine, photos):
+    budget = 24
+    engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=8, max_encoder_inputs_per_step=1)
+    chats = start_chats(engine, 4)
+    gained, stats = prefill_image_prompt(engine, chats, photos)
+    prompt_len = max(r.num_prompt_tokens for r in engine.requests.values())
+    assert prompt_len > 5 * budget  # the prompt really is several times the budget
+    assert len(gained) > 5
+    for step in gained:
+        assert set(step.values()) == {1}
+    assert max(s["last_step_num_tokens"] for s in stats) <= budget
+
+
+def test_without_chunking_the_same_prompt_takes_one_oversized_step(make_engine, photos):
+    budget = 24
+    engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=8, enable_chunked_prefill=False)
+    chats = start_chats(engine, 4)
+    gained, stats = prefill_image_prompt(engine, chats, photos)
+    assert len(gained) == 1
+    assert stats[0]["last_step_num_tokens"] > 5 * budget
+    assert set(gained[0].values()) == {1}
+
+
+@pytest.mark.parametrize("budget,encoder_budget", [(8, 1), (13, 2), (64, None), (4096, None)])
+def test_vision_encoder_runs_once_per_tile_whatever_the_chunking(make_engine, photos, budget, encoder_budget):
+    engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=8, max_encoder_inputs_per_step=encoder_budget)
+    jobs = [Job(PROMPTS[2], photos, max_tokens=3), Job(PROMPTS[1], [photos[0]], max_tokens=3, arrive_at_step=2)]
+    tiles = [engine.adapter.process(job.prompt, job.images)[1].num_units for job in jobs]
+    _, trace = run_jobs(engine, jobs)
+    assert engine.stats()["encoder_inputs_encoded"] == sum(tiles) == 15  # 5 tiles an image for the tiny model
+    encoded = [0] + [stats["encoder_inputs_encoded"] for _, stats in trace]
+    per_step = [b - a for a, b in zip(encoded, encoded[1:])]
+    if encoder_budget is not None:
+        assert max(per_step) <= encoder_budget
+    assert not engine.runner.encoder_cache  # every output dropped once its span was prefilled
+
+
+def test_one_token_per_decode_per_step_and_budget_never_exceeded_in_mixed_traffic(make_engine, photos):
+    budget = 16
+    engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=6)
+    jobs = [
+        Job(PROMPTS[i % 3], photos[: i % 3], max_tokens=6 + i, arrive_at_step=3 * i) for i in range(8)
+    ]
+    _, trace = run_jobs(engine, jobs)
+    for outputs, stats in trace:
+        assert stats["last_step_num_tokens"] <= budget
+        assert len({o.request_id for o in outputs}) == len(outputs)  # at most one new token per request
+
+
+def test_lower_priority_value_is_admitted_first(make_engine):
+    engine = make_engine(max_num_batched_tokens=64, max_num_seqs=1)
+    low = engine.add_request(prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=2), priority=5)
+    high = engine.add_request(prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=2), priority=-1)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == [high, low]
+
+
+def test_preemption_takes_the_lowest_priority_newest_request(make_engine, photos):
+    engine = make_engine(max_num_batched_tokens=256, max_num_seqs=4, num_kv_blocks=16)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    first = engine.add_request(prompt=PROMPTS[1], images=[photos[0]], sampling=params, priority=0)
+    second = engine.add_request(prompt=PROMPTS[1], images=[photos[1]], sampling=params, priority=0)
+    victims = []
+    while engine.has_unfinished_requests() and not victims:
+        before = engine.stats()["num_preemptions"]
+        engine.step()
+        if engine.stats()["num_preemptions"] > before:
+            victims = [r for r in (first, second) if engine.requests[r].num_computed_tokens == 0]
+    assert victims == [second]
+
+
+def test_abort_frees_blocks_at_once_and_others_continue(make_engine, oracle, photos):
+    engine = make_engine(max_num_batched_tokens=32, max_num_seqs=4)
+    keep = engine.add_request(prompt=PROMPTS[1], images=[photos[0]], sampling=SamplingParams(max_tokens=10))
+    drop = engine.add_request(prompt=PROMPTS[2], images=photos, sampling=SamplingParams(max_tokens=50))
+    for _ in range(6):
+        engine.step()
+    used = engine.stats()["kv_blocks_used"]
+    held = len(engine.requests[drop].block_ids)
+    assert held > 0
+    assert engine.abort(drop)
+    assert engine.stats()["kv_blocks_used"] == used - held
+    assert not engine.abort(drop)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step()})
+    assert outputs[keep].token_ids == oracle(PROMPTS[1], [photos[0]], 10)
+    assert engine.stats()["kv_blocks_used"] == 0
