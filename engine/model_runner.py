@@ -35,14 +35,14 @@ class ModelRunner:
             self._encode(out)
         if not out.chunks:
             return {}
-        token_ids, positions, slot_mapping = [], [], []
+        token_ids, rope_positions, slot_mapping = [], [], []
         decode_index, decode_slots, prefills = [], [], []
         sample_rows: list[tuple[int, ScheduledChunk]] = []
         for chunk in out.chunks:
             request = chunk.request
             query_start = len(token_ids)
             token_ids.extend(request.token_at(p) for p in range(chunk.start, chunk.end))
-            positions.extend(range(chunk.start, chunk.end))
+            rope_positions.append(self.adapter.rope_positions(request, chunk.start, chunk.end))
             key_slots = self._slots(request.block_ids, chunk.end)
             slot_mapping.append(key_slots[chunk.start :])
             if chunk.num_tokens == 1:  # a single query sees every cached key: batch it with the decodes
@@ -74,7 +74,7 @@ class ModelRunner:
             batch.decode_query_index = torch.tensor(decode_index, device=self.device)
             batch.decode_key_slots = padded
             batch.decode_mask = mask
-        hidden = self.adapter.forward_text(embeds, torch.tensor(positions, device=self.device), batch)
+        hidden = self.adapter.forward_text(embeds, torch.cat(rope_positions, dim=-1).to(self.device), batch)
         if not sample_rows:
             return {}
         rows = torch.tensor([row for row, _ in sample_rows], device=self.device)

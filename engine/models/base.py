@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from engine.attention import ATTN_IMPLEMENTATION, AttentionBatch
-from engine.request import MultimodalPrompt
+from engine.request import MultimodalPrompt, Request
 
 
 class VLMAdapter:
@@ -50,6 +50,11 @@ class VLMAdapter:
         """Vision features of each encoder input, one [rows, hidden] tensor each."""
         raise NotImplementedError
 
+    def rope_positions(self, request: Request, start: int, end: int) -> torch.Tensor:
+        """Rotary positions of the request's tokens start..end-1: [n] for ordinary RoPE. Families with
+        multimodal RoPE return [streams, n], computed once per request and sliced per chunk."""
+        return torch.arange(start, end)
+
     # -- shared ---------------------------------------------------------------------------------
     @property
     def eos_token_ids(self) -> set[int]:
@@ -72,7 +77,7 @@ class VLMAdapter:
     ) -> torch.Tensor:
         out = self.text_model(
             inputs_embeds=inputs_embeds.unsqueeze(0),
-            position_ids=position_ids.unsqueeze(0),
+            position_ids=position_ids.unsqueeze(-2),  # [T] -> [1, T]; [streams, T] -> [streams, 1, T]
             use_cache=False,
             vlmcap_batch=batch,
         )
