@@ -4,3 +4,8 @@ running `vlmcap pipeline` never loads the engine."""
 import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Captions for camera streams on a shared VLM engine.")
+
+
+from api.cli_serve import serve  # noqa: E402 - the command module imports its layers lazily
+
+app.command()(serve)

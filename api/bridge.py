@@ -1,0 +1,244 @@
+"""The bridge between the event loop and the engine.
+
+One dedicated thread runs the engine's step loop; it sleeps on a condition while there is no work.
+Each request gets its own asyncio queue, fed from the step thread with `loop.call_soon_threadsafe`, so
+the event loop never waits on a step. Aborts are handed to the step thread and done between steps, so an
+aborted request's KV blocks are free before the next step runs. A step that raises fails the requests
+in flight (their streams get an `EngineFailure`), and the loop goes on with new work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from api.errors import APIError
+from api.metrics import Metrics
+from engine import Engine, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineFailure(RuntimeError):
+    """The engine failed while running this request; the request was aborted."""
+
+
+class RequestStream:
+    """The outputs of one request, in order, as the step thread produces them."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, metrics: Metrics | None) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | EngineFailure] = asyncio.Queue()
+        self.metrics = metrics
+        self.arrival = time.perf_counter()
+        self.last: RequestOutput | None = None
+
+    def push(self, item: RequestOutput | EngineFailure) -> None:
+        """Called from the step thread (or from `AsyncEngine.abort`)."""
+        if isinstance(item, RequestOutput):
+            self.last = item
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def push_abort(self) -> None:
+        last = self.last
+        self.push(RequestOutput(self.request_id, last.token_ids if last else [], last.text if last else "",
+                                True, "abort", last.num_prompt_tokens if last else 0))
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        last_time, last_count = self.arrival, 0
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, EngineFailure):
+                raise item
+            now = time.perf_counter()
+            new_tokens = len(item.token_ids) - last_count
+            if self.metrics is not None and new_tokens > 0:
+                if last_count == 0:
+                    self.metrics.ttft.observe(now - self.arrival)
+                else:
+                    self.metrics.itl.observe((now - last_time) / new_tokens)
+            last_time, last_count = now, len(item.token_ids)
+            if item.finished:
+                if self.metrics is not None:
+                    self.metrics.e2e.observe(now - self.arrival)
+                    self.metrics.finished.labels(item.finish_reason or "unknown").inc()
+            yield item
+            if item.finished:
+                return
+
+    async def final(self) -> RequestOutput:
+        """The last output, once the request has finished."""
+        last = None
+        async for last in self:  # noqa: B007 - only the final output is wanted
+            pass
+        assert last is not None
+        return last
+
+
+class AsyncEngine:
+    """Runs `engine` on its own thread and serves its outputs to coroutines."""
+
+    def __init__(self, engine: Engine, max_waiting_requests: int, metrics: Metrics | None = None) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.metrics = metrics
+        self._streams: dict[str, RequestStream] = {}
+        self._aborts: list[str] = []
+        self._adding = 0
+        self._cond = threading.Condition()
+        self._draining = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.stats: dict[str, Any] = engine.stats()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="vlmcap-step-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._draining
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Refuse new work, give in-flight requests `grace_s` seconds to finish, abort the rest, stop."""
+        self._draining = True
+        in_flight = len(self._streams)
+        deadline = time.monotonic() + grace_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self._streams)
+        for request_id in left:
+            self.abort(request_id)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+        log.info("engine stopped: %d request(s) in flight at shutdown, %d finished, %d aborted",
+                 in_flight, in_flight - len(left), len(left))
+
+    # -- requests -------------------------------------------------------------------------------
+    async def add(
+        self,
+        *,
+        sampling: SamplingParams,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        images: list[Any] | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Queue a request and return its stream. Raises APIError: 400 for a request the engine refuses,
+        429 when the waiting queue is full, 503 while shutting down."""
+        if not self.alive:
+            raise APIError(503, "the engine is not running (starting or shutting down)", code="not_ready")
+        if self.stats["num_waiting"] + self._adding >= self.max_waiting_requests:
+            raise APIError(429, f"too many requests are waiting (limit {self.max_waiting_requests}); retry later",
+                           code="queue_full")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(uuid.uuid4().hex, loop, self.metrics)
+        with self._cond:
+            self._streams[stream.request_id] = stream
+        self._adding += 1
+
+        def add() -> None:
+            self.engine.add_request(prompt=prompt, messages=messages, images=images, sampling=sampling,
+                                    priority=priority, request_id=stream.request_id)
+            with self._cond:
+                self._cond.notify()
+
+        # Preprocessing (template, tokens, image tiles) runs on a worker thread; shielded so that a
+        # client leaving meanwhile still gets its request aborted once it is in the engine.
+        future = loop.run_in_executor(None, add)
+        try:
+            await asyncio.shield(future)
+        except ValueError as exc:
+            self._forget(stream.request_id)
+            raise APIError(400, str(exc), code="invalid_request") from None
+        except asyncio.CancelledError:
+            future.add_done_callback(lambda _: self.abort(stream.request_id))
+            raise
+        except Exception:
+            self._forget(stream.request_id)
+            raise
+        finally:
+            self._adding -= 1
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already finished); its stream ends with finish_reason "abort".
+        Safe from any thread."""
+        with self._cond:
+            stream = self._streams.pop(request_id, None)
+            if stream is None:
+                return
+            self._aborts.append(request_id)
+            self._cond.notify()
+        stream.push_abort()
+        if self.metrics is not None:
+            self.metrics.aborted.inc()
+
+    def _forget(self, request_id: str) -> None:
+        with self._cond:
+            self._streams.pop(request_id, None)
+
+    # -- the step thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        log.info("step loop started")
+        while True:
+            with self._cond:
+                while not (self._stopping or self._aborts or self.engine.has_unfinished_requests()):
+                    self._cond.wait()
+                aborts, self._aborts = self._aborts, []
+                if self._stopping and not aborts:
+                    break
+            for request_id in aborts:
+                self._safe_abort(request_id)
+            if not self.engine.has_unfinished_requests():
+                self.stats = self.engine.stats()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # the engine's state for these requests is unknown: fail them
+                if self.metrics is not None:
+                    self.metrics.step_failures.inc()
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all(exc)
+                continue
+            finally:
+                self.stats = self.engine.stats()
+            if self.metrics is not None:
+                self.metrics.step_tokens.observe(self.stats["last_step_num_tokens"])
+            self._deliver(outputs)
+        log.info("step loop stopped")
+
+    def _safe_abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            log.exception("aborting request %s failed", request_id)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        with self._cond:
+            streams = [(self._streams.get(o.request_id), o) for o in outputs]
+            for output in outputs:
+                if output.finished:
+                    self._streams.pop(output.request_id, None)
+        for stream, output in streams:
+            if stream is not None:
+                stream.push(output)
+            elif not output.finished:  # its client left while it was being added
+                self._safe_abort(output.request_id)
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self._cond:
+            streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            self._safe_abort(request_id)
+            stream.push(EngineFailure(f"the engine failed while running this request: {type(exc).__name__}: {exc}"))

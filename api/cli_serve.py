@@ -1,0 +1,94 @@
+"""`vlmcap serve`: the API server on one engine. Every flag also reads an environment variable."""
+
+from __future__ import annotations
+
+import typer
+
+
+def serve(
+    model: str = typer.Option("tiny", envvar="VLMCAP_MODEL",
+                              help="Checkpoint directory, hub id, 'tiny' or 'dummy:<preset>'."),
+    served_model_name: str = typer.Option(None, envvar="VLMCAP_SERVED_MODEL_NAME",
+                                          help="Model id clients send and /v1/models lists (default: --model)."),
+    host: str = typer.Option("127.0.0.1", envvar="VLMCAP_HOST", help="Address to listen on (0.0.0.0: all)."),
+    port: int = typer.Option(8000, envvar="VLMCAP_PORT", help="TCP port."),
+    api_key: str = typer.Option(None, envvar="VLMCAP_API_KEY",
+                                help="When set, every /v1 route needs 'Authorization: Bearer <key>'."),
+    device: str = typer.Option("cpu", envvar="VLMCAP_DEVICE", help="torch device: cpu, cuda, cuda:1, ..."),
+    dtype: str = typer.Option("float32", envvar="VLMCAP_DTYPE", help="float32, bfloat16 or float16."),
+    max_num_batched_tokens: int = typer.Option(2048, envvar="VLMCAP_MAX_NUM_BATCHED_TOKENS",
+                                               help="Token budget of one engine step."),
+    max_num_seqs: int = typer.Option(64, envvar="VLMCAP_MAX_NUM_SEQS", help="Most requests running at once."),
+    num_kv_blocks: int = typer.Option(None, envvar="VLMCAP_NUM_KV_BLOCKS",
+                                      help="KV cache size in blocks (default: from free memory)."),
+    block_size: int = typer.Option(16, envvar="VLMCAP_BLOCK_SIZE", help="Tokens per KV cache block."),
+    max_model_len: int = typer.Option(None, envvar="VLMCAP_MAX_MODEL_LEN",
+                                      help="Most prompt plus output tokens of one request (default: the model's)."),
+    chunked_prefill: bool = typer.Option(True, "--chunked-prefill/--no-chunked-prefill",
+                                         envvar="VLMCAP_CHUNKED_PREFILL", help="Split long prompts over steps."),
+    num_threads: int = typer.Option(None, envvar="VLMCAP_NUM_THREADS", help="torch CPU threads."),
+    redis_url: str = typer.Option(None, envvar="REDIS_URL",
+                                  help="Redis for caption results shared with camera queue workers "
+                                       "(default: results in memory, no queue)."),
+    queue: bool = typer.Option(True, "--queue/--no-queue", envvar="VLMCAP_QUEUE",
+                               help="With --redis-url, caption camera jobs from the Redis queue in-process."),
+    caption_prompt: str = typer.Option("Describe the people in this image in one sentence.",
+                                       envvar="VLMCAP_CAPTION_PROMPT", help="Prompt of captions that give none."),
+    caption_max_tokens: int = typer.Option(64, envvar="VLMCAP_CAPTION_MAX_TOKENS", help="New tokens of a caption."),
+    max_body_bytes: int = typer.Option(32 * 2**20, envvar="VLMCAP_MAX_BODY_BYTES", help="Largest request body."),
+    max_image_bytes: int = typer.Option(16 * 2**20, envvar="VLMCAP_MAX_IMAGE_BYTES", help="Largest encoded image."),
+    max_image_pixels: int = typer.Option(40_000_000, envvar="VLMCAP_MAX_IMAGE_PIXELS",
+                                         help="Largest image in pixels, checked before decoding."),
+    max_images_per_request: int = typer.Option(8, envvar="VLMCAP_MAX_IMAGES_PER_REQUEST",
+                                               help="Most images in one request."),
+    max_tokens_cap: int = typer.Option(4096, envvar="VLMCAP_MAX_TOKENS_CAP",
+                                       help="Most new tokens one request may ask for."),
+    default_max_tokens: int = typer.Option(256, envvar="VLMCAP_DEFAULT_MAX_TOKENS",
+                                           help="New tokens of a request that sets no max_tokens."),
+    max_waiting_requests: int = typer.Option(256, envvar="VLMCAP_MAX_WAITING_REQUESTS",
+                                             help="Requests waiting in the engine beyond which new ones get 429."),
+    allow_remote_images: bool = typer.Option(False, "--allow-remote-images", envvar="VLMCAP_ALLOW_REMOTE_IMAGES",
+                                             help="Fetch http(s) image URLs (only from --remote-image-host hosts)."),
+    remote_image_host: list[str] = typer.Option([], envvar="VLMCAP_REMOTE_IMAGE_HOSTS",
+                                                help="Host allowed for remote images (repeat; '*.example.com')."),
+    allow_private_remote_images: bool = typer.Option(False, "--allow-private-remote-images",
+                                                     envvar="VLMCAP_ALLOW_PRIVATE_REMOTE_IMAGES",
+                                                     help="Allow remote image hosts that resolve to private or "
+                                                          "loopback addresses."),
+    shutdown_grace: float = typer.Option(10.0, envvar="VLMCAP_SHUTDOWN_GRACE",
+                                         help="Seconds in-flight requests get to finish at shutdown."),
+    log_level: str = typer.Option("info", envvar="VLMCAP_LOG_LEVEL", help="debug, info, warning, error."),
+) -> None:
+    """Serve OpenAI-compatible chat (/v1/chat/completions, /v1/responses) and REST captioning (/v1/captions)
+    on one shared engine, with /health, /ready and /metrics."""
+    import logging
+
+    import uvicorn
+
+    from api.server import create_app
+    from api.settings import Limits, ServerSettings
+    from engine import EngineConfig
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = ServerSettings(
+            engine=EngineConfig(
+                model=model, device=device, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked_prefill, block_size=block_size,
+                num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, num_threads=num_threads,
+            ),
+            served_model_name=served_model_name, api_key=api_key or None, redis_url=redis_url or None,
+            run_queue_worker=queue, caption_prompt=caption_prompt, caption_max_tokens=caption_max_tokens,
+            shutdown_grace_s=shutdown_grace,
+            limits=Limits(
+                max_body_bytes=max_body_bytes, max_image_bytes=max_image_bytes, max_image_pixels=max_image_pixels,
+                max_images_per_request=max_images_per_request, max_tokens_cap=max_tokens_cap,
+                default_max_tokens=default_max_tokens, max_waiting_requests=max_waiting_requests,
+                allow_remote_images=allow_remote_images, remote_image_hosts=tuple(remote_image_host),
+                allow_private_remote_images=allow_private_remote_images,
+            ),
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level.lower(),
+                timeout_graceful_shutdown=shutdown_grace)

@@ -1,0 +1,139 @@
+"""Images from clients, checked before they reach the engine: size in bytes, size in pixels read from the
+header before any pixel is decoded (no decompression bombs), a short list of formats, and complete data
+(a truncated file is refused, not padded). Remote URLs are fetched only when enabled, only from
+allowlisted hosts, never from private or loopback addresses unless allowed, with size and time limits."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import ipaddress
+import socket
+from urllib.parse import urlsplit
+
+import httpx
+from PIL import Image, UnidentifiedImageError
+
+from api.errors import APIError
+from api.settings import Limits
+
+FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
+
+
+def decode_image(data: bytes, limits: Limits, param: str) -> Image.Image:
+    """An RGB image from encoded bytes, or an APIError (413 too large, 400 unreadable)."""
+    if len(data) > limits.max_image_bytes:
+        raise APIError(413, f"{param}: the image has {len(data)} bytes, over the limit of {limits.max_image_bytes}",
+                       param, "image_too_large")
+    try:
+        # Image.open reads only the header: the size is known before any pixel is decoded.
+        image = Image.open(io.BytesIO(data), formats=FORMATS)
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise APIError(400, f"{param}: not a readable image (accepted formats: {', '.join(FORMATS)}): {exc}",
+                       param, "invalid_image") from None
+    with image:
+        width, height = image.size
+        if width * height > limits.max_image_pixels:
+            raise APIError(413, f"{param}: the image is {width}x{height} = {width * height} pixels, over the limit "
+                                f"of {limits.max_image_pixels}", param, "image_too_large")
+        if width < 1 or height < 1:
+            raise APIError(400, f"{param}: the image has no pixels ({width}x{height})", param, "invalid_image")
+        try:
+            image.load()
+            return image.convert("RGB")
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+            raise APIError(400, f"{param}: the image could not be decoded (truncated or corrupt?): {exc}",
+                           param, "invalid_image") from None
+
+
+def decode_base64(text: str, limits: Limits, param: str) -> bytes:
+    # base64 is 4 characters for 3 bytes: refuse an oversized payload before decoding it.
+    if len(text) * 3 // 4 > limits.max_image_bytes + 3:
+        raise APIError(413, f"{param}: the image is over the limit of {limits.max_image_bytes} bytes",
+                       param, "image_too_large")
+    try:
+        return base64.b64decode("".join(text.split()), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise APIError(400, f"{param}: invalid base64 data: {exc}", param, "invalid_image") from None
+
+
+def decode_data_url(url: str, limits: Limits, param: str) -> Image.Image:
+    header, sep, payload = url.partition(",")
+    media = header.removeprefix("data:")
+    if not sep or not media.endswith(";base64"):
+        raise APIError(400, f"{param}: a data URL must look like data:image/<type>;base64,<data>", param,
+                       "invalid_image_url")
+    media_type = media.removesuffix(";base64").split(";")[0].strip().lower()
+    if media_type and not media_type.startswith("image/"):
+        raise APIError(400, f"{param}: the data URL has media type {media_type!r}, not an image", param,
+                       "invalid_image_url")
+    return decode_image(decode_base64(payload, limits, param), limits, param)
+
+
+def _host_allowed(host: str, allowlist: tuple[str, ...]) -> bool:
+    host = host.lower().rstrip(".")
+    for entry in allowlist:
+        entry = entry.lower().rstrip(".")
+        if host == entry or (entry.startswith("*.") and host.endswith(entry[1:])):
+            return True
+    return False
+
+
+async def _check_addresses(host: str, port: int, param: str) -> None:
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise APIError(400, f"{param}: cannot resolve {host!r}: {exc}", param, "invalid_image_url") from None
+    for info in infos:
+        address = ipaddress.ip_address(info[4][0].split("%")[0])
+        if not address.is_global:
+            raise APIError(400, f"{param}: {host!r} resolves to the non-public address {address}, which is not "
+                                "allowed", param, "invalid_image_url")
+
+
+async def fetch_remote(url: str, limits: Limits, param: str) -> bytes:
+    """The bytes at an http(s) URL under the remote-image policy of `limits`."""
+    if not limits.allow_remote_images:
+        raise APIError(400, f"{param}: remote image URLs are disabled on this server; send a data URL "
+                            "(data:image/jpeg;base64,...)", param, "invalid_image_url")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise APIError(400, f"{param}: unsupported image URL {url[:100]!r}", param, "invalid_image_url")
+    if not _host_allowed(parts.hostname, limits.remote_image_hosts):
+        raise APIError(400, f"{param}: host {parts.hostname!r} is not on this server's image host allowlist",
+                       param, "invalid_image_url")
+    if not limits.allow_private_remote_images:
+        await _check_addresses(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80), param)
+
+    async def download() -> bytes:
+        async with httpx.AsyncClient(follow_redirects=False, timeout=limits.remote_image_timeout_s) as client:
+            async with client.stream("GET", url) as response:
+                if response.status_code != 200:
+                    raise APIError(400, f"{param}: fetching the image gave HTTP {response.status_code}", param,
+                                   "invalid_image_url")
+                body = bytearray()
+                async for chunk in response.aiter_bytes():
+                    body += chunk
+                    if len(body) > limits.max_image_bytes:
+                        raise APIError(413, f"{param}: the remote image is over the limit of "
+                                            f"{limits.max_image_bytes} bytes", param, "image_too_large")
+                return bytes(body)
+
+    try:
+        return await asyncio.wait_for(download(), limits.remote_image_timeout_s)
+    except (httpx.HTTPError, TimeoutError) as exc:
+        raise APIError(400, f"{param}: fetching the image failed: {type(exc).__name__} {exc}", param,
+                       "invalid_image_url") from None
+
+
+async def load_image_url(url: str, limits: Limits, param: str) -> Image.Image:
+    """An `image_url` from a chat message: a data URL, or an http(s) URL when the policy allows it."""
+    if not isinstance(url, str) or not url:
+        raise APIError(400, f"{param}: the image URL must be a non-empty string", param, "invalid_image_url")
+    if url.startswith("data:"):
+        return await asyncio.to_thread(decode_data_url, url, limits, param)
+    data = await fetch_remote(url, limits, param)
+    return await asyncio.to_thread(decode_image, data, limits, param)

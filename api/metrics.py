@@ -1,0 +1,73 @@
+"""Prometheus metrics of one server: requests by route and status, latency histograms (TTFT, inter-token,
+end to end) observed as outputs reach their request, and the engine's gauges and counters read from the
+bridge's latest stats (so a scrape never waits for a step)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class EngineCollector(Collector):
+    """Engine gauges and counters from a stats dict as `Engine.stats()` returns it."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self.stats()
+        used, total = stats["kv_blocks_used"], stats["kv_blocks_total"]
+        yield GaugeMetricFamily("vlmcap_num_requests_running", "Requests running in the engine",
+                                value=stats["num_running"])
+        yield GaugeMetricFamily("vlmcap_num_requests_waiting", "Requests waiting in the engine",
+                                value=stats["num_waiting"])
+        yield GaugeMetricFamily("vlmcap_kv_cache_usage_ratio", "Fraction of KV cache blocks in use",
+                                value=used / total if total else 0.0)
+        yield GaugeMetricFamily("vlmcap_kv_cache_blocks_used", "KV cache blocks in use", value=used)
+        yield GaugeMetricFamily("vlmcap_kv_cache_blocks_total", "KV cache blocks", value=total)
+        yield CounterMetricFamily("vlmcap_num_preemptions", "Requests preempted (recomputed later)",
+                                  value=stats["num_preemptions"])
+        yield CounterMetricFamily("vlmcap_vision_encoder_seconds", "Time spent in the vision encoder",
+                                  value=stats["encoder_seconds"])
+        yield CounterMetricFamily("vlmcap_vision_encoder_inputs", "Images or tiles run through the vision encoder",
+                                  value=stats["encoder_inputs_encoded"])
+        yield CounterMetricFamily("vlmcap_engine_steps", "Engine steps run", value=stats["num_steps"])
+        yield CounterMetricFamily("vlmcap_generation_tokens", "Tokens generated",
+                                  value=stats["num_generated_tokens"])
+
+
+class Metrics:
+    """One registry per server, so several servers (tests) in one process do not collide."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("vlmcap_http_requests", "HTTP requests by route and status",
+                                ["method", "route", "status"], registry=r)
+        self.ttft = Histogram("vlmcap_time_to_first_token_seconds", "From request arrival to its first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vlmcap_inter_token_latency_seconds", "Between consecutive tokens of a request",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vlmcap_e2e_request_latency_seconds", "From request arrival to its last token",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.step_tokens = Histogram("vlmcap_step_num_tokens", "Tokens scheduled in one engine step",
+                                     buckets=STEP_TOKEN_BUCKETS, registry=r)
+        self.finished = Counter("vlmcap_requests_finished", "Engine requests finished, by reason", ["reason"],
+                                registry=r)
+        self.aborted = Counter("vlmcap_requests_aborted", "Engine requests aborted (client left, shutdown)",
+                               registry=r)
+        self.step_failures = Counter("vlmcap_engine_step_failures", "Engine steps that raised", registry=r)
+
+    def watch_engine(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry.register(EngineCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

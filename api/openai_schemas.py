@@ -1,0 +1,91 @@
+"""Request bodies of the OpenAI-compatible routes (the subset this server serves). Types and value
+ranges live here, so FastAPI answers 422 for a body that does not fit and the OpenAPI schema documents
+them; the handlers check what depends on the server (model name, caps, `n`) and answer 400 or 404."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field
+
+MAX_SEED = 2**63 - 1
+Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1, description="vlmcap extension: lower runs first")]
+Stop = str | Annotated[list[str], Field(max_length=16)] | None
+
+
+class ImageURL(BaseModel):
+    url: str
+    detail: str | None = None
+
+
+class ChatTextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL | str
+
+
+ChatPart = Annotated[ChatTextPart | ChatImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ChatPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, description="vlmcap extension: 0 disables it")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    priority: Priority = 0
+
+
+class ChatCompletionRequest(SamplingFields):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: Stop = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = Field(False, description="vlmcap extension: add the generated token ids to choices")
+
+
+class InputText(BaseModel):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputImage(BaseModel):
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+
+InputPart = Annotated[InputText | InputImage, Field(discriminator="type")]
+
+
+class InputMessage(BaseModel):
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputPart]
+
+
+class ResponsesRequest(SamplingFields):
+    model: str
+    input: str | list[InputMessage]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    stream: bool | None = False
+    stop: Stop = None

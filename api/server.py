@@ -1,0 +1,238 @@
+"""The FastAPI app of `vlmcap serve`: one engine per process behind the async bridge, OpenAI-compatible
+routes, captioning routes, the in-process queue worker (when Redis is configured), health and metrics.
+
+The engine loads in the background at startup: `/health` answers at once, `/ready` and the `/v1` routes
+answer 503 until the model is loaded and the step loop runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api import routes_captions, routes_openai
+from api.bridge import AsyncEngine
+from api.caption_store import CaptionStore, MemoryCaptionStore, RedisCaptionStore
+from api.captioner import EngineCaptioner
+from api.errors import APIError, error_body, install_error_handlers
+from api.metrics import Metrics
+from api.settings import ServerSettings
+from api.state import ServerState
+
+log = logging.getLogger(__name__)
+
+
+class BodyTooLarge(APIError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
+
+
+class GuardMiddleware:
+    """Before any route: the API key on `/v1/*`, the body size limit; after it: request counts by route
+    template and status."""
+
+    def __init__(self, app: ASGIApp, settings: ServerSettings, metrics: Metrics) -> None:
+        self.app = app
+        self.key = settings.api_key.encode() if settings.api_key else None
+        self.max_body = settings.limits.max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send_counted)
+            else:
+                await self.app(scope, self._limited(receive), send_counted)
+        finally:
+            route = scope.get("route")
+            self.metrics.requests.labels(scope["method"], getattr(route, "path", "unmatched"), str(status)).inc()
+
+    def _refusal(self, scope: Scope) -> Response | None:
+        headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
+        if self.key is not None and scope["path"].startswith("/v1"):
+            scheme, _, token = headers.get("authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                body = error_body(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                  code="invalid_api_key")
+                return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            too_large = BodyTooLarge(self.max_body)
+            return JSONResponse(error_body(413, too_large.message, code=too_large.code), status_code=413)
+        return None
+
+    def _limited(self, receive: Receive) -> Receive:
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    raise BodyTooLarge(self.max_body)
+            return message
+
+        return counted
+
+
+async def _build_state(settings: ServerSettings, metrics: Metrics, engine: Any | None) -> ServerState:
+    if engine is None:
+        from engine import Engine
+
+        log.info("loading model %s", settings.engine.model)
+        engine = await asyncio.to_thread(Engine, settings.engine)
+    bridge = AsyncEngine(engine, settings.limits.max_waiting_requests, metrics)
+    bridge.start()
+    metrics.watch_engine(lambda: bridge.stats)
+    captions: CaptionStore
+    if settings.redis_url:
+        from api.queue_worker import connect
+
+        captions = RedisCaptionStore(connect(settings.redis_url))
+    else:
+        captions = MemoryCaptionStore()
+    captioner = EngineCaptioner(bridge, settings.limits, settings.caption_max_tokens)
+    return ServerState(settings=settings, bridge=bridge, metrics=metrics, captions=captions, captioner=captioner)
+
+
+def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
+    """The server's app. `engine` is an already built `engine.Engine` to serve (else one is built from
+    `settings.engine` at startup)."""
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.vlmcap = None
+        app.state.load_error = None
+        worker = None
+
+        async def load() -> None:
+            nonlocal worker
+            try:
+                state = await _build_state(settings, metrics, engine)
+            except Exception as exc:
+                log.exception("the engine failed to load")
+                app.state.load_error = f"{type(exc).__name__}: {exc}"
+                return
+            if settings.redis_url and settings.run_queue_worker:
+                from api.queue_worker import QueueWorker, connect
+
+                worker = QueueWorker(connect(settings.redis_url), state.captioner, priority=settings.caption_priority)
+                worker.start()
+            app.state.vlmcap = state
+            log.info("ready: serving %s as %r", settings.engine.model, settings.model_name)
+
+        loading = asyncio.create_task(load())
+        try:
+            yield
+        finally:
+            if not loading.done():
+                loading.cancel()
+            state: ServerState | None = app.state.vlmcap
+            if state is not None:
+                if worker is not None:
+                    await worker.stop(settings.shutdown_grace_s)
+                await state.bridge.shutdown(settings.shutdown_grace_s)
+                await asyncio.gather(*state.background, return_exceptions=True)
+                await state.captions.close()
+
+    app = FastAPI(title="vlmcap", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible chat and REST captioning on one shared VLM engine.")
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
+    app.include_router(routes_openai.router)
+    app.include_router(routes_captions.router)
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        """Alive (the process answers); 503 when the engine failed to load."""
+        error = request.app.state.load_error
+        if error:
+            return JSONResponse({"status": "error", "error": error}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready(request: Request) -> JSONResponse:
+        """Ready: the model is loaded and the step loop runs."""
+        state: ServerState | None = request.app.state.vlmcap
+        if state is None or not state.bridge.alive:
+            reason = request.app.state.load_error or ("loading" if state is None else "step loop stopped")
+            return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ready", "model": settings.model_name})
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+class BackgroundServer:
+    """A real uvicorn server for `app` on a thread of this process (tests, benchmarks, notebooks):
+    `with BackgroundServer(app) as server: ... server.url ...`. Waits until `/ready` says so."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, ready_timeout_s: float = 300.0) -> None:
+        import socket
+
+        import uvicorn
+
+        self.app = app
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((host, port))
+        self.url = f"http://{host}:{self.socket.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.ready_timeout_s = ready_timeout_s
+        self._thread: Any = None
+
+    def __enter__(self) -> BackgroundServer:
+        import threading
+        import time
+
+        import httpx
+
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline and self._thread.is_alive():
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
+                    return self
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 503:
+                    break  # the engine failed to load
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"the server at {self.url} did not become ready")
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(60)
+        self.socket.close()
+
+    @property
+    def state(self) -> ServerState:
+        return self.app.state.vlmcap

@@ -1,0 +1,53 @@
+"""Everything `vlmcap serve` can be told: the engine's configuration, the served name, security and limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from api.queue_worker import DEFAULT_CAPTION_PRIORITY
+from engine import EngineConfig
+
+
+@dataclass
+class Limits:
+    """What one client may ask for. Each limit answers with a clear 4xx when passed."""
+
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_image_bytes: int = 16 * 1024 * 1024
+    max_image_pixels: int = 40_000_000
+    max_images_per_request: int = 8
+    max_tokens_cap: int = 4096  # the most new tokens one request may ask for
+    default_max_tokens: int = 256
+    max_waiting_requests: int = 256  # requests queued in the engine beyond which new ones get 429
+    # Remote images (http/https URLs): off unless enabled, only to allowlisted hosts.
+    allow_remote_images: bool = False
+    remote_image_hosts: tuple[str, ...] = ()
+    allow_private_remote_images: bool = False
+    remote_image_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_image_bytes", "max_image_pixels", "max_images_per_request",
+                     "max_tokens_cap", "default_max_tokens", "max_waiting_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.default_max_tokens > self.max_tokens_cap:
+            raise ValueError(f"default_max_tokens {self.default_max_tokens} is over max_tokens_cap {self.max_tokens_cap}")
+
+
+@dataclass
+class ServerSettings:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    served_model_name: str | None = None
+    api_key: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    # Captions: results go to Redis (shared with camera queue workers) when a URL is given, else memory.
+    redis_url: str | None = None
+    run_queue_worker: bool = True
+    caption_prompt: str = "Describe the people in this image in one sentence."
+    caption_max_tokens: int = 64
+    caption_priority: int = DEFAULT_CAPTION_PRIORITY  # chats (priority 0) go first
+    shutdown_grace_s: float = 10.0
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.engine.model

@@ -1,0 +1,37 @@
+"""What the routes share: settings, the engine bridge, metrics and the caption store of one server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from api.bridge import AsyncEngine
+from api.caption_store import CaptionStore
+from api.captioner import EngineCaptioner
+from api.errors import APIError
+from api.metrics import Metrics
+from api.settings import ServerSettings
+
+
+@dataclass
+class ServerState:
+    settings: ServerSettings
+    bridge: AsyncEngine
+    metrics: Metrics
+    captions: CaptionStore
+    captioner: EngineCaptioner
+    started_at: float = field(default_factory=time.time)
+    background: set[asyncio.Task] = field(default_factory=set)  # caption requests answered with 202
+
+
+def server_state(request: Request) -> ServerState:
+    """The server's state, or 503 while the engine is loading (or failed to load)."""
+    state = getattr(request.app.state, "vlmcap", None)
+    if state is None:
+        error = getattr(request.app.state, "load_error", None)
+        raise APIError(503, f"the engine failed to load: {error}" if error else "the model is still loading",
+                       code="not_ready")
+    return state
