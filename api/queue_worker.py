@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -149,8 +151,10 @@ def default_consumer_name() -> str:
 
 def connect(redis_url: str, block_seconds: float = 1.0) -> aioredis.Redis:
     """An asyncio Redis client with timeouts that outlast a blocking XREADGROUP."""
+    # One quick client-level retry; outages are handled by the worker's own backoff.
     return aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=block_seconds + 10,
-                                   health_check_interval=30)
+                                   health_check_interval=30,
+                                   retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1))
 
 
 class QueueWorker:

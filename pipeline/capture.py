@@ -48,10 +48,13 @@ class FpsLimiter:
         self._next_ts = float("-inf")
 
     def allow(self, ts: float) -> bool:
-        if ts < self._next_ts:
+        # A small tolerance, so that float rounding of frame times does not skip a frame on the grid.
+        if ts < self._next_ts - self.interval * 1e-3:
             return False
-        # Advance on a fixed grid so that e.g. 30 fps capped to 10 keeps exactly every third frame.
-        self._next_ts = max(self._next_ts + self.interval, ts + self.interval / 2)
+        # Advance on a fixed grid (30 fps capped to 10 keeps every third frame), restarting it after a gap.
+        self._next_ts += self.interval
+        if self._next_ts <= ts:
+            self._next_ts = ts + self.interval
         return True
 
 

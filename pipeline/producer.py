@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from pipeline.contract import (
     CONSUMER_GROUP,
@@ -125,7 +127,9 @@ class JobProducer:
         self.backpressure = Backpressure(backpressure)
         self.max_backoff_seconds = max_backoff_seconds
         self.stats = ProducerStats()
-        self._redis = redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
+        # One quick client-level retry; outages are handled by the sender's own backoff.
+        self._redis = redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5,
+                                           retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1))
         self._enqueue = self._redis.register_script(ENQUEUE_SCRIPT)
         self._buffer: deque[Job] = deque(maxlen=buffer_size)
         self._cond = threading.Condition()

