@@ -9,3 +9,14 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="Captions for
 from api.cli_serve import serve  # noqa: E402 - the command module imports its layers lazily
 
 app.command()(serve)
+
+
+from bench.cli import bench_app  # noqa: E402 - typer only; each benchmark imports its layers lazily
+
+app.add_typer(bench_app, name="bench")
+
+
+from api.cli_pipeline import pipeline, worker  # noqa: E402 - the commands import their layers lazily
+
+app.command()(pipeline)
+app.command()(worker)

@@ -163,29 +163,38 @@ class Gate:
     def _emit_due(self, now: float, flush: bool) -> list[GatedFrame]:
         while self._emitted_ts and self._emitted_ts[0] <= now - 60.0:
             self._emitted_ts.popleft()
-        due: dict[int, list[int]] = {}  # frame index -> track ids, so tracks sharing a best frame share a job
-        frames: dict[int, tuple[Frame, list[Detection]]] = {}
+        due: set[int] = set()
         for track_id, state in list(self._tracks.items()):
             lost = now - state.last_seen_ts > self.lost_after_seconds
             if lost and (state.emitted or state.best_frame is None):
                 del self._tracks[track_id]
                 continue
             first_job_ends_track = (lost or flush) and not state.emitted
-            if state.best_frame is None or not (now >= state.next_due_ts or first_job_ends_track):
-                continue
-            due.setdefault(state.best_frame.index, []).append(track_id)
-            frames[state.best_frame.index] = (state.best_frame, state.best_detections or [])
+            if state.best_frame is not None and (now >= state.next_due_ts or first_job_ends_track):
+                due.add(track_id)
         out: list[GatedFrame] = []
-        for index in sorted(due):
+        while due:
             if len(self._emitted_ts) >= self.max_jobs_per_minute:
                 self.rate_limited += 1
-                continue
-            frame, detections = frames[index]
-            out.append(GatedFrame(frame, detections, sorted(due[index])))
+                break
+            frame, detections, covered = self._best_shared_frame(due)
+            out.append(GatedFrame(frame, detections, sorted(covered)))
             self._emitted_ts.append(now)
-            for track_id in due[index]:
+            for track_id in covered:
                 state = self._tracks[track_id]
                 state.emitted = True
                 state.next_due_ts = now + self.cooldown_seconds
                 state.best_score, state.best_frame, state.best_detections = -1.0, None, None
+            due -= covered
         return out
+
+    def _best_shared_frame(self, due: set[int]) -> tuple[Frame, list[Detection], set[int]]:
+        """Among the best frames of the due tracks, the one that shows the most of them (then the highest
+        score), so people who appeared together share one job."""
+        def covered(detections: list[Detection]) -> set[int]:
+            return {d.track_id for d in detections if d.track_id in due}
+
+        candidates = [self._tracks[t] for t in sorted(due)]
+        best = max(candidates, key=lambda s: (len(covered(s.best_detections or [])), s.best_score))
+        detections = best.best_detections or []
+        return best.best_frame, detections, covered(detections)

@@ -10,6 +10,8 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -82,3 +84,14 @@ def resolve_redis_url(redis_url: str | None) -> tuple[str, EmbeddedRedis | None]
     log.warning("no --redis-url or REDIS_URL: started an embedded Redis at %s (data in %s)",
                 embedded.url, embedded.data_dir)
     return embedded.url, embedded
+
+
+@contextmanager
+def redis_url_or_embedded(redis_url: str | None) -> Iterator[str]:
+    """`resolve_redis_url` whose embedded server, if one was started, stops when the block ends."""
+    url, embedded = resolve_redis_url(redis_url)
+    try:
+        yield url
+    finally:
+        if embedded is not None:
+            embedded.close()

@@ -1,0 +1,97 @@
+"""Helpers of the queue tests: a captioner that really decodes the JPEG, and a minimal OpenAI-compatible
+chat-completions server that does the same over HTTP (and can hold requests, to kill a worker mid-job)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import cv2
+import numpy as np
+from PIL import Image
+
+from pipeline.contract import Detection, Job
+
+
+def describe(image_jpeg: bytes, prompt: str) -> str:
+    """Raises PIL.UnidentifiedImageError for bytes that are not an image."""
+    with Image.open(io.BytesIO(image_jpeg)) as image:
+        image.load()
+        return f"{image.width}x{image.height} {image.format}: {prompt}"
+
+
+class PillowCaptioner:
+    """A real implementation of the Captioner protocol, without a model: the caption states the image's
+    size, so it proves the bytes arrived intact."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def caption(self, image_jpeg: bytes, prompt: str, priority: int) -> str:
+        self.calls += 1
+        return describe(image_jpeg, prompt)
+
+
+def make_job(camera_id: str = "cam", width: int = 64, height: int = 48, image: bytes | None = None,
+             frame_ts: float = 1.5) -> Job:
+    if image is None:
+        image = cv2.imencode(".jpg", np.full((height, width, 3), 120, np.uint8))[1].tobytes()
+    return Job(camera_id=camera_id, frame_ts=frame_ts, prompt=f"who is at {camera_id}?", image=image,
+               detections=[Detection(1, 2, 30, 40, 0.9, 1)])
+
+
+class ChatServer:
+    """POST /v1/chat/completions: decodes the data-URL image and answers with `describe()`. While
+    `hold` is set, requests wait (the client sees a request in flight); `received` counts them."""
+
+    def __init__(self) -> None:
+        self.hold = threading.Event()
+        self.received = 0
+        self.priorities: list[int | None] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.received += 1
+                server.priorities.append(body.get("priority"))
+                while server.hold.is_set():
+                    time.sleep(0.05)
+                content = body["messages"][0]["content"]
+                url = next(p["image_url"]["url"] for p in content if p["type"] == "image_url")
+                prompt = next(p["text"] for p in content if p["type"] == "text")
+                try:
+                    text = describe(base64.b64decode(url.split(",", 1)[1]), prompt)
+                    status, payload = 200, {
+                        "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": body["model"],
+                        "choices": [{"index": 0, "finish_reason": "stop",
+                                     "message": {"role": "assistant", "content": text}}],
+                    }
+                except Exception as err:  # the server's answer to an unreadable image
+                    status, payload = 400, {"error": {"message": f"invalid image: {err}", "type": "invalid"}}
+                data = json.dumps(payload).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client was killed
+                    pass
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.hold.clear()
+        self.httpd.shutdown()
+        self.httpd.server_close()

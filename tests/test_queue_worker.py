@@ -1,0 +1,228 @@
+"""The queue worker on a real Redis: every job ends in exactly one caption or one dead-letter entry;
+redelivery never captions twice; a poison job is dead-lettered after N attempts while the queue goes on;
+backpressure; the results reader API; the OpenAI-compatible captioner over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+from queue_support import ChatServer, PillowCaptioner, make_job
+
+from api.queue_worker import (
+    OpenAICaptioner,
+    QueueWorker,
+    get_result,
+    queue_stats,
+    recent_captions,
+    tail_captions,
+)
+from pipeline.contract import CAPTIONS_STREAM, CONSUMER_GROUP, DEAD_STREAM, JOBS_STREAM, Job, result_key
+from pipeline.producer import Backpressure, JobProducer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def enqueue(redis_url: str, jobs: list[Job], **producer_options) -> JobProducer:
+    producer = JobProducer(redis_url, **producer_options)
+    for job in jobs:
+        producer.submit(job)
+    producer.close()
+    return producer
+
+
+async def work_until_idle(worker: QueueWorker, max_rounds: int = 50) -> None:
+    """Run rounds until the stream holds no job (waiting or pending)."""
+    for _ in range(max_rounds):
+        await worker.run_once()
+        if await worker.redis.xlen(JOBS_STREAM) == 0:
+            return
+    raise AssertionError(f"jobs left after {max_rounds} rounds: {await queue_stats(worker.redis)}")
+
+
+def test_every_job_gets_exactly_one_caption_and_results_are_readable(redis_url):
+    jobs = [make_job("north", width=64 + i) for i in range(3)] + [make_job("south", width=80)]
+    assert enqueue(redis_url, jobs).stats.enqueued == 4
+
+    async def scenario() -> None:
+        worker = QueueWorker(redis_url, PillowCaptioner(), block_seconds=0.1)
+        queued = await get_result(worker.redis, jobs[0].job_id)
+        assert queued.status == "queued" and queued.caption is None
+        await work_until_idle(worker)
+        assert worker.stats.done == 4
+        widths = {job.job_id: 64 + i for i, job in enumerate(jobs[:3])} | {jobs[3].job_id: 80}
+        for job in jobs:
+            result = await get_result(worker.redis, job.job_id)
+            assert result.status == "done"
+            assert result.caption == f"{widths[job.job_id]}x48 JPEG: who is at {job.camera_id}?"
+            assert (result.camera_id, result.person_count, result.frame_ts) == (job.camera_id, 1, 1.5)
+            assert result.finished_at >= result.created_at
+        north = await recent_captions(worker.redis, camera="north", limit=10)
+        assert sorted(r.id for r in north) == sorted(job.job_id for job in jobs[:3])
+        finished = [r.finished_at for r in north]
+        assert finished == sorted(finished, reverse=True)  # newest first
+        assert len(await recent_captions(worker.redis)) == 4
+        assert await recent_captions(worker.redis, limit=2) == (await recent_captions(worker.redis))[:2]
+        assert await queue_stats(worker.redis) == {"backlog": 0, "pending": 0, "dead": 0}
+        assert await get_result(worker.redis, "no-such-job") is None
+        await worker.redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_redelivered_job_yields_no_second_caption(redis_url):
+    job = make_job()
+    enqueue(redis_url, [job])
+    client = redis.Redis.from_url(redis_url)
+
+    async def scenario() -> None:
+        worker = QueueWorker(redis_url, PillowCaptioner(), block_seconds=0.1)
+        await work_until_idle(worker)
+        # The same job arrives again, e.g. re-added by hand or by a producer that lost its reply.
+        client.xadd(JOBS_STREAM, job.to_fields())
+        await work_until_idle(worker)
+        assert (worker.stats.done, worker.stats.duplicates) == (1, 1)
+        await worker.redis.aclose()
+
+    asyncio.run(scenario())
+    assert client.xlen(CAPTIONS_STREAM) == 1
+    assert client.xlen(DEAD_STREAM) == 0
+    # A producer re-sending a job it already enqueued is a no-op too.
+    assert enqueue(redis_url, [job]).stats.enqueued == 0
+    assert client.xlen(JOBS_STREAM) == 0
+    client.close()
+
+
+def test_poison_job_is_dead_lettered_after_max_deliveries_and_the_queue_goes_on(redis_url):
+    poison = make_job("cam", image=b"this is not a jpeg")
+    good = [make_job("cam", width=70), make_job("cam", width=71)]
+    enqueue(redis_url, [good[0], poison, good[1]])
+
+    async def scenario() -> None:
+        captioner = PillowCaptioner()
+        worker = QueueWorker(redis_url, captioner, claim_idle_seconds=0, max_deliveries=3, block_seconds=0.1)
+        await work_until_idle(worker)
+        assert captioner.calls == 2 + 3  # the good ones once, the poison one three times
+        assert (worker.stats.done, worker.stats.dead, worker.stats.failed_attempts) == (2, 1, 3)
+        failed = await get_result(worker.redis, poison.job_id)
+        assert failed.status == "failed" and failed.deliveries == 3
+        assert "UnidentifiedImageError" in failed.error
+        for job in good:
+            assert (await get_result(worker.redis, job.job_id)).status == "done"
+        await worker.redis.aclose()
+
+    asyncio.run(scenario())
+    client = redis.Redis.from_url(redis_url)
+    dead = client.xrange(DEAD_STREAM)
+    assert len(dead) == 1
+    fields = dead[0][1]
+    assert fields[b"job_id"].decode() == poison.job_id
+    assert fields[b"image"] == b"this is not a jpeg"
+    assert fields[b"deliveries"] == b"3" and b"UnidentifiedImageError" in fields[b"error"]
+    assert client.xlen(JOBS_STREAM) == 0
+    client.close()
+
+
+def test_entry_that_is_not_a_job_is_dead_lettered_at_once(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    client.xadd(JOBS_STREAM, {"camera_id": "x", "garbage": "1"})
+
+    async def scenario() -> None:
+        worker = QueueWorker(redis_url, PillowCaptioner(), block_seconds=0.1)
+        await work_until_idle(worker)
+        assert worker.stats.dead == 1
+        await worker.redis.aclose()
+
+    asyncio.run(scenario())
+    (_, fields), = client.xrange(DEAD_STREAM)
+    assert b"lacks field" in fields[b"error"] and fields[b"garbage"] == b"1"
+    client.close()
+
+
+def test_skip_new_backpressure_keeps_the_queue_at_its_limit(redis_url):
+    producer = enqueue(redis_url, [make_job() for _ in range(5)], stream_maxlen=3)
+    assert (producer.stats.enqueued, producer.stats.skipped_backpressure) == (3, 2)
+    client = redis.Redis.from_url(redis_url)
+    assert client.xlen(JOBS_STREAM) == 3
+    client.close()
+
+
+def test_drop_oldest_backpressure_dead_letters_only_unread_jobs(redis_url):
+    first = [make_job(frame_ts=float(i)) for i in range(3)]
+    enqueue(redis_url, first, stream_maxlen=3)
+    client = redis.Redis.from_url(redis_url)
+    client.xgroup_create(JOBS_STREAM, CONSUMER_GROUP, id="0")
+    client.xreadgroup(CONSUMER_GROUP, "busy", {JOBS_STREAM: ">"}, count=1)  # first[0] is being captioned
+    later = [make_job(frame_ts=10.0 + i) for i in range(3)]
+    producer = enqueue(redis_url, later, stream_maxlen=3, backpressure=Backpressure.DROP_OLDEST)
+    assert (producer.stats.enqueued, producer.stats.dropped_backpressure) == (3, 3)
+
+    in_stream = [Job.from_fields(f).job_id for _, f in client.xrange(JOBS_STREAM)]
+    dead = [f[b"job_id"].decode() for _, f in client.xrange(DEAD_STREAM)]
+    assert in_stream[0] == first[0].job_id  # the job being read was not pulled away
+    assert sorted(dead) == sorted([first[1].job_id, first[2].job_id, later[0].job_id])
+    # Every job is in exactly one place.
+    assert sorted(in_stream + dead) == sorted(j.job_id for j in first + later)
+    assert client.hget(result_key(first[1].job_id), "status") == b"failed"
+    client.close()
+
+
+def test_tail_captions_yields_new_results_as_they_finish(redis_url):
+    enqueue(redis_url, [make_job("a")])
+
+    async def scenario() -> None:
+        worker = QueueWorker(redis_url, PillowCaptioner(), block_seconds=0.1)
+        await work_until_idle(worker)  # this one finished before the tail started: not yielded
+        jobs = [make_job("a"), make_job("b")]
+        tail = tail_captions(worker.redis, block_seconds=0.2)
+        first = asyncio.ensure_future(tail.__anext__())
+        await asyncio.sleep(0)  # let the tail take its starting point
+        enqueue(redis_url, jobs)
+        await work_until_idle(worker)
+        got = [(await first)[1].id, (await tail.__anext__())[1].id]
+        assert sorted(got) == sorted(j.job_id for j in jobs)
+        only_b = tail_captions(worker.redis, camera="b", after="0-0", block_seconds=0.2)
+        assert (await only_b.__anext__())[1].id == jobs[1].job_id
+        await tail.aclose()
+        await only_b.aclose()
+        await worker.redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_openai_captioner_over_http_with_priority(redis_url):
+    server = ChatServer()
+    try:
+        enqueue(redis_url, [make_job("web", width=90), make_job("web", image=b"\x00broken")])
+
+        async def scenario() -> None:
+            captioner = OpenAICaptioner(server.url.removesuffix("/v1"), model="m")
+            worker = QueueWorker(redis_url, captioner, claim_idle_seconds=0, max_deliveries=1, priority=7,
+                                 block_seconds=0.1)
+            await work_until_idle(worker)
+            done, dead = sorted(await recent_captions(worker.redis), key=lambda r: r.status)
+            assert done.caption == "90x48 JPEG: who is at web?"
+            assert dead.status == "failed" and "invalid image" in dead.error
+            await captioner.aclose()
+            await worker.redis.aclose()
+
+        asyncio.run(scenario())
+        assert server.priorities == [7, 7]
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_deliveries": 0}, "max_deliveries"),
+    ({"claim_idle_seconds": -1}, "claim_idle_seconds"),
+    ({"batch_size": 0}, "batch_size"),
+])
+def test_bad_worker_settings_are_named(redis_url, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        QueueWorker(redis_url, PillowCaptioner(), **kwargs)
+
+
+def test_bad_vlm_url_is_named():
+    with pytest.raises(ValueError, match="ftp://x"):
+        OpenAICaptioner("ftp://x")
