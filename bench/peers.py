@@ -1,0 +1,260 @@
+"""`vlmcap bench peers`: the same text-only workload through this engine, through transformers'
+`generate` with static batches, and through transformers' own continuous batching, on the same model,
+dtype and threads; plus the decode roofline of this machine.
+
+The workload follows vLLM's random dataset: prompt and output lengths drawn uniformly from
+[len * (1 - range_ratio), len * (1 + range_ratio)] with a seed; EOS is ignored so every system
+produces exactly the drawn number of tokens. All requests arrive at once; a request's latency is the
+time from that moment to its last token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from bench.report import machine, write_json
+from engine import Engine, EngineConfig, SamplingParams
+
+WORDS = (
+    "the camera shows a person walking past a parked bus while two people talk near the entrance of a busy "
+    "station and a cyclist waits at the corner under the rain"
+).split()
+
+
+@dataclass
+class PeersConfig:
+    model: str = "dummy:smolvlm-256m"
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    requests: int = 32
+    input_len: int = 128
+    output_len: int = 64
+    range_ratio: float = 0.5
+    seed: int = 0
+    hf_batch_size: int = 8
+    budget: int = 2048
+    threads: int | None = None
+
+
+@dataclass
+class Workload:
+    prompts: list[str]
+    prompt_ids: list[list[int]]
+    output_lens: list[int]
+
+
+def make_workload(cfg: PeersConfig, tokenizer: Any) -> Workload:
+    rng = random.Random(cfg.seed)
+
+    def draw(length: int) -> int:
+        return rng.randint(max(1, int(length * (1 - cfg.range_ratio))), int(length * (1 + cfg.range_ratio)))
+
+    prompts, ids, outs = [], [], []
+    for _ in range(cfg.requests):
+        target = draw(cfg.input_len)
+        words = [rng.choice(WORDS) for _ in range(target * 2)]
+        tokens = tokenizer(" ".join(words), add_special_tokens=False)["input_ids"][:target]
+        text = tokenizer.decode(tokens)
+        prompts.append(text)
+        ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        outs.append(draw(cfg.output_len))
+    return Workload(prompts, ids, outs)
+
+
+def _result(tokens: int, span: float, latencies: list[float]) -> dict[str, Any]:
+    ms = sorted(x * 1000.0 for x in latencies)
+    return {
+        "output_tok_s": tokens / span,
+        "latency_ms": {"p50": statistics.median(ms), "p99": ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]},
+        "seconds": span,
+    }
+
+
+def run_engine(engine: Engine, work: Workload) -> tuple[dict[str, Any], list[tuple[float, int, int]]]:
+    began = time.perf_counter()
+    finish: dict[str, float] = {}
+    for prompt, n in zip(work.prompts, work.output_lens):
+        engine.add_request(prompt=prompt, sampling=SamplingParams(max_tokens=n, ignore_eos=True))
+    steps = []  # (seconds, tokens in the step, running requests)
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        running = engine.stats()["num_running"] + engine.stats()["num_waiting"]
+        outputs = engine.step()
+        now = time.perf_counter()
+        steps.append((now - start, engine.stats()["last_step_num_tokens"], running))
+        finish.update({o.request_id: now - began for o in outputs if o.finished})
+    span = time.perf_counter() - began
+    return _result(sum(work.output_lens), span, list(finish.values())), steps
+
+
+def run_hf_generate(model: Any, tokenizer: Any, work: Workload, batch_size: int) -> dict[str, Any]:
+    """Static batches in arrival order, left-padded; each batch runs until its longest output is done."""
+    tokenizer.padding_side = "left"
+    began = time.perf_counter()
+    latencies = []
+    for first in range(0, len(work.prompt_ids), batch_size):
+        ids = work.prompt_ids[first : first + batch_size]
+        outs = work.output_lens[first : first + batch_size]
+        batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(model.device)
+        with torch.inference_mode():
+            model.generate(**batch, max_new_tokens=max(outs), min_new_tokens=max(outs), do_sample=False)
+        latencies += [time.perf_counter() - began] * len(ids)
+    return _result(sum(work.output_lens), time.perf_counter() - began, latencies)
+
+
+def run_hf_generate_batch(model: Any, work: Workload) -> dict[str, Any]:
+    """transformers' continuous batching manager, each request with its own output length."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max(work.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
+    began = time.perf_counter()
+    latencies = []
+    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
+        for ids, n in zip(work.prompt_ids, work.output_lens):
+            manager.add_request(ids, max_new_tokens=n, eos_token_id=-1)
+        while len(latencies) < len(work.prompt_ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                latencies.append(time.perf_counter() - began)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching stopped before finishing the workload")
+    return _result(sum(work.output_lens), time.perf_counter() - began, latencies)
+
+
+def memory_bandwidth_gb_s(device: torch.device, megabytes: int = 256, repeats: int = 7) -> float:
+    """Median copy bandwidth (bytes read plus bytes written per second)."""
+    src = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
+
+
+def decode_step_ms(engine: Engine, batch: int, steps: int = 16) -> float:
+    """Median time of a step in which `batch` requests each decode one token."""
+    for _ in range(batch):
+        engine.add_request(prompt=" ".join(WORDS), sampling=SamplingParams(max_tokens=steps + 2, ignore_eos=True))
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        if engine.stats()["last_step_num_tokens"] == batch:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000.0
+
+
+def roofline(engine: Engine, batch: int) -> dict[str, Any]:
+    """Each decode step reads every weight of the text model and the output head once."""
+    text = engine.adapter.text_model
+    weights = sum(p.numel() * p.element_size() for p in text.parameters())
+    weights -= engine.adapter.embed_tokens.weight.numel() * engine.adapter.embed_tokens.weight.element_size()
+    weights += sum(p.numel() * p.element_size() for p in engine.adapter.lm_head.parameters())
+    bandwidth = memory_bandwidth_gb_s(engine.device)
+    floor = weights / (bandwidth * 1e9) * 1000.0
+    at_one = decode_step_ms(engine, 1)
+    at_batch = decode_step_ms(engine, batch)
+    return {
+        "memory_bandwidth_gb_s": bandwidth,
+        "weight_bytes_per_decode_step": weights,
+        "decode_step_floor_ms": floor,
+        "engine_decode_step_ms": {"batch_1": at_one, f"batch_{batch}": at_batch},
+        "engine_vs_floor_at_batch_1": at_one / floor,
+    }
+
+
+@contextlib.contextmanager
+def transformers_attention(engine: Engine):
+    """Run the engine's model with transformers' own attention (the peers), then give it back."""
+    text_config = engine.adapter.text_model.config
+    ours = text_config._attn_implementation
+    text_config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        text_config._attn_implementation = ours
+
+
+def run_peers(cfg: PeersConfig) -> dict[str, Any]:
+    engine = Engine(
+        EngineConfig(
+            model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_batched_tokens=cfg.budget,
+            max_num_seqs=max(cfg.requests, 1), num_threads=cfg.threads,
+        )
+    )
+    model, tokenizer = engine.adapter.model, engine.tokenizer
+    work = make_workload(cfg, tokenizer)
+    engine_result, steps = run_engine(engine, work)
+    with transformers_attention(engine):
+        results = {
+            "engine": engine_result,
+            "hf_generate": run_hf_generate(model, tokenizer, work, cfg.hf_batch_size),
+            "hf_generate_batch": run_hf_generate_batch(model, work),
+        }
+    ratios = {
+        f"engine_vs_{peer}": results["engine"]["output_tok_s"] / results[peer]["output_tok_s"]
+        for peer in ("hf_generate", "hf_generate_batch")
+    }
+    peak_batch = max(running for _, _, running in steps)
+    return {
+        "config": asdict(cfg),
+        "machine": machine(),
+        "workload": {"prompt_tokens": sum(map(len, work.prompt_ids)), "output_tokens": sum(work.output_lens)},
+        "results": results,
+        "ratios": ratios,
+        "roofline": roofline(engine, min(peak_batch, cfg.requests)),
+    }
+
+
+def summary(result: dict[str, Any]) -> str:
+    lines = [f"{'system':<20}{'out tok/s':>11}{'p50 ms':>10}{'p99 ms':>10}"]
+    for name, r in result["results"].items():
+        lines.append(
+            f"{name:<20}{r['output_tok_s']:>11.1f}{r['latency_ms']['p50']:>10.0f}{r['latency_ms']['p99']:>10.0f}"
+        )
+    lines += [f"{k}: {v:.2f}x" for k, v in result["ratios"].items()]
+    if "roofline" in result:
+        roof = result["roofline"]
+        lines.append(
+            f"decode floor {roof['decode_step_floor_ms']:.1f} ms ({roof['memory_bandwidth_gb_s']:.0f} GB/s); "
+            f"engine decode step {roof['engine_decode_step_ms']}"
+        )
+    return "\n".join(lines)
+
+
+def save(result: dict[str, Any], json_path: str | None, png_path: str | None) -> None:
+    if json_path:
+        write_json(json_path, result)
+    if png_path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        names = list(result["results"])
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+        left.bar(names, [result["results"][n]["output_tok_s"] for n in names], color="tab:blue")
+        left.set_ylabel("output tokens / s")
+        for i, key in enumerate(("p50", "p99")):
+            right.bar([x + 0.4 * i for x in range(len(names))], [result["results"][n]["latency_ms"][key] for n in names],
+                      width=0.4, label=key)
+        right.set_xticks([x + 0.2 for x in range(len(names))], names)
+        right.set_ylabel("request latency (ms)")
+        right.legend()
+        fig.suptitle(f"{result['config']['model']} {result['config']['dtype']}: {result['config']['requests']} requests")
+        fig.tight_layout()
+        fig.savefig(png_path, dpi=110)
+        plt.close(fig)

@@ -1,0 +1,49 @@
+"""Shared helpers of the benchmarks: percentiles, the machine's description, JSON output."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def percentiles_ms(seconds: list[float]) -> dict[str, float]:
+    """p50, p99 and max of durations given in seconds, in milliseconds (NaN when there are none)."""
+    if not seconds:
+        return {"p50": float("nan"), "p99": float("nan"), "max": float("nan")}
+    ms = np.asarray(seconds) * 1000.0
+    return {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)), "max": float(ms.max())}
+
+
+def machine() -> dict[str, Any]:
+    info = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2, allow_nan=True) + "\n")
+
+
+def sample_images() -> list:
+    """The real photos with people that the ultralytics wheel ships (bus.jpg, zidane.jpg)."""
+    import importlib.util
+
+    from PIL import Image
+
+    assets = Path(importlib.util.find_spec("ultralytics").submodule_search_locations[0]) / "assets"
+    return [Image.open(assets / name).convert("RGB") for name in ("bus.jpg", "zidane.jpg")]

@@ -1,0 +1,170 @@
+"""`vlmcap bench stall`: do running chats freeze while a camera prompt with thousands of image tokens
+is prefilled?
+
+Several chats decode; then a prompt with `images` photos arrives. The same scenario runs with chunked
+prefill on, with chunked prefill off, and with chunking on but no per-step encoder budget. For each run:
+the chats' inter-token latency over the window in which the image prompt is prefilled (from its
+arrival to its first token), outside that window, the image prompt's time to first token, output
+tokens per second, and the number of steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from bench.report import machine, percentiles_ms, sample_images, write_json
+from engine import Engine, EngineConfig, SamplingParams
+
+CHAT_PROMPT = "User: Tell me a long story about a bus driver in a rainy city.<end_of_utterance>\nAssistant:"
+IMAGE_PROMPT = "User:{markers}Describe each person you see and what they are doing.<end_of_utterance>\nAssistant:"
+
+
+@dataclass
+class StallConfig:
+    model: str = "dummy:smolvlm-256m"
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    chats: int = 8
+    images: int = 2
+    budget: int = 256
+    encoder_budget: int = 1
+    warmup_steps: int = 4
+    after_steps: int = 8
+    threads: int | None = None
+
+
+# name: (chunked prefill, per-step encoder budget)
+RUNS = {
+    "chunked": (True, True),
+    "unchunked": (False, False),
+    "chunked_no_encoder_budget": (True, False),
+}
+
+
+def _run(cfg: StallConfig, chunked: bool, encoder_budget: bool, images: list) -> dict[str, Any]:
+    engine = Engine(
+        EngineConfig(
+            model=cfg.model,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            max_num_batched_tokens=cfg.budget,
+            max_num_seqs=max(cfg.chats + 1, 2),
+            enable_chunked_prefill=chunked,
+            max_encoder_inputs_per_step=cfg.encoder_budget if encoder_budget else None,
+            num_threads=cfg.threads,
+        )
+    )
+    chats = [
+        engine.add_request(prompt=CHAT_PROMPT, sampling=SamplingParams(max_tokens=100_000, ignore_eos=True))
+        for _ in range(cfg.chats)
+    ]
+    token_times: dict[str, list[float]] = {c: [] for c in chats}
+    steps = []  # (start, end, tokens in the step)
+    began = time.perf_counter()
+
+    def step() -> list:
+        start = time.perf_counter()
+        outputs = engine.step()
+        end = time.perf_counter()
+        steps.append((start - began, end - began, engine.stats()["last_step_num_tokens"]))
+        for out in outputs:
+            if out.request_id in token_times:
+                token_times[out.request_id].append(end - began)
+        return outputs
+
+    while not all(engine.requests[c].is_decoding for c in chats):
+        step()
+    for _ in range(cfg.warmup_steps):
+        step()
+    arrival = time.perf_counter() - began
+    prompt = IMAGE_PROMPT.format(markers="<image>" * cfg.images)
+    camera = engine.add_request(prompt=prompt, images=images[: cfg.images], sampling=SamplingParams(max_tokens=4))
+    prompt_tokens = engine.requests[camera].num_prompt_tokens
+    first_step = len(steps)
+    first_token = None
+    while first_token is None:
+        if any(o.request_id == camera for o in step()):
+            first_token = time.perf_counter() - began
+    window_steps = len(steps) - first_step
+    for _ in range(cfg.after_steps):
+        step()
+
+    inside, outside = [], []
+    for times in token_times.values():
+        for prev, now in zip(times, times[1:]):
+            (inside if arrival < now <= first_token else outside).append(now - prev)
+    measured = steps[first_step:]
+    span = measured[-1][1] - measured[0][0]
+    tokens_out = sum(1 for times in token_times.values() for t in times if t > steps[first_step][0]) + 1
+    return {
+        "itl_ms": percentiles_ms(inside),
+        "itl_outside_window_ms": percentiles_ms(outside),
+        "ttft_ms": (first_token - arrival) * 1000.0,
+        "throughput_tok_s": tokens_out / span,
+        "steps": window_steps,
+        "max_step_tokens": max(s[2] for s in measured),
+        "image_prompt_tokens": prompt_tokens,
+        "encoder_inputs": engine.stats()["encoder_inputs_encoded"],
+        "timeline": {
+            "window": [arrival, first_token],
+            "streams": [token_times[c] for c in chats],
+        },
+    }
+
+
+def run_stall(cfg: StallConfig) -> dict[str, Any]:
+    if not 1 <= cfg.images <= 8:
+        raise ValueError(f"images must be between 1 and 8, got {cfg.images}")
+    photos = sample_images()
+    images = [photos[i % len(photos)] for i in range(cfg.images)]
+    runs = {name: _run(cfg, chunked, encoder_budget, images) for name, (chunked, encoder_budget) in RUNS.items()}
+    return {"config": asdict(cfg), "machine": machine(), "runs": runs}
+
+
+def plot_stall(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.2 * len(runs)), squeeze=False)
+    for ax, (name, run) in zip(axes[:, 0], runs.items()):
+        timeline = run["timeline"]
+        arrival, first_token = timeline["window"]
+        last = max(max(times) for times in timeline["streams"]) - arrival
+        lead = 0.25 * last  # show some steady decoding before the image prompt arrives
+        ax.axvspan(0, first_token - arrival, color="orange", alpha=0.25, label="image prefill")
+        for row, times in enumerate(timeline["streams"]):
+            xs = [t - arrival for t in times if t - arrival >= -lead]
+            ax.plot(xs, [row] * len(xs), "|", color="tab:blue", markersize=8)
+        ax.set_xlim(-lead, last * 1.02)
+        ax.set_yticks(range(len(timeline["streams"])))
+        itl = run["itl_ms"]
+        ax.set_title(f"{name}: chat ITL in window p50 {itl['p50']:.0f} ms, max {itl['max']:.0f} ms", fontsize=9)
+        ax.set_ylabel("chat")
+    axes[-1, 0].set_xlabel("seconds from the image prompt's arrival")
+    axes[0, 0].legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary(result: dict[str, Any]) -> str:
+    lines = [f"{'run':<28}{'ITL p50':>9}{'p99':>9}{'max':>9}{'TTFT':>10}{'tok/s':>8}{'steps':>7}"]
+    for name, run in result["runs"].items():
+        itl = run["itl_ms"]
+        lines.append(
+            f"{name:<28}{itl['p50']:>9.0f}{itl['p99']:>9.0f}{itl['max']:>9.0f}{run['ttft_ms']:>10.0f}"
+            f"{run['throughput_tok_s']:>8.1f}{run['steps']:>7}"
+        )
+    return "\n".join(lines) + "\n(ms; ITL of the chats while the image prompt is prefilled)"
+
+
+def save(result: dict[str, Any], json_path: str | None, png_path: str | None) -> None:
+    if json_path:
+        write_json(json_path, result)
+    if png_path:
+        plot_stall(result, png_path)

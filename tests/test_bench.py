@@ -1,0 +1,51 @@
+"""Each benchmark runs on a small setting and writes well-formed JSON and a PNG. No timings are
+asserted: those belong to BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from typer.testing import CliRunner
+
+from api.cli import app
+
+
+def invoke(args: list[str]) -> None:
+    result = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+
+
+def is_png(path) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_stall_writes_three_runs(tmp_path):
+    out, png = tmp_path / "stall.json", tmp_path / "stall.png"
+    invoke(["bench", "stall", "--model", "tiny", "--dtype", "float32", "--chats", "2", "--images", "1",
+            "--budget", "16", "--after-steps", "2", "--json", str(out), "--png", str(png)])
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"chunked", "unchunked", "chunked_no_encoder_budget"}
+    for run in result["runs"].values():
+        assert set(run["itl_ms"]) == {"p50", "p99", "max"}
+        assert run["ttft_ms"] > 0 and run["throughput_tok_s"] > 0 and run["steps"] >= 1
+    # One oversized step without chunking; several budget-sized steps with it.
+    assert result["runs"]["unchunked"]["steps"] == 1
+    assert result["runs"]["chunked"]["steps"] > 1
+    assert result["runs"]["chunked"]["max_step_tokens"] <= 16 < result["runs"]["unchunked"]["max_step_tokens"]
+    assert is_png(png)
+
+
+def test_bench_peers_compares_three_systems(tmp_path):
+    out, png = tmp_path / "peers.json", tmp_path / "peers.png"
+    invoke(["bench", "peers", "--model", "tiny", "--dtype", "float32", "--requests", "3", "--input-len", "16",
+            "--output-len", "4", "--hf-batch-size", "2", "--json", str(out), "--png", str(png)])
+    result = json.loads(out.read_text())
+    assert set(result["results"]) == {"engine", "hf_generate", "hf_generate_batch"}
+    for peer in result["results"].values():
+        assert peer["output_tok_s"] > 0
+        assert 0 < peer["latency_ms"]["p50"] <= peer["latency_ms"]["p99"]
+    assert set(result["ratios"]) == {"engine_vs_hf_generate", "engine_vs_hf_generate_batch"}
+    roof = result["roofline"]
+    assert roof["weight_bytes_per_decode_step"] > 0 and math.isfinite(roof["decode_step_floor_ms"])
+    assert is_png(png)
