@@ -249,12 +249,13 @@ def save(result: dict[str, Any], json_path: str | None, png_path: str | None) ->
         left.bar(names, [result["results"][n]["output_tok_s"] for n in names], color="tab:blue")
         left.set_ylabel("output tokens / s")
         for i, key in enumerate(("p50", "p99")):
-            right.bar([x + 0.4 * i for x in range(len(names))], [result["results"][n]["latency_ms"][key] for n in names],
-                      width=0.4, label=key)
+            latencies = [result["results"][n]["latency_ms"][key] for n in names]
+            right.bar([x + 0.4 * i for x in range(len(names))], latencies, width=0.4, label=key)
         right.set_xticks([x + 0.2 for x in range(len(names))], names)
         right.set_ylabel("request latency (ms)")
         right.legend()
-        fig.suptitle(f"{result['config']['model']} {result['config']['dtype']}: {result['config']['requests']} requests")
+        config = result["config"]
+        fig.suptitle(f"{config['model']} {config['dtype']}: {config['requests']} requests")
         fig.tight_layout()
         fig.savefig(png_path, dpi=110)
         plt.close(fig)
