@@ -1,0 +1,151 @@
+"""Nothing is lost when things die: a worker process killed mid-job (SIGKILL) leaves its jobs pending and
+a second consumer reclaims and finishes them; Redis restarted under a running pipeline and worker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import redis
+from queue_support import ChatServer, PillowCaptioner, make_job
+from test_queue_worker import enqueue, work_until_idle
+
+from api.queue_worker import OpenAICaptioner, QueueWorker, get_result, queue_stats
+from pipeline.contract import CAPTIONS_STREAM, CONSUMER_GROUP, DEAD_STREAM, JOBS_STREAM, CaptionResult
+from pipeline.redis_conn import EmbeddedRedis
+from pipeline.runner import CameraPipeline, PipelineConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def wait_for(condition, what: str, timeout: float = 30.0, interval: float = 0.05) -> None:
+    """Poll until `condition()` holds; the deadline only turns a hang into a clear failure."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.mark.timeout(120)
+def test_worker_killed_mid_job_loses_nothing(redis_url):
+    server = ChatServer()
+    server.hold.set()  # the first worker's requests hang: it dies with jobs in flight
+    jobs = [make_job("k", width=60 + i) for i in range(4)]
+    enqueue(redis_url, jobs)
+    doomed = subprocess.Popen(
+        [sys.executable, "-c", "from api.cli import app; app()", "worker", "--vlm-url", server.url,
+         "--redis-url", redis_url, "--consumer-name", "doomed", "--batch-size", "2"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    client = redis.Redis.from_url(redis_url)
+    try:
+        def running() -> int:
+            return sum(client.hget(f"vlmcap:result:{j.job_id}", "status") == b"running" for j in jobs)
+
+        wait_for(lambda: server.received == 2 and running() == 2 or doomed.poll() is not None,
+                 "the worker to start two jobs", timeout=60)
+        assert doomed.poll() is None, doomed.stderr.read().decode()[-2000:]
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+        pending = client.xpending(JOBS_STREAM, CONSUMER_GROUP)
+        assert pending["pending"] == 2 and pending["consumers"] == [{"name": b"doomed", "pending": 2}]
+        assert running() == 2  # still shown as running: nobody has finished them
+
+        server.hold.clear()
+
+        async def rescue() -> tuple[QueueWorker, list[CaptionResult]]:
+            captioner = OpenAICaptioner(server.url)
+            rescuer = QueueWorker(redis_url, captioner, consumer_name="rescuer", claim_idle_seconds=0.3,
+                                  block_seconds=0.1)
+            await work_until_idle(rescuer, max_rounds=200)
+            assert await queue_stats(rescuer.redis) == {"backlog": 0, "pending": 0, "dead": 0}
+            results = [await get_result(rescuer.redis, j.job_id) for j in jobs]
+            await captioner.aclose()
+            await rescuer.redis.aclose()
+            return rescuer, results
+
+        rescuer, results = asyncio.run(rescue())
+        assert rescuer.stats.claimed == 2 and rescuer.stats.done == 4
+        for width, result in enumerate(results, start=60):
+            assert (result.status, result.caption) == ("done", f"{width}x48 JPEG: who is at k?")
+        # The two the dead worker held were delivered twice; exactly one caption per job on the feed.
+        assert sorted(r.deliveries for r in results) == [1, 1, 2, 2]
+        feed = [CaptionResult.from_fields(f).id for _, f in client.xrange(CAPTIONS_STREAM)]
+        assert sorted(feed) == sorted(j.job_id for j in jobs)
+        assert client.xlen(DEAD_STREAM) == 0
+    finally:
+        if doomed.poll() is None:
+            doomed.kill()
+            doomed.wait()
+        client.close()
+        server.close()
+
+
+@pytest.mark.timeout(180)
+def test_redis_restart_under_running_pipeline_and_worker(tmp_path, sample_video):
+    """A fresh Redis on a fixed port and data dir, restarted while a looping camera pipeline and a worker
+    run against it: both ride out the outage and captions resume for jobs made after the restart."""
+    if os.environ.get("REDIS_URL"):
+        pytest.skip("restarts its own embedded Redis; REDIS_URL names an external one")
+    server = EmbeddedRedis(data_dir=tmp_path / "redis")
+    port, url = server.port, server.url
+    stop_pipeline = threading.Event()
+    pipeline = CameraPipeline(PipelineConfig(
+        source=str(sample_video), camera_id="restart", redis_url=url, detector="hog", loop=True,
+        track_cooldown_seconds=2.0, max_backoff_seconds=0.5,
+    ))
+    outcome: dict[str, object] = {}
+
+    def run_pipeline() -> None:
+        try:
+            outcome["pipeline"] = pipeline.run(stop_pipeline)
+        except BaseException as err:  # reported by the assertion below
+            outcome["pipeline"] = err
+
+    worker_loop = asyncio.new_event_loop()
+    worker = QueueWorker(url, PillowCaptioner(), block_seconds=0.2, max_backoff_seconds=0.5)
+    stop_worker = asyncio.Event()
+
+    def run_worker() -> None:
+        try:
+            worker_loop.run_until_complete(worker.run(stop_worker))
+            outcome["worker"] = "stopped"
+        except BaseException as err:
+            outcome["worker"] = err
+
+    threads = [threading.Thread(target=run_pipeline), threading.Thread(target=run_worker)]
+    for thread in threads:
+        thread.start()
+    client = redis.Redis.from_url(url, socket_connect_timeout=1)
+    try:
+        wait_for(lambda: worker.stats.done >= 1, "a first caption", timeout=60)
+        server.close()
+        wait_for(lambda: pipeline.producer.stats.redis_errors >= 1 and worker.stats.redis_errors >= 1,
+                 "both sides to notice the outage", timeout=60)
+        restarted_at = time.time()
+        server = EmbeddedRedis(port=port, data_dir=tmp_path / "redis")
+
+        def captioned_after_restart() -> bool:
+            results = [CaptionResult.from_fields(f) for _, f in client.xrange(CAPTIONS_STREAM)]
+            return any(r.status == "done" and r.created_at > restarted_at for r in results)
+
+        wait_for(captioned_after_restart, "a caption of a job made after the restart", timeout=90)
+    finally:
+        stop_pipeline.set()
+        worker_loop.call_soon_threadsafe(stop_worker.set)
+        for thread in threads:
+            thread.join(30)
+        worker_loop.run_until_complete(worker.redis.aclose())
+        worker_loop.close()
+        client.close()
+        server.close()
+    assert isinstance(outcome["pipeline"], dict), outcome["pipeline"]
+    assert outcome["worker"] == "stopped"
+    assert outcome["pipeline"]["redis_errors"] >= 1
