@@ -50,6 +50,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.enable_chunked_prefill and self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_seqs ({self.max_num_seqs}) must not exceed max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}): every running decode needs a token of each step's budget"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import logging
 import os
 import threading
 import uuid
@@ -27,6 +28,8 @@ from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 ImageInput = Image.Image | bytes | bytearray | str | os.PathLike
 
@@ -182,7 +185,13 @@ class Engine:
         """Schedule, run one forward, and report every request that gained a token or finished."""
         with self._lock:
             scheduled = self.scheduler.schedule()
-            sampled = self.runner.execute(scheduled)
+            try:
+                sampled = self.runner.execute(scheduled)
+            except Exception:
+                # Input is validated in add_request, so this is a fault of the step itself (a bug, memory):
+                # end the requests it carried, free their blocks, and keep serving the others.
+                log.exception("step %d failed; ending the %d requests it carried", self._steps, len(scheduled.chunks))
+                return [self._fail(chunk.request) for chunk in scheduled.chunks]
             self.scheduler.update(scheduled, sampled)
             self._steps += 1
             self._last_step_num_tokens = scheduled.num_tokens
@@ -190,6 +199,22 @@ class Engine:
             outputs = [self._advance(self.requests[rid]) for rid in sampled]
             self.runner.drop_encoder_outputs(self.scheduler.take_freed_encoder_inputs())
             return outputs
+
+    def _fail(self, request: Request) -> RequestOutput:
+        self.scheduler.finish(request, "error")
+        self.requests.pop(request.request_id, None)
+        self.runner.drop_encoder_outputs(self.scheduler.take_freed_encoder_inputs())
+        return self._output(request)
+
+    def _output(self, request: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            token_ids=list(request.output_token_ids),
+            text=request.text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
 
     def _advance(self, request: Request) -> RequestOutput:
         params = request.sampling
@@ -205,14 +230,7 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(request, reason)
             del self.requests[request.request_id]
-        return RequestOutput(
-            request_id=request.request_id,
-            token_ids=list(request.output_token_ids),
-            text=text,
-            finished=reason is not None,
-            finish_reason=reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-        )
+        return self._output(request)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -169,3 +169,19 @@ def test_eos_ends_the_request_unless_ignored(make_engine, oracle):
         assert ignored.token_ids[: len(stopped.token_ids)] == stopped.token_ids
     finally:
         with_eos_bias.data[eos] = saved
+
+
+def test_a_failing_step_ends_only_its_requests_and_the_engine_keeps_serving(make_engine, oracle, photos):
+    engine = make_engine(max_num_batched_tokens=16, max_num_seqs=4)
+    broken = engine.add_request(prompt=PROMPTS[1], images=[photos[0]], sampling=SamplingParams(max_tokens=4))
+    engine.requests[broken].mm.encoder_inputs[0] = {}  # the vision encoder will fail on this tile
+    outputs = engine.step()
+    assert [(o.request_id, o.finished, o.finish_reason) for o in outputs] == [(broken, True, "error")]
+    assert engine.stats()["kv_blocks_used"] == 0 and not engine.has_unfinished_requests()
+    rid = engine.add_request(prompt=PROMPTS[1], images=[photos[0]], sampling=SamplingParams(max_tokens=6))
+    assert drain(engine)[rid].token_ids == oracle(PROMPTS[1], [photos[0]], 6)
+
+
+def test_budget_must_cover_one_token_per_running_request():
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig(max_num_batched_tokens=8, max_num_seqs=16)
