@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from pathlib import Path
 from typing import Protocol
 
@@ -65,6 +66,9 @@ class YoloDetector:
     own ByteTrack through `model.track(persist=True)` when its `lap` dependency is installed."""
 
     def __init__(self, weights: str, conf: float = 0.25, imgsz: int = 640, min_box_area: float = 0.0) -> None:
+        # Ultralytics otherwise pip-installs missing extras at run time (lap for tracking, pi-heif when
+        # PIL meets bytes it cannot identify); a camera node should not change its environment.
+        os.environ.setdefault("YOLO_AUTOINSTALL", "false")
         from ultralytics import YOLO
 
         if not 0.0 < conf < 1.0:

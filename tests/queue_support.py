@@ -4,7 +4,6 @@ chat-completions server that does the same over HTTP (and can hold requests, to 
 from __future__ import annotations
 
 import base64
-import io
 import json
 import threading
 import time
@@ -12,19 +11,25 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import cv2
 import numpy as np
-from PIL import Image
 
 from pipeline.contract import Detection, Job
 
 
+class UndecodableImage(ValueError):
+    pass
+
+
 def describe(image_jpeg: bytes, prompt: str) -> str:
-    """Raises PIL.UnidentifiedImageError for bytes that are not an image."""
-    with Image.open(io.BytesIO(image_jpeg)) as image:
-        image.load()
-        return f"{image.width}x{image.height} {image.format}: {prompt}"
+    """The image's size and the prompt; raises UndecodableImage for bytes that are not an image. (OpenCV
+    decodes here: once ultralytics is imported, its patch of PIL.Image.open tries to install a HEIF
+    plugin on unidentified bytes.)"""
+    image = cv2.imdecode(np.frombuffer(image_jpeg, np.uint8), cv2.IMREAD_COLOR)
+    if image is None:
+        raise UndecodableImage(f"{len(image_jpeg)} bytes that are not a decodable image")
+    return f"{image.shape[1]}x{image.shape[0]}: {prompt}"
 
 
-class PillowCaptioner:
+class DecodingCaptioner:
     """A real implementation of the Captioner protocol, without a model: the caption states the image's
     size, so it proves the bytes arrived intact."""
 

@@ -49,15 +49,21 @@ def test_only_frames_with_people_are_enqueued(redis_url, sample_video, sample_ma
     client.close()
 
 
-def test_crop_makes_the_image_the_people(redis_url, sample_video):
+@pytest.mark.parametrize("annotate", [Annotate.CROP, Annotate.BOXES])
+def test_job_image_can_be_cropped_or_boxed(redis_url, sample_video, annotate):
     config = PipelineConfig(source=str(sample_video), camera_id="c", redis_url=redis_url, detector="hog",
-                            annotate=Annotate.CROP)
+                            annotate=annotate, fps=2.0)
     CameraPipeline(config).run()
     jobs = _stream_jobs(redis_url)
     assert jobs
     for job in jobs:
         image = cv2.imdecode(np.frombuffer(job.image, np.uint8), cv2.IMREAD_COLOR)
-        assert image.shape[0] < 480 or image.shape[1] < 640
+        if annotate is Annotate.CROP:
+            assert image.shape[0] < 480 or image.shape[1] < 640
+        else:  # boxes drawn in pure green, a colour the photos do not have
+            assert image.shape == (480, 640, 3)
+            green = (image[:, :, 1] > 200) & (image[:, :, 0] < 60) & (image[:, :, 2] < 60)
+            assert green.sum() > 100
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import redis
-from queue_support import ChatServer, PillowCaptioner, make_job
+from queue_support import ChatServer, DecodingCaptioner, make_job
 from test_queue_worker import enqueue, work_until_idle
 
 from api.queue_worker import OpenAICaptioner, QueueWorker, get_result, queue_stats
@@ -74,7 +74,7 @@ def test_worker_killed_mid_job_loses_nothing(redis_url):
         rescuer, results = asyncio.run(rescue())
         assert rescuer.stats.claimed == 2 and rescuer.stats.done == 4
         for width, result in enumerate(results, start=60):
-            assert (result.status, result.caption) == ("done", f"{width}x48 JPEG: who is at k?")
+            assert (result.status, result.caption) == ("done", f"{width}x48: who is at k?")
         # The two the dead worker held were delivered twice; exactly one caption per job on the feed.
         assert sorted(r.deliveries for r in results) == [1, 1, 2, 2]
         feed = [CaptionResult.from_fields(f).id for _, f in client.xrange(CAPTIONS_STREAM)]
@@ -110,7 +110,7 @@ def test_redis_restart_under_running_pipeline_and_worker(tmp_path, sample_video)
             outcome["pipeline"] = err
 
     worker_loop = asyncio.new_event_loop()
-    worker = QueueWorker(url, PillowCaptioner(), block_seconds=0.2, max_backoff_seconds=0.5)
+    worker = QueueWorker(url, DecodingCaptioner(), block_seconds=0.2, max_backoff_seconds=0.5)
     stop_worker = asyncio.Event()
 
     def run_worker() -> None:

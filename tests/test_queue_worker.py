@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 import redis
-from queue_support import ChatServer, PillowCaptioner, make_job
+from queue_support import ChatServer, DecodingCaptioner, make_job
 
 from api.queue_worker import (
     OpenAICaptioner,
@@ -46,7 +46,7 @@ def test_every_job_gets_exactly_one_caption_and_results_are_readable(redis_url):
     assert enqueue(redis_url, jobs).stats.enqueued == 4
 
     async def scenario() -> None:
-        worker = QueueWorker(redis_url, PillowCaptioner(), block_seconds=0.1)
+        worker = QueueWorker(redis_url, DecodingCaptioner(), block_seconds=0.1)
         queued = await get_result(worker.redis, jobs[0].job_id)
         assert queued.status == "queued" and queued.caption is None
         await work_until_idle(worker)
@@ -55,7 +55,7 @@ def test_every_job_gets_exactly_one_caption_and_results_are_readable(redis_url):
         for job in jobs:
             result = await get_result(worker.redis, job.job_id)
             assert result.status == "done"
-            assert result.caption == f"{widths[job.job_id]}x48 JPEG: who is at {job.camera_id}?"
+            assert result.caption == f"{widths[job.job_id]}x48: who is at {job.camera_id}?"
             assert (result.camera_id, result.person_count, result.frame_ts) == (job.camera_id, 1, 1.5)
             assert result.finished_at >= result.created_at
         north = await recent_captions(worker.redis, camera="north", limit=10)
@@ -77,7 +77,7 @@ def test_redelivered_job_yields_no_second_caption(redis_url):
     client = redis.Redis.from_url(redis_url)
 
     async def scenario() -> None:
-        worker = QueueWorker(redis_url, PillowCaptioner(), block_seconds=0.1)
+        worker = QueueWorker(redis_url, DecodingCaptioner(), block_seconds=0.1)
         await work_until_idle(worker)
         # The same job arrives again, e.g. re-added by hand or by a producer that lost its reply.
         client.xadd(JOBS_STREAM, job.to_fields())
@@ -100,14 +100,14 @@ def test_poison_job_is_dead_lettered_after_max_deliveries_and_the_queue_goes_on(
     enqueue(redis_url, [good[0], poison, good[1]])
 
     async def scenario() -> None:
-        captioner = PillowCaptioner()
+        captioner = DecodingCaptioner()
         worker = QueueWorker(redis_url, captioner, claim_idle_seconds=0, max_deliveries=3, block_seconds=0.1)
         await work_until_idle(worker)
         assert captioner.calls == 2 + 3  # the good ones once, the poison one three times
         assert (worker.stats.done, worker.stats.dead, worker.stats.failed_attempts) == (2, 1, 3)
         failed = await get_result(worker.redis, poison.job_id)
         assert failed.status == "failed" and failed.deliveries == 3
-        assert "UnidentifiedImageError" in failed.error
+        assert "UndecodableImage" in failed.error
         for job in good:
             assert (await get_result(worker.redis, job.job_id)).status == "done"
         await worker.redis.aclose()
@@ -119,7 +119,7 @@ def test_poison_job_is_dead_lettered_after_max_deliveries_and_the_queue_goes_on(
     fields = dead[0][1]
     assert fields[b"job_id"].decode() == poison.job_id
     assert fields[b"image"] == b"this is not a jpeg"
-    assert fields[b"deliveries"] == b"3" and b"UnidentifiedImageError" in fields[b"error"]
+    assert fields[b"deliveries"] == b"3" and b"UndecodableImage" in fields[b"error"]
     assert client.xlen(JOBS_STREAM) == 0
     client.close()
 
@@ -129,7 +129,7 @@ def test_entry_that_is_not_a_job_is_dead_lettered_at_once(redis_url):
     client.xadd(JOBS_STREAM, {"camera_id": "x", "garbage": "1"})
 
     async def scenario() -> None:
-        worker = QueueWorker(redis_url, PillowCaptioner(), block_seconds=0.1)
+        worker = QueueWorker(redis_url, DecodingCaptioner(), block_seconds=0.1)
         await work_until_idle(worker)
         assert worker.stats.dead == 1
         await worker.redis.aclose()
@@ -172,7 +172,7 @@ def test_tail_captions_yields_new_results_as_they_finish(redis_url):
     enqueue(redis_url, [make_job("a")])
 
     async def scenario() -> None:
-        worker = QueueWorker(redis_url, PillowCaptioner(), block_seconds=0.1)
+        worker = QueueWorker(redis_url, DecodingCaptioner(), block_seconds=0.1)
         await work_until_idle(worker)  # this one finished before the tail started: not yielded
         jobs = [make_job("a"), make_job("b")]
         tail = tail_captions(worker.redis, block_seconds=0.2)
@@ -202,7 +202,7 @@ def test_openai_captioner_over_http_with_priority(redis_url):
                                  block_seconds=0.1)
             await work_until_idle(worker)
             done, dead = sorted(await recent_captions(worker.redis), key=lambda r: r.status)
-            assert done.caption == "90x48 JPEG: who is at web?"
+            assert done.caption == "90x48: who is at web?"
             assert dead.status == "failed" and "invalid image" in dead.error
             await captioner.aclose()
             await worker.redis.aclose()
@@ -220,9 +220,32 @@ def test_openai_captioner_over_http_with_priority(redis_url):
 ])
 def test_bad_worker_settings_are_named(redis_url, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        QueueWorker(redis_url, PillowCaptioner(), **kwargs)
+        QueueWorker(redis_url, DecodingCaptioner(), **kwargs)
 
 
 def test_bad_vlm_url_is_named():
     with pytest.raises(ValueError, match="ftp://x"):
         OpenAICaptioner("ftp://x")
+
+
+def test_job_whose_consumers_keep_dying_is_dead_lettered_without_another_attempt(redis_url):
+    job = make_job()
+    enqueue(redis_url, [job])
+    client = redis.Redis.from_url(redis_url)
+    client.xgroup_create(JOBS_STREAM, CONSUMER_GROUP, id="0")
+    (_, [(entry_id, _)]), = client.xreadgroup(CONSUMER_GROUP, "ghost-1", {JOBS_STREAM: ">"})
+    for ghost in ("ghost-2", "ghost-3"):  # two more consumers took it over and died too
+        client.xclaim(JOBS_STREAM, CONSUMER_GROUP, ghost, 0, [entry_id])
+
+    async def scenario() -> None:
+        captioner = DecodingCaptioner()
+        worker = QueueWorker(redis_url, captioner, claim_idle_seconds=0, max_deliveries=3, block_seconds=0.1)
+        await work_until_idle(worker)
+        assert captioner.calls == 0 and worker.stats.dead == 1
+        result = await get_result(worker.redis, job.job_id)
+        assert result.status == "failed" and result.error == "delivered 4 times without finishing"
+        await worker.redis.aclose()
+
+    asyncio.run(scenario())
+    assert client.xlen(DEAD_STREAM) == 1
+    client.close()
