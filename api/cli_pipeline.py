@@ -92,7 +92,7 @@ def worker(
     redis_url: Annotated[str | None, typer.Option(envvar="REDIS_URL", help=(
         "Redis 6.2+ URL. Without it an embedded Redis is started and its URL logged."))] = None,
     consumer_name: Annotated[str | None, typer.Option(envvar="VLMCAP_CONSUMER_NAME", help=(
-        "Name in the consumer group; default host-pid. Reuse a name to resume its pending jobs."))] = None,
+        "Name in the consumer group; default host-pid."))] = None,
     claim_idle_seconds: Annotated[float, typer.Option(envvar="VLMCAP_CLAIM_IDLE_SECONDS", help=(
         "Take over (and retry) jobs pending this long at another or a failed consumer."))] = 60.0,
     max_deliveries: Annotated[int, typer.Option(envvar="VLMCAP_MAX_DELIVERIES", help=(
