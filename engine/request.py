@@ -22,15 +22,25 @@ class MultimodalPrompt:
     """Where encoder outputs go in a prompt.
 
     `placeholder_positions[r]` is the prompt position that takes feature row `r`; rows are grouped into
-    encoder inputs (a SmolVLM tile each), input `u` covering rows `unit_row_starts[u]` to
-    `unit_row_starts[u] + unit_rows[u]`. `encoder_inputs[u]` is what the model's vision encoder takes
+    encoder inputs (a SmolVLM tile, a Qwen2-VL or LLaVA image), input `u` covering rows `unit_row_starts[u]`
+    to `unit_row_starts[u] + unit_rows[u]`. `encoder_inputs[u]` is what the model's vision encoder takes
     for input `u`.
+
+    `rope_positions` ([streams, prompt_len]) holds the rotary positions of families whose positions are
+    not the token index (Qwen2-VL's M-RoPE), computed once by the model's own rule; a token past the
+    prompt sits at its index plus `rope_position_delta`.
+
+    `atomic_units`: the placeholder tokens of one encoder input attend to each other both ways (Gemma 3),
+    so each input's span, from its first to its last placeholder, must be computed in one chunk.
     """
 
     placeholder_positions: list[int]
     unit_row_starts: list[int]
     unit_rows: list[int]
     encoder_inputs: list[dict[str, torch.Tensor]]
+    rope_positions: torch.Tensor | None = None
+    rope_position_delta: int = 0
+    atomic_units: bool = False
 
     @property
     def num_units(self) -> int:

@@ -7,20 +7,31 @@ import os
 import torch
 
 from engine.models.base import VLMAdapter
+from engine.models.llava import LlavaAdapter, LlavaOnevisionAdapter
 from engine.models.presets import PRESETS, preset_checkpoint
+from engine.models.qwen2_vl import Qwen2VLAdapter
 from engine.models.smolvlm import SmolVLMAdapter
 
-ADAPTERS: dict[str, type[VLMAdapter]] = {arch: cls for cls in (SmolVLMAdapter,) for arch in cls.architectures}
+ADAPTERS: dict[str, type[VLMAdapter]] = {
+    arch: cls
+    for cls in (SmolVLMAdapter, Qwen2VLAdapter, LlavaAdapter, LlavaOnevisionAdapter)
+    for arch in cls.architectures
+}
+
+
+def _is_tiny(name: str) -> bool:
+    return name == "tiny" or name.startswith("tiny-")
 
 
 def resolve_checkpoint(model: str) -> str:
-    """`tiny`, `dummy:<preset>`, a local directory, or a hub id (loaded only where the network allows)."""
-    if model == "tiny":
-        return str(preset_checkpoint("tiny"))
+    """`tiny` / `tiny-<family>`, `dummy:<preset>`, a local directory, or a hub id (loaded only where the
+    network allows)."""
+    if _is_tiny(model) and model in PRESETS:
+        return str(preset_checkpoint(model))
     if model.startswith("dummy:"):
         name = model.removeprefix("dummy:")
-        if name not in PRESETS or name == "tiny":
-            known = ", ".join(f"dummy:{p}" for p in PRESETS if p != "tiny")
+        if name not in PRESETS or _is_tiny(name):
+            known = ", ".join(f"dummy:{p}" for p in PRESETS if not _is_tiny(p))
             raise ValueError(f"unknown dummy preset {model!r}; known: {known}")
         return str(preset_checkpoint(name))
     return model

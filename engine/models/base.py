@@ -11,12 +11,23 @@ from PIL import Image
 from engine.attention import ATTN_IMPLEMENTATION, AttentionBatch
 from engine.request import MultimodalPrompt, Request
 
+# Model types whose image tokens attend to each other both ways in transformers (Gemma 3 puts a bidirectional
+# block over each image's tokens; PaliGemma over its whole image-and-prompt prefix). A causal chunk boundary
+# inside such a span would change what is computed, so their spans are kept whole (`atomic_units`).
+BIDIRECTIONAL_IMAGE_MODEL_TYPES = frozenset({"gemma3", "paligemma"})
+
+
+def image_tokens_attend_bidirectionally(config: Any) -> bool:
+    return getattr(config, "model_type", None) in BIDIRECTIONAL_IMAGE_MODEL_TYPES
+
 
 class VLMAdapter:
     """Wraps one transformers vision-language model; subclasses describe a family."""
 
     architectures: ClassVar[tuple[str, ...]] = ()
     image_marker: ClassVar[str] = "<image>"
+    # Position streams of multimodal RoPE (3 for Qwen2-VL's time, height and width); None for plain RoPE.
+    rope_streams: ClassVar[int | None] = None
 
     def __init__(self, model: Any, processor: Any, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model
@@ -33,6 +44,7 @@ class VLMAdapter:
         self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // self.num_heads
         self.max_position_embeddings = int(getattr(text_config, "max_position_embeddings", 4096))
         self.embed_tokens = self.text_model.get_input_embeddings()
+        self.atomic_image_spans = image_tokens_attend_bidirectionally(model.config)
 
     # -- family-specific ------------------------------------------------------------------------
     @property
@@ -43,19 +55,35 @@ class VLMAdapter:
     def lm_head(self) -> torch.nn.Module:
         return self.model.lm_head
 
-    def process(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], MultimodalPrompt | None]:
+    def expand_prompt(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], MultimodalPrompt | None]:
+        """The prompt's token ids as the model's processor expands them, and where its images go."""
         raise NotImplementedError
 
     def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Vision features of each encoder input, one [rows, hidden] tensor each."""
         raise NotImplementedError
 
-    def rope_positions(self, request: Request, start: int, end: int) -> torch.Tensor:
-        """Rotary positions of the request's tokens start..end-1: [n] for ordinary RoPE. Families with
-        multimodal RoPE return [streams, n], computed once per request and sliced per chunk."""
-        return torch.arange(start, end)
-
     # -- shared ---------------------------------------------------------------------------------
+    def process(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], MultimodalPrompt | None]:
+        token_ids, mm = self.expand_prompt(prompt, images)
+        if mm is not None:
+            mm.atomic_units = self.atomic_image_spans
+        return token_ids, mm
+
+    def rope_positions(self, request: Request, start: int, end: int) -> torch.Tensor:
+        """Rotary positions of the request's tokens start..end-1: [n] for ordinary RoPE, [streams, n] for
+        multimodal RoPE. A prompt's multimodal positions were computed once (`MultimodalPrompt.rope_positions`)
+        and are sliced here; later tokens (generated, or replayed after preemption) continue the model's rule,
+        token index plus the prompt's delta, and text-only prompts have the same position in every stream."""
+        mm = request.mm
+        if mm is None or mm.rope_positions is None:
+            positions = torch.arange(start, end)
+            return positions if self.rope_streams is None else positions.expand(self.rope_streams, -1)
+        prompt_len = request.num_prompt_tokens
+        in_prompt = mm.rope_positions[:, start : min(end, prompt_len)]
+        after = torch.arange(max(start, prompt_len), max(end, prompt_len)) + mm.rope_position_delta
+        return torch.cat([in_prompt, after.expand(in_prompt.shape[0], -1)], dim=1)
+
     @property
     def eos_token_ids(self) -> set[int]:
         ids: set[int] = set()

@@ -20,7 +20,7 @@ class SmolVLMAdapter(VLMAdapter):
     def text_model(self) -> torch.nn.Module:
         return self.model.model.text_model
 
-    def process(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], MultimodalPrompt | None]:
+    def expand_prompt(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], MultimodalPrompt | None]:
         if not images:  # tokenized exactly as the processor does for transformers' own generate
             return self.processor(text=[prompt], return_tensors="pt")["input_ids"][0].tolist(), None
         batch = self.processor(text=[prompt], images=[images], return_tensors="pt")

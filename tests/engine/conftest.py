@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.models.presets import PRESETS, build_smolvlm_checkpoint
+from engine.models.presets import PRESETS, build_checkpoint
 
 # The real photos that ultralytics ships, found without importing ultralytics (its import patches
 # PIL.Image.open, which the engine tests must not depend on).
@@ -36,7 +36,7 @@ class Job:
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> str:
-    return str(build_smolvlm_checkpoint(PRESETS["tiny"], tmp_path_factory.mktemp("tiny-smolvlm")))
+    return str(build_checkpoint(PRESETS["tiny"], tmp_path_factory.mktemp("tiny-smolvlm")))
 
 
 @pytest.fixture(scope="session")
