@@ -56,3 +56,33 @@ def peers(
     result = run_peers(cfg)
     save(result, json_path, png_path)
     typer.echo(summary(result))
+
+
+@bench_app.command("serve")
+def serve(
+    url: str = typer.Option("http://127.0.0.1:8000", help="Base URL of an OpenAI-compatible server."),
+    api_key: str = typer.Option(None, envvar="VLMCAP_API_KEY", help="Bearer key, if the server needs one."),
+    model: str = typer.Option(None, help="Model id to ask for (default: the first of /v1/models)."),
+    rate: float = typer.Option(2.0, help="Mean request arrivals per second (inf: all at once)."),
+    burstiness: float = typer.Option(1.0, help="Gamma shape of the arrival gaps; 1 is a Poisson process."),
+    num_requests: int = typer.Option(None, help="Requests to send (default 50 unless --duration)."),
+    duration: float = typer.Option(None, help="Send for this many seconds instead of a count."),
+    image_fraction: float = typer.Option(0.25, help="Share of requests that carry a photo to caption."),
+    prompt_words: int = typer.Option(48, help="Words in each prompt."),
+    max_tokens: int = typer.Option(64, help="max_tokens of each request."),
+    seed: int = typer.Option(0, help="Seed of arrivals and prompts."),
+    slo: str = typer.Option(None, help="Goodput SLOs in ms, e.g. ttft=500,itl=100 (also tpot, e2e)."),
+    json_path: str = typer.Option(None, "--json", help="Write the results here."),
+    png_path: str = typer.Option(None, "--png", help="Draw latency distributions here."),
+) -> None:
+    """Load an OpenAI-compatible server with streaming chat and captioning requests."""
+    from bench.serve import ServeConfig, parse_slo, run_serve, save, summary
+
+    if num_requests is None and duration is None:
+        num_requests = 50
+    cfg = ServeConfig(url=url, api_key=api_key, model=model, rate=rate, burstiness=burstiness,
+                      num_requests=num_requests, duration=duration, image_fraction=image_fraction,
+                      prompt_words=prompt_words, max_tokens=max_tokens, seed=seed, slo=parse_slo(slo))
+    result = run_serve(cfg)
+    save(result, json_path, png_path)
+    typer.echo(summary(result))
