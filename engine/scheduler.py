@@ -9,11 +9,16 @@ The rule, under a token budget B (`max_num_batched_tokens`) and a sequence cap S
    fewer than S run, the budget is not spent, and their whole prompt's blocks plus a watermark are free;
    each gets a first chunk from what is left of the budget.
 
-A chunk may end anywhere, also inside an image's placeholder span. An encoder input (a tile) is run the
-step its first placeholder is reached, at most `max_encoder_inputs_per_step` of them a step; a chunk
-that would need more stops before the first placeholder of the input that must wait. With chunked
+A chunk may end anywhere, also inside an image's placeholder span. An encoder input (a tile or an image)
+is run the step its first placeholder is reached, at most `max_encoder_inputs_per_step` of them a step; a
+chunk that would need more stops before the first placeholder of the input that must wait. With chunked
 prefill off, a prompt is prefilled whole: admitted when it fits in what is left of the budget, or when
 no other prefill runs this step (one oversized step).
+
+Except where image tokens attend to each other both ways (`MultimodalPrompt.atomic_units`, Gemma 3): there
+a chunk never ends inside an encoder input's span. A chunk that would stops before the span; a chunk that
+starts at a span too large for what is left of the budget takes the whole span if no other prefill runs
+this step (one oversized step, as with chunking off), and otherwise waits for a later step.
 
 KV blocks are taken as the chunks need them. When a running request needs a block and none is free,
 the lowest-priority, newest running request not yet scheduled this step is preempted (possibly the
@@ -28,7 +33,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache import BlockPool
-from engine.request import Request, RequestStatus
+from engine.request import MultimodalPrompt, Request, RequestStatus
 
 
 @dataclass
@@ -166,11 +171,28 @@ class Scheduler:
             n = remaining if remaining <= budget or not prefill_scheduled else 0
             return n, self._missing_units(request, start, start + n)
         n = min(remaining, budget)
+        if request.mm is not None and request.mm.atomic_units:
+            n = self._keep_span_whole(request.mm, start, n, alone=not prefill_scheduled)
         units = self._missing_units(request, start, start + n)
         if encoder_left is not None and len(units) > encoder_left:
             n = request.mm.unit_first_position(units[encoder_left]) - start
             units = units[:encoder_left]
         return n, units
+
+    @staticmethod
+    def _keep_span_whole(mm: MultimodalPrompt, start: int, n: int, alone: bool) -> int:
+        """Shorten chunk [start, start + n) so that it does not end inside an encoder input's span; a span at
+        the chunk's start that does not fit is taken whole when the chunk runs `alone`, else the chunk is
+        empty. Chunks start at span boundaries, so only the chunk's last span can be cut."""
+        units = mm.units_in(start, start + n)
+        if not units:
+            return n
+        span_start, span_end = mm.unit_first_position(units[-1]), mm.unit_last_position(units[-1]) + 1
+        if span_end <= start + n:
+            return n
+        if span_start > start:
+            return span_start - start
+        return span_end - start if alone else 0
 
     def _missing_units(self, request: Request, start: int, end: int) -> list[int]:
         if request.mm is None or end <= start:

@@ -4,6 +4,7 @@ engine's real loading code, and transformers' own `generate` on the same checkpo
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,9 +45,9 @@ def photos() -> list[Image.Image]:
     return [Image.open(ASSETS / "bus.jpg").convert("RGB"), Image.open(ASSETS / "zidane.jpg").convert("RGB")]
 
 
-@pytest.fixture(scope="session")
-def oracle(checkpoint):
-    """Greedy tokens from transformers' `generate`, one request at a time, memoised."""
+def oracle_for(checkpoint: str) -> Callable[[str, list[Image.Image], int], list[int]]:
+    """Greedy tokens from transformers' `generate` on `checkpoint`, one request at a time, memoised (images
+    by identity: pass the same image objects for the same images)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(checkpoint)
@@ -63,6 +64,11 @@ def oracle(checkpoint):
         return memo[key]
 
     return generate
+
+
+@pytest.fixture(scope="session")
+def oracle(checkpoint):
+    return oracle_for(checkpoint)
 
 
 @pytest.fixture

@@ -1,0 +1,179 @@
+"""Every model family is exact under chunked prefill: greedy tokens equal transformers' `generate` on the same
+saved checkpoint for budgets that cut image spans at odd offsets, with requests of different image sizes
+arriving while others decode, and under preemption; the vision encoder runs once per image."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from PIL import Image
+
+from engine import Engine, EngineConfig
+from engine.models import ADAPTERS, resolve_checkpoint
+from engine.models.base import image_tokens_attend_bidirectionally
+from engine.models.presets import FAMILY_BUILDERS, PRESETS, build_checkpoint
+from tests.engine.conftest import Job, oracle_for, run_jobs
+
+FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-llava", "tiny-llava-onevision"]
+QWEN_FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl"]
+
+
+@dataclass
+class Family:
+    name: str
+    checkpoint: str
+    oracle: Callable[[str, list[Image.Image], int], list[int]]
+
+    def prompt(self, num_images: int, text: str) -> str:
+        """A user turn with `num_images` images then `text`, in the family's own chat template."""
+        from transformers import AutoProcessor
+
+        content = [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
+        processor = AutoProcessor.from_pretrained(self.checkpoint)
+        return processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+
+    def engine(self, **settings) -> Engine:
+        return Engine(EngineConfig(model=self.checkpoint, device="cpu", dtype="float32", **settings))
+
+
+@pytest.fixture(scope="session")
+def families(tmp_path_factory) -> Callable[[str], Family]:
+    """Each family's tiny checkpoint, saved once to a temporary directory and loaded by path."""
+    built: dict[str, Family] = {}
+
+    def get(name: str) -> Family:
+        if name not in built:
+            checkpoint = str(build_checkpoint(PRESETS[name], tmp_path_factory.mktemp(name)))
+            built[name] = Family(name, checkpoint, oracle_for(checkpoint))
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def images(photos) -> dict[str, Image.Image]:
+    """Three resolutions: portrait, landscape and square (Qwen2-VL gives each its own token grid)."""
+    bus, zidane = photos
+    return {"bus": bus, "zidane": zidane, "square": bus.crop((0, 200, 600, 800))}
+
+
+def mixed_jobs(family: Family, images: dict[str, Image.Image]) -> list[Job]:
+    bus, zidane, square = images["bus"], images["zidane"], images["square"]
+    return [
+        Job(family.prompt(0, "What is in a street scene?"), [], max_tokens=14),
+        Job(family.prompt(1, "Describe the people."), [bus], max_tokens=10, arrive_at_step=1),
+        Job(family.prompt(2, "Compare the two pictures."), [bus, zidane], max_tokens=8, arrive_at_step=3),
+        Job(family.prompt(1, "Describe the people."), [square], max_tokens=9, arrive_at_step=6),
+        Job(family.prompt(0, "Say something short."), [], max_tokens=6, arrive_at_step=7),
+    ]
+
+
+@pytest.mark.parametrize("budget", [7, 13, 64, 4096])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_tokens_equal_generate_and_each_image_is_encoded_once(families, images, name, budget):
+    family = families(name)
+    jobs = mixed_jobs(family, images)
+    engine = family.engine(max_num_batched_tokens=budget, max_num_seqs=min(4, budget))
+    tokens, trace = run_jobs(engine, jobs)
+    for i, job in enumerate(jobs):
+        assert tokens[i] == family.oracle(job.prompt, job.images, job.max_tokens), f"{name} job {i} budget {budget}"
+    assert max(stats["last_step_num_tokens"] for _, stats in trace) <= budget
+    assert engine.stats()["encoder_inputs_encoded"] == sum(len(job.images) for job in jobs) == 4
+    assert not engine.runner.encoder_cache
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_tokens_equal_generate_under_preemption(families, images, name):
+    family = families(name)
+    bus, zidane, square = images["bus"], images["zidane"], images["square"]
+    describe = family.prompt(1, "Describe the people.")
+    jobs = [
+        Job(describe, [bus], max_tokens=40),
+        Job(describe, [zidane], max_tokens=40, arrive_at_step=1),
+        Job(family.prompt(0, "What is in a street scene?"), [], max_tokens=40, arrive_at_step=2),
+        Job(describe, [square], max_tokens=20, priority=-1, arrive_at_step=12),
+    ]
+    block_size = 16
+    probe = family.engine(num_kv_blocks=1024, block_size=block_size)
+    longest = max(len(probe.adapter.process(job.prompt, job.images)[0]) for job in jobs)
+    # Room for two of the longest prompts, not for both to grow by 40 tokens; one alone always fits.
+    num_blocks = 2 * -(-longest // block_size) + 1
+    assert num_blocks * block_size >= longest + 40
+    engine = family.engine(max_num_batched_tokens=13, max_num_seqs=4, num_kv_blocks=num_blocks, block_size=block_size)
+    tokens, _ = run_jobs(engine, jobs)
+    assert engine.stats()["num_preemptions"] > 0
+    for i, job in enumerate(jobs):
+        assert tokens[i] == family.oracle(job.prompt, job.images, job.max_tokens), f"{name} job {i}"
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("name", QWEN_FAMILIES)
+def test_qwen_positions_are_mrope_with_a_delta_not_the_token_index(families, images, name, monkeypatch):
+    family = families(name)
+    job = Job(family.prompt(2, "Compare the two pictures."), [images["bus"], images["zidane"]], max_tokens=10)
+    expected = family.oracle(job.prompt, job.images, job.max_tokens)
+
+    engine = family.engine(max_num_batched_tokens=13, max_num_seqs=4)
+    tokens, _ = run_jobs(engine, [job])
+    assert tokens[0] == expected
+    mm = engine.adapter.process(job.prompt, job.images)[1]
+    grids = [tuple(unit["image_grid_thw"][0].tolist()) for unit in mm.encoder_inputs]
+    assert grids[0] != grids[1]  # two resolutions, two token grids
+    # An image of h x w tokens advances the positions by max(h, w) only: later tokens sit before their index.
+    assert mm.rope_position_delta < 0
+    assert not torch.equal(mm.rope_positions[0], torch.arange(mm.rope_positions.shape[1]))
+
+    # The comparison above can fail: with positions taken from the token index the tokens differ.
+    plain = family.engine(max_num_batched_tokens=13, max_num_seqs=4)
+    token_index = lambda request, start, end: torch.arange(start, end).expand(3, -1)  # noqa: E731
+    monkeypatch.setattr(plain.adapter, "rope_positions", token_index)
+    tokens, _ = run_jobs(plain, [job])
+    assert tokens[0] != expected
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tiny_presets_resolve_by_name_and_load_with_their_adapter(name, monkeypatch, tmp_path):
+    monkeypatch.setenv("VLMCAP_CACHE", str(tmp_path))
+    engine = Engine(EngineConfig(model=name, device="cpu", dtype="float32"))
+    assert type(engine.adapter).__name__ == {
+        "tiny-qwen2-vl": "Qwen2VLAdapter",
+        "tiny-qwen2.5-vl": "Qwen2VLAdapter",
+        "tiny-llava": "LlavaAdapter",
+        "tiny-llava-onevision": "LlavaOnevisionAdapter",
+    }[name]
+    assert resolve_checkpoint(name).startswith(str(tmp_path))
+    assert not engine.adapter.atomic_image_spans
+
+
+# Parameter counts of the hub checkpoints these presets stand in for.
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("qwen2-vl-2b", 2_208_985_600),
+        ("qwen2.5-vl-3b", 3_754_622_976),
+        ("llava-onevision-0.5b", 894e6),
+        ("smolvlm-256m", 256e6),
+        ("smolvlm-500m", 507e6),
+    ],
+)
+def test_dummy_presets_have_the_real_models_sizes(name, params):
+    preset = PRESETS[name]
+    model_cls, config, _ = FAMILY_BUILDERS[type(preset)](preset)
+    assert model_cls.__name__ in ADAPTERS
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        model = model_cls(config)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(params, rel=0.005)
+
+
+def test_bidirectional_image_attention_is_detected_from_the_model_type():
+    from transformers import Gemma3Config, PaliGemmaConfig, Qwen2VLConfig
+
+    assert image_tokens_attend_bidirectionally(Gemma3Config())
+    assert image_tokens_attend_bidirectionally(PaliGemmaConfig())
+    assert not image_tokens_attend_bidirectionally(Qwen2VLConfig())
