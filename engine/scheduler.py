@@ -140,7 +140,7 @@ class Scheduler:
             if n == 0 or not self._reserve(request, n, scheduled, out):
                 continue
             self._take(request, n, units, out, scheduled)
-            budget -= n
+            budget = max(budget - n, 0)  # a whole atomic span may take more than was left
             encoder_left = None if encoder_left is None else encoder_left - len(units)
             prefill_scheduled = True
 
@@ -156,7 +156,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self._reserve(request, n, scheduled, out)  # cannot fail: the whole prompt's blocks are free
             self._take(request, n, units, out, scheduled)
-            budget -= n
+            budget = max(budget - n, 0)
             encoder_left = None if encoder_left is None else encoder_left - len(units)
             prefill_scheduled = True
         return out
