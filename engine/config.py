@@ -13,14 +13,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class EngineConfig:
     """How the engine loads its model and schedules work.
 
-    model: a local Hugging Face checkpoint directory, a hub id, `tiny` (small random offline model) or
-        `dummy:<preset>` (a real architecture at real size with random weights).
+    model: a local Hugging Face checkpoint directory, a hub id, `tiny` / `tiny-<family>` (small random offline
+        models: `tiny-qwen2-vl`, `tiny-qwen2.5-vl`, `tiny-llava`, `tiny-llava-onevision`) or `dummy:<preset>`
+        (a real architecture at real size with random weights).
     max_num_batched_tokens: the token budget of one step (decode tokens plus prefill chunk tokens).
     max_num_seqs: the most requests that run (hold KV blocks) at once.
     enable_chunked_prefill: split prompts into chunks that fit the budget; off, a prompt is prefilled
         whole in one step however long it is (for comparison).
-    max_encoder_inputs_per_step: vision encoder inputs (tiles for SmolVLM) run in one step; `None` runs
-        every tile a chunk needs in the step that needs it.
+    max_encoder_inputs_per_step: vision encoder inputs run in one step, in the family's unit: a tile for
+        SmolVLM, an image for Qwen2-VL and LLaVA (their towers attend across a whole image); `None` runs
+        every input a chunk needs in the step that needs it.
     block_size: tokens per KV cache block.
     num_kv_blocks: KV cache size in blocks; `None` sizes it from `kv_cache_memory_fraction` of the
         device memory that is free after the model is loaded (capped at what `max_num_seqs` requests of
