@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, SamplingParams
 from engine.models import ADAPTERS, resolve_checkpoint
 from engine.models.base import image_tokens_attend_bidirectionally
 from engine.models.presets import FAMILY_BUILDERS, PRESETS, build_checkpoint
@@ -135,6 +135,22 @@ def test_qwen_positions_are_mrope_with_a_delta_not_the_token_index(families, ima
     monkeypatch.setattr(plain.adapter, "rope_positions", token_index)
     tokens, _ = run_jobs(plain, [job])
     assert tokens[0] != expected
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_chat_messages_use_the_family_template(families, images, name):
+    family = families(name)
+    engine = family.engine()
+    content = [{"type": "image"}, {"type": "text", "text": "Describe."}]
+    rid = engine.add_request(
+        messages=[{"role": "user", "content": content}], images=[images["bus"]], sampling=SamplingParams(max_tokens=8)
+    )
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step()})
+    rendered = family.prompt(1, "Describe.")
+    assert rendered.count(engine.adapter.image_marker) == 1
+    assert outputs[rid].token_ids == family.oracle(rendered, [images["bus"]], 8)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
