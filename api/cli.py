@@ -6,9 +6,11 @@ import typer
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Captions for camera streams on a shared VLM engine.")
 
 
-from api.cli_serve import serve  # noqa: E402 - the command module imports its layers lazily
+from api.cli_demo import demo  # noqa: E402 - the command modules import their layers lazily
+from api.cli_serve import serve  # noqa: E402
 
 app.command()(serve)
+app.command()(demo)
 
 
 from bench.cli import bench_app  # noqa: E402 - typer only; each benchmark imports its layers lazily

@@ -1,0 +1,107 @@
+"""`vlmcap demo`: the whole product on one machine. An embedded Redis, the server with its in-process
+queue worker, and a camera pipeline over the bundled sample video; one line per caption as it arrives,
+then exit when the video has ended and every job it queued has its caption."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from pathlib import Path
+
+HUB_MODEL = "HuggingFaceTB/SmolVLM-256M-Instruct"
+SAMPLE_VIDEO = Path(__file__).resolve().parent.parent / "samples" / "people.mp4"
+CAMERA = "sample-cam"
+
+log = logging.getLogger(__name__)
+
+
+def hub_reachable(host: str = "huggingface.co", timeout_s: float = 3.0) -> bool:
+    """A quick look before asking the hub: offline, transformers would retry for half a minute."""
+    try:
+        with socket.create_connection((host, 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def choose_model(model: str | None) -> tuple[str, str | None]:
+    """The model to serve and, when the demo had to fall back to random weights, the banner to show."""
+    if model is not None:
+        return model, None
+    if hub_reachable():
+        return HUB_MODEL, None
+    return "tiny", (
+        f"demo: {HUB_MODEL} cannot be downloaded here, so the demo runs 'tiny', a small model with random "
+        "weights: its captions are meaningless text. Give --model a local checkpoint for real captions."
+    )
+
+
+async def _print_captions(redis_url: str, pipeline_done: threading.Event, timeout_s: float) -> int:
+    from api.queue_worker import connect, queue_stats, tail_captions
+
+    redis = connect(redis_url)
+    printed = 0
+    try:
+        feed = tail_captions(redis, camera=CAMERA, after="0-0", block_seconds=1.0)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            try:
+                _, result = await asyncio.wait_for(anext(feed), timeout=1.0)
+            except asyncio.TimeoutError:
+                stats = await queue_stats(redis)
+                if pipeline_done.is_set() and stats["backlog"] == 0:
+                    return printed
+                continue
+            text = result.caption if result.status == "done" else f"[failed: {result.error}]"
+            print(f"caption camera={result.camera_id} t={result.frame_ts:.1f}s persons={result.person_count}: "
+                  f"{(text or '').strip()!r}", flush=True)
+            printed += 1
+        raise TimeoutError(f"captions were still arriving after {timeout_s:.0f} s")
+    finally:
+        await redis.aclose()
+
+
+def run_demo(model: str | None, detector: str | None, source: str | None, timeout_s: float = 900.0) -> int:
+    """Run the demo; return the number of captions printed."""
+    from api.server import BackgroundServer, create_app
+    from api.settings import ServerSettings
+    from engine import EngineConfig
+    from pipeline.redis_conn import EmbeddedRedis
+    from pipeline.runner import CameraPipeline, PipelineConfig
+
+    served, banner = choose_model(model)
+    if banner:
+        print(banner, flush=True)
+    redis = EmbeddedRedis()
+    print(f"demo: embedded Redis at {redis.url}", flush=True)
+    try:
+        settings = ServerSettings(engine=EngineConfig(model=served), redis_url=redis.url, run_queue_worker=True)
+        with BackgroundServer(create_app(settings)) as server:
+            print(f"demo: server on {served} at {server.url} (try {server.url}/v1/models)", flush=True)
+            camera = CameraPipeline(PipelineConfig(
+                source=source or str(SAMPLE_VIDEO), camera_id=CAMERA, redis_url=redis.url, detector=detector,
+                track_cooldown_seconds=3.0, stats_interval_seconds=3600.0,
+            ))
+            print(f"demo: camera {CAMERA} reads {source or SAMPLE_VIDEO.name} with the "
+                  f"{camera.detector.name} detector", flush=True)
+            done = threading.Event()
+
+            def run_camera() -> None:
+                try:
+                    stats = camera.run()
+                    print(f"demo: video ended: {stats['captured']} frames, {stats['detected']} with people, "
+                          f"{stats['jobs']} jobs", flush=True)
+                finally:
+                    done.set()
+
+            thread = threading.Thread(target=run_camera, name="demo-camera", daemon=True)
+            thread.start()
+            printed = asyncio.run(_print_captions(redis.url, done, timeout_s))
+            thread.join()
+            print(f"demo: {printed} captions", flush=True)
+            return printed
+    finally:
+        redis.close()
