@@ -3,7 +3,9 @@ running `vlmcap pipeline` never loads the engine."""
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Captions for camera streams on a shared VLM engine.")
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="Captions for camera streams on a shared VLM engine."
+)
 
 
 from api.cli_demo import demo  # noqa: E402 - the command modules import their layers lazily
