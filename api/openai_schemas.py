@@ -46,6 +46,7 @@ class SamplingFields(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, description="vlmcap extension: 0 disables it")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    ignore_eos: bool = Field(False, description="vlmcap extension: generate max_tokens tokens, past EOS")
     priority: Priority = 0
 
 

@@ -73,6 +73,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, stop: str | li
             top_k=body.top_k or 0,
             seed=body.seed,
             stop=[stop] if isinstance(stop, str) else list(stop or []),
+            ignore_eos=body.ignore_eos,
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from None

@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import routes_captions, routes_openai
@@ -39,8 +40,9 @@ class GuardMiddleware:
     """Before any route: the API key on `/v1/*`, the body size limit; after it: request counts by route
     template and status."""
 
-    def __init__(self, app: ASGIApp, settings: ServerSettings, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, settings: ServerSettings, metrics: Metrics, routes: list[BaseRoute]) -> None:
         self.app = app
+        self.routes = routes
         self.key = settings.api_key.encode() if settings.api_key else None
         self.max_body = settings.limits.max_body_bytes
         self.metrics = metrics
@@ -64,8 +66,13 @@ class GuardMiddleware:
             else:
                 await self.app(scope, self._limited(receive), send_counted)
         finally:
-            route = scope.get("route")
-            self.metrics.requests.labels(scope["method"], getattr(route, "path", "unmatched"), str(status)).inc()
+            self.metrics.requests.labels(scope["method"], self._route(scope), str(status)).inc()
+
+    def _route(self, scope: Scope) -> str:
+        """The route's path template (a refused request never reached the router: match it here)."""
+        route = scope.get("route")
+        return getattr(route, "path", None) or _match_path(self.routes, scope) or "unmatched"
+
 
     def _refusal(self, scope: Scope) -> Response | None:
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
@@ -94,6 +101,15 @@ class GuardMiddleware:
             return message
 
         return counted
+
+
+def _match_path(routes: list[BaseRoute], scope: Scope) -> str | None:
+    for route in routes:
+        if route.matches(scope)[0] != Match.FULL:
+            continue
+        included = getattr(getattr(route, "original_router", None), "routes", None)
+        return _match_path(included, scope) if included else getattr(route, "path", None)
+    return None
 
 
 async def _build_state(settings: ServerSettings, metrics: Metrics, engine: Any | None) -> ServerState:
@@ -160,7 +176,7 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
     app = FastAPI(title="vlmcap", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible chat and REST captioning on one shared VLM engine.")
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
+    app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics, routes=app.router.routes)
     app.include_router(routes_openai.router)
     app.include_router(routes_captions.router)
 
@@ -215,15 +231,16 @@ class BackgroundServer:
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline and self._thread.is_alive():
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
-                    return self
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 503:
-                    break  # the engine failed to load
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        with httpx.Client(timeout=5) as http:
+            while time.monotonic() < deadline and self._thread.is_alive():
+                try:
+                    if http.get(f"{self.url}/ready").status_code == 200:
+                        return self
+                    if http.get(f"{self.url}/health").status_code != 200:
+                        break  # the engine failed to load
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
         self.__exit__(None, None, None)
         raise RuntimeError(f"the server at {self.url} did not become ready")
 

@@ -31,7 +31,9 @@ class Limits:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.default_max_tokens > self.max_tokens_cap:
-            raise ValueError(f"default_max_tokens {self.default_max_tokens} is over max_tokens_cap {self.max_tokens_cap}")
+            raise ValueError(
+                f"default_max_tokens {self.default_max_tokens} is over max_tokens_cap {self.max_tokens_cap}"
+            )
 
 
 @dataclass
