@@ -86,3 +86,24 @@ def serve(
     result = run_serve(cfg)
     save(result, json_path, png_path)
     typer.echo(summary(result))
+
+
+@bench_app.command("pipeline")
+def pipeline(
+    source: str = typer.Option(None, help="Video file or camera (default: samples/people.mp4)."),
+    detector: list[str] = typer.Option(["hog", "yolo"], help="Detectors to compare: hog and/or yolo (repeat)."),
+    yolo_weights: str = typer.Option(None, help="YOLO weights (default: untrained yolo26n.yaml, same speed)."),
+    imgsz: int = typer.Option(640, help="YOLO input size."),
+    redis_url: str = typer.Option(None, envvar="REDIS_URL", help="Redis for the queue (default: embedded)."),
+    repeats: int = typer.Option(1, help="Runs per detector; the fastest is kept."),
+    json_path: str = typer.Option(None, "--json", help="Write the results here."),
+    png_path: str = typer.Option(None, "--png", help="Draw per-stage time per frame here."),
+) -> None:
+    """Frames per second through capture, detector, gate and enqueue, per stage."""
+    from bench.pipeline import SAMPLE_VIDEO, PipelineBenchConfig, run_pipeline_bench, save, summary
+
+    cfg = PipelineBenchConfig(source=source or str(SAMPLE_VIDEO), detectors=tuple(detector),
+                              yolo_weights=yolo_weights, imgsz=imgsz, redis_url=redis_url, repeats=repeats)
+    result = run_pipeline_bench(cfg)
+    save(result, json_path, png_path)
+    typer.echo(summary(result))

@@ -49,3 +49,13 @@ def test_bench_peers_compares_three_systems(tmp_path):
     roof = result["roofline"]
     assert roof["weight_bytes_per_decode_step"] > 0 and math.isfinite(roof["decode_step_floor_ms"])
     assert is_png(png)
+
+
+def test_bench_pipeline_times_each_stage_on_real_redis(tmp_path, redis_url):
+    out, png = tmp_path / "pipeline.json", tmp_path / "pipeline.png"
+    invoke(["bench", "pipeline", "--detector", "hog", "--redis-url", redis_url, "--json", str(out), "--png", str(png)])
+    hog = json.loads(out.read_text())["results"]["hog"]
+    assert hog["frames"] > 0 and hog["fps"] > 0
+    assert set(hog["stage_ms_per_frame"]) == {"capture", "detect", "gate", "enqueue"}
+    assert hog["jobs"] >= 1  # the sample video has people, and HOG finds those of bus.jpg
+    assert is_png(png)
