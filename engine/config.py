@@ -23,6 +23,9 @@ class EngineConfig:
     max_encoder_inputs_per_step: vision encoder inputs run in one step, in the family's unit: a tile for
         SmolVLM, an image for Qwen2-VL and LLaVA (their towers attend across a whole image); `None` runs
         every input a chunk needs in the step that needs it.
+    encoder_layers_per_step: run an encoder input's vision tower over several steps, this many of its
+        layers a step, so that one tile never costs a step much more than a decode (families that
+        support it: SmolVLM); `None` runs each input's tower whole.
     block_size: tokens per KV cache block.
     num_kv_blocks: KV cache size in blocks; `None` sizes it from `kv_cache_memory_fraction` of the
         device memory that is free after the model is loaded (capped at what `max_num_seqs` requests of
@@ -37,6 +40,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
     max_encoder_inputs_per_step: int | None = 2
+    encoder_layers_per_step: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.5
@@ -65,6 +69,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_encoder_inputs_per_step must be positive or None, got {self.max_encoder_inputs_per_step!r}"
             )
+        if self.encoder_layers_per_step is not None and self.encoder_layers_per_step < 1:
+            raise ValueError(f"encoder_layers_per_step must be positive or None, got {self.encoder_layers_per_step!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
         if not 0.0 <= self.watermark < 1.0:

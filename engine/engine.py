@@ -243,6 +243,7 @@ class Engine:
                 "last_step_num_tokens": self._last_step_num_tokens,
                 "max_num_batched_tokens": self.config.max_num_batched_tokens,
                 "encoder_inputs_encoded": self.runner.encoder_inputs_encoded,
+                "encoder_slices_run": self.runner.encoder_slices_run,
                 "encoder_seconds": self.runner.encoder_seconds,
                 "num_steps": self._steps,
                 "num_generated_tokens": self._tokens_generated,

@@ -5,6 +5,7 @@ each request whose chunk reached its last token."""
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 
 import torch
 
@@ -12,7 +13,7 @@ from engine.attention import AttentionBatch, PrefillSpan
 from engine.kv_cache import KVCache
 from engine.models.base import VLMAdapter
 from engine.sampling import sample
-from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.scheduler import EncoderWork, ScheduledChunk, SchedulerOutput
 
 
 class ModelRunner:
@@ -22,7 +23,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = adapter.device
         self.encoder_cache: dict[tuple[str, int], torch.Tensor] = {}
-        self.encoder_inputs_encoded = 0
+        self.encoder_inputs_encoded = 0  # inputs whose tower ran to the end
+        self.encoder_slices_run = 0  # slices of the tower run (a whole tower counts as all of its slices)
         self.encoder_seconds = 0.0
 
     def drop_encoder_outputs(self, keys: list[tuple[str, int]]) -> None:
@@ -31,8 +33,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        if out.encoder_inputs:
-            self._encode(out)
+        if out.encoder_work:
+            self._encode(out.encoder_work)
         if not out.chunks:
             return {}
         token_ids, rope_positions, slot_mapping = [], [], []
@@ -95,13 +97,24 @@ class ModelRunner:
             return None  # plain causal attention over the chunk itself
         return torch.ones(chunk.num_tokens, chunk.end, dtype=torch.bool, device=self.device).tril(chunk.start)
 
-    def _encode(self, out: SchedulerOutput) -> None:
+    def _encode(self, work: list[EncoderWork]) -> None:
+        """Whole towers in one call, as transformers runs them; slices batched by slice range, each input
+        resuming from the state its previous slices left in the encoder cache."""
         began = time.perf_counter()
-        inputs = [request.mm.encoder_inputs[unit] for request, unit in out.encoder_inputs]
-        features = self.adapter.encode(inputs)
-        for (request, unit), feature in zip(out.encoder_inputs, features):
-            self.encoder_cache[(request.request_id, unit)] = feature
-        self.encoder_inputs_encoded += len(inputs)
+        groups: dict[tuple[int, int] | None, list[EncoderWork]] = defaultdict(list)
+        for item in work:
+            groups[None if item.first == 0 and item.finishes else (item.first, item.end)].append(item)
+        for key, items in groups.items():
+            inputs = [item.request.mm.encoder_inputs[item.unit] for item in items]
+            if key is None:
+                results = self.adapter.encode(inputs)
+            else:
+                states = [self.encoder_cache.get((item.request.request_id, item.unit)) for item in items]
+                results = self.adapter.encode_stages(inputs, states, *key)
+            for item, result in zip(items, results):
+                self.encoder_cache[(item.request.request_id, item.unit)] = result
+        self.encoder_inputs_encoded += sum(item.finishes for item in work)
+        self.encoder_slices_run += sum(item.end - item.first for item in work)
         self.encoder_seconds += time.perf_counter() - began
 
     def _merge_encoder_outputs(self, chunks: list[ScheduledChunk], embeds: torch.Tensor) -> None:

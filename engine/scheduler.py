@@ -11,7 +11,9 @@ The rule, under a token budget B (`max_num_batched_tokens`) and a sequence cap S
 
 A chunk may end anywhere, also inside an image's placeholder span. An encoder input (a tile or an image)
 is run the step its first placeholder is reached, at most `max_encoder_inputs_per_step` of them a step; a
-chunk that would need more stops before the first placeholder of the input that must wait. With chunked
+chunk that would need more stops before the first placeholder of the input that must wait. With
+`encoder_layers_per_step`, an input's vision tower runs that many layers a step instead of whole, and the
+chunk stops before the first placeholder of an input whose tower has not finished. With chunked
 prefill off, a prompt is prefilled whole: admitted when it fits in what is left of the budget, or when
 no other prefill runs this step (one oversized step).
 
@@ -53,9 +55,24 @@ class ScheduledChunk:
 
 
 @dataclass
+class EncoderWork:
+    """Slices first..end-1 of the vision tower on encoder input `unit` of `request`."""
+
+    request: Request
+    unit: int
+    first: int
+    end: int
+
+    @property
+    def finishes(self) -> bool:
+        """After this step the input's features are ready for the chunks that reach its placeholders."""
+        return self.end == self.request.mm.encoder_stages
+
+
+@dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    encoder_inputs: list[tuple[Request, int]] = field(default_factory=list)
+    encoder_work: list[EncoderWork] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -70,7 +87,8 @@ class Scheduler:
         self.watermark_blocks = int(config.watermark * pool.num_blocks)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.encoded: dict[str, set[int]] = {}  # encoder inputs whose outputs the runner holds
+        # Per request, the encoder inputs whose state or features the runner holds, and the slices run.
+        self.encoder_progress: dict[str, dict[int, int]] = {}
         self.freed_encoder_inputs: list[tuple[str, int]] = []  # for the runner to drop
         self.num_preemptions = 0
 
@@ -98,7 +116,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.pool.free(request.block_ids)
         request.block_ids = []
-        for unit in sorted(self.encoded.pop(request.request_id, ())):
+        for unit in sorted(self.encoder_progress.pop(request.request_id, ())):
             self.freed_encoder_inputs.append((request.request_id, unit))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -136,48 +154,60 @@ class Scheduler:
                 continue  # preempted above
             capacity = (len(request.block_ids) + self.pool.num_free) * self.pool.block_size
             cap = max(capacity - request.num_computed_tokens, 1)
-            n, units = self._chunk(request, min(budget, cap), encoder_left, prefill_scheduled)
-            if n == 0 or not self._reserve(request, n, scheduled, out):
+            n, work = self._chunk(request, min(budget, cap), encoder_left, prefill_scheduled)
+            if (n == 0 and not work) or not self._reserve(request, n, scheduled, out):
                 continue
-            self._take(request, n, units, out, scheduled)
+            self._take(request, n, work, out, scheduled)
             budget = max(budget - n, 0)  # a whole atomic span may take more than was left
-            encoder_left = None if encoder_left is None else encoder_left - len(units)
-            prefill_scheduled = True
+            encoder_left = None if encoder_left is None else encoder_left - len(work)
+            prefill_scheduled = prefill_scheduled or n > 0
 
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if self.pool.blocks_for(request.num_tokens) + self.watermark_blocks > self.pool.num_free:
                 break
-            n, units = self._chunk(request, budget, encoder_left, prefill_scheduled)
-            if n == 0:
+            n, work = self._chunk(request, budget, encoder_left, prefill_scheduled)
+            if n == 0 and not work:
                 break
             self.waiting.pop(0)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             self._reserve(request, n, scheduled, out)  # cannot fail: the whole prompt's blocks are free
-            self._take(request, n, units, out, scheduled)
+            self._take(request, n, work, out, scheduled)
             budget = max(budget - n, 0)
-            encoder_left = None if encoder_left is None else encoder_left - len(units)
-            prefill_scheduled = True
+            encoder_left = None if encoder_left is None else encoder_left - len(work)
+            prefill_scheduled = prefill_scheduled or n > 0
         return out
 
     def _chunk(
         self, request: Request, budget: int, encoder_left: int | None, prefill_scheduled: bool
-    ) -> tuple[int, list[int]]:
-        """How many prompt tokens `request` computes this step, and which encoder inputs that needs."""
+    ) -> tuple[int, list[EncoderWork]]:
+        """How many prompt tokens `request` computes this step, and the encoder work that needs."""
         start = request.num_computed_tokens
         remaining = request.num_tokens - start
         if not self.config.enable_chunked_prefill:
             n = remaining if remaining <= budget or not prefill_scheduled else 0
-            return n, self._missing_units(request, start, start + n)
+            return n, [self._work(request, u, whole=True) for u in self._unfinished_units(request, start, start + n)]
         n = min(remaining, budget)
         if request.mm is not None and request.mm.atomic_units:
             n = self._keep_span_whole(request.mm, start, n, alone=not prefill_scheduled)
-        units = self._missing_units(request, start, start + n)
+        units = self._unfinished_units(request, start, start + n)
         if encoder_left is not None and len(units) > encoder_left:
             n = request.mm.unit_first_position(units[encoder_left]) - start
             units = units[:encoder_left]
-        return n, units
+        work = [self._work(request, u, whole=False) for u in units]
+        unready = next((w.unit for w in work if not w.finishes), None)
+        if unready is not None:  # the chunk stops where it would need features still being computed
+            n = min(n, request.mm.unit_first_position(unready) - start)
+        return n, work
+
+    def _work(self, request: Request, unit: int, whole: bool) -> EncoderWork:
+        """The next slices of an input's vision tower: all that are left, or `encoder_layers_per_step`."""
+        stages = request.mm.encoder_stages
+        done = self.encoder_progress.get(request.request_id, {}).get(unit, 0)
+        step = self.config.encoder_layers_per_step
+        end = stages if whole or step is None else min(done + step, stages)
+        return EncoderWork(request, unit, done, end)
 
     @staticmethod
     def _keep_span_whole(mm: MultimodalPrompt, start: int, n: int, alone: bool) -> int:
@@ -194,18 +224,23 @@ class Scheduler:
             return span_start - start
         return span_end - start if alone else 0
 
-    def _missing_units(self, request: Request, start: int, end: int) -> list[int]:
+    def _unfinished_units(self, request: Request, start: int, end: int) -> list[int]:
+        """Encoder inputs with placeholders in [start, end) whose features are not ready yet."""
         if request.mm is None or end <= start:
             return []
-        held = self.encoded.get(request.request_id, set())
-        return [u for u in request.mm.units_in(start, end) if u not in held]
+        progress = self.encoder_progress.get(request.request_id, {})
+        stages = request.mm.encoder_stages
+        return [u for u in request.mm.units_in(start, end) if progress.get(u, 0) < stages]
 
     def _take(
-        self, request: Request, n: int, units: list[int], out: SchedulerOutput, scheduled: set[str]
+        self, request: Request, n: int, work: list[EncoderWork], out: SchedulerOutput, scheduled: set[str]
     ) -> None:
-        out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
-        out.encoder_inputs.extend((request, u) for u in units)
-        self.encoded.setdefault(request.request_id, set()).update(units)
+        if n > 0:
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+        out.encoder_work.extend(work)
+        progress = self.encoder_progress.setdefault(request.request_id, {})
+        for item in work:
+            progress[item.unit] = item.end
         scheduled.add(request.request_id)
 
     def _reserve(self, request: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
@@ -232,11 +267,11 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is not None:
                 request.output_token_ids.append(token)
-            held = self.encoded.get(request.request_id)
-            if held:
-                done = [u for u in held if request.mm.unit_last_position(u) < request.num_computed_tokens]
-                for unit in sorted(done):
-                    held.discard(unit)
+            progress = self.encoder_progress.get(request.request_id)
+            if progress:
+                passed = [u for u in progress if request.mm.unit_last_position(u) < request.num_computed_tokens]
+                for unit in sorted(passed):
+                    del progress[unit]
                     self.freed_encoder_inputs.append((request.request_id, unit))
 
     def take_freed_encoder_inputs(self) -> list[tuple[str, int]]:

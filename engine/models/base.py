@@ -63,11 +63,24 @@ class VLMAdapter:
         """Vision features of each encoder input, one [rows, hidden] tensor each."""
         raise NotImplementedError
 
+    # Families whose vision tower can run a few layers a step set this to the number of slices and
+    # implement `encode_stages`.
+    encoder_stages: int = 1
+
+    def encode_stages(
+        self, inputs: list[dict[str, torch.Tensor]], states: list[Any], first: int, end: int
+    ) -> list[Any]:
+        """Run slices first..end-1 of the vision tower on each input, starting from the state the previous
+        slices left (None when `first` is 0). Returns the new states; when `end` is the last slice they are
+        the features, one [rows, hidden] tensor each, exactly as `encode` gives them."""
+        raise NotImplementedError(f"{type(self).__name__} runs its vision tower whole")
+
     # -- shared ---------------------------------------------------------------------------------
     def process(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], MultimodalPrompt | None]:
         token_ids, mm = self.expand_prompt(prompt, images)
         if mm is not None:
             mm.atomic_units = self.atomic_image_spans
+            mm.encoder_stages = self.encoder_stages
         return token_ids, mm
 
     def rope_positions(self, request: Request, start: int, end: int) -> torch.Tensor:

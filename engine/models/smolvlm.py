@@ -5,6 +5,8 @@ encoding the whole image at once."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from PIL import Image
 
@@ -19,6 +21,12 @@ class SmolVLMAdapter(VLMAdapter):
     @property
     def text_model(self) -> torch.nn.Module:
         return self.model.model.text_model
+
+    @property
+    def encoder_stages(self) -> int:
+        """One slice per layer of the SigLIP tower; the embeddings run with the first, the final norm and
+        the connector with the last."""
+        return len(self.model.model.vision_model.encoder.layers)
 
     def expand_prompt(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], MultimodalPrompt | None]:
         if not images:  # tokenized exactly as the processor does for transformers' own generate
@@ -65,3 +73,47 @@ class SmolVLMAdapter(VLMAdapter):
             features = torch.cat(list(features))
         rows = features.reshape(len(inputs), -1, features.shape[-1])
         return list(rows.unbind(0))
+
+    @torch.inference_mode()
+    def encode_stages(
+        self, inputs: list[dict[str, torch.Tensor]], states: list[Any], first: int, end: int
+    ) -> list[Any]:
+        """The same operations as SmolVLM's `get_image_features`, a range of layers at a time. A state is
+        (hidden states [1, patches, dim], the tower's attention mask or None when no patch is padding)."""
+        vision = self.model.model.vision_model
+        if first == 0:
+            states = [self._embed_tile(vision, item) for item in inputs]
+        hidden = torch.cat([h for h, _ in states])
+        masks = [m for _, m in states]
+        mask = None if all(m is None for m in masks) else torch.cat([self._full_mask(h, m) for h, m in states])
+        for layer in vision.encoder.layers[first:end]:
+            hidden = layer(hidden, mask)
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        if end < self.encoder_stages:
+            return [(h.unsqueeze(0), m) for h, m in zip(hidden.unbind(0), masks)]
+        features = self.model.model.connector(vision.post_layernorm(hidden))
+        return list(features.unbind(0))
+
+    def _embed_tile(self, vision: torch.nn.Module, item: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        from transformers.masking_utils import create_bidirectional_mask
+
+        pixel_values = item["pixel_values"].to(self.device, self.dtype)
+        pixel_mask = item.get("pixel_attention_mask")
+        if pixel_mask is None:
+            pixel_mask = torch.ones(pixel_values.shape[0], *pixel_values.shape[2:], dtype=torch.bool)
+        patch = vision.patch_size
+        patches = pixel_mask.to(self.device).unfold(1, patch, patch).unfold(2, patch, patch)
+        patch_mask = patches.sum(dim=(-1, -2)) > 0
+        hidden = vision.embeddings(pixel_values=pixel_values, patch_attention_mask=patch_mask)
+        mask = create_bidirectional_mask(
+            config=vision.config, inputs_embeds=hidden, attention_mask=patch_mask.view(1, -1)
+        )
+        return hidden, mask
+
+    @staticmethod
+    def _full_mask(hidden: torch.Tensor, mask: Any) -> torch.Tensor:
+        """A tile without padding has no mask; batched beside one that has, it needs an all-visible one."""
+        if mask is not None:
+            return mask
+        n = hidden.shape[1]
+        return torch.ones(1, 1, n, n, dtype=torch.bool, device=hidden.device)
