@@ -16,6 +16,8 @@ def stall(
     images: int = typer.Option(2, help="Images in the camera-style prompt."),
     budget: int = typer.Option(256, help="max_num_batched_tokens of the chunked runs."),
     encoder_budget: int = typer.Option(1, help="Encoder inputs (tiles) per step in the 'chunked' run."),
+    encoder_layers_per_step: int = typer.Option(2, help="Vision tower layers a tile runs per step in the 'chunked' "
+                                                        "run (0: the whole tower)."),
     after_steps: int = typer.Option(8, help="Steps measured after the image prompt's first token."),
     threads: int = typer.Option(None, help="torch threads (default: torch's choice)."),
     json_path: str = typer.Option(None, "--json", help="Write the results here."),
@@ -25,7 +27,8 @@ def stall(
     from bench.stall import StallConfig, run_stall, save, summary
 
     cfg = StallConfig(model=model, device=device, dtype=dtype, chats=chats, images=images, budget=budget,
-                      encoder_budget=encoder_budget, after_steps=after_steps, threads=threads)
+                      encoder_budget=encoder_budget, encoder_layers_per_step=encoder_layers_per_step or None,
+                      after_steps=after_steps, threads=threads)
     result = run_stall(cfg)
     save(result, json_path, png_path)
     typer.echo(summary(result))
