@@ -11,6 +11,8 @@ import binascii
 import io
 import ipaddress
 import socket
+import sys
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httpx
@@ -22,6 +24,13 @@ from api.settings import Limits
 FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
 
 
+def _pil_open() -> Callable[..., Image.Image]:
+    """PIL's own `Image.open`. Importing ultralytics replaces it with a wrapper that, for a file PIL cannot
+    identify, pip-installs a HEIF plugin: a server must never do that because of a client's bytes."""
+    patches = sys.modules.get("ultralytics.utils.patches")
+    return getattr(patches, "_image_open", Image.open) if patches is not None else Image.open
+
+
 def decode_image(data: bytes, limits: Limits, param: str) -> Image.Image:
     """An RGB image from encoded bytes, or an APIError (413 too large, 400 unreadable)."""
     if len(data) > limits.max_image_bytes:
@@ -29,7 +38,7 @@ def decode_image(data: bytes, limits: Limits, param: str) -> Image.Image:
                        param, "image_too_large")
     try:
         # Image.open reads only the header: the size is known before any pixel is decoded.
-        image = Image.open(io.BytesIO(data), formats=FORMATS)
+        image = _pil_open()(io.BytesIO(data), formats=FORMATS)
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise APIError(400, f"{param}: not a readable image (accepted formats: {', '.join(FORMATS)}): {exc}",
                        param, "invalid_image") from None

@@ -160,7 +160,7 @@ async def list_captions(camera: CameraId | None = None, limit: int = Query(50, g
 @router.get("/captions/stream", response_class=SSEResponse, status_code=200,
             responses={200: {"content": {"text/event-stream": {}}}})
 async def stream_captions(camera: CameraId | None = None,
-                          last_event_id: str | None = Header(None, max_length=64),
+                          last_event_id: str | None = Header(None, pattern=r"^[0-9]{1,20}(-[0-9]{1,20})?$"),
                           state: ServerState = Depends(server_state)) -> SSEResponse:
     """Finished captions as server-sent events (`event: caption`); resumes after `Last-Event-ID`."""
     async def events() -> AsyncIterator[str]:
