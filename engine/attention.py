@@ -73,13 +73,15 @@ def paged_attention_forward(
     out = torch.empty(q.shape[1], num_heads, q.shape[2], dtype=q.dtype, device=q.device)
 
     if batch.decode_query_index is not None:
-        dq = q[:, batch.decode_query_index].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, d]
-        dk = _expand_kv(key_cache[batch.decode_key_slots].transpose(1, 2), num_heads)  # [B, heads, ctx, d]
-        dv = _expand_kv(value_cache[batch.decode_key_slots].transpose(1, 2), num_heads)
-        o = F.scaled_dot_product_attention(
-            dq, dk.to(q.dtype), dv.to(q.dtype), attn_mask=batch.decode_mask, scale=scaling
-        )
-        out[batch.decode_query_index] = o.squeeze(2)
+        # One query per sequence: the query heads that share a KV head become that head's rows, so keys and
+        # values are read once per KV head instead of being repeated for every query head.
+        kv_heads = key_cache.shape[1]
+        rows = len(batch.decode_query_index)
+        dq = q[:, batch.decode_query_index].transpose(0, 1).reshape(rows, kv_heads, num_heads // kv_heads, -1)
+        dk = key_cache[batch.decode_key_slots].transpose(1, 2).to(q.dtype)  # [B, kv_heads, ctx, d]
+        dv = value_cache[batch.decode_key_slots].transpose(1, 2).to(q.dtype)
+        o = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=batch.decode_mask, scale=scaling)
+        out[batch.decode_query_index] = o.reshape(rows, num_heads, -1)
 
     for span in batch.prefills:
         pq = q[:, span.query_start : span.query_end]  # [heads, n, d]
