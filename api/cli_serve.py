@@ -32,6 +32,16 @@ def serve(
                                        "(default: results in memory, no queue)."),
     queue: bool = typer.Option(True, "--queue/--no-queue", envvar="VLMCAP_QUEUE",
                                help="With --redis-url, caption camera jobs from the Redis queue in-process."),
+    consumer_name: str = typer.Option(None, envvar="VLMCAP_CONSUMER_NAME",
+                                      help="Queue worker's name in the consumer group (default: host-pid)."),
+    claim_idle_seconds: float = typer.Option(60.0, envvar="VLMCAP_CLAIM_IDLE_SECONDS",
+                                             help="Take over jobs pending this long at another consumer."),
+    max_deliveries: int = typer.Option(3, envvar="VLMCAP_MAX_DELIVERIES",
+                                       help="Attempts before a camera job goes to the dead-letter stream."),
+    batch_size: int = typer.Option(8, envvar="VLMCAP_BATCH_SIZE",
+                                   help="Camera jobs read at once and captioned concurrently."),
+    caption_priority: int = typer.Option(10, envvar="VLMCAP_CAPTION_PRIORITY",
+                                         help="Engine priority of captions (lower first; chat is 0)."),
     caption_prompt: str = typer.Option("Describe the people in this image in one sentence.",
                                        envvar="VLMCAP_CAPTION_PROMPT", help="Prompt of captions that give none."),
     caption_max_tokens: int = typer.Option(64, envvar="VLMCAP_CAPTION_MAX_TOKENS", help="New tokens of a caption."),
@@ -59,8 +69,7 @@ def serve(
                                          help="Seconds in-flight requests get to finish at shutdown."),
     log_level: str = typer.Option("info", envvar="VLMCAP_LOG_LEVEL", help="debug, info, warning, error."),
 ) -> None:
-    """Serve OpenAI-compatible chat (/v1/chat/completions, /v1/responses) and REST captioning (/v1/captions)
-    on one shared engine, with /health, /ready and /metrics."""
+    """Serve OpenAI-compatible chat and REST captioning on one shared engine (and its camera queue)."""
     import logging
 
     import uvicorn
@@ -78,7 +87,9 @@ def serve(
                 num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, num_threads=num_threads,
             ),
             served_model_name=served_model_name, api_key=api_key or None, redis_url=redis_url or None,
-            run_queue_worker=queue, caption_prompt=caption_prompt, caption_max_tokens=caption_max_tokens,
+            run_queue_worker=queue, consumer_name=consumer_name, claim_idle_s=claim_idle_seconds,
+            max_deliveries=max_deliveries, queue_batch_size=batch_size, caption_priority=caption_priority,
+            caption_prompt=caption_prompt, caption_max_tokens=caption_max_tokens,
             shutdown_grace_s=shutdown_grace,
             limits=Limits(
                 max_body_bytes=max_body_bytes, max_image_bytes=max_image_bytes, max_image_pixels=max_image_pixels,

@@ -154,7 +154,11 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
             if settings.redis_url and settings.run_queue_worker:
                 from api.queue_worker import QueueWorker, connect
 
-                worker = QueueWorker(connect(settings.redis_url), state.captioner, priority=settings.caption_priority)
+                worker = QueueWorker(
+                    connect(settings.redis_url), state.captioner, consumer_name=settings.consumer_name,
+                    claim_idle_seconds=settings.claim_idle_s, max_deliveries=settings.max_deliveries,
+                    priority=settings.caption_priority, batch_size=settings.queue_batch_size,
+                )
                 worker.start()
             app.state.vlmcap = state
             log.info("ready: serving %s as %r", settings.engine.model, settings.model_name)

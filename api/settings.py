@@ -45,6 +45,11 @@ class ServerSettings:
     # Captions: results go to Redis (shared with camera queue workers) when a URL is given, else memory.
     redis_url: str | None = None
     run_queue_worker: bool = True
+    # The in-process queue worker (see api.queue_worker.QueueWorker); consumer name None: host-pid.
+    consumer_name: str | None = None
+    claim_idle_s: float = 60.0
+    max_deliveries: int = 3
+    queue_batch_size: int = 8
     caption_prompt: str = "Describe the people in this image in one sentence."
     caption_max_tokens: int = 64
     caption_priority: int = DEFAULT_CAPTION_PRIORITY  # chats (priority 0) go first
