@@ -12,16 +12,25 @@ import importlib.util
 import json
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
+import redis
 import typer
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from queue_support import make_job
+from test_queue_resilience import wait_for
+from test_queue_worker import enqueue
 
 from api.cli import app
+from pipeline.contract import CAPTIONS_STREAM, CONSUMER_GROUP, DEAD_STREAM, JOBS_STREAM, CaptionResult, result_key
+from pipeline.redis_conn import free_tcp_port
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
@@ -128,8 +137,8 @@ def container_argv(service: dict, dockerfile: Path) -> list[str]:
 
 
 def parse_command(argv: list[str], environment: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict:
-    """The parameters `argv` gives the real CLI with exactly `environment` set (as in the container):
-    unknown subcommands or options, bad values and missing required options raise here."""
+    """The parameters `argv` gives the real CLI when its variables come only from `environment`, as in the
+    container: unknown subcommands or options, bad values and missing required options raise here."""
     for variable in cli_envvars():
         monkeypatch.delenv(variable, raising=False)
     for variable, value in environment.items():
@@ -308,3 +317,95 @@ def test_readme_table_of_environment_variables_matches_the_cli():
                           for variable in container_environment(service, dockerfile)}
     tabled = {variable for variable, _ in documented}
     assert set_for_containers - interpreter_envvars() <= tabled, set_for_containers - tabled
+
+
+# -- scale-out: two servers, one consumer group ------------------------------------------------------------
+
+CLAIM_IDLE_SECONDS = 5.0  # longer than a batch of captions takes, so live servers rarely take each other's
+
+
+class ServeProcess:
+    """A real `vlmcap serve` subprocess on the tiny model and a free loopback port, its in-process queue
+    worker on `redis_url` under the consumer name `name`; its output goes to a log file."""
+
+    def __init__(self, name: str, redis_url: str, log_dir: Path) -> None:
+        self.name = name
+        self.url = f"http://127.0.0.1:{free_tcp_port()}"
+        self.log_path = log_dir / f"{name}.log"
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", "from api.cli import app; app()", "serve", "--model", "tiny",
+                 "--port", self.url.rsplit(":", 1)[1], "--redis-url", redis_url, "--consumer-name", name,
+                 "--claim-idle-seconds", str(CLAIM_IDLE_SECONDS), "--caption-max-tokens", "16",
+                 "--num-threads", "1", "--log-level", "warning"],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            )
+
+    def ready(self) -> bool:
+        assert self.process.poll() is None, f"{self.name} exited: {self.log_tail()}"
+        try:
+            return httpx.get(f"{self.url}/ready", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def engine_requests_finished(self) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                   if sample.name == "vlmcap_requests_finished_total")
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+@pytest.mark.timeout(180)
+def test_two_servers_share_the_job_stream_and_a_killed_one_loses_nothing(redis_url, tmp_path):
+    jobs = [make_job(f"cam-{i % 2}", width=64 + i) for i in range(40)]
+    servers = [ServeProcess(name, redis_url, tmp_path) for name in ("survivor", "doomed")]
+    survivor, doomed = servers
+    client = redis.Redis.from_url(redis_url)
+    try:
+        wait_for(lambda: all(server.ready() for server in servers), "both servers to be ready", timeout=120)
+        enqueue(redis_url, jobs)
+        wait_for(lambda: min(server.engine_requests_finished() for server in servers) >= 1,
+                 "both servers to caption jobs from the shared stream", timeout=60)
+
+        def doomed_frozen_holding_jobs() -> bool:
+            """Freeze the doomed server (SIGSTOP) and keep it frozen if it holds jobs in flight."""
+            doomed.process.send_signal(signal.SIGSTOP)
+            if client.xpending_range(JOBS_STREAM, CONSUMER_GROUP, "-", "+", 100, consumername="doomed"):
+                return True
+            doomed.process.send_signal(signal.SIGCONT)
+            return False
+
+        wait_for(doomed_frozen_holding_jobs, "the doomed server to hold jobs in flight", timeout=60)
+        in_flight = client.xpending_range(JOBS_STREAM, CONSUMER_GROUP, "-", "+", 100, consumername="doomed")
+        doomed.process.send_signal(signal.SIGKILL)
+        doomed.stop()
+        entries = [client.xrange(JOBS_STREAM, item["message_id"], item["message_id"]) for item in in_flight]
+        orphaned = {entry[0][1][b"job_id"].decode() for entry in entries if entry}
+        assert orphaned, "the doomed server's jobs were finished elsewhere before it died"
+
+        def all_finished() -> bool:
+            assert survivor.process.poll() is None, survivor.log_tail()
+            return client.xlen(JOBS_STREAM) == 0
+
+        wait_for(all_finished, "the survivor to finish every job", timeout=120)
+        results = {job.job_id: CaptionResult.from_fields(client.hgetall(result_key(job.job_id))) for job in jobs}
+        assert {result.status for result in results.values()} == {"done"}
+        assert all(results[job_id].deliveries >= 2 for job_id in orphaned)  # taken over after the kill
+        feed = [CaptionResult.from_fields(fields).id for _, fields in client.xrange(CAPTIONS_STREAM)]
+        assert sorted(feed) == sorted(results)  # exactly one caption per job
+        assert client.xlen(DEAD_STREAM) == 0
+        assert client.xpending(JOBS_STREAM, CONSUMER_GROUP)["pending"] == 0
+        for job_id, result in results.items():  # every result, whoever captioned it, is served by the survivor
+            served = httpx.get(f"{survivor.url}/v1/captions/{job_id}", timeout=10).json()
+            assert (served["status"], served["caption"]) == ("done", result.caption)
+    finally:
+        for server in servers:
+            server.stop()
+        client.close()
