@@ -1,0 +1,62 @@
+"""Remote image URLs: off by default, only allowlisted hosts, never loopback or private addresses unless
+allowed, with a size limit; fetched from a real HTTP server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from ultralytics.utils import ASSETS
+
+from api.errors import APIError
+from api.images import load_image_url
+from api.settings import Limits
+
+BUS = (ASSETS / "bus.jpg").read_bytes()
+
+
+class Photos(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - the http.server name
+        found = self.path == "/bus.jpg"
+        self.send_response(200 if found else 404)
+        self.end_headers()
+        if found:
+            self.wfile.write(BUS)
+
+    def log_message(self, *_) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def photo_url():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Photos)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+ALLOWED = Limits(allow_remote_images=True, remote_image_hosts=("127.0.0.1",), allow_private_remote_images=True)
+
+
+def load(url: str, limits: Limits):
+    return asyncio.run(load_image_url(url, limits, "image_url"))
+
+
+def test_allowed_remote_image_is_fetched(photo_url):
+    assert load(f"{photo_url}/bus.jpg", ALLOWED).size == (810, 1080)
+
+
+@pytest.mark.parametrize(("limits", "path", "status", "message"), [
+    (Limits(), "/bus.jpg", 400, "remote image URLs are disabled"),
+    (replace(ALLOWED, remote_image_hosts=("*.example.com",)), "/bus.jpg", 400, "not on this server's image host"),
+    (replace(ALLOWED, allow_private_remote_images=False), "/bus.jpg", 400, "non-public address 127.0.0.1"),
+    (replace(ALLOWED, max_image_bytes=1000), "/bus.jpg", 413, "over the limit of 1000 bytes"),
+    (ALLOWED, "/missing.jpg", 400, "HTTP 404"),
+])
+def test_refused_remote_images(photo_url, limits, path, status, message):
+    with pytest.raises(APIError) as refused:
+        load(photo_url + path, limits)
+    assert refused.value.status == status and message in refused.value.message
