@@ -338,7 +338,7 @@ class QueueWorker:
         result = job.queued_result()
         result.status = JobStatus.FAILED.value if error is not None else JobStatus.DONE.value
         result.caption, result.error = caption, error
-        result.finished_at, result.deliveries = time.time(), deliveries
+        result.finished_at, result.deliveries, result.consumer = time.time(), deliveries, self.consumer_name
         result_fields = result.to_fields()
         dead = dead_letter_fields(job.to_fields(), error, deliveries) if error is not None else {}
         first = await self._finish(

@@ -164,6 +164,7 @@ class CaptionResult:
     finished_at: float | None = None
     error: str | None = None
     deliveries: int = 0
+    consumer: str | None = None  # the queue worker that finished the job
 
     def to_fields(self) -> dict[str, str]:
         return {name: str(value) for name, value in asdict(self).items() if value is not None}
@@ -183,6 +184,7 @@ class CaptionResult:
                 finished_at=float(values["finished_at"]) if "finished_at" in values else None,
                 error=values.get("error"),
                 deliveries=int(values.get("deliveries", 0)),
+                consumer=values.get("consumer"),
             )
         except KeyError as missing:
             raise ValueError(f"caption result lacks field {missing}") from None

@@ -58,6 +58,7 @@ def test_every_job_gets_exactly_one_caption_and_results_are_readable(redis_url):
             assert result.caption == f"{widths[job.job_id]}x48: who is at {job.camera_id}?"
             assert (result.camera_id, result.person_count, result.frame_ts) == (job.camera_id, 1, 1.5)
             assert result.finished_at >= result.created_at
+            assert result.consumer == worker.consumer_name
         north = await recent_captions(worker.redis, camera="north", limit=10)
         assert sorted(r.id for r in north) == sorted(job.job_id for job in jobs[:3])
         finished = [r.finished_at for r in north]
