@@ -71,6 +71,7 @@ def test_a_prompt_that_can_never_fit_in_the_kv_cache_is_refused(make_engine, pho
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-2), "top_k"),
         (dict(seed="x"), "seed"),
+        (dict(seed=2**64), "seed"),
         (dict(stop=[""]), "stop"),
     ],
 )
