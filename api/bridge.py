@@ -59,10 +59,11 @@ class RequestStream:
             now = time.perf_counter()
             new_tokens = len(item.token_ids) - last_count
             if self.metrics is not None and new_tokens > 0:
+                self.metrics.recent_output_tokens.add(new_tokens)
                 if last_count == 0:
                     self.metrics.ttft.observe(now - self.arrival)
                 else:
-                    self.metrics.itl.observe((now - last_time) / new_tokens)
+                    self.metrics.observe_itl((now - last_time) / new_tokens)
             last_time, last_count = now, len(item.token_ids)
             if item.finished:
                 if self.metrics is not None:
@@ -214,7 +215,7 @@ class AsyncEngine:
             finally:
                 self.stats = self.engine.stats()
             if self.metrics is not None:
-                self.metrics.step_tokens.observe(self.stats["last_step_num_tokens"])
+                self.metrics.observe_step_tokens(self.stats["last_step_num_tokens"])
             self._deliver(outputs)
         log.info("step loop stopped")
 

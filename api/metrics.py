@@ -1,9 +1,13 @@
 """Prometheus metrics of one server: requests by route and status, latency histograms (TTFT, inter-token,
 end to end) observed as outputs reach their request, and the engine's gauges and counters read from the
-bridge's latest stats (so a scrape never waits for a step)."""
+bridge's latest stats (so a scrape never waits for a step). Inter-token latencies, tokens per step and
+output tokens are also kept as the last minute's samples, for the dashboard's live charts."""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,6 +18,29 @@ from prometheus_client.registry import Collector
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+RECENT_HORIZON_S = 60.0
+
+
+class RecentSamples:
+    """The samples of the last `horizon_s` seconds; safe to add to from any thread."""
+
+    def __init__(self, horizon_s: float = RECENT_HORIZON_S) -> None:
+        self.horizon_s = horizon_s
+        self._samples: deque[tuple[float, float]] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, value: float) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._samples.append((now, value))
+            while self._samples[0][0] < now - self.horizon_s:
+                self._samples.popleft()
+
+    def last(self, seconds: float) -> list[float]:
+        """The values added in the last `seconds` (at most the horizon), oldest first."""
+        since = time.monotonic() - min(seconds, self.horizon_s)
+        with self._lock:
+            return [value for at, value in self._samples if at >= since]
 
 
 class EngineCollector(Collector):
@@ -65,6 +92,17 @@ class Metrics:
         self.aborted = Counter("vlmcap_requests_aborted", "Engine requests aborted (client left, shutdown)",
                                registry=r)
         self.step_failures = Counter("vlmcap_engine_step_failures", "Engine steps that raised", registry=r)
+        self.recent_itl = RecentSamples()  # seconds between consecutive tokens of a request
+        self.recent_step_tokens = RecentSamples()  # tokens scheduled in one step
+        self.recent_output_tokens = RecentSamples()  # new tokens of one output reaching its request
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+        self.recent_itl.add(seconds)
+
+    def observe_step_tokens(self, tokens: int) -> None:
+        self.step_tokens.observe(tokens)
+        self.recent_step_tokens.add(tokens)
 
     def watch_engine(self, stats: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(EngineCollector(stats))

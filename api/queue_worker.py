@@ -7,11 +7,12 @@ reads camera jobs, captions them through any `Captioner` and finishes each job e
   or when delivered more often than that without finishing (a consumer that keeps dying on it), it goes
   to the dead-letter stream with its error.
 - Finishing (result, caption feeds, dead letter, `XACK`, `XDEL`) is one atomic script that writes the
-  result only if the job has none yet, so a redelivered job never yields a second caption.
+  result only if the job has none yet, so a redelivered job never yields a second caption. Just before,
+  the job's image and boxes are kept under the contract's frame key for viewers (idempotent per job).
 - Redis errors never end the worker: it backs off and reconnects, and re-creates its group when a
   restarted Redis lost it.
 
-Also the reader API of results: `get_result`, `recent_captions`, `tail_captions`, `queue_stats`."""
+Also the reader API of results: `get_result`, `get_frame`, `recent_captions`, `tail_captions`, `queue_stats`."""
 
 from __future__ import annotations
 
@@ -38,13 +39,16 @@ from pipeline.contract import (
     CONSUMER_GROUP,
     DEAD_STREAM,
     DEAD_STREAM_MAXLEN,
+    FRAME_TTL_SECONDS,
     JOBS_STREAM,
     RESULT_TTL_SECONDS,
     CaptionResult,
     Job,
+    JobFrame,
     JobStatus,
     camera_captions_stream,
     dead_letter_fields,
+    frame_key,
     result_key,
 )
 
@@ -341,6 +345,7 @@ class QueueWorker:
         result.finished_at, result.deliveries, result.consumer = time.time(), deliveries, self.consumer_name
         result_fields = result.to_fields()
         dead = dead_letter_fields(job.to_fields(), error, deliveries) if error is not None else {}
+        await self._keep_frame(job)
         first = await self._finish(
             keys=[result_key(job.job_id), JOBS_STREAM, CAPTIONS_STREAM, camera_captions_stream(job.camera_id),
                   DEAD_STREAM],
@@ -354,6 +359,15 @@ class QueueWorker:
             log.error("job %s dead-lettered after %d deliveries: %s", job.job_id, deliveries, error)
         else:
             self.stats.done += 1
+
+    async def _keep_frame(self, job: Job) -> None:
+        """The job's image and boxes for viewers, written before its result so a viewer that sees the
+        caption finds the frame."""
+        key = frame_key(job.job_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=job.frame().to_fields())
+            pipe.expire(key, FRAME_TTL_SECONDS)
+            await pipe.execute()
 
     async def _acknowledge(self, entry_id: str, dead_fields: dict | None = None) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -384,6 +398,12 @@ async def get_result(redis_client: aioredis.Redis, job_id: str) -> CaptionResult
     """The job's current state (queued, running, done or failed), or None if unknown or expired."""
     fields = await redis_client.hgetall(result_key(job_id))
     return CaptionResult.from_fields(fields) if fields else None
+
+
+async def get_frame(redis_client: aioredis.Redis, job_id: str) -> JobFrame | None:
+    """A finished camera job's image and person boxes, or None if unknown or expired."""
+    fields = await redis_client.hgetall(frame_key(job_id))
+    return JobFrame.from_fields(fields) if fields else None
 
 
 def _feed(camera: str | None) -> str:
@@ -429,5 +449,5 @@ async def queue_stats(redis_client: aioredis.Redis) -> dict[str, int]:
 
 __all__ = [
     "DEFAULT_CAPTION_PRIORITY", "Captioner", "OpenAICaptioner", "QueueWorker", "WorkerStats",
-    "connect", "default_consumer_name", "get_result", "queue_stats", "recent_captions", "tail_captions",
+    "connect", "default_consumer_name", "get_frame", "get_result", "queue_stats", "recent_captions", "tail_captions",
 ]

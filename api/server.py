@@ -1,5 +1,6 @@
 """The FastAPI app of `vlmcap serve`: one engine per process behind the async bridge, OpenAI-compatible
-routes, captioning routes, the in-process queue worker (when Redis is configured), health and metrics.
+routes, captioning routes, the in-process queue worker (when Redis is configured), health, metrics and
+the dashboard page at `/`.
 
 The engine loads in the background at startup: `/health` answers at once, `/ready` and the `/v1` routes
 answer 503 until the model is loaded and the step loop runs.
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api import routes_captions, routes_openai
+from api import routes_captions, routes_dashboard, routes_openai
 from api.bridge import AsyncEngine
 from api.caption_store import CaptionStore, MemoryCaptionStore, RedisCaptionStore
 from api.captioner import EngineCaptioner
@@ -183,6 +184,8 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics, routes=app.router.routes)
     app.include_router(routes_openai.router)
     app.include_router(routes_captions.router)
+    app.include_router(routes_dashboard.router)
+    app.mount("/static", routes_dashboard.static_files, name="static")
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -14,6 +14,10 @@ Life of a job:
    second caption or a second dead-letter entry.
 
 The job stream thus holds only outstanding jobs (waiting or in progress): its length is the backlog.
+
+For viewers (the dashboard): a worker keeps each finished job's image and person boxes under
+`frame_key(job_id)` for `FRAME_TTL_SECONDS`, and each camera pipeline publishes its counters every few
+seconds to `camera_stats_key(camera_id)` (a hash with a TTL), listed in the sorted set `CAMERAS_INDEX`.
 """
 
 from __future__ import annotations
@@ -35,6 +39,15 @@ RESULT_KEY_PREFIX = "vlmcap:result:"
 RESULT_TTL_SECONDS = 7 * 24 * 3600
 DEFAULT_STREAM_MAXLEN = 1_000
 DEAD_STREAM_MAXLEN = 10_000
+# A finished job's image with its person boxes, for viewers; kept shorter than results (JPEGs are large).
+FRAME_KEY_PREFIX = "vlmcap:frame:"
+FRAME_TTL_SECONDS = 6 * 3600
+# Camera counters published by each pipeline: a hash per camera that expires unless refreshed, and an
+# index of camera ids scored by the Unix time of their latest publication.
+CAMERAS_INDEX = "vlmcap:cameras"
+CAMERA_STATS_KEY_PREFIX = "vlmcap:camera:"
+CAMERA_STATS_TTL_SECONDS = 60
+CAMERA_RATE_COUNTERS = ("captured", "skipped", "dropped", "detected", "enqueued")
 
 
 def result_key(job_id: str) -> str:
@@ -43,6 +56,14 @@ def result_key(job_id: str) -> str:
 
 def camera_captions_stream(camera_id: str) -> str:
     return f"{CAPTIONS_STREAM}:{camera_id}"
+
+
+def frame_key(job_id: str) -> str:
+    return f"{FRAME_KEY_PREFIX}{job_id}"
+
+
+def camera_stats_key(camera_id: str) -> str:
+    return f"{CAMERA_STATS_KEY_PREFIX}{camera_id}"
 
 
 def dead_letter_fields(job_fields: dict, error: str, deliveries: int) -> dict:
@@ -93,7 +114,8 @@ class Detection:
 @dataclass
 class Job:
     """One frame with people, to be captioned. `frame_ts` is seconds: the frame's position for file
-    sources, Unix time for live ones. `created_at` is Unix time of enqueueing."""
+    sources, Unix time for live ones. `created_at` is Unix time of enqueueing. `image_origin` is where the
+    image's top-left corner lies in the full frame: (0, 0) unless the image is a crop."""
 
     camera_id: str
     frame_ts: float
@@ -102,6 +124,7 @@ class Job:
     detections: list[Detection]
     job_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created_at: float = field(default_factory=time.time)
+    image_origin: tuple[int, int] = (0, 0)
 
     @property
     def person_count(self) -> int:
@@ -117,6 +140,7 @@ class Job:
             "detections": json.dumps([asdict(d) for d in self.detections]),
             "person_count": str(self.person_count),
             "created_at": repr(self.created_at),
+            "image_origin": json.dumps(list(self.image_origin)),
         }
 
     @classmethod
@@ -133,11 +157,19 @@ class Job:
                 image=image if isinstance(image, bytes) else image.encode(),
                 detections=[Detection(**d) for d in json.loads(values["detections"])],
                 created_at=float(values.get("created_at", time.time())),
+                image_origin=tuple(json.loads(values.get("image_origin", "[0, 0]"))),
             )
         except KeyError as missing:
             raise ValueError(f"job entry lacks field {missing}") from None
         except (TypeError, json.JSONDecodeError) as err:
             raise ValueError(f"job entry has a malformed field: {err}") from None
+
+    def frame(self) -> JobFrame:
+        """The job's image with its person boxes moved into the image's own pixel coordinates."""
+        dx, dy = self.image_origin
+        boxes = [Detection(d.x1 - dx, d.y1 - dy, d.x2 - dx, d.y2 - dy, d.confidence, d.track_id)
+                 for d in self.detections]
+        return JobFrame(image=self.image, detections=boxes)
 
     def queued_result(self) -> CaptionResult:
         return CaptionResult(
@@ -188,6 +220,63 @@ class CaptionResult:
             )
         except KeyError as missing:
             raise ValueError(f"caption result lacks field {missing}") from None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class JobFrame:
+    """A finished job's JPEG and its person boxes in that JPEG's pixel coordinates, as stored under
+    `frame_key(job_id)`."""
+
+    image: bytes
+    detections: list[Detection]
+
+    def to_fields(self) -> dict[str, bytes | str]:
+        return {"image": self.image, "detections": json.dumps([asdict(d) for d in self.detections])}
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> JobFrame:
+        values = _decoded_fields(fields)
+        try:
+            image = values["image"]
+            return cls(image=image if isinstance(image, bytes) else image.encode(),
+                       detections=[Detection(**d) for d in json.loads(values["detections"])])
+        except KeyError as missing:
+            raise ValueError(f"job frame lacks field {missing}") from None
+
+
+@dataclass
+class CameraStats:
+    """What a camera pipeline publishes to `camera_stats_key(camera_id)`: its counters since it started
+    (`CameraPipeline.stats()`), and the per-second rates of `CAMERA_RATE_COUNTERS` over the interval since
+    its previous publication. `status` is "running", or "stopped" once its source has ended."""
+
+    camera_id: str
+    status: str
+    detector: str
+    started_at: float
+    updated_at: float
+    counters: dict[str, int]
+    rates: dict[str, float]
+
+    def to_fields(self) -> dict[str, str]:
+        return {
+            "camera_id": self.camera_id, "status": self.status, "detector": self.detector,
+            "started_at": repr(self.started_at), "updated_at": repr(self.updated_at),
+            "counters": json.dumps(self.counters), "rates": json.dumps(self.rates),
+        }
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> CameraStats:
+        values = {name: str(value) for name, value in _decoded_fields(fields).items()}
+        try:
+            return cls(camera_id=values["camera_id"], status=values["status"], detector=values["detector"],
+                       started_at=float(values["started_at"]), updated_at=float(values["updated_at"]),
+                       counters=json.loads(values["counters"]), rates=json.loads(values["rates"]))
+        except KeyError as missing:
+            raise ValueError(f"camera stats lack field {missing}") from None
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -12,6 +12,7 @@ from enum import Enum
 import cv2
 import numpy as np
 
+from pipeline.camera_stats import CameraStatsPublisher
 from pipeline.capture import open_source
 from pipeline.contract import DEFAULT_STREAM_MAXLEN, Detection, Job
 from pipeline.detector import load_detector
@@ -46,6 +47,16 @@ def validate_prompt_template(template: str) -> None:
                          f"{', '.join(sorted('{' + n + '}' for n in unknown))}; use {{camera}} and {{count}}")
 
 
+def crop_region(image: np.ndarray, detections: list[Detection]) -> tuple[int, int, int, int]:
+    """(left, top, right, bottom) of the crop around all people, with a margin, inside the image."""
+    x1, y1 = min(d.x1 for d in detections), min(d.y1 for d in detections)
+    x2, y2 = max(d.x2 for d in detections), max(d.y2 for d in detections)
+    margin_x, margin_y = (x2 - x1) * CROP_MARGIN, (y2 - y1) * CROP_MARGIN
+    height, width = image.shape[:2]
+    return (max(0, int(x1 - margin_x)), max(0, int(y1 - margin_y)),
+            min(width, int(x2 + margin_x)), min(height, int(y2 + margin_y)))
+
+
 def job_image(image: np.ndarray, detections: list[Detection], annotate: Annotate,
               jpeg_quality: int = 90) -> bytes:
     if annotate is Annotate.BOXES:
@@ -53,12 +64,8 @@ def job_image(image: np.ndarray, detections: list[Detection], annotate: Annotate
         for det in detections:
             cv2.rectangle(image, (int(det.x1), int(det.y1)), (int(det.x2), int(det.y2)), (0, 255, 0), 2)
     elif annotate is Annotate.CROP and detections:
-        x1, y1 = min(d.x1 for d in detections), min(d.y1 for d in detections)
-        x2, y2 = max(d.x2 for d in detections), max(d.y2 for d in detections)
-        margin_x, margin_y = (x2 - x1) * CROP_MARGIN, (y2 - y1) * CROP_MARGIN
-        height, width = image.shape[:2]
-        image = image[max(0, int(y1 - margin_y)):min(height, int(y2 + margin_y)),
-                      max(0, int(x1 - margin_x)):min(width, int(x2 + margin_x))]
+        left, top, right, bottom = crop_region(image, detections)
+        image = image[top:bottom, left:right]
     ok, encoded = cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_QUALITY, jpeg_quality])
     if not ok:
         raise RuntimeError(f"JPEG encoding failed for an image of shape {image.shape}")
@@ -89,7 +96,8 @@ class PipelineConfig:
     backpressure: Backpressure = Backpressure.SKIP_NEW
     annotate: Annotate = Annotate.NONE
     jpeg_quality: int = 90
-    stats_interval_seconds: float = 30.0
+    stats_interval_seconds: float = 30.0  # how often the counters are logged
+    publish_stats_seconds: float = 2.0  # how often they are published to Redis (for the dashboard)
 
     def __post_init__(self) -> None:
         if not self.camera_id.strip():
@@ -114,6 +122,8 @@ class CameraPipeline:
                          config.max_jobs_per_minute)
         self.producer = JobProducer(config.redis_url, config.stream_maxlen, config.backpressure,
                                     max_backoff_seconds=config.max_backoff_seconds)
+        self.stats_publisher = CameraStatsPublisher(config.redis_url, config.camera_id, self.detector.name,
+                                                    self.stats, config.publish_stats_seconds)
         self.detected = 0  # frames with at least one person
         self.jobs = 0  # jobs handed to the producer
         # Seconds spent in each stage since the start: where a camera's frame rate goes.
@@ -137,6 +147,8 @@ class CameraPipeline:
             image=job_image(gated.frame.image, gated.detections, config.annotate, config.jpeg_quality),
             detections=gated.detections,
         )
+        if config.annotate is Annotate.CROP and gated.detections:
+            job.image_origin = crop_region(gated.frame.image, gated.detections)[:2]
         self.producer.submit(job)
         self.jobs += 1
 
@@ -147,6 +159,7 @@ class CameraPipeline:
         last_report = time.monotonic()
         clock = time.perf_counter
         seconds = self.stage_seconds
+        self.stats_publisher.start()
         try:
             frames = iter(self.source.frames(stop))
             while True:
@@ -175,6 +188,7 @@ class CameraPipeline:
         finally:
             self.source.close()
             self.producer.close()
+            self.stats_publisher.close()
         final = self.stats()
         log.info("camera %s finished: %s", self.config.camera_id, final)
         return final

@@ -1,0 +1,151 @@
+"""The dashboard: the page at `/` (plain files in `api/static/`, public) and the JSON it reads besides the
+OpenAI and captioning routes (under `/v1`, so behind the API key): a caption's frame with its person
+boxes drawn, the cameras' published counters with their last caption, and the engine's live numbers."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import FileResponse, Response
+from fastapi.staticfiles import StaticFiles
+from PIL import ImageDraw
+
+from api.caption_store import RedisCaptionStore
+from api.errors import APIError
+from api.images import decode_image
+from api.queue_worker import get_frame, recent_captions
+from api.routes_captions import result_json
+from api.settings import Limits
+from api.state import ServerState, server_state
+from pipeline.contract import CAMERA_STATS_TTL_SECONDS, CAMERAS_INDEX, CameraStats, JobFrame, camera_stats_key
+
+STATIC_DIR = Path(__file__).parent / "static"
+RATE_WINDOW_S = 5.0  # rates and step sizes are averaged over this many seconds
+BOX_COLOR = (0, 230, 118)
+# The page loads only its own files and talks only to this server: data shown in it can never run.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' blob:; "
+                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+router = APIRouter()
+static_files = StaticFiles(directory=STATIC_DIR)
+
+
+def _redis(state: ServerState) -> aioredis.Redis | None:
+    """The server's Redis (camera frames and stats live there), or None when results are kept in memory."""
+    return state.captions.redis if isinstance(state.captions, RedisCaptionStore) else None
+
+
+@router.get("/", include_in_schema=False)
+async def dashboard_page() -> FileResponse:
+    return FileResponse(STATIC_DIR / "index.html", headers=PAGE_HEADERS)
+
+
+def render_frame(frame: JobFrame, limits: Limits, boxes: bool, max_width: int | None) -> bytes:
+    """The frame as a JPEG, its person boxes drawn, scaled down to `max_width` pixels wide if wider."""
+    image = decode_image(frame.image, limits, "frame")
+    if boxes:
+        draw = ImageDraw.Draw(image)
+        line = max(2, round(max(image.size) / 300))
+        for box in frame.detections:
+            draw.rectangle((box.x1, box.y1, box.x2, box.y2), outline=BOX_COLOR, width=line)
+    if max_width is not None and image.width > max_width:
+        image = image.resize((max_width, max(1, round(image.height * max_width / image.width))))
+    out = io.BytesIO()
+    image.save(out, format="JPEG", quality=85)
+    return out.getvalue()
+
+
+@router.get("/v1/captions/{caption_id}/image", response_class=Response,
+            responses={200: {"content": {"image/jpeg": {}}, "description": "the frame as a JPEG"}})
+async def caption_image(caption_id: str, boxes: bool = Query(True, description="draw the person boxes"),
+                        max_width: int | None = Query(None, ge=16, le=8192, description="scale down to this width"),
+                        state: ServerState = Depends(server_state)) -> Response:
+    """The frame of a camera job's caption (kept for a few hours), with its person boxes drawn. REST
+    captions keep no frame."""
+    redis = _redis(state)
+    frame = await get_frame(redis, caption_id) if redis is not None else None
+    if frame is None:
+        raise APIError(404, f"no frame for caption {caption_id!r} (not a camera job's, or expired)",
+                       "caption_id", "not_found")
+    try:
+        jpeg = await asyncio.to_thread(render_frame, frame, state.settings.limits, boxes, max_width)
+    except APIError as exc:
+        raise APIError(404, f"the frame of caption {caption_id!r} is unreadable: {exc.message}",
+                       "caption_id", "not_found") from None
+    return Response(jpeg, media_type="image/jpeg", headers={"Cache-Control": "private, max-age=3600"})
+
+
+async def published_cameras(redis: aioredis.Redis) -> list[CameraStats]:
+    """The latest stats of every camera that published within `CAMERA_STATS_TTL_SECONDS`, by id."""
+    await redis.zremrangebyscore(CAMERAS_INDEX, "-inf", time.time() - CAMERA_STATS_TTL_SECONDS)
+    camera_ids = [c.decode() if isinstance(c, bytes) else c for c in await redis.zrange(CAMERAS_INDEX, 0, -1)]
+    async with redis.pipeline(transaction=False) as pipe:
+        for camera_id in camera_ids:
+            pipe.hgetall(camera_stats_key(camera_id))
+        published = await pipe.execute()
+    return [CameraStats.from_fields(fields) for fields in published if fields]
+
+
+@router.get("/v1/cameras")
+async def list_cameras(state: ServerState = Depends(server_state)) -> dict[str, Any]:
+    """Cameras whose pipelines publish their counters (frames captured, skipped, dropped, detected and
+    enqueued: totals and per second), each with the age of its stats in seconds and its last caption."""
+    redis = _redis(state)
+    if redis is None:
+        return {"object": "list", "data": []}
+    cameras = []
+    for stats in await published_cameras(redis):
+        last = await recent_captions(redis, stats.camera_id, 1)
+        cameras.append({**stats.to_json(), "age_s": max(0.0, time.time() - stats.updated_at),
+                        "last_caption": result_json(last[0]) if last else None})
+    return {"object": "list", "data": cameras}
+
+
+def percentile(values: list[float], fraction: float) -> float | None:
+    """Nearest-rank percentile; None without values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
+
+
+@router.get("/v1/engine/stats")
+async def engine_stats(state: ServerState = Depends(server_state)) -> dict[str, Any]:
+    """The engine now: requests running and waiting, KV cache use, tokens per step against the budget and
+    output tokens per second (over the last few seconds), inter-token latency over the last minute."""
+    stats, metrics = state.bridge.stats, state.metrics
+    step_tokens = metrics.recent_step_tokens.last(RATE_WINDOW_S)
+    itl = metrics.recent_itl.last(metrics.recent_itl.horizon_s)
+    used, total = stats["kv_blocks_used"], stats["kv_blocks_total"]
+    p50, p99 = percentile(itl, 0.5), percentile(itl, 0.99)
+    return {
+        "model": state.settings.model_name,
+        "running": stats["num_running"],
+        "waiting": stats["num_waiting"],
+        "kv_blocks_used": used,
+        "kv_blocks_total": total,
+        "kv_cache_usage": used / total if total else 0.0,
+        "step_token_budget": stats["max_num_batched_tokens"],
+        "step_tokens_mean": sum(step_tokens) / len(step_tokens) if step_tokens else 0.0,
+        "step_tokens_max": max(step_tokens, default=0),
+        "steps_per_s": len(step_tokens) / RATE_WINDOW_S,
+        "output_tokens_per_s": sum(metrics.recent_output_tokens.last(RATE_WINDOW_S)) / RATE_WINDOW_S,
+        "itl_p50_ms": p50 * 1000 if p50 is not None else None,
+        "itl_p99_ms": p99 * 1000 if p99 is not None else None,
+        "itl_samples": len(itl),
+        "num_preemptions": stats["num_preemptions"],
+        "rate_window_s": RATE_WINDOW_S,
+        "itl_window_s": metrics.recent_itl.horizon_s,
+    }

@@ -1,0 +1,266 @@
+"""The dashboard in a real browser: headless Chromium (Debian's package, driven by Playwright's Python
+client) loads the page from a real server on loopback (tiny model, embedded Redis, in-process queue
+worker). A real camera pipeline's job becomes a caption card with its frame, the pipeline's published
+counters show up, a chat with an image streams its answer in, a caption carrying HTML stays text, and with
+an API key the page asks for it once, then says so when the server goes away."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import redis
+from PIL import Image
+from playwright.sync_api import Browser, Locator, Page, expect, sync_playwright
+from ultralytics.utils import ASSETS
+
+from api.routes_dashboard import BOX_COLOR
+from api.server import BackgroundServer, create_app
+from api.settings import ServerSettings
+from engine import EngineConfig
+from pipeline.camera_stats import CameraStatsPublisher
+from pipeline.contract import (
+    CAMERA_STATS_TTL_SECONDS,
+    CAMERAS_INDEX,
+    CAPTIONS_STREAM,
+    CAPTIONS_STREAM_MAXLEN,
+    CameraStats,
+    CaptionResult,
+    Detection,
+    Job,
+    JobFrame,
+    camera_captions_stream,
+    camera_stats_key,
+    frame_key,
+    result_key,
+)
+from pipeline.redis_conn import EmbeddedRedis
+from pipeline.runner import CameraPipeline, PipelineConfig
+
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's package; `.ci/run` installs it
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+BUS = ASSETS / "bus.jpg"
+HANG_GUARD_MS = 60_000  # how long a wait may last before the test fails as hung; never a speed check
+
+
+def settings(**extra) -> ServerSettings:
+    return ServerSettings(engine=EngineConfig(model="tiny"), caption_max_tokens=12, **extra)
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    server = EmbeddedRedis()
+    try:
+        yield server.url
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def server(redis_url) -> Iterator[BackgroundServer]:
+    with BackgroundServer(create_app(settings(redis_url=redis_url))) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    assert CHROMIUM.exists(), f"{CHROMIUM} is missing: apt-get install chromium (.ci/run does)"
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser) -> Iterator[Page]:
+    """A fresh tab (its own session storage); fails the test on any script error of the page."""
+    context = browser.new_context(viewport={"width": 1440, "height": 1000})
+    tab = context.new_page()
+    tab.set_default_timeout(HANG_GUARD_MS)
+    errors: list[str] = []
+    tab.on("pageerror", lambda error: errors.append(str(error)))
+    yield tab
+    context.close()
+    assert not errors, errors
+
+
+def wait_until_loaded(image: Locator, min_width: int = 1) -> None:
+    """Until the <img> has loaded a picture at least `min_width` pixels wide (a blocked or broken one never
+    does)."""
+    image.page.wait_for_function("([image, width]) => image.complete && image.naturalWidth >= width",
+                                 arg=[image.element_handle(), min_width])
+
+
+def stored_frame(redis_url: str, job_id: str) -> JobFrame:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return JobFrame.from_fields(client.hgetall(frame_key(job_id)))
+    finally:
+        client.close()
+
+
+def assert_boxes_drawn(boxed_jpeg: bytes, plain_jpeg: bytes, boxes: list[Detection]) -> None:
+    """The left edge of every person box is in the box colour on the boxed frame and not on the plain one."""
+    boxed, plain = (np.asarray(Image.open(io.BytesIO(jpeg)).convert("RGB"), dtype=float)
+                    for jpeg in (boxed_jpeg, plain_jpeg))
+    assert boxed.shape == plain.shape
+    for box in boxes:
+        edge = (slice(int(box.y1) + 4, int(box.y2) - 4), int(box.x1) + 1)
+        assert np.abs(boxed[edge].mean(axis=0) - BOX_COLOR).max() < 40, box
+        assert np.abs(plain[edge].mean(axis=0) - BOX_COLOR).max() > 40, box
+
+
+def run_camera(redis_url: str, tmp_path: Path, camera_id: str) -> dict[str, int]:
+    """A real camera pipeline (HOG) over a folder of three copies of bus.jpg (one second apart)."""
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    for index in range(3):
+        shutil.copy(BUS, folder / f"{index}.jpg")
+    config = PipelineConfig(source=str(folder), camera_id=camera_id, redis_url=redis_url, detector="hog")
+    return CameraPipeline(config).run()
+
+
+def test_camera_caption_frame_counters_and_chat(server, redis_url, page, tmp_path):
+    page.goto(server.url)
+    expect(page.locator("#connection")).to_have_attribute("data-state", "live")
+    expect(page.locator("#engine-requests")).to_have_text("0 running · 0 waiting")
+    expect(page.locator("#banner")).to_be_hidden()
+
+    counters = run_camera(redis_url, tmp_path, "porch")
+    assert counters["enqueued"] >= 1, counters
+
+    # The queue worker captions the job; the card arrives over the event stream.
+    card = page.locator(".caption-card").filter(has=page.locator(".camera-badge", has_text="porch")).first
+    expect(card).to_be_visible()
+    caption_id = card.get_attribute("data-id")
+    with httpx.Client(base_url=server.url) as http:
+        result = http.get(f"/v1/captions/{caption_id}").json()
+        frame = http.get(f"/v1/captions/{caption_id}/image")
+        plain = http.get(f"/v1/captions/{caption_id}/image", params={"boxes": "false"})
+    assert result["status"] == "done" and result["camera_id"] == "porch"
+    assert_boxes_drawn(frame.content, plain.content, stored_frame(redis_url, caption_id).detections)
+    expect(card.locator(".caption-text")).to_have_text(result["caption"])
+    expect(card.locator(".people")).to_contain_text(str(result["person_count"]))
+    assert frame.status_code == 200 and frame.headers["content-type"] == "image/jpeg"
+    thumbnail = card.locator(".thumb img")
+    expect(thumbnail).to_be_visible()
+    wait_until_loaded(thumbnail)
+
+    # The pipeline's published counters, with its last caption.
+    camera = page.locator("#cameras .camera").filter(has_text="porch")
+    expect(camera).to_be_visible()
+    expect(camera.locator(".rate").first).to_have_attribute("title", f"{counters['captured']} captured since "
+                                                                     "the pipeline started")
+    expect(camera.locator(".last-caption .caption-text")).to_have_text(result["caption"])
+    expect(page.locator("#camera-filter option[value='porch']")).to_have_count(1)
+
+    # Click for the full frame.
+    card.click()
+    full = page.locator("#frame-image")
+    wait_until_loaded(full, min_width=400)
+    expect(page.locator("#frame-caption")).to_have_text(result["caption"])
+    page.locator("#frame-close").click()
+    expect(page.locator("#frame-dialog")).to_be_hidden()
+
+    # Chat with an image through the file picker; the answer streams in.
+    page.set_input_files("#chat-file", str(BUS))
+    preview = page.locator("#chat-preview")
+    wait_until_loaded(preview)
+    page.fill("#chat-input", "Who is in the picture?")
+    page.click("#chat-send")
+    answer = page.locator(".message.assistant[data-state='done']")
+    expect(answer).to_have_count(1)
+    sent = page.locator(".message.user img")
+    wait_until_loaded(sent)
+    assert answer.locator(".text").text_content()
+    assert int(answer.get_attribute("data-chunks")) > 1, "the answer came in as one piece, not streamed"
+    expect(answer.locator(".status")).to_contain_text("tokens in")
+
+    # The engine charts saw the chat's tokens.
+    expect(page.locator("#engine-itl")).to_contain_text("p99")
+    page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+
+
+def test_a_caption_with_html_is_shown_as_text(server, redis_url, page):
+    page.goto(server.url)
+    expect(page.locator("#connection")).to_have_attribute("data-state", "live")
+    hostile = '<img src=x onerror="window.hacked=1"><script>window.hacked=2</script>'
+    camera_id = '<b id="bold">gate</b>'
+    result = CaptionResult(id="html-caption", status="done", camera_id=camera_id, created_at=time.time(),
+                           frame_ts=0.0, person_count=1, caption=hostile, finished_at=time.time())
+    client = redis.Redis.from_url(redis_url)
+    try:  # what a queue worker writes when it finishes a job
+        client.hset(result_key(result.id), mapping=result.to_fields())
+        for feed in (CAPTIONS_STREAM, camera_captions_stream(camera_id)):
+            client.xadd(feed, result.to_fields(), maxlen=CAPTIONS_STREAM_MAXLEN)
+    finally:
+        client.close()
+
+    card = page.locator(".caption-card[data-id='html-caption']")
+    expect(card.locator(".caption-text")).to_have_text(hostile)
+    expect(card.locator(".camera-badge")).to_have_text(camera_id)
+    expect(card.locator(".thumb")).to_have_text("no frame")
+    assert page.locator("img[src='x'], #bold, .feed script").count() == 0
+    assert page.evaluate("window.hacked") is None
+
+
+def test_with_an_api_key_the_page_asks_for_it_and_shows_when_the_server_is_down(page):
+    with BackgroundServer(create_app(settings(api_key="s3cret"))) as keyed:
+        page.goto(keyed.url)
+        dialog = page.locator("#key-dialog")
+        expect(dialog).to_be_visible()
+        page.fill("#key-input", "wrong")
+        page.click("#key-save")
+        expect(page.locator("#key-message")).to_contain_text("refused")
+        page.fill("#key-input", "s3cret")
+        page.click("#key-save")
+        expect(dialog).to_be_hidden()
+        expect(page.locator("#connection")).to_have_attribute("data-state", "live")
+        expect(page.locator("#engine-requests")).to_have_text("0 running · 0 waiting")
+        expect(page.locator("#model")).to_have_text("model: tiny")
+
+        page.reload()  # the key is kept for the tab's session
+        expect(page.locator("#engine-requests")).to_have_text("0 running · 0 waiting")
+        expect(dialog).to_be_hidden()
+    banner = page.locator("#banner")
+    expect(banner).to_be_visible()
+    expect(banner).to_contain_text("cannot be reached")
+    expect(page.locator("#connection")).to_have_attribute("data-state", "offline")
+
+
+def test_a_cropped_job_keeps_its_boxes_in_the_crop_coordinates():
+    job = Job(camera_id="c", frame_ts=0.0, prompt="p", image=b"jpeg", detections=[Detection(110, 220, 150, 300, 0.9)],
+              image_origin=(100, 200))
+    decoded = Job.from_fields(job.to_fields())
+    assert decoded.image_origin == (100, 200)
+    assert decoded.frame().detections == [Detection(10, 20, 50, 100, 0.9)]
+    legacy = {name: value for name, value in job.to_fields().items() if name != "image_origin"}
+    assert Job.from_fields(legacy).image_origin == (0, 0)  # a job from a producer that predates crops
+
+
+def test_camera_stats_are_published_with_rates_and_a_ttl(redis_url):
+    counters = {"captured": 0, "skipped": 0, "dropped": 0, "detected": 0, "enqueued": 0}
+    publisher = CameraStatsPublisher(redis_url, "yard", "hog", lambda: dict(counters), interval_seconds=30)
+    publisher.publish()
+    counters["captured"], counters["detected"] = 10, 4
+    publisher.publish()
+    client = redis.Redis.from_url(redis_url)
+    try:
+        stats = CameraStats.from_fields(client.hgetall(camera_stats_key("yard")))
+        assert stats.status == "running" and stats.counters == counters
+        assert stats.rates["captured"] == pytest.approx(2.5 * stats.rates["detected"])
+        assert stats.rates["captured"] > 0 and stats.rates["skipped"] == 0
+        assert 0 < client.ttl(camera_stats_key("yard")) <= CAMERA_STATS_TTL_SECONDS
+        assert client.zscore(CAMERAS_INDEX, "yard") == pytest.approx(stats.updated_at)
+        publisher.close()
+        assert CameraStats.from_fields(client.hgetall(camera_stats_key("yard"))).status == "stopped"
+    finally:
+        client.close()
