@@ -80,7 +80,7 @@ def run_demo(model: str | None, detector: str | None, source: str | None, timeou
     try:
         settings = ServerSettings(engine=EngineConfig(model=served), redis_url=redis.url, run_queue_worker=True)
         with BackgroundServer(create_app(settings)) as server:
-            print(f"demo: server on {served} at {server.url} (try {server.url}/v1/models)", flush=True)
+            print(f"demo: server on {served} at {server.url} (dashboard: {server.url}/)", flush=True)
             camera = CameraPipeline(PipelineConfig(
                 source=source or str(SAMPLE_VIDEO), camera_id=CAMERA, redis_url=redis.url, detector=detector,
                 track_cooldown_seconds=3.0, stats_interval_seconds=3600.0,
