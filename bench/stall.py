@@ -33,8 +33,8 @@ class StallConfig:
     budget: int = 256
     encoder_budget: int = 1
     encoder_layers_per_step: int | None = 2
-    warmup_steps: int = 4
-    after_steps: int = 8
+    warmup_steps: int = 16
+    after_steps: int = 16
     threads: int | None = None
 
 
@@ -139,7 +139,8 @@ def plot_stall(result: dict[str, Any], path: str) -> None:
         timeline = run["timeline"]
         arrival, first_token = timeline["window"]
         last = max(max(times) for times in timeline["streams"]) - arrival
-        lead = 0.25 * last  # show some steady decoding before the image prompt arrives
+        first = min(min(times) for times in timeline["streams"]) - arrival
+        lead = min(0.25 * last, -first)  # some steady decoding before the image prompt arrives
         ax.axvspan(0, first_token - arrival, color="orange", alpha=0.25, label="image prefill")
         for row, times in enumerate(timeline["streams"]):
             xs = [t - arrival for t in times if t - arrival >= -lead]
