@@ -55,13 +55,16 @@ async def dashboard_page() -> FileResponse:
 def render_frame(frame: JobFrame, limits: Limits, boxes: bool, max_width: int | None) -> bytes:
     """The frame as a JPEG, its person boxes drawn, scaled down to `max_width` pixels wide if wider."""
     image = decode_image(frame.image, limits, "frame")
-    if boxes:
+    scale = 1.0
+    if max_width is not None and image.width > max_width:
+        scale = max_width / image.width
+        image = image.resize((max_width, max(1, round(image.height * scale))))
+    if boxes:  # drawn after scaling, so that lines keep their width on thumbnails
         draw = ImageDraw.Draw(image)
         line = max(2, round(max(image.size) / 300))
         for box in frame.detections:
-            draw.rectangle((box.x1, box.y1, box.x2, box.y2), outline=BOX_COLOR, width=line)
-    if max_width is not None and image.width > max_width:
-        image = image.resize((max_width, max(1, round(image.height * max_width / image.width))))
+            draw.rectangle((box.x1 * scale, box.y1 * scale, box.x2 * scale, box.y2 * scale), outline=BOX_COLOR,
+                           width=line)
     out = io.BytesIO()
     image.save(out, format="JPEG", quality=85)
     return out.getvalue()
@@ -88,7 +91,8 @@ async def caption_image(caption_id: str, boxes: bool = Query(True, description="
 
 
 async def published_cameras(redis: aioredis.Redis) -> list[CameraStats]:
-    """The latest stats of every camera that published within `CAMERA_STATS_TTL_SECONDS`, by id."""
+    """The latest stats of every camera that published within `CAMERA_STATS_TTL_SECONDS`, by id (older
+    cameras are dropped from the index)."""
     await redis.zremrangebyscore(CAMERAS_INDEX, "-inf", time.time() - CAMERA_STATS_TTL_SECONDS)
     camera_ids = [c.decode() if isinstance(c, bytes) else c for c in await redis.zrange(CAMERAS_INDEX, 0, -1)]
     async with redis.pipeline(transaction=False) as pipe:

@@ -144,8 +144,10 @@ def test_camera_caption_frame_counters_and_chat(server, redis_url, page, tmp_pat
         result = http.get(f"/v1/captions/{caption_id}").json()
         frame = http.get(f"/v1/captions/{caption_id}/image")
         plain = http.get(f"/v1/captions/{caption_id}/image", params={"boxes": "false"})
+        small = http.get(f"/v1/captions/{caption_id}/image", params={"max_width": 320})
     assert result["status"] == "done" and result["camera_id"] == "porch"
     assert_boxes_drawn(frame.content, plain.content, stored_frame(redis_url, caption_id).detections)
+    assert Image.open(io.BytesIO(small.content)).width == 320
     expect(card.locator(".caption-text")).to_have_text(result["caption"])
     expect(card.locator(".people")).to_contain_text(str(result["person_count"]))
     assert frame.status_code == 200 and frame.headers["content-type"] == "image/jpeg"

@@ -388,11 +388,11 @@ async function refreshCameras() {
 
 // -- engine charts -------------------------------------------------------------------------------------------
 
-const history = { running: [], waiting: [], kv: [], stepMean: [], stepMax: [], budget: [], throughput: [],
+const engineHistory = { running: [], waiting: [], kv: [], stepMean: [], stepMax: [], budget: [], throughput: [],
   p50: [], p99: [] };
 
 function record(name, value) {
-  const values = history[name];
+  const values = engineHistory[name];
   values.push(value);
   if (values.length > CHART_POINTS) values.shift();
 }
@@ -443,12 +443,12 @@ function chartCanvas(id) {
 }
 
 function drawEngineCharts() {
-  drawChart(chartCanvas("chart-requests"), [[history.running, "--c1"], [history.waiting, "--c2"]]);
-  drawChart(chartCanvas("chart-kv"), [[history.kv, "--c1"]], 100);
+  drawChart(chartCanvas("chart-requests"), [[engineHistory.running, "--c1"], [engineHistory.waiting, "--c2"]]);
+  drawChart(chartCanvas("chart-kv"), [[engineHistory.kv, "--c1"]], 100);
   drawChart(chartCanvas("chart-step"),
-    [[history.budget, "--c3", true], [history.stepMax, "--c2"], [history.stepMean, "--c1"]]);
-  drawChart(chartCanvas("chart-throughput"), [[history.throughput, "--c1"]]);
-  drawChart(chartCanvas("chart-itl"), [[history.p50, "--c1"], [history.p99, "--c2"]]);
+    [[engineHistory.budget, "--c3", true], [engineHistory.stepMax, "--c2"], [engineHistory.stepMean, "--c1"]]);
+  drawChart(chartCanvas("chart-throughput"), [[engineHistory.throughput, "--c1"]]);
+  drawChart(chartCanvas("chart-itl"), [[engineHistory.p50, "--c1"], [engineHistory.p99, "--c2"]]);
 }
 
 async function refreshEngine() {
