@@ -24,13 +24,14 @@ def stall(
     png_path: str = typer.Option(None, "--png", help="Draw the chats' token timeline here."),
 ) -> None:
     """Chat inter-token latency while a long image prompt is prefilled: chunked vs unchunked."""
-    from bench.stall import StallConfig, run_stall, save, summary
+    from bench.report import save
+    from bench.stall import StallConfig, plot, run_stall, summary
 
     cfg = StallConfig(model=model, device=device, dtype=dtype, chats=chats, images=images, budget=budget,
                       encoder_budget=encoder_budget, encoder_layers_per_step=encoder_layers_per_step or None,
                       after_steps=after_steps, threads=threads)
     result = run_stall(cfg)
-    save(result, json_path, png_path)
+    save(result, json_path, png_path, plot)
     typer.echo(summary(result))
 
 
@@ -51,13 +52,14 @@ def peers(
     png_path: str = typer.Option(None, "--png", help="Draw throughput and latency bars here."),
 ) -> None:
     """Throughput and latency: this engine vs transformers' generate and generate_batch."""
-    from bench.peers import PeersConfig, run_peers, save, summary
+    from bench.peers import PeersConfig, plot, run_peers, summary
+    from bench.report import save
 
     cfg = PeersConfig(model=model, device=device, dtype=dtype, requests=requests, input_len=input_len,
                       output_len=output_len, range_ratio=range_ratio, seed=seed, hf_batch_size=hf_batch_size,
                       budget=budget, threads=threads)
     result = run_peers(cfg)
-    save(result, json_path, png_path)
+    save(result, json_path, png_path, plot)
     typer.echo(summary(result))
 
 
@@ -79,7 +81,8 @@ def serve(
     png_path: str = typer.Option(None, "--png", help="Draw latency distributions here."),
 ) -> None:
     """Load an OpenAI-compatible server with streaming chat and captioning requests."""
-    from bench.serve import ServeConfig, parse_slo, run_serve, save, summary
+    from bench.report import save
+    from bench.serve import ServeConfig, parse_slo, plot, run_serve, summary
 
     if num_requests is None and duration is None:
         num_requests = 50
@@ -87,7 +90,7 @@ def serve(
                       num_requests=num_requests, duration=duration, image_fraction=image_fraction,
                       prompt_words=prompt_words, max_tokens=max_tokens, seed=seed, slo=parse_slo(slo))
     result = run_serve(cfg)
-    save(result, json_path, png_path)
+    save(result, json_path, png_path, plot)
     typer.echo(summary(result))
 
 
@@ -103,10 +106,11 @@ def pipeline(
     png_path: str = typer.Option(None, "--png", help="Draw per-stage time per frame here."),
 ) -> None:
     """Frames per second through capture, detector, gate and enqueue, per stage."""
-    from bench.pipeline import SAMPLE_VIDEO, PipelineBenchConfig, run_pipeline_bench, save, summary
+    from bench.pipeline import SAMPLE_VIDEO, PipelineBenchConfig, plot, run_pipeline_bench, summary
+    from bench.report import save
 
     cfg = PipelineBenchConfig(source=source or str(SAMPLE_VIDEO), detectors=tuple(detector),
                               yolo_weights=yolo_weights, imgsz=imgsz, redis_url=redis_url, repeats=repeats)
     result = run_pipeline_bench(cfg)
-    save(result, json_path, png_path)
+    save(result, json_path, png_path, plot)
     typer.echo(summary(result))

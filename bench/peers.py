@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from bench.report import machine, write_json
+from bench.report import machine, pyplot, save_figure
 from engine import Engine, EngineConfig, SamplingParams
 
 WORDS = (
@@ -235,27 +235,19 @@ def summary(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def save(result: dict[str, Any], json_path: str | None, png_path: str | None) -> None:
-    if json_path:
-        write_json(json_path, result)
-    if png_path:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        names = list(result["results"])
-        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
-        left.bar(names, [result["results"][n]["output_tok_s"] for n in names], color="tab:blue")
-        left.set_ylabel("output tokens / s")
-        for i, key in enumerate(("p50", "p99")):
-            latencies = [result["results"][n]["latency_ms"][key] for n in names]
-            right.bar([x + 0.4 * i for x in range(len(names))], latencies, width=0.4, label=key)
-        right.set_xticks([x + 0.2 for x in range(len(names))], names)
-        right.set_ylabel("request latency (ms)")
-        right.legend()
-        config = result["config"]
-        fig.suptitle(f"{config['model']} {config['dtype']}: {config['requests']} requests")
-        fig.tight_layout()
-        fig.savefig(png_path, dpi=110)
-        plt.close(fig)
+def plot(result: dict[str, Any], png_path: str) -> None:
+    """Output tokens per second and request latency of each system."""
+    plt = pyplot()
+    names = list(result["results"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    left.bar(names, [result["results"][n]["output_tok_s"] for n in names], color="tab:blue")
+    left.set_ylabel("output tokens / s")
+    for i, key in enumerate(("p50", "p99")):
+        latencies = [result["results"][n]["latency_ms"][key] for n in names]
+        right.bar([x + 0.4 * i for x in range(len(names))], latencies, width=0.4, label=key)
+    right.set_xticks([x + 0.2 for x in range(len(names))], names)
+    right.set_ylabel("request latency (ms)")
+    right.legend()
+    config = result["config"]
+    fig.suptitle(f"{config['model']} {config['dtype']}: {config['requests']} requests")
+    save_figure(fig, png_path)

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.report import machine, write_json
+from bench.report import machine, pyplot, save_figure
 
 SAMPLE_VIDEO = Path(__file__).resolve().parent.parent / "samples" / "people.mp4"
 STAGES = ("capture", "detect", "gate", "enqueue")
@@ -84,24 +84,16 @@ def summary(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def save(result: dict[str, Any], json_path: str | None, png_path: str | None) -> None:
-    if json_path:
-        write_json(json_path, result)
-    if png_path:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        names = list(result["results"])
-        fig, ax = plt.subplots(figsize=(7, 3.2))
-        bottom = [0.0] * len(names)
-        for stage in STAGES:
-            values = [result["results"][n]["stage_ms_per_frame"][stage] for n in names]
-            ax.bar(names, values, bottom=bottom, label=stage)
-            bottom = [b + v for b, v in zip(bottom, values)]
-        ax.set_ylabel("ms per frame")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(png_path, dpi=110)
-        plt.close(fig)
+def plot(result: dict[str, Any], png_path: str) -> None:
+    """Time per frame of each stage, stacked, per detector."""
+    plt = pyplot()
+    names = list(result["results"])
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    bottom = [0.0] * len(names)
+    for stage in STAGES:
+        values = [result["results"][n]["stage_ms_per_frame"][stage] for n in names]
+        ax.bar(names, values, bottom=bottom, label=stage)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("ms per frame")
+    ax.legend()
+    save_figure(fig, png_path)

@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,33 @@ def machine() -> dict[str, Any]:
 def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2, allow_nan=True) + "\n")
+
+
+def pyplot():
+    """matplotlib's pyplot on a backend that needs no display."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
+def save(
+    result: dict[str, Any], json_path: str | None, png_path: str | None, plot: Callable[[dict[str, Any], str], None]
+) -> None:
+    """Write a benchmark's result as JSON and draw its figure, where asked."""
+    if json_path:
+        write_json(json_path, result)
+    if png_path:
+        Path(png_path).parent.mkdir(parents=True, exist_ok=True)
+        plot(result, png_path)
 
 
 def sample_images() -> list:

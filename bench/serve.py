@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.report import machine, sample_images, write_json
+from bench.report import machine, pyplot, sample_images, save_figure
 
 WORDS = "a person walks past the bus while two friends talk near the station entrance in the rain".split()
 
@@ -217,22 +217,14 @@ def summary(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def save(result: dict[str, Any], json_path: str | None, png_path: str | None) -> None:
-    if json_path:
-        write_json(json_path, result)
-    if png_path:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        samples = result["samples"]
-        fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
-        for ax, name in zip(axes, ("ttft_ms", "itl_ms", "e2e_ms")):
-            if samples[name]:
-                ax.hist(samples[name], bins=30, color="tab:blue")
-            ax.set_title(f"{name[:-3].upper()} (ms): p50 {result[name]['p50']:.0f}, p99 {result[name]['p99']:.0f}",
-                         fontsize=9)
-        fig.tight_layout()
-        fig.savefig(png_path, dpi=110)
-        plt.close(fig)
+def plot(result: dict[str, Any], png_path: str) -> None:
+    """Distributions of TTFT, ITL and end-to-end latency."""
+    plt = pyplot()
+    samples = result["samples"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+    for ax, name in zip(axes, ("ttft_ms", "itl_ms", "e2e_ms")):
+        if samples[name]:
+            ax.hist(samples[name], bins=30, color="tab:blue")
+        ax.set_title(f"{name[:-3].upper()} (ms): p50 {result[name]['p50']:.0f}, p99 {result[name]['p99']:.0f}",
+                     fontsize=9)
+    save_figure(fig, png_path)

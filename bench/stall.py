@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench.report import machine, percentiles_ms, sample_images, write_json
+from bench.report import machine, percentiles_ms, pyplot, sample_images, save_figure
 from engine import Engine, EngineConfig, SamplingParams
 
 CHAT_PROMPT = "User: Tell me a long story about a bus driver in a rainy city.<end_of_utterance>\nAssistant:"
@@ -127,12 +127,9 @@ def run_stall(cfg: StallConfig) -> dict[str, Any]:
     return {"config": asdict(cfg), "machine": machine(), "runs": runs}
 
 
-def plot_stall(result: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(result: dict[str, Any], path: str) -> None:
+    """The chat token timeline of each run: one row of ticks per stream, the image prefill shaded."""
+    plt = pyplot()
     runs = result["runs"]
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.2 * len(runs)), squeeze=False)
     for ax, (name, run) in zip(axes[:, 0], runs.items()):
@@ -152,9 +149,7 @@ def plot_stall(result: dict[str, Any], path: str) -> None:
         ax.set_ylabel("chat")
     axes[-1, 0].set_xlabel("seconds from the image prompt's arrival")
     axes[0, 0].legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -166,10 +161,3 @@ def summary(result: dict[str, Any]) -> str:
             f"{run['throughput_tok_s']:>8.1f}{run['steps']:>7}"
         )
     return "\n".join(lines) + "\n(ms; ITL of the chats while the image prompt is prefilled)"
-
-
-def save(result: dict[str, Any], json_path: str | None, png_path: str | None) -> None:
-    if json_path:
-        write_json(json_path, result)
-    if png_path:
-        plot_stall(result, png_path)
