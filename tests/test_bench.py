@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 from typer.testing import CliRunner
 
 from api.cli import app
@@ -59,3 +60,32 @@ def test_bench_pipeline_times_each_stage_on_real_redis(tmp_path, redis_url):
     assert set(hog["stage_ms_per_frame"]) == {"capture", "detect", "gate", "enqueue"}
     assert hog["jobs"] >= 1  # the sample video has people, and HOG finds those of bus.jpg
     assert is_png(png)
+
+
+def test_bench_serve_loads_a_real_server_with_chats_and_captions(tmp_path):
+    from api.server import BackgroundServer, create_app
+    from api.settings import ServerSettings
+    from engine import EngineConfig
+
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    settings = ServerSettings(engine=EngineConfig(model="tiny", max_num_batched_tokens=256), api_key="bench-key")
+    with BackgroundServer(create_app(settings)) as server:
+        invoke(["bench", "serve", "--url", server.url, "--api-key", "bench-key", "--num-requests", "8",
+                "--rate", "20", "--image-fraction", "0.5", "--max-tokens", "6", "--slo", "ttft=600000,itl=600000",
+                "--json", str(out), "--png", str(png)])
+    result = json.loads(out.read_text())
+    assert result["requests"]["sent"] == result["requests"]["completed"] == 8, result["errors"]
+    assert 0 < result["requests"]["image"] < 8
+    assert result["goodput"] == result["request_throughput"] > 0  # SLOs no request can miss
+    for metric in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        assert result[metric]["p50"] <= result[metric]["p99"]
+    assert result["output_token_throughput"] > 0
+    assert is_png(png)
+
+
+def test_bench_serve_rejects_a_malformed_slo():
+    from bench.serve import parse_slo
+
+    assert parse_slo("ttft=500,itl=50") == {"ttft": 500.0, "itl": 50.0}
+    with pytest.raises(ValueError, match="latency=5"):
+        parse_slo("latency=5")
