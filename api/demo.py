@@ -40,20 +40,28 @@ def choose_model(model: str | None) -> tuple[str, str | None]:
 
 async def _print_captions(redis_url: str, pipeline_done: threading.Event, timeout_s: float) -> int:
     from api.queue_worker import connect, queue_stats, tail_captions
+    from pipeline.contract import camera_captions_stream
 
     redis = connect(redis_url)
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def follow() -> None:
+        async for _, result in tail_captions(redis, camera=CAMERA, after="0-0", block_seconds=1.0):
+            await arrived.put(result)
+
+    follower = asyncio.create_task(follow())
     printed = 0
     try:
-        feed = tail_captions(redis, camera=CAMERA, after="0-0", block_seconds=1.0)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while loop.time() < deadline:
             try:
-                _, result = await asyncio.wait_for(anext(feed), timeout=1.0)
+                result = await asyncio.wait_for(arrived.get(), timeout=1.0)
             except asyncio.TimeoutError:
-                stats = await queue_stats(redis)
-                if pipeline_done.is_set() and stats["backlog"] == 0:
-                    return printed
+                # Done when the video has ended, no job is left, and every finished job was printed.
+                if pipeline_done.is_set() and (await queue_stats(redis))["backlog"] == 0:
+                    if printed == await redis.xlen(camera_captions_stream(CAMERA)):
+                        return printed
                 continue
             text = result.caption if result.status == "done" else f"[failed: {result.error}]"
             print(f"caption camera={result.camera_id} t={result.frame_ts:.1f}s persons={result.person_count}: "
@@ -61,6 +69,8 @@ async def _print_captions(redis_url: str, pipeline_done: threading.Event, timeou
             printed += 1
         raise TimeoutError(f"captions were still arriving after {timeout_s:.0f} s")
     finally:
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
         await redis.aclose()
 
 
