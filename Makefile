@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test demo serve lint bench-stall bench-peers clean
+.PHONY: test demo serve lint browser clean
 
 $(VENV): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -12,7 +12,7 @@ $(VENV): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(VENV)
 
-test: $(VENV)
+test: $(VENV) browser
 	$(BIN)/ruff check engine api pipeline tests bench
 	$(BIN)/python -m pytest -q tests
 
@@ -24,6 +24,11 @@ serve: $(VENV)
 
 lint: $(VENV)
 	$(BIN)/ruff check engine api pipeline tests bench
+
+# Headless Chromium for the dashboard's browser tests: Debian's package (Playwright never downloads one).
+browser:
+	@test -x /usr/bin/chromium || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 clean:
 	rm -rf $(VENV) .pytest_cache
