@@ -27,9 +27,9 @@ def serve(
     chunked_prefill: bool = typer.Option(True, "--chunked-prefill/--no-chunked-prefill",
                                          envvar="VLMCAP_CHUNKED_PREFILL", help="Split long prompts over steps."),
     num_threads: int = typer.Option(None, envvar="VLMCAP_NUM_THREADS", help="torch CPU threads."),
-    max_encoder_inputs_per_step: int = typer.Option(2, envvar="VLMCAP_MAX_ENCODER_INPUTS_PER_STEP",
-                                                    help="Vision encoder inputs (tiles or images) run per step "
-                                                         "(0: no limit)."),
+    max_encoder_tokens_per_step: int = typer.Option(128, envvar="VLMCAP_MAX_ENCODER_TOKENS_PER_STEP",
+                                                    help="Vision encoder work per step, in its output tokens; at "
+                                                         "least one tile or image runs a step (0: no limit)."),
     encoder_layers_per_step: int = typer.Option(0, envvar="VLMCAP_ENCODER_LAYERS_PER_STEP",
                                                 help="Run a tile's vision tower this many layers a step (SmolVLM; "
                                                      "0: whole)."),
@@ -91,7 +91,7 @@ def serve(
                 model=model, device=device, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked_prefill, block_size=block_size,
                 num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, num_threads=num_threads,
-                max_encoder_inputs_per_step=max_encoder_inputs_per_step or None,
+                max_encoder_tokens_per_step=max_encoder_tokens_per_step or None,
                 encoder_layers_per_step=encoder_layers_per_step or None,
             ),
             served_model_name=served_model_name, api_key=api_key or None, redis_url=redis_url or None,

@@ -15,7 +15,8 @@ def stall(
     chats: int = typer.Option(8, help="Chats decoding when the image prompt arrives."),
     images: int = typer.Option(2, help="Images in the camera-style prompt."),
     budget: int = typer.Option(256, help="max_num_batched_tokens of the chunked runs."),
-    encoder_budget: int = typer.Option(1, help="Encoder inputs (tiles) per step in the 'chunked' run."),
+    encoder_budget: int = typer.Option(64, help="Encoder output tokens per step in the 'chunked' run (64: one "
+                                                "SmolVLM-256M tile)."),
     encoder_layers_per_step: int = typer.Option(2, help="Vision tower layers a tile runs per step in the 'chunked' "
                                                         "run (0: the whole tower)."),
     after_steps: int = typer.Option(8, help="Steps measured after the image prompt's first token."),

@@ -20,9 +20,12 @@ class EngineConfig:
     max_num_seqs: the most requests that run (hold KV blocks) at once.
     enable_chunked_prefill: split prompts into chunks that fit the budget; off, a prompt is prefilled
         whole in one step however long it is (for comparison).
-    max_encoder_inputs_per_step: vision encoder inputs run in one step, in the family's unit: a tile for
-        SmolVLM, an image for Qwen2-VL and LLaVA (their towers attend across a whole image); `None` runs
-        every input a chunk needs in the step that needs it.
+    max_encoder_tokens_per_step: vision encoder work of one step, counted in the encoder's output tokens
+        (the image placeholders it fills: 64 a SmolVLM-256M tile, one per 2x2 patch group of a Qwen2-VL
+        image), so that the budget follows the encoder's cost in any family. Encoder inputs (a tile for
+        SmolVLM, an image for Qwen2-VL and LLaVA, whose towers attend across a whole image) run whole or
+        not at all; one runs each step even if it alone is over the budget. `None`: every input a chunk
+        needs runs in the step that needs it.
     encoder_layers_per_step: run an encoder input's vision tower over several steps, this many of its
         layers a step, so that one tile never costs a step much more than a decode (families that
         support it: SmolVLM); `None` runs each input's tower whole.
@@ -39,7 +42,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
-    max_encoder_inputs_per_step: int | None = 2
+    max_encoder_tokens_per_step: int | None = 128
     encoder_layers_per_step: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -65,9 +68,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len!r}")
-        if self.max_encoder_inputs_per_step is not None and self.max_encoder_inputs_per_step < 1:
+        if self.max_encoder_tokens_per_step is not None and self.max_encoder_tokens_per_step < 1:
             raise ValueError(
-                f"max_encoder_inputs_per_step must be positive or None, got {self.max_encoder_inputs_per_step!r}"
+                f"max_encoder_tokens_per_step must be positive or None, got {self.max_encoder_tokens_per_step!r}"
             )
         if self.encoder_layers_per_step is not None and self.encoder_layers_per_step < 1:
             raise ValueError(f"encoder_layers_per_step must be positive or None, got {self.encoder_layers_per_step!r}")

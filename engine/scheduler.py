@@ -10,8 +10,9 @@ The rule, under a token budget B (`max_num_batched_tokens`) and a sequence cap S
    each gets a first chunk from what is left of the budget.
 
 A chunk may end anywhere, also inside an image's placeholder span. An encoder input (a tile or an image)
-is run the step its first placeholder is reached, at most `max_encoder_inputs_per_step` of them a step; a
-chunk that would need more stops before the first placeholder of the input that must wait. With
+is run the step its first placeholder is reached, inputs of at most `max_encoder_tokens_per_step` output
+tokens a step (but always one, however large); a chunk that would need more stops before the first
+placeholder of the input that must wait. With
 `encoder_layers_per_step`, an input's vision tower runs that many layers a step instead of whole, and the
 chunk stops before the first placeholder of an input whose tower has not finished. With chunked
 prefill off, a prompt is prefilled whole: admitted when it fits in what is left of the budget, or when
@@ -131,7 +132,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        encoder_left = self.config.max_encoder_inputs_per_step
+        encoder_left = self.config.max_encoder_tokens_per_step
         scheduled: set[str] = set()
         prefill_scheduled = False
 
@@ -159,7 +160,7 @@ class Scheduler:
                 continue
             self._take(request, n, work, out, scheduled)
             budget = max(budget - n, 0)  # a whole atomic span may take more than was left
-            encoder_left = None if encoder_left is None else encoder_left - len(work)
+            encoder_left = self._encoder_left(encoder_left, work)
             prefill_scheduled = prefill_scheduled or n > 0
 
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -175,9 +176,15 @@ class Scheduler:
             self._reserve(request, n, scheduled, out)  # cannot fail: the whole prompt's blocks are free
             self._take(request, n, work, out, scheduled)
             budget = max(budget - n, 0)
-            encoder_left = None if encoder_left is None else encoder_left - len(work)
+            encoder_left = self._encoder_left(encoder_left, work)
             prefill_scheduled = prefill_scheduled or n > 0
         return out
+
+    @staticmethod
+    def _encoder_left(encoder_left: int | None, work: list[EncoderWork]) -> int | None:
+        if encoder_left is None:
+            return None
+        return max(encoder_left - sum(item.request.mm.unit_rows[item.unit] for item in work), 0)
 
     def _chunk(
         self, request: Request, budget: int, encoder_left: int | None, prefill_scheduled: bool
@@ -192,14 +199,27 @@ class Scheduler:
         if request.mm is not None and request.mm.atomic_units:
             n = self._keep_span_whole(request.mm, start, n, alone=not prefill_scheduled)
         units = self._unfinished_units(request, start, start + n)
-        if encoder_left is not None and len(units) > encoder_left:
-            n = request.mm.unit_first_position(units[encoder_left]) - start
-            units = units[:encoder_left]
+        if encoder_left is not None:
+            fitting = self._units_within(request.mm, units, encoder_left)
+            if fitting < len(units):
+                n = request.mm.unit_first_position(units[fitting]) - start
+                units = units[:fitting]
         work = [self._work(request, u, whole=False) for u in units]
         unready = next((w.unit for w in work if not w.finishes), None)
         if unready is not None:  # the chunk stops where it would need features still being computed
             n = min(n, request.mm.unit_first_position(unready) - start)
         return n, work
+
+    def _units_within(self, mm: MultimodalPrompt, units: list[int], encoder_left: int) -> int:
+        """How many of `units`, in order, fit in what is left of the step's encoder budget; the first of the
+        step runs whatever its size, so that an input larger than the budget still gets encoded."""
+        first_of_step = encoder_left == self.config.max_encoder_tokens_per_step
+        used = 0
+        for count, unit in enumerate(units):
+            used += mm.unit_rows[unit]
+            if used > encoder_left and not (first_of_step and count == 0):
+                return count
+        return len(units)
 
     def _work(self, request: Request, unit: int, whole: bool) -> EncoderWork:
         """The next slices of an input's vision tower: all that are left, or `encoder_layers_per_step`."""

@@ -86,7 +86,7 @@ def test_invalid_sampling_values_name_the_field(params, message):
         (dict(dtype="float64"), "dtype"),
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
         (dict(block_size=-1), "block_size"),
-        (dict(max_encoder_inputs_per_step=0), "max_encoder_inputs_per_step"),
+        (dict(max_encoder_tokens_per_step=0), "max_encoder_tokens_per_step"),
     ],
 )
 def test_invalid_engine_settings_name_the_field(settings, message):

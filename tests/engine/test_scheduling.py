@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
+from engine import EngineConfig, SamplingParams
+from engine.kv_cache import BlockPool
+from engine.request import MultimodalPrompt, Request
+from engine.scheduler import Scheduler
 from tests.engine.conftest import PROMPTS, Job, run_jobs
 
 CHAT = "User: Tell me a long story about buses.<end_of_utterance>\nAssistant:"
@@ -38,7 +41,7 @@ def prefill_image_prompt(engine, chats: list[str], images) -> tuple[list[dict[st
 @pytest.mark.parametrize("layers_per_step", [None, 1])
 def test_decodes_gain_one_token_every_step_while_a_long_image_prompt_prefills(make_engine, photos, layers_per_step):
     budget = 24
-    engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=8, max_encoder_inputs_per_step=1,
+    engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=8, max_encoder_tokens_per_step=16,
                          encoder_layers_per_step=layers_per_step)
     chats = start_chats(engine, 4)
     gained, stats = prefill_image_prompt(engine, chats, photos)
@@ -63,9 +66,10 @@ def test_without_chunking_the_same_prompt_takes_one_oversized_step(make_engine, 
     assert set(gained[0].values()) == {1}
 
 
-@pytest.mark.parametrize("budget,encoder_budget", [(8, 1), (13, 2), (64, None), (4096, None)])
+# Encoder budgets in tokens: a tiny-model tile fills 16; 8 is under one tile, which still runs alone.
+@pytest.mark.parametrize("budget,encoder_budget", [(8, 8), (8, 16), (13, 32), (64, None), (4096, None)])
 def test_vision_encoder_runs_once_per_tile_whatever_the_chunking(make_engine, photos, budget, encoder_budget):
-    engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=8, max_encoder_inputs_per_step=encoder_budget)
+    engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=8, max_encoder_tokens_per_step=encoder_budget)
     jobs = [Job(PROMPTS[2], photos, max_tokens=3), Job(PROMPTS[1], [photos[0]], max_tokens=3, arrive_at_step=2)]
     tiles = [engine.adapter.process(job.prompt, job.images)[1].num_units for job in jobs]
     _, trace = run_jobs(engine, jobs)
@@ -73,7 +77,7 @@ def test_vision_encoder_runs_once_per_tile_whatever_the_chunking(make_engine, ph
     encoded = [0] + [stats["encoder_inputs_encoded"] for _, stats in trace]
     per_step = [b - a for a, b in zip(encoded, encoded[1:])]
     if encoder_budget is not None:
-        assert max(per_step) <= encoder_budget
+        assert max(per_step) <= max(1, encoder_budget // 16)
     assert not engine.runner.encoder_cache  # every output dropped once its span was prefilled
 
 
@@ -130,3 +134,24 @@ def test_abort_frees_blocks_at_once_and_others_continue(make_engine, oracle, pho
         outputs.update({o.request_id: o for o in engine.step()})
     assert outputs[keep].token_ids == oracle(PROMPTS[1], [photos[0]], 10)
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_encoder_budget_counts_tokens_and_always_runs_one_input():
+    """Inputs of different sizes (as Qwen2-VL images are): small ones share a step's encoder budget, one
+    larger than the whole budget runs alone rather than never."""
+    rows = [40, 10, 10, 50, 5]
+    starts = [sum(rows[:u]) for u in range(len(rows))]
+    mm = MultimodalPrompt(
+        placeholder_positions=list(range(2, 2 + sum(rows))), unit_row_starts=starts, unit_rows=rows,
+        encoder_inputs=[{} for _ in rows],
+    )
+    request = Request(request_id="r", prompt_token_ids=list(range(sum(rows) + 4)), sampling=SamplingParams(),
+                      priority=0, arrival=0, max_total_tokens=1000, mm=mm)
+    scheduler = Scheduler(EngineConfig(max_num_batched_tokens=200, max_encoder_tokens_per_step=25), BlockPool(64, 16))
+    scheduler.add(request)
+    encoded = []
+    while request.num_computed_tokens < request.num_prompt_tokens:
+        out = scheduler.schedule()
+        encoded.append([work.unit for work in out.encoder_work])
+        scheduler.update(out, {})
+    assert encoded == [[0], [1, 2], [3], [4]]
