@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
+import string
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -88,14 +90,20 @@ class Preset:
     near-equal logits, and a larger gain keeps greedy choices from being decided by rounding, so exactness
     tests compare real decisions. `attention_gain` scales the text model's query and key projections: random
     weights give near-uniform attention, blind to positions, and sharper attention makes a wrong rotary
-    position change the output. `dtype` is the dtype the weights are saved in."""
+    position change the output. `dtype` is the dtype the weights are saved in. `tokenizer_vocab` is the size
+    of the trained tokenizer; `None` makes it the text model's vocabulary, as in a real checkpoint, so that
+    every token a random model picks decodes to text (clients that stream see every token)."""
 
     text: TextSizes
     vision: VisionSizes
-    tokenizer_vocab: int
+    tokenizer_vocab: int | None = None
     lm_head_gain: float = 1.0
     attention_gain: float = 1.0
     dtype: str = "float32"
+
+    @property
+    def tokenizer_size(self) -> int:
+        return self.tokenizer_vocab or self.text.vocab_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,7 +164,7 @@ _TINY_QWEN = dict(
 )
 _REAL_QWEN_VISION = VisionSizes(hidden=1280, layers=32, heads=16, intermediate=3420, patch_px=14)
 # Real sizes are saved in bfloat16 to halve the disk they take; tiny ones in float32, the tests' dtype.
-_DUMMY = dict(tokenizer_vocab=2048, dtype="bfloat16")
+_DUMMY = dict(dtype="bfloat16")
 
 PRESETS: dict[str, Preset] = {
     # Small enough that a test builds, saves and loads it in about a second; 16 image tokens per tile and
@@ -179,13 +187,13 @@ PRESETS: dict[str, Preset] = {
     "smolvlm-256m": SmolVLMPreset(
         text=TextSizes(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab_size=49280),
         vision=VisionSizes(hidden=768, layers=12, heads=12, intermediate=3072, patch_px=16, image_px=512),
-        tokenizer_vocab=2048, scale_factor=4, max_tiles_per_side=4,
+        scale_factor=4, max_tiles_per_side=4,
     ),
     # HuggingFaceTB/SmolVLM-500M-Instruct: same vision tower, a wider and deeper text model.
     "smolvlm-500m": SmolVLMPreset(
         text=TextSizes(hidden=960, layers=32, heads=15, kv_heads=5, intermediate=2560, vocab_size=49280),
         vision=VisionSizes(hidden=768, layers=12, heads=12, intermediate=3072, patch_px=16, image_px=512),
-        tokenizer_vocab=2048, scale_factor=4, max_tiles_per_side=4,
+        scale_factor=4, max_tiles_per_side=4,
     ),
     # Qwen/Qwen2-VL-2B-Instruct: a 675M ViT (embed 1280, mlp ratio 4) and a 1.5B Qwen2 text model.
     "qwen2-vl-2b": Qwen2VLPreset(
@@ -214,10 +222,21 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+def _made_up_text(vocab_size: int) -> list[str]:
+    """Lines of random lowercase words, enough distinct ones for `vocab_size` merges (none for small vocabularies,
+    which `_CORPUS` alone fills)."""
+    if vocab_size <= 1024:
+        return []
+    rng = random.Random(vocab_size)
+    words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9))) for _ in range(2 * vocab_size)]
+    return [" ".join(rng.choices(words, k=40)) for _ in range(vocab_size // 4)]
+
+
 def train_tokenizer(
     vocab_size: int, special_tokens: list[str], *, eos: str, pad: str, bos: str | None = None, **named: Any
 ):
-    """A byte-level BPE trained on `_CORPUS`, with `special_tokens` first in its vocabulary."""
+    """A byte-level BPE trained on `_CORPUS` (plus made-up words when `vocab_size` asks for more merges than
+    those sentences hold), with `special_tokens` first in its vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -230,7 +249,7 @@ def train_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    tok.train_from_iterator(_CORPUS + _made_up_text(vocab_size), trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad, unk_token=pad, **named
     )
@@ -284,7 +303,7 @@ def smolvlm_parts(preset: SmolVLMPreset) -> FamilyParts:
     special = ["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>", "<global-img>"]
     special += ["<image>", "<video>"] + [f"<row_{r}_col_{c}>" for r in range(1, 9) for c in range(1, 9)]
     tokenizer = train_tokenizer(
-        preset.tokenizer_vocab, special, bos="<|im_start|>", eos="<end_of_utterance>", pad="<|endoftext|>",
+        preset.tokenizer_size, special, bos="<|im_start|>", eos="<end_of_utterance>", pad="<|endoftext|>",
         extra_special_tokens={
             "image_token": "<image>",
             "fake_image_token": "<fake_token_around_image>",
@@ -319,7 +338,7 @@ def qwen2_vl_parts(preset: Qwen2VLPreset) -> FamilyParts:
     prefix = {"2": "Qwen2VL", "2.5": "Qwen2_5_VL"}[preset.version]
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>"]
     special += ["<|image_pad|>", "<|video_pad|>"]
-    tokenizer = train_tokenizer(preset.tokenizer_vocab, special, eos="<|im_end|>", pad="<|endoftext|>")
+    tokenizer = train_tokenizer(preset.tokenizer_size, special, eos="<|im_end|>", pad="<|endoftext|>")
     vision = preset.vision
     if preset.version == "2":
         vision_config = {"embed_dim": vision.hidden, "mlp_ratio": vision.intermediate // vision.hidden}
@@ -366,7 +385,7 @@ def llava_parts(preset: LlavaPreset) -> FamilyParts:
     from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
     tokenizer = train_tokenizer(
-        preset.tokenizer_vocab, ["<unk>", "<s>", "</s>", "<image>", "<pad>"], bos="<s>", eos="</s>", pad="<pad>"
+        preset.tokenizer_size, ["<unk>", "<s>", "</s>", "<image>", "<pad>"], bos="<s>", eos="</s>", pad="<pad>"
     )
     side = preset.vision.image_px
     config = LlavaConfig(
@@ -400,7 +419,7 @@ def llava_onevision_parts(preset: LlavaOnevisionPreset) -> FamilyParts:
     )
 
     tokenizer = train_tokenizer(
-        preset.tokenizer_vocab, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"],
+        preset.tokenizer_size, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"],
         eos="<|im_end|>", pad="<|endoftext|>",
     )
     side = preset.vision.image_px
