@@ -153,9 +153,10 @@ async def _run(cfg: ServeConfig) -> tuple[list[RequestRecord], float, str]:
 
 def _stats(values_s: list[float]) -> dict[str, float]:
     if not values_s:
-        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
+        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan"), "max": float("nan")}
     ms = np.asarray(values_s) * 1000.0
-    return {"mean": float(ms.mean()), "p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99))}
+    return {"mean": float(ms.mean()), "p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)),
+            "max": float(ms.max())}
 
 
 def _meets(rec: RequestRecord, tpot: float | None, slo: dict[str, float]) -> bool:
@@ -208,11 +209,11 @@ def summary(result: dict[str, Any]) -> str:
         f"in {result['duration_s']:.1f} s",
         f"throughput: {result['request_throughput']:.2f} req/s, {result['output_token_throughput']:.1f} output tok/s,"
         f" goodput {result['goodput']:.2f} req/s (SLO {result['config']['slo'] or 'none'})",
-        f"{'metric (ms)':<14}{'mean':>10}{'p50':>10}{'p99':>10}",
+        f"{'metric (ms)':<14}{'mean':>10}{'p50':>10}{'p99':>10}{'max':>10}",
     ]
     for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         s = result[name]
-        lines.append(f"{name[:-3].upper():<14}{s['mean']:>10.1f}{s['p50']:>10.1f}{s['p99']:>10.1f}")
+        lines.append(f"{name[:-3].upper():<14}{s['mean']:>10.1f}{s['p50']:>10.1f}{s['p99']:>10.1f}{s['max']:>10.1f}")
     lines += [f"error: {e}" for e in result["errors"]]
     return "\n".join(lines)
 
