@@ -30,8 +30,8 @@ def serve(
     max_encoder_tokens_per_step: int = typer.Option(128, envvar="VLMCAP_MAX_ENCODER_TOKENS_PER_STEP",
                                                     help="Vision encoder work per step, in its output tokens; at "
                                                          "least one tile or image runs a step (0: no limit)."),
-    encoder_layers_per_step: int = typer.Option(0, envvar="VLMCAP_ENCODER_LAYERS_PER_STEP",
-                                                help="Run a tile's vision tower this many layers a step (SmolVLM; "
+    encoder_slices_per_step: int = typer.Option(0, envvar="VLMCAP_ENCODER_SLICES_PER_STEP",
+                                                help="Run a tile's vision tower this many half layers a step (SmolVLM; "
                                                      "0: whole)."),
     redis_url: str = typer.Option(None, envvar="REDIS_URL",
                                   help="Redis for caption results shared with camera queue workers "
@@ -92,7 +92,7 @@ def serve(
                 max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked_prefill, block_size=block_size,
                 num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, num_threads=num_threads,
                 max_encoder_tokens_per_step=max_encoder_tokens_per_step or None,
-                encoder_layers_per_step=encoder_layers_per_step or None,
+                encoder_slices_per_step=encoder_slices_per_step or None,
             ),
             served_model_name=served_model_name, api_key=api_key or None, redis_url=redis_url or None,
             run_queue_worker=queue, consumer_name=consumer_name, claim_idle_s=claim_idle_seconds,

@@ -17,8 +17,8 @@ def stall(
     budget: int = typer.Option(256, help="max_num_batched_tokens of the chunked runs."),
     encoder_budget: int = typer.Option(64, help="Encoder output tokens per step in the 'chunked' run (64: one "
                                                 "SmolVLM-256M tile)."),
-    encoder_layers_per_step: int = typer.Option(2, help="Vision tower layers a tile runs per step in the 'chunked' "
-                                                        "run (0: the whole tower)."),
+    encoder_slices_per_step: int = typer.Option(4, help="Half layers of the vision tower a tile runs per step in "
+                                                        "the 'chunked' run (0: the whole tower)."),
     after_steps: int = typer.Option(8, help="Steps measured after the image prompt's first token."),
     threads: int = typer.Option(None, help="torch threads (default: torch's choice)."),
     json_path: str = typer.Option(None, "--json", help="Write the results here."),
@@ -29,7 +29,7 @@ def stall(
     from bench.stall import StallConfig, plot, run_stall, summary
 
     cfg = StallConfig(model=model, device=device, dtype=dtype, chats=chats, images=images, budget=budget,
-                      encoder_budget=encoder_budget, encoder_layers_per_step=encoder_layers_per_step or None,
+                      encoder_budget=encoder_budget, encoder_slices_per_step=encoder_slices_per_step or None,
                       after_steps=after_steps, threads=threads)
     result = run_stall(cfg)
     save(result, json_path, png_path, plot)

@@ -3,7 +3,7 @@ is prefilled?
 
 Several chats decode; then a prompt with `images` photos arrives. The same scenario runs with chunked
 prefill on (with the per-step encoder budget: `encoder_budget` encoder output tokens a step, by default one
-64-token SmolVLM tile, whose tower runs `encoder_layers_per_step` layers a step), with chunked prefill
+64-token SmolVLM tile, whose tower runs `encoder_slices_per_step` half layers a step), with chunked prefill
 off, and with chunking on but no per-step encoder budget (every tile a chunk reaches runs its whole tower
 in that step). For each run:
 the chats' inter-token latency over the window in which the image prompt is prefilled (from its
@@ -33,7 +33,7 @@ class StallConfig:
     images: int = 2
     budget: int = 256
     encoder_budget: int = 64
-    encoder_layers_per_step: int | None = 2
+    encoder_slices_per_step: int | None = 4
     warmup_steps: int = 16
     after_steps: int = 16
     threads: int | None = None
@@ -57,7 +57,7 @@ def _run(cfg: StallConfig, chunked: bool, encoder_budget: bool, images: list) ->
             max_num_seqs=max(cfg.chats + 1, 2),
             enable_chunked_prefill=chunked,
             max_encoder_tokens_per_step=cfg.encoder_budget if encoder_budget else None,
-            encoder_layers_per_step=cfg.encoder_layers_per_step if encoder_budget else None,
+            encoder_slices_per_step=cfg.encoder_slices_per_step if encoder_budget else None,
             num_threads=cfg.threads,
         )
     )

@@ -26,9 +26,10 @@ class EngineConfig:
         SmolVLM, an image for Qwen2-VL and LLaVA, whose towers attend across a whole image) run whole or
         not at all; one runs each step even if it alone is over the budget. `None`: every input a chunk
         needs runs in the step that needs it.
-    encoder_layers_per_step: run an encoder input's vision tower over several steps, this many of its
-        layers a step, so that one tile never costs a step much more than a decode (families that
-        support it: SmolVLM); `None` runs each input's tower whole.
+    encoder_slices_per_step: run an encoder input's vision tower over several steps, this many slices of
+        it a step, so that one tile never costs a step much more than a decode (families that support it:
+        SmolVLM, where a slice is half a SigLIP layer: its attention or its MLP); `None` runs each input's
+        tower whole.
     block_size: tokens per KV cache block.
     num_kv_blocks: KV cache size in blocks; `None` sizes it from `kv_cache_memory_fraction` of the
         device memory that is free after the model is loaded (capped at what `max_num_seqs` requests of
@@ -43,7 +44,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
     max_encoder_tokens_per_step: int | None = 128
-    encoder_layers_per_step: int | None = None
+    encoder_slices_per_step: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.5
@@ -72,8 +73,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_encoder_tokens_per_step must be positive or None, got {self.max_encoder_tokens_per_step!r}"
             )
-        if self.encoder_layers_per_step is not None and self.encoder_layers_per_step < 1:
-            raise ValueError(f"encoder_layers_per_step must be positive or None, got {self.encoder_layers_per_step!r}")
+        if self.encoder_slices_per_step is not None and self.encoder_slices_per_step < 1:
+            raise ValueError(f"encoder_slices_per_step must be positive or None, got {self.encoder_slices_per_step!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
         if not 0.0 <= self.watermark < 1.0:

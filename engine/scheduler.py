@@ -13,7 +13,7 @@ A chunk may end anywhere, also inside an image's placeholder span. An encoder in
 is run the step its first placeholder is reached, inputs of at most `max_encoder_tokens_per_step` output
 tokens a step (but always one, however large); a chunk that would need more stops before the first
 placeholder of the input that must wait. With
-`encoder_layers_per_step`, an input's vision tower runs that many layers a step instead of whole, and the
+`encoder_slices_per_step`, an input's vision tower runs that many slices a step instead of whole, and the
 chunk stops before the first placeholder of an input whose tower has not finished. With chunked
 prefill off, a prompt is prefilled whole: admitted when it fits in what is left of the budget, or when
 no other prefill runs this step (one oversized step).
@@ -222,10 +222,10 @@ class Scheduler:
         return len(units)
 
     def _work(self, request: Request, unit: int, whole: bool) -> EncoderWork:
-        """The next slices of an input's vision tower: all that are left, or `encoder_layers_per_step`."""
+        """The next slices of an input's vision tower: all that are left, or `encoder_slices_per_step`."""
         stages = request.mm.encoder_stages
         done = self.encoder_progress.get(request.request_id, {}).get(unit, 0)
-        step = self.config.encoder_layers_per_step
+        step = self.config.encoder_slices_per_step
         end = stages if whole or step is None else min(done + step, stages)
         return EncoderWork(request, unit, done, end)
 

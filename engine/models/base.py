@@ -63,7 +63,7 @@ class VLMAdapter:
         """Vision features of each encoder input, one [rows, hidden] tensor each."""
         raise NotImplementedError
 
-    # Families whose vision tower can run a few layers a step set this to the number of slices and
+    # Families whose vision tower can run a part at a time set this to the number of slices and
     # implement `encode_stages`.
     encoder_stages: int = 1
 

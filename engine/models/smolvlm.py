@@ -24,9 +24,9 @@ class SmolVLMAdapter(VLMAdapter):
 
     @property
     def encoder_stages(self) -> int:
-        """One slice per layer of the SigLIP tower; the embeddings run with the first, the final norm and
-        the connector with the last."""
-        return len(self.model.model.vision_model.encoder.layers)
+        """Two slices per layer of the SigLIP tower, its attention and its MLP (each about half the layer's
+        work); the embeddings run with the first slice, the final norm and the connector with the last."""
+        return 2 * len(self.model.model.vision_model.encoder.layers)
 
     def expand_prompt(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], MultimodalPrompt | None]:
         if not images:  # tokenized exactly as the processor does for transformers' own generate
@@ -78,17 +78,22 @@ class SmolVLMAdapter(VLMAdapter):
     def encode_stages(
         self, inputs: list[dict[str, torch.Tensor]], states: list[Any], first: int, end: int
     ) -> list[Any]:
-        """The same operations as SmolVLM's `get_image_features`, a range of layers at a time. A state is
-        (hidden states [1, patches, dim], the tower's attention mask or None when no patch is padding)."""
+        """The same operations as SmolVLM's `get_image_features` and its encoder layers' own forward, a
+        range of half layers at a time. A state is (hidden states [1, patches, dim], the tower's attention
+        mask or None when no patch is padding)."""
         vision = self.model.model.vision_model
         if first == 0:
             states = [self._embed_tile(vision, item) for item in inputs]
         hidden = torch.cat([h for h, _ in states])
         masks = [m for _, m in states]
         mask = None if all(m is None for m in masks) else torch.cat([self._full_mask(h, m) for h, m in states])
-        for layer in vision.encoder.layers[first:end]:
-            hidden = layer(hidden, mask)
-            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        for stage in range(first, end):
+            layer = vision.encoder.layers[stage // 2]
+            if stage % 2 == 0:
+                attended, _ = layer.self_attn(hidden_states=layer.layer_norm1(hidden), attention_mask=mask)
+                hidden = hidden + attended
+            else:
+                hidden = hidden + layer.mlp(layer.layer_norm2(hidden))
         if end < self.encoder_stages:
             return [(h.unsqueeze(0), m) for h, m in zip(hidden.unbind(0), masks)]
         features = self.model.model.connector(vision.post_layernorm(hidden))

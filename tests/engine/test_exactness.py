@@ -90,11 +90,12 @@ def test_chat_messages_use_the_model_template(make_engine, oracle, photos):
 @pytest.mark.parametrize("budget", [8, 13, 64])
 def test_greedy_tokens_equal_generate_with_the_vision_tower_sliced_over_steps(make_engine, oracle, photos, budget):
     jobs = mixed_jobs(photos)
-    engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=min(8, budget), encoder_layers_per_step=1)
+    engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=min(8, budget), encoder_slices_per_step=1)
     tokens, _ = run_jobs(engine, jobs)
     for i, job in enumerate(jobs):
         assert tokens[i] == oracle(job.prompt, job.images, job.max_tokens), f"job {i} at budget {budget}"
-    assert engine.stats()["encoder_slices_run"] == 2 * engine.stats()["encoder_inputs_encoded"]  # 2 layers a tile
+    # 2 layers of 2 slices a tile
+    assert engine.stats()["encoder_slices_run"] == 4 * engine.stats()["encoder_inputs_encoded"]
 
 
 def test_sliced_vision_tower_gives_the_same_features_bit_for_bit(make_engine, photos):
@@ -103,8 +104,9 @@ def test_sliced_vision_tower_gives_the_same_features_bit_for_bit(make_engine, ph
     _, mm = adapter.process(PROMPTS[2], photos)
     inputs = mm.encoder_inputs
     whole = adapter.encode(inputs)
-    states = adapter.encode_stages(inputs, [None] * len(inputs), 0, 1)
-    sliced = adapter.encode_stages(inputs, states, 1, adapter.encoder_stages)
-    assert adapter.encoder_stages == 2 and len(sliced) == len(whole) == 10
+    sliced = [None] * len(inputs)
+    for stage in range(adapter.encoder_stages):  # one half layer at a time
+        sliced = adapter.encode_stages(inputs, sliced, stage, stage + 1)
+    assert adapter.encoder_stages == 4 and len(sliced) == len(whole) == 10
     for a, b in zip(whole, sliced):
         assert torch.equal(a, b)

@@ -38,11 +38,11 @@ def prefill_image_prompt(engine, chats: list[str], images) -> tuple[list[dict[st
     return gained, stats
 
 
-@pytest.mark.parametrize("layers_per_step", [None, 1])
-def test_decodes_gain_one_token_every_step_while_a_long_image_prompt_prefills(make_engine, photos, layers_per_step):
+@pytest.mark.parametrize("slices_per_step", [None, 1])
+def test_decodes_gain_one_token_every_step_while_a_long_image_prompt_prefills(make_engine, photos, slices_per_step):
     budget = 24
     engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=8, max_encoder_tokens_per_step=16,
-                         encoder_layers_per_step=layers_per_step)
+                         encoder_slices_per_step=slices_per_step)
     chats = start_chats(engine, 4)
     gained, stats = prefill_image_prompt(engine, chats, photos)
     prompt_len = max(r.num_prompt_tokens for r in engine.requests.values())
@@ -52,7 +52,7 @@ def test_decodes_gain_one_token_every_step_while_a_long_image_prompt_prefills(ma
         assert set(step.values()) == {1}
     assert max(s["last_step_num_tokens"] for s in stats) <= budget
     slices = [b["encoder_slices_run"] - a["encoder_slices_run"] for a, b in zip(stats, stats[1:])]
-    assert max(slices) <= (layers_per_step or engine.adapter.encoder_stages)  # one tile's share a step
+    assert max(slices) <= (slices_per_step or engine.adapter.encoder_stages)  # one tile's share a step
     assert stats[-1]["encoder_inputs_encoded"] == 10  # two images of five tiles, each tile once
 
 
