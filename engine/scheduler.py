@@ -107,9 +107,6 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
-    def find(self, request_id: str) -> Request | None:
-        return next((r for r in self.running + self.waiting if r.request_id == request_id), None)
-
     def max_prompt_blocks(self) -> int:
         """The most blocks a prompt may need and still be admitted into an otherwise empty cache."""
         return self.pool.num_blocks - self.watermark_blocks
