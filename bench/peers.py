@@ -82,13 +82,13 @@ def run_engine(engine: Engine, work: Workload) -> tuple[dict[str, Any], list[tup
     finish: dict[str, float] = {}
     for prompt, n in zip(work.prompts, work.output_lens):
         engine.add_request(prompt=prompt, sampling=SamplingParams(max_tokens=n, ignore_eos=True))
-    steps = []  # (seconds, tokens in the step, running requests)
+    steps = []  # (seconds, tokens in the step, requests running after it)
     while engine.has_unfinished_requests():
         start = time.perf_counter()
-        running = engine.stats()["num_running"] + engine.stats()["num_waiting"]
         outputs = engine.step()
         now = time.perf_counter()
-        steps.append((now - start, engine.stats()["last_step_num_tokens"], running))
+        stats = engine.stats()
+        steps.append((now - start, stats["last_step_num_tokens"], stats["num_running"]))
         finish.update({o.request_id: now - began for o in outputs if o.finished})
     span = time.perf_counter() - began
     return _result(sum(work.output_lens), span, list(finish.values())), steps
