@@ -178,7 +178,9 @@ def test_tail_captions_yields_new_results_as_they_finish(redis_url):
         jobs = [make_job("a"), make_job("b")]
         tail = tail_captions(worker.redis, block_seconds=0.2)
         first = asyncio.ensure_future(tail.__anext__())
-        await asyncio.sleep(0)  # let the tail take its starting point
+        # The tail has taken its starting point once it blocks in XREAD (nothing else here blocks).
+        while (await worker.redis.info("clients"))["blocked_clients"] < 1:
+            await asyncio.sleep(0.01)
         enqueue(redis_url, jobs)
         await work_until_idle(worker)
         got = [(await first)[1].id, (await tail.__anext__())[1].id]
