@@ -104,16 +104,22 @@ class OpenAICaptioner:
         await self.client.close()
 
 
-# First-writer-wins finish, atomic with the XACK/XDEL of the stream entry.
+# First-writer-wins finish, atomic with the XACK/XDEL of the stream entry. The result's finished_at is
+# Redis's clock when the result is written, so that the feed's order (newest first) is the order of
+# finished_at, whichever worker or coroutine wrote it.
 # KEYS: result key, jobs stream, captions feed, camera captions feed, dead-letter stream.
 # ARGV: group, entry id, result ttl, feed maxlen, dead maxlen, number of result fields,
-#       result fields..., dead-letter fields (none when the job is done).
+#       result fields (with a finished_at to overwrite)..., dead-letter fields (none when the job is done).
 FINISH_SCRIPT = """
 local status = redis.call('HGET', KEYS[1], 'status')
 local first = status ~= 'done' and status ~= 'failed'
 if first then
   local nresult = tonumber(ARGV[6]) * 2
   local result = {unpack(ARGV, 7, 6 + nresult)}
+  local now = redis.call('TIME')
+  for i = 1, nresult, 2 do
+    if result[i] == 'finished_at' then result[i + 1] = now[1] .. '.' .. string.format('%06d', now[2]) end
+  end
   redis.call('DEL', KEYS[1])
   redis.call('HSET', KEYS[1], unpack(result))
   redis.call('EXPIRE', KEYS[1], ARGV[3])
@@ -342,6 +348,7 @@ class QueueWorker:
         result = job.queued_result()
         result.status = JobStatus.FAILED.value if error is not None else JobStatus.DONE.value
         result.caption, result.error = caption, error
+        # finished_at is set by FINISH_SCRIPT from Redis's clock; this value only holds the field's place.
         result.finished_at, result.deliveries, result.consumer = time.time(), deliveries, self.consumer_name
         result_fields = result.to_fields()
         dead = dead_letter_fields(job.to_fields(), error, deliveries) if error is not None else {}
