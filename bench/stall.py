@@ -14,6 +14,7 @@ tokens per second, and the number of steps.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -84,10 +85,16 @@ def _run(cfg: StallConfig, chunked: bool, encoder_budget: bool, images: list) ->
     for _ in range(cfg.warmup_steps):
         step()
     arrival = time.perf_counter() - began
-    prompt = IMAGE_PROMPT.format(markers="<image>" * cfg.images)
-    camera = engine.add_request(prompt=prompt, images=images[: cfg.images], sampling=SamplingParams(max_tokens=4))
-    prompt_tokens = engine.requests[camera].num_prompt_tokens
     first_step = len(steps)
+    # As in the server, the image prompt is preprocessed on another thread while the chats go on stepping.
+    prompt = IMAGE_PROMPT.format(markers="<image>" * cfg.images)
+    with ThreadPoolExecutor(1) as pool:
+        adding = pool.submit(engine.add_request, prompt=prompt, images=images[: cfg.images],
+                             sampling=SamplingParams(max_tokens=4))
+        while not adding.done():
+            step()
+    camera = adding.result()
+    prompt_tokens = engine.requests[camera].num_prompt_tokens
     first_token = None
     while first_token is None:
         if any(o.request_id == camera for o in step()):

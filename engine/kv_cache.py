@@ -51,6 +51,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
+        self.block_size = block_size
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -9,11 +9,14 @@ from collections import defaultdict
 
 import torch
 
-from engine.attention import AttentionBatch, PrefillSpan
+from engine.attention import AttentionBatch, DecodeGroup, PrefillSpan
 from engine.kv_cache import KVCache
 from engine.models.base import VLMAdapter
 from engine.sampling import sample
 from engine.scheduler import EncoderWork, ScheduledChunk, SchedulerOutput
+
+# A decode batch's padded keys may be at most this many times its real ones (see `_decode_groups`).
+PADDED_KEYS_LIMIT = 1.5
 
 
 class ModelRunner:
@@ -38,20 +41,21 @@ class ModelRunner:
         if not out.chunks:
             return {}
         token_ids, rope_positions, slot_mapping = [], [], []
-        decode_index, decode_slots, prefills = [], [], []
+        decodes: list[tuple[int, int, list[int]]] = []  # (query index, context length, block ids)
+        prefills = []
         sample_rows: list[tuple[int, ScheduledChunk]] = []
         for chunk in out.chunks:
             request = chunk.request
             query_start = len(token_ids)
             token_ids.extend(request.token_at(p) for p in range(chunk.start, chunk.end))
             rope_positions.append(self.adapter.rope_positions(request, chunk.start, chunk.end))
-            key_slots = self._slots(request.block_ids, chunk.end)
-            slot_mapping.append(key_slots[chunk.start :])
+            slot_mapping.append(self._slots(request.block_ids, chunk.start, chunk.end))
+            blocks = request.block_ids[: -(-chunk.end // self.block_size)]
             if chunk.num_tokens == 1:  # a single query sees every cached key: batch it with the decodes
-                decode_index.append(query_start)
-                decode_slots.append(key_slots)
+                decodes.append((query_start, chunk.end, blocks))
             else:
-                prefills.append(PrefillSpan(query_start, len(token_ids), key_slots, self._causal_mask(chunk)))
+                table = torch.tensor(blocks, device=self.device)
+                prefills.append(PrefillSpan(query_start, len(token_ids), table, chunk.end, self._causal_mask(chunk)))
             if chunk.samples:
                 sample_rows.append((len(token_ids) - 1, chunk))
 
@@ -61,21 +65,9 @@ class ModelRunner:
         batch = AttentionBatch(
             kv_cache=self.kv_cache,
             slot_mapping=torch.cat(slot_mapping),
-            decode_query_index=None,
-            decode_key_slots=None,
-            decode_mask=None,
+            decodes=self._decode_groups(decodes),
             prefills=prefills,
         )
-        if decode_index:
-            longest = max(len(s) for s in decode_slots)
-            padded = torch.zeros(len(decode_slots), longest, dtype=torch.long, device=self.device)
-            mask = torch.zeros(len(decode_slots), 1, 1, longest, dtype=torch.bool, device=self.device)
-            for i, slots in enumerate(decode_slots):
-                padded[i, : len(slots)] = slots
-                mask[i, ..., : len(slots)] = True
-            batch.decode_query_index = torch.tensor(decode_index, device=self.device)
-            batch.decode_key_slots = padded
-            batch.decode_mask = mask
         hidden = self.adapter.forward_text(embeds, torch.cat(rope_positions, dim=-1).to(self.device), batch)
         if not sample_rows:
             return {}
@@ -86,9 +78,32 @@ class ModelRunner:
             for i, (_, chunk) in enumerate(sample_rows)
         }
 
-    def _slots(self, block_ids: list[int], end: int) -> torch.Tensor:
-        """Cache slots of positions 0..end-1 of a request."""
-        positions = torch.arange(end, device=self.device)
+    def _decode_groups(self, decodes: list[tuple[int, int, list[int]]]) -> list[DecodeGroup]:
+        """Decodes in padded batches, longest contexts first; a sequence starts a new batch when joining would
+        make the batch's padded keys more than `PADDED_KEYS_LIMIT` times its real ones (one long context among
+        short ones would otherwise have every short one read as many keys as it)."""
+        groups: list[list[tuple[int, int, list[int]]]] = []
+        for decode in sorted(decodes, key=lambda d: d[1], reverse=True):
+            group = groups[-1] if groups else []
+            longest = group[0][1] if group else 0
+            if group and (len(group) + 1) * longest <= PADDED_KEYS_LIMIT * (sum(d[1] for d in group) + decode[1]):
+                group.append(decode)
+            else:
+                groups.append([decode])
+        return [self._decode_group(group) for group in groups]
+
+    def _decode_group(self, group: list[tuple[int, int, list[int]]]) -> DecodeGroup:
+        width = max(len(blocks) for _, _, blocks in group)
+        tables = torch.zeros(len(group), width, dtype=torch.long, device=self.device)
+        mask = torch.zeros(len(group), 1, 1, width * self.block_size, dtype=torch.bool, device=self.device)
+        for i, (_, context_len, blocks) in enumerate(group):
+            tables[i, : len(blocks)] = torch.tensor(blocks, device=self.device)
+            mask[i, ..., :context_len] = True
+        return DecodeGroup(torch.tensor([index for index, _, _ in group], device=self.device), tables, mask)
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Cache slots of positions start..end-1 of a request."""
+        positions = torch.arange(start, end, device=self.device)
         table = torch.tensor(block_ids, device=self.device)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 

@@ -12,10 +12,11 @@ The rule, under a token budget B (`max_num_batched_tokens`) and a sequence cap S
 A chunk may end anywhere, also inside an image's placeholder span. An encoder input (a tile or an image)
 is run the step its first placeholder is reached, inputs of at most `max_encoder_tokens_per_step` output
 tokens a step (but always one, however large); a chunk that would need more stops before the first
-placeholder of the input that must wait. With
-`encoder_slices_per_step`, an input's vision tower runs that many slices a step instead of whole, and the
-chunk stops before the first placeholder of an input whose tower has not finished. With chunked
-prefill off, a prompt is prefilled whole: admitted when it fits in what is left of the budget, or when
+placeholder of the input that must wait. With `encoder_slices_per_step`, an input's vision tower runs that
+many slices a step instead of whole, and the chunk stops before the first placeholder of an input whose
+tower has not finished. What is left of a step's encoder budget goes to the next input that no chunk has
+reached yet (one per request), so that its features are ready, or nearly, when the chunk gets there. With
+chunked prefill off, a prompt is prefilled whole: admitted when it fits in what is left of the budget, or when
 no other prefill runs this step (one oversized step).
 
 Except where image tokens attend to each other both ways (`MultimodalPrompt.atomic_units`, Gemma 3): there
@@ -205,7 +206,18 @@ class Scheduler:
         unready = next((w.unit for w in work if not w.finishes), None)
         if unready is not None:  # the chunk stops where it would need features still being computed
             n = min(n, request.mm.unit_first_position(unready) - start)
+        if encoder_left is not None:
+            work += self._work_ahead(request, start + n, work, self._encoder_left(encoder_left, work))
         return n, work
+
+    def _work_ahead(self, request: Request, end: int, work: list[EncoderWork], encoder_left: int) -> list[EncoderWork]:
+        """The next slices of the first unfinished input past `end` that this step's work does not touch,
+        if it fits in what is left of the encoder budget."""
+        busy = {item.unit for item in work}
+        ahead = next((u for u in self._unfinished_units(request, end, request.num_tokens) if u not in busy), None)
+        if ahead is None or request.mm.unit_rows[ahead] > encoder_left:
+            return []
+        return [self._work(request, ahead, whole=False)]
 
     def _units_within(self, mm: MultimodalPrompt, units: list[int], encoder_left: int) -> int:
         """How many of `units`, in order, fit in what is left of the step's encoder budget; the first of the

@@ -5,6 +5,7 @@ encoding the whole image at once."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -12,6 +13,58 @@ from PIL import Image
 
 from engine.models.base import VLMAdapter
 from engine.request import MultimodalPrompt
+
+# A SigLIP encoder layer runs in four parts of about equal work, so that a step carries only a quarter
+# layer: (0) the normed input's query, key and value projections; (1) attention and its output projection,
+# added to the residual; (2) the MLP's first linear layer and activation on the normed sum; (3) its second
+# linear layer, added to the residual. Parts 0 and 2 leave their outputs for the next part.
+PARTS_PER_LAYER = 4
+
+
+def _run_part(layer: torch.nn.Module, part: int, hidden: torch.Tensor, mask: Any, carried: Any) -> tuple[Any, Any]:
+    """One part of an encoder layer's forward, with the very operations the layer's own forward runs."""
+    attention, mlp = layer.self_attn, layer.mlp
+    if part == 0:
+        normed = layer.layer_norm1(hidden)
+        heads = (*normed.shape[:-1], -1, attention.head_dim)
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        return hidden, tuple(project(normed).view(heads).transpose(1, 2) for project in projections)
+    if part == 1:
+        queries, keys, values = carried
+        attended, _ = _attention_function(attention)(
+            attention, queries, keys, values, mask, is_causal=False, scaling=attention.scale, dropout=0.0
+        )
+        return hidden + attention.out_proj(attended.reshape(*hidden.shape[:-1], -1).contiguous()), None
+    if part == 2:
+        return hidden, mlp.activation_fn(mlp.fc1(layer.layer_norm2(hidden)))
+    return hidden + mlp.fc2(carried), None
+
+
+def _attention_function(attention: torch.nn.Module) -> Any:
+    """The attention function the module's own forward picks for the model's attention implementation."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    implementation = attention.config._attn_implementation
+    if implementation == "eager":
+        return sys.modules[type(attention).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def _join(carried: list[Any]) -> Any:
+    """The carried tensors of inputs at the same part, batched (a tuple of tensors stays a tuple)."""
+    if carried[0] is None:
+        return None
+    if isinstance(carried[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*carried))
+    return torch.cat(carried)
+
+
+def _split(carried: Any, count: int) -> list[Any]:
+    if carried is None:
+        return [None] * count
+    if isinstance(carried, tuple):
+        return list(zip(*(part.split(1) for part in carried)))
+    return list(carried.split(1))
 
 
 class SmolVLMAdapter(VLMAdapter):
@@ -24,9 +77,9 @@ class SmolVLMAdapter(VLMAdapter):
 
     @property
     def encoder_stages(self) -> int:
-        """Two slices per layer of the SigLIP tower, its attention and its MLP (each about half the layer's
-        work); the embeddings run with the first slice, the final norm and the connector with the last."""
-        return 2 * len(self.model.model.vision_model.encoder.layers)
+        """`PARTS_PER_LAYER` slices per layer of the SigLIP tower; the embeddings run with the first slice, the
+        final norm and the connector with the last."""
+        return PARTS_PER_LAYER * len(self.model.model.vision_model.encoder.layers)
 
     def expand_prompt(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], MultimodalPrompt | None]:
         if not images:  # tokenized exactly as the processor does for transformers' own generate
@@ -79,23 +132,20 @@ class SmolVLMAdapter(VLMAdapter):
         self, inputs: list[dict[str, torch.Tensor]], states: list[Any], first: int, end: int
     ) -> list[Any]:
         """The same operations as SmolVLM's `get_image_features` and its encoder layers' own forward, a
-        range of half layers at a time. A state is (hidden states [1, patches, dim], the tower's attention
-        mask or None when no patch is padding)."""
+        range of quarter layers at a time. A state is (hidden states [1, patches, dim], the tower's attention
+        mask or None when no patch is padding, what the last part left for the next one or None)."""
         vision = self.model.model.vision_model
         if first == 0:
-            states = [self._embed_tile(vision, item) for item in inputs]
-        hidden = torch.cat([h for h, _ in states])
-        masks = [m for _, m in states]
-        mask = None if all(m is None for m in masks) else torch.cat([self._full_mask(h, m) for h, m in states])
+            states = [(*self._embed_tile(vision, item), None) for item in inputs]
+        hidden = torch.cat([state[0] for state in states])
+        masks = [state[1] for state in states]
+        mask = None if all(m is None for m in masks) else torch.cat([self._full_mask(h, m) for h, m, _ in states])
+        carried = _join([state[2] for state in states])
         for stage in range(first, end):
-            layer = vision.encoder.layers[stage // 2]
-            if stage % 2 == 0:
-                attended, _ = layer.self_attn(hidden_states=layer.layer_norm1(hidden), attention_mask=mask)
-                hidden = hidden + attended
-            else:
-                hidden = hidden + layer.mlp(layer.layer_norm2(hidden))
+            layer = vision.encoder.layers[stage // PARTS_PER_LAYER]
+            hidden, carried = _run_part(layer, stage % PARTS_PER_LAYER, hidden, mask, carried)
         if end < self.encoder_stages:
-            return [(h.unsqueeze(0), m) for h, m in zip(hidden.unbind(0), masks)]
+            return list(zip(hidden.split(1), masks, _split(carried, len(states))))
         features = self.model.model.connector(vision.post_layernorm(hidden))
         return list(features.unbind(0))
 

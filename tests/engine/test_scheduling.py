@@ -155,3 +155,31 @@ def test_encoder_budget_counts_tokens_and_always_runs_one_input():
         encoded.append([work.unit for work in out.encoder_work])
         scheduler.update(out, {})
     assert encoded == [[0], [1, 2], [3], [4]]
+
+
+def test_the_next_inputs_tower_starts_while_the_chunk_prefills_the_input_before():
+    """Tiles of 16 tokens, a tower of two slices run one a step, 8 prompt tokens a step: what a step leaves of
+    the encoder budget starts the next tile's tower before the chunk reaches it, so the chunk never waits
+    after the first tile."""
+    rows = [16, 16, 16]
+    mm = MultimodalPrompt(
+        placeholder_positions=list(range(2, 2 + sum(rows))), unit_row_starts=[0, 16, 32], unit_rows=rows,
+        encoder_inputs=[{} for _ in rows], encoder_stages=2,
+    )
+    request = Request(request_id="r", prompt_token_ids=list(range(sum(rows) + 4)), sampling=SamplingParams(),
+                      priority=0, arrival=0, max_total_tokens=1000, mm=mm)
+    config = EngineConfig(max_num_batched_tokens=8, max_num_seqs=8, max_encoder_tokens_per_step=16,
+                          encoder_slices_per_step=1)
+    scheduler = Scheduler(config, BlockPool(64, 16))
+    scheduler.add(request)
+    steps = []
+    while request.num_computed_tokens < request.num_prompt_tokens:
+        out = scheduler.schedule()
+        steps.append(([(c.start, c.end) for c in out.chunks], [(w.unit, w.first) for w in out.encoder_work]))
+        scheduler.update(out, {})
+    # (chunks, [(tile, slice)]): tile 0's first slice holds the chunk before its span; tiles 1 and 2 start
+    # in the steps that prefill the tokens before them.
+    assert steps == [
+        ([(0, 2)], [(0, 0)]), ([(2, 10)], [(0, 1)]), ([(10, 18)], [(1, 0)]), ([(18, 26)], [(1, 1)]),
+        ([(26, 34)], [(2, 0)]), ([(34, 42)], [(2, 1)]), ([(42, 50)], []), ([(50, 52)], []),
+    ]
