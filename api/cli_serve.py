@@ -31,8 +31,8 @@ def serve(
                                                     help="Vision encoder work per step, in its output tokens; at "
                                                          "least one tile or image runs a step (0: no limit)."),
     encoder_slices_per_step: int = typer.Option(0, envvar="VLMCAP_ENCODER_SLICES_PER_STEP",
-                                                help="Run a tile's vision tower this many half layers a step (SmolVLM; "
-                                                     "0: whole)."),
+                                                help="Run a tile's vision tower this many fifths of a layer a "
+                                                     "step (SmolVLM; 0: whole)."),
     redis_url: str = typer.Option(None, envvar="REDIS_URL",
                                   help="Redis for caption results shared with camera queue workers "
                                        "(default: results in memory, no queue)."),

@@ -14,12 +14,13 @@ def stall(
     dtype: str = typer.Option("bfloat16", help="float32, bfloat16 or float16."),
     chats: int = typer.Option(8, help="Chats decoding when the image prompt arrives."),
     images: int = typer.Option(2, help="Images in the camera-style prompt."),
-    budget: int = typer.Option(256, help="max_num_batched_tokens of the chunked runs."),
+    budget: int = typer.Option(16, help="max_num_batched_tokens of the chunked runs (the chats' decodes, then "
+                                        "what is left for the image prompt's chunk)."),
     encoder_budget: int = typer.Option(64, help="Encoder output tokens per step in the 'chunked' run (64: one "
                                                 "SmolVLM-256M tile)."),
-    encoder_slices_per_step: int = typer.Option(4, help="Half layers of the vision tower a tile runs per step in "
-                                                        "the 'chunked' run (0: the whole tower)."),
-    after_steps: int = typer.Option(8, help="Steps measured after the image prompt's first token."),
+    encoder_slices_per_step: int = typer.Option(3, help="Fifths of a vision layer a tile runs per step in the "
+                                                        "'chunked' run (0: the whole tower)."),
+    after_steps: int = typer.Option(16, help="Steps measured after the image prompt's first token."),
     threads: int = typer.Option(None, help="torch threads (default: torch's choice)."),
     json_path: str = typer.Option(None, "--json", help="Write the results here."),
     png_path: str = typer.Option(None, "--png", help="Draw the chats' token timeline here."),
