@@ -68,17 +68,20 @@ def _run(cfg: StallConfig, chunked: bool, encoder_budget: bool, images: list) ->
     ]
     token_times: dict[str, list[float]] = {c: [] for c in chats}
     steps = []  # (start, end, tokens in the step)
+    emitted: list[set[str]] = []  # per step, the requests that gained a token
+    computed: list[dict[str, int]] = []  # per step, each request's prompt tokens computed after it
     began = time.perf_counter()
 
-    def step() -> list:
+    def step() -> None:
         start = time.perf_counter()
         outputs = engine.step()
         end = time.perf_counter()
         steps.append((start - began, end - began, engine.stats()["last_step_num_tokens"]))
+        emitted.append({out.request_id for out in outputs})
+        computed.append({rid: request.num_computed_tokens for rid, request in dict(engine.requests).items()})
         for out in outputs:
             if out.request_id in token_times:
                 token_times[out.request_id].append(end - began)
-        return outputs
 
     while not all(engine.requests[c].is_decoding for c in chats):
         step()
@@ -86,7 +89,8 @@ def _run(cfg: StallConfig, chunked: bool, encoder_budget: bool, images: list) ->
         step()
     arrival = time.perf_counter() - began
     arrival_step = len(steps)
-    # As in the server, the image prompt is preprocessed on another thread while the chats go on stepping.
+    # As in the server, the image prompt is preprocessed on another thread while the chats go on stepping
+    # (so the step that takes it up may begin before the thread has returned its id).
     prompt = IMAGE_PROMPT.format(markers="<image>" * cfg.images)
     with ThreadPoolExecutor(1) as pool:
         adding = pool.submit(engine.add_request, prompt=prompt, images=images[: cfg.images],
@@ -94,13 +98,14 @@ def _run(cfg: StallConfig, chunked: bool, encoder_budget: bool, images: list) ->
         while not adding.done():
             step()
     camera = adding.result()
-    first_step = len(steps)  # the first step that can schedule the image prompt
     prompt_tokens = engine.requests[camera].num_prompt_tokens
-    first_token = None
-    while first_token is None:
-        if any(o.request_id == camera for o in step()):
-            first_token = time.perf_counter() - began
-    window_steps = len(steps) - first_step
+    while not any(camera in ids for ids in emitted[arrival_step:]):
+        step()
+    since_arrival = range(arrival_step, len(steps))
+    first_step = next(i for i in since_arrival if computed[i].get(camera, 0) > 0)
+    first_token_step = next(i for i in since_arrival if camera in emitted[i])
+    first_token = steps[first_token_step][1]
+    window_steps = first_token_step + 1 - first_step
     for _ in range(cfg.after_steps):
         step()
 
@@ -121,7 +126,7 @@ def _run(cfg: StallConfig, chunked: bool, encoder_budget: bool, images: list) ->
         "ttft_ms": (first_token - arrival) * 1000.0,
         "throughput_tok_s": tokens_out / span,
         "steps": window_steps,
-        "max_step_tokens": max(s[2] for s in steps[first_step:]),
+        "max_step_tokens": max(s[2] for s in steps[first_step : first_token_step + 1]),
         "image_prompt_tokens": prompt_tokens,
         "encoder_inputs": engine.stats()["encoder_inputs_encoded"],
         "timeline": {
