@@ -83,14 +83,20 @@ async function errorMessage(response) {
 }
 
 // fetch() with the key; throws Unauthorized (401), ServerLoading (503), ServerDown (no answer) or Error.
+// A 401 to a request sent with a key the user has replaced since is tried again with the new key (else a
+// poll that left with the wrong key would reopen the key dialog right after the right key was entered).
 async function api(path, options = {}) {
   let response;
-  try {
-    response = await fetch(path, { ...options, headers: { ...auth.headers(), ...(options.headers || {}) } });
-  } catch (err) {
-    if (err.name === "AbortError") throw err;
-    throw new ServerDown("The vlmcap server cannot be reached.");
-  }
+  let sentKey;
+  do {
+    sentKey = auth.key;
+    try {
+      response = await fetch(path, { ...options, headers: { ...auth.headers(), ...(options.headers || {}) } });
+    } catch (err) {
+      if (err.name === "AbortError") throw err;
+      throw new ServerDown("The vlmcap server cannot be reached.");
+    }
+  } while (response.status === 401 && auth.key !== sentKey);
   if (response.status === 401) throw new Unauthorized(await errorMessage(response));
   if (response.status === 503) throw new ServerLoading(await errorMessage(response));
   if (!response.ok) throw new Error(await errorMessage(response));
