@@ -1,7 +1,8 @@
 """Images from clients, checked before they reach the engine: size in bytes, size in pixels read from the
 header before any pixel is decoded (no decompression bombs), a short list of formats, and complete data
 (a truncated file is refused, not padded). Remote URLs are fetched only when enabled, only from
-allowlisted hosts, never from private or loopback addresses unless allowed, with size and time limits."""
+allowlisted hosts, never from private or loopback addresses unless allowed (checked once, then downloaded
+from the checked address), with size and time limits."""
 
 from __future__ import annotations
 
@@ -90,17 +91,27 @@ def _host_allowed(host: str, allowlist: tuple[str, ...]) -> bool:
     return False
 
 
-async def _check_addresses(host: str, port: int, param: str) -> None:
+async def _resolve(host: str, port: int, check_public: bool, param: str) -> str:
+    """The address to download from: the host's first address, after checking every one it resolves to
+    (when `check_public`). The download connects to this very address instead of resolving the name again,
+    so that a DNS answer that changes between the check and the connection (DNS rebinding) cannot point
+    the server at a private or loopback address."""
     loop = asyncio.get_running_loop()
     try:
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
         raise APIError(400, f"{param}: cannot resolve {host!r}: {exc}", param, "invalid_image_url") from None
-    for info in infos:
-        address = ipaddress.ip_address(info[4][0].split("%")[0])
-        if not address.is_global:
-            raise APIError(400, f"{param}: {host!r} resolves to the non-public address {address}, which is not "
-                                "allowed", param, "invalid_image_url")
+    if check_public:
+        for info in infos:
+            address = ipaddress.ip_address(info[4][0].split("%")[0])
+            if not address.is_global:
+                raise APIError(400, f"{param}: {host!r} resolves to the non-public address {address}, which is "
+                                    "not allowed", param, "invalid_image_url")
+    return infos[0][4][0]
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 async def fetch_remote(url: str, limits: Limits, param: str) -> bytes:
@@ -114,12 +125,18 @@ async def fetch_remote(url: str, limits: Limits, param: str) -> bytes:
     if not _host_allowed(parts.hostname, limits.remote_image_hosts):
         raise APIError(400, f"{param}: host {parts.hostname!r} is not on this server's image host allowlist",
                        param, "invalid_image_url")
-    if not limits.allow_private_remote_images:
-        await _check_addresses(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80), param)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    address = await _resolve(parts.hostname, port, not limits.allow_private_remote_images, param)
+    # The request goes to the checked address; the Host header and TLS (SNI and the certificate's name)
+    # still use the URL's host name.
+    userinfo = parts.netloc.rpartition("@")[0]
+    pinned = parts._replace(netloc=f"{userinfo}{'@' if userinfo else ''}{_bracketed(address)}:{port}").geturl()
+    host_header = _bracketed(parts.hostname) + (f":{parts.port}" if parts.port else "")
+    extensions = {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
 
     async def download() -> bytes:
         async with httpx.AsyncClient(follow_redirects=False, timeout=limits.remote_image_timeout_s) as client:
-            async with client.stream("GET", url) as response:
+            async with client.stream("GET", pinned, headers={"Host": host_header}, extensions=extensions) as response:
                 if response.status_code != 200:
                     raise APIError(400, f"{param}: fetching the image gave HTTP {response.status_code}", param,
                                    "invalid_image_url")

@@ -4,6 +4,7 @@ allowed, with a size limit; fetched from a real HTTP server on loopback."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,7 +20,10 @@ BUS = (ASSETS / "bus.jpg").read_bytes()
 
 
 class Photos(BaseHTTPRequestHandler):
+    hosts: list[str] = []  # the Host header of every request served
+
     def do_GET(self) -> None:  # noqa: N802 - the http.server name
+        Photos.hosts.append(self.headers["Host"])
         found = self.path == "/bus.jpg"
         self.send_response(200 if found else 404)
         self.end_headers()
@@ -60,3 +64,42 @@ def test_refused_remote_images(photo_url, limits, path, status, message):
     with pytest.raises(APIError) as refused:
         load(photo_url + path, limits)
     assert refused.value.status == status and message in refused.value.message
+
+
+def answers(monkeypatch, *addresses: str) -> list[str]:
+    """Name resolution that answers `addresses` in turn (the last one from then on), as a DNS server whose
+    answer changes between two lookups would; returns the list of names looked up."""
+    looked_up, real = [], socket.getaddrinfo
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host not in ("photos.test", b"photos.test"):  # some clients pass the name IDNA-encoded
+            return real(host, port, *args, **kwargs)
+        address = addresses[min(len(looked_up), len(addresses) - 1)]
+        looked_up.append("photos.test")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, int(port)))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return looked_up
+
+
+def test_the_download_goes_to_the_address_that_was_checked_under_the_host_name(photo_url, monkeypatch):
+    looked_up = answers(monkeypatch, "127.0.0.1")
+    port = photo_url.rsplit(":", 1)[1]
+    Photos.hosts.clear()
+    limits = replace(ALLOWED, remote_image_hosts=("photos.test",))
+    assert load(f"http://photos.test:{port}/bus.jpg", limits).size == (810, 1080)
+    assert looked_up == ["photos.test"] and Photos.hosts == [f"photos.test:{port}"]
+
+
+def test_a_name_that_rebinds_to_loopback_after_the_check_does_not_reach_it(photo_url, monkeypatch):
+    """The check sees a public address; a second lookup would answer loopback, where the photo server
+    listens. The download connects to the checked address only, so loopback never sees a request."""
+    looked_up = answers(monkeypatch, "8.8.8.8", "127.0.0.1")
+    port = photo_url.rsplit(":", 1)[1]
+    Photos.hosts.clear()
+    limits = replace(ALLOWED, remote_image_hosts=("photos.test",), allow_private_remote_images=False,
+                     remote_image_timeout_s=2.0)
+    with pytest.raises(APIError) as refused:
+        load(f"http://photos.test:{port}/bus.jpg", limits)
+    assert refused.value.status == 400 and "fetching the image failed" in refused.value.message
+    assert looked_up == ["photos.test"] and Photos.hosts == []
