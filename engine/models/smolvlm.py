@@ -33,15 +33,18 @@ def _run_part(layer: torch.nn.Module, part: int, hidden: torch.Tensor, mask: Any
         return hidden, tuple(project(normed).view(heads).transpose(1, 2) for project in projections)
     if part in (1, 2):
         queries, keys, values, *done = carried
-        half = queries.shape[1] // 2
-        heads = slice(0, half) if part == 1 else slice(half, None)
-        attended, _ = _attention_function(attention)(
-            attention, queries[:, heads], keys[:, heads], values[:, heads], mask,
-            is_causal=False, scaling=attention.scale, dropout=0.0,
-        )  # [batch, patches, heads, head_dim]
+        count = queries.shape[1]
+        half = (count + 1) // 2  # the first part takes the odd head (a one-head tower's only one)
+        heads = slice(0, half) if part == 1 else slice(half, count)
+        if heads.start < heads.stop:
+            attended, _ = _attention_function(attention)(
+                attention, queries[:, heads], keys[:, heads], values[:, heads], mask,
+                is_causal=False, scaling=attention.scale, dropout=0.0,
+            )  # [batch, patches, heads, head_dim]
+            done.append(attended)
         if part == 1:
-            return hidden, (queries, keys, values, attended)
-        attended = torch.cat([*done, attended], dim=2).reshape(*hidden.shape[:-1], -1).contiguous()
+            return hidden, (queries, keys, values, *done)
+        attended = torch.cat(done, dim=2).reshape(*hidden.shape[:-1], -1).contiguous()
         return hidden + attention.out_proj(attended), None
     if part == 3:
         return hidden, mlp.activation_fn(mlp.fc1(layer.layer_norm2(hidden)))

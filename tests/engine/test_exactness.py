@@ -3,9 +3,13 @@ transformers' `generate` for any budget, arrival order, and with or without pree
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from engine import Engine, EngineConfig
+from engine.models.presets import PRESETS, build_checkpoint
 from tests.engine.conftest import PROMPTS, Job, run_jobs
 
 
@@ -98,8 +102,11 @@ def test_greedy_tokens_equal_generate_with_the_vision_tower_sliced_over_steps(ma
     assert engine.stats()["encoder_slices_run"] == 10 * engine.stats()["encoder_inputs_encoded"]
 
 
-def test_sliced_vision_tower_gives_the_same_features_bit_for_bit(make_engine, photos):
-    engine = make_engine()
+@pytest.mark.parametrize("vision_heads", [2, 1])  # the tiny tower's two, and one (all in the first half)
+def test_sliced_vision_tower_gives_the_same_features_bit_for_bit(photos, tmp_path, vision_heads):
+    preset = PRESETS["tiny"]
+    preset = replace(preset, vision=replace(preset.vision, heads=vision_heads))
+    engine = Engine(EngineConfig(model=str(build_checkpoint(preset, tmp_path)), dtype="float32"))
     adapter = engine.adapter
     _, mm = adapter.process(PROMPTS[2], photos)
     inputs = mm.encoder_inputs
