@@ -30,7 +30,8 @@ class PrefillSpan:
     query_end: int
     block_table: torch.Tensor  # [blocks]
     context_len: int
-    mask: torch.Tensor | None  # [q, context_len] bool, None when the chunk starts at position 0
+    mask: torch.Tensor | None  # [q, context_len] bool; None for plain causal attention over the chunk alone
+    sliding_mask: torch.Tensor | None = None  # `mask` within the sliding window, for models that have one
 
 
 @dataclass
@@ -40,6 +41,7 @@ class DecodeGroup:
     query_index: torch.Tensor  # [B] packed index of each sequence's query
     block_tables: torch.Tensor  # [B, max_blocks] padded with block 0
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] True where a key is real
+    sliding_mask: torch.Tensor | None = None  # `mask` within the sliding window, for models that have one
 
 
 @dataclass
@@ -72,6 +74,14 @@ def _by_kv_head(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.reshape(kv_heads, heads // kv_heads * n, d)
 
 
+def _pick(item: PrefillSpan | DecodeGroup, sliding: bool) -> torch.Tensor | None:
+    if not sliding:
+        return item.mask
+    if item.sliding_mask is None:
+        raise RuntimeError("a sliding-window layer got no sliding-window mask (the adapter's sliding_window)")
+    return item.sliding_mask
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -95,6 +105,8 @@ def paged_attention_forward(
 
     q = query[0]  # [heads, T, d]
     num_heads, kv_heads = q.shape[0], key_cache.shape[1]
+    # Layers with a sliding window (Gemma 3's local layers) see only keys less than the window behind.
+    sliding = getattr(module, "sliding_window", None) is not None
     out = torch.empty(q.shape[1], num_heads, q.shape[2], dtype=q.dtype, device=q.device)
 
     for group in batch.decodes:
@@ -102,7 +114,7 @@ def paged_attention_forward(
         dq = q[:, group.query_index].transpose(0, 1).reshape(rows, kv_heads, num_heads // kv_heads, -1)
         dk = _gather_blocks(key_cache, group.block_tables, block_size).to(q.dtype)  # [B, kv_heads, ctx, d]
         dv = _gather_blocks(value_cache, group.block_tables, block_size).to(q.dtype)
-        o = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=group.mask, scale=scaling)
+        o = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=_pick(group, sliding), scale=scaling)
         out[group.query_index] = o.reshape(rows, num_heads, -1)
 
     for span in batch.prefills:
@@ -110,11 +122,12 @@ def paged_attention_forward(
         n = pq.shape[1]
         pk = _gather_blocks(key_cache, span.block_table, block_size)[:, : span.context_len].to(q.dtype)
         pv = _gather_blocks(value_cache, span.block_table, block_size)[:, : span.context_len].to(q.dtype)
-        if span.mask is None:  # the chunk is the whole context so far: plain causal attention
+        mask = _pick(span, sliding)
+        if mask is None:  # the chunk is the whole context so far: plain causal attention
             o = F.scaled_dot_product_attention(pq, _expand_kv(pk, num_heads), _expand_kv(pv, num_heads),
                                                is_causal=True, scale=scaling)
         else:
-            mask = span.mask.repeat(num_heads // kv_heads, 1)
+            mask = mask.repeat(num_heads // kv_heads, 1)
             o = F.scaled_dot_product_attention(_by_kv_head(pq, kv_heads), pk, pv, attn_mask=mask, scale=scaling)
             o = o.reshape(num_heads, n, -1)
         out[span.query_start : span.query_end] = o.transpose(0, 1)

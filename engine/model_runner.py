@@ -55,7 +55,7 @@ class ModelRunner:
                 decodes.append((query_start, chunk.end, blocks))
             else:
                 table = torch.tensor(blocks, device=self.device)
-                prefills.append(PrefillSpan(query_start, len(token_ids), table, chunk.end, self._causal_mask(chunk)))
+                prefills.append(PrefillSpan(query_start, len(token_ids), table, chunk.end, *self._prefill_masks(chunk)))
             if chunk.samples:
                 sample_rows.append((len(token_ids) - 1, chunk))
 
@@ -99,7 +99,14 @@ class ModelRunner:
         for i, (_, context_len, blocks) in enumerate(group):
             tables[i, : len(blocks)] = torch.tensor(blocks, device=self.device)
             mask[i, ..., :context_len] = True
-        return DecodeGroup(torch.tensor([index for index, _, _ in group], device=self.device), tables, mask)
+        sliding_mask = None
+        if self.adapter.sliding_window is not None:
+            # The query is at position context_len - 1: keys back to context_len - window.
+            query_positions = torch.tensor([context_len - 1 for _, context_len, _ in group], device=self.device)
+            keys = torch.arange(mask.shape[-1], device=self.device)
+            sliding_mask = mask & (keys > query_positions[:, None] - self.adapter.sliding_window)[:, None, None]
+        query_index = torch.tensor([index for index, _, _ in group], device=self.device)
+        return DecodeGroup(query_index, tables, mask, sliding_mask)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """Cache slots of positions start..end-1 of a request."""
@@ -107,10 +114,25 @@ class ModelRunner:
         table = torch.tensor(block_ids, device=self.device)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def _causal_mask(self, chunk: ScheduledChunk) -> torch.Tensor | None:
-        if chunk.start == 0:
-            return None  # plain causal attention over the chunk itself
-        return torch.ones(chunk.num_tokens, chunk.end, dtype=torch.bool, device=self.device).tril(chunk.start)
+    def _prefill_masks(self, chunk: ScheduledChunk) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Which keys each query of a prefill chunk sees: causally the positions up to its own, and where image
+        tokens attend both ways (`atomic_units`, whose spans a chunk holds whole) every token of its own
+        image too. None for plain causal attention over a chunk that starts the sequence. Then the same
+        within the sliding window, for models with sliding-window layers (None otherwise)."""
+        start, end, mm = chunk.start, chunk.end, chunk.request.mm
+        images = mm.units_in(start, end) if mm is not None and mm.atomic_units else []
+        window = self.adapter.sliding_window
+        mask = None
+        if start > 0 or images or window is not None:
+            mask = torch.ones(chunk.num_tokens, end, dtype=torch.bool, device=self.device).tril(start)
+            for unit in images:
+                first, last = mm.unit_first_position(unit), mm.unit_last_position(unit) + 1
+                mask[max(first, start) - start : last - start, first:last] = True
+        if window is None:
+            return (mask if start > 0 or images else None), None
+        queries = torch.arange(start, end, device=self.device)[:, None]
+        keys = torch.arange(end, device=self.device)[None, :]
+        return (mask if start > 0 or images else None), mask & (keys > queries - window)
 
     def _encode(self, work: list[EncoderWork]) -> None:
         """Whole towers in one call, as transformers runs them; slices batched by slice range, each input

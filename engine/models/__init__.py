@@ -7,6 +7,7 @@ import os
 import torch
 
 from engine.models.base import VLMAdapter
+from engine.models.gemma3 import Gemma3Adapter
 from engine.models.llava import LlavaAdapter, LlavaOnevisionAdapter
 from engine.models.presets import PRESETS, preset_checkpoint
 from engine.models.qwen2_vl import Qwen2VLAdapter
@@ -14,7 +15,7 @@ from engine.models.smolvlm import SmolVLMAdapter
 
 ADAPTERS: dict[str, type[VLMAdapter]] = {
     arch: cls
-    for cls in (SmolVLMAdapter, Qwen2VLAdapter, LlavaAdapter, LlavaOnevisionAdapter)
+    for cls in (SmolVLMAdapter, Qwen2VLAdapter, LlavaAdapter, LlavaOnevisionAdapter, Gemma3Adapter)
     for arch in cls.architectures
 }
 

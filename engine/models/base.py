@@ -44,6 +44,11 @@ class VLMAdapter:
         self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // self.num_heads
         self.max_position_embeddings = int(getattr(text_config, "max_position_embeddings", 4096))
         self.embed_tokens = self.text_model.get_input_embeddings()
+        # The window of the text model's sliding-window layers (Gemma 3's local layers); None without any.
+        layer_types = getattr(text_config, "layer_types", None) or []
+        self.sliding_window: int | None = (
+            text_config.sliding_window if "sliding_attention" in layer_types else None
+        )
         self.atomic_image_spans = image_tokens_attend_bidirectionally(model.config)
 
     # -- family-specific ------------------------------------------------------------------------

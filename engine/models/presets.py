@@ -58,6 +58,15 @@ LLAVA_ONEVISION_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<start_of_image>' }}{% elif 'text' in content %}{{ content['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}{{ '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
 
 @dataclass(frozen=True)
 class TextSizes:
@@ -150,6 +159,18 @@ class LlavaOnevisionPreset(Preset):
     grid_pinpoints: tuple[tuple[int, int], ...] | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class Gemma3Preset(Preset):
+    """Gemma 3: one `vision.image_px` view per image through a SigLIP tower, average-pooled to
+    `mm_tokens_per_image` tokens; text layers alternate `sliding_window` local attention (`local_per_global`
+    local layers, then one global layer)."""
+
+    mm_tokens_per_image: int
+    sliding_window: int
+    local_per_global: int = 5
+    head_dim: int = 256
+
+
 _TINY_TEXT = TextSizes(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab_size=512)
 _TINY_VISION = VisionSizes(hidden=32, layers=2, heads=2, intermediate=64, patch_px=8)
 _TINY = dict(text=_TINY_TEXT, tokenizer_vocab=512, lm_head_gain=8.0, attention_gain=4.0)
@@ -182,6 +203,13 @@ PRESETS: dict[str, Preset] = {
     "tiny-llava-onevision": LlavaOnevisionPreset(
         **_TINY, vision=VisionSizes(**{**asdict(_TINY_VISION), "image_px": 32}),
         grid_pinpoints=((32, 32), (32, 64), (64, 32), (64, 64), (64, 96), (96, 64), (96, 96)),
+    ),
+    # 32 px views of 8 px patches pooled to 2x2: 4 tokens an image; a window of 3 tokens on the local layer,
+    # smaller than an image's span, so that the window and the image's two-way block both shape the mask.
+    "tiny-gemma3": Gemma3Preset(
+        **{**_TINY, "attention_gain": 1.0},  # q_norm and k_norm undo a gain on the projections
+        vision=VisionSizes(**{**asdict(_TINY_VISION), "image_px": 32}),
+        mm_tokens_per_image=4, sliding_window=3, local_per_global=1, head_dim=16,
     ),
     # HuggingFaceTB/SmolVLM-256M-Instruct: SigLIP-B/16 at 512 px, 64 tokens a tile, up to 4x4 tiles + global.
     "smolvlm-256m": SmolVLMPreset(
@@ -446,11 +474,47 @@ def llava_onevision_parts(preset: LlavaOnevisionPreset) -> FamilyParts:
     return LlavaOnevisionForConditionalGeneration, config, processor
 
 
+def gemma3_parts(preset: Gemma3Preset) -> FamilyParts:
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor, Gemma3Processor
+
+    images = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer = train_tokenizer(
+        preset.tokenizer_size, ["<pad>", "<eos>", "<bos>", *images.values(), "<start_of_turn>", "<end_of_turn>"],
+        bos="<bos>", eos="<end_of_turn>", pad="<pad>", extra_special_tokens=images,
+    )
+    text = _text_config(preset, tokenizer)
+    del text["rope_theta"]  # Gemma 3 has its own local and global rotary bases
+    pattern = ["sliding_attention"] * preset.local_per_global + ["full_attention"]
+    config = Gemma3Config(
+        text_config=text | {
+            "head_dim": preset.head_dim,
+            "query_pre_attn_scalar": preset.head_dim,
+            "sliding_window": preset.sliding_window,
+            "layer_types": [pattern[i % len(pattern)] for i in range(preset.text.layers)],
+        },
+        vision_config=_vision_config(preset) | {"model_type": "siglip_vision_model", "vision_use_head": False},
+        mm_tokens_per_image=preset.mm_tokens_per_image,
+        boi_token_index=tokenizer.convert_tokens_to_ids(images["boi_token"]),
+        eoi_token_index=tokenizer.convert_tokens_to_ids(images["eoi_token"]),
+        image_token_index=tokenizer.convert_tokens_to_ids(images["image_token"]),
+        tie_word_embeddings=preset.text.tie_embeddings,
+    )
+    side = preset.vision.image_px
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessor(size={"height": side, "width": side}),
+        tokenizer=tokenizer,
+        image_seq_length=preset.mm_tokens_per_image,
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+    )
+    return Gemma3ForConditionalGeneration, config, processor
+
+
 FAMILY_BUILDERS: dict[type[Preset], Callable[[Any], FamilyParts]] = {
     SmolVLMPreset: smolvlm_parts,
     Qwen2VLPreset: qwen2_vl_parts,
     LlavaPreset: llava_parts,
     LlavaOnevisionPreset: llava_onevision_parts,
+    Gemma3Preset: gemma3_parts,
 }
 
 

@@ -1,6 +1,13 @@
-"""How the runner packs decodes for attention (exactness of the result is test_exactness's job)."""
+"""How the runner packs decodes and masks prefill chunks for attention (exactness of the result is
+test_exactness's and test_families's job)."""
 
 from __future__ import annotations
+
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.models.presets import PRESETS, build_checkpoint
+from engine.scheduler import ScheduledChunk
 
 
 def test_a_long_context_among_short_ones_is_attended_in_its_own_batch(make_engine):
@@ -24,3 +31,41 @@ def test_similar_contexts_share_one_batch(make_engine):
     assert len(groups) == 1 and groups[0].query_index.tolist() == [5, 4, 3, 2, 1, 0]
     assert groups[0].block_tables.shape == (6, 10)  # 150 positions in blocks of 16
     assert groups[0].mask[:, 0, 0].sum(dim=1).tolist() == contexts[::-1]
+
+
+def test_gemma3_masks_are_transformers_own_block_and_window_rules(tmp_path, photos):
+    """Gemma 3's image tokens see every token of their own image, and its local layers only keys less than
+    the window behind; the runner's masks for prefill chunks equal transformers' own mask functions."""
+    from transformers import AutoProcessor
+    from transformers.masking_utils import (
+        and_masks,
+        blockwise_overlay,
+        causal_mask_function,
+        or_masks,
+        sliding_window_overlay,
+    )
+    from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+    checkpoint = build_checkpoint(PRESETS["tiny-gemma3"], tmp_path)
+    engine = Engine(EngineConfig(model=str(checkpoint), dtype="float32"))
+    prompt = engine.adapter.render_messages([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "Left, right:"}, {"type": "image"}]}])
+    rid = engine.add_request(prompt=prompt, images=photos, sampling=SamplingParams(max_tokens=1))
+    request = engine.requests[rid]
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    types = processor(text=[prompt], images=[photos], return_tensors="pt")["token_type_ids"]
+    blocks = get_block_sequence_ids_for_mask(types)
+    full = or_masks(causal_mask_function, blockwise_overlay(blocks))
+    window = engine.adapter.sliding_window
+    local = and_masks(full, sliding_window_overlay(window))
+    n = request.num_prompt_tokens
+    queries, keys = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    expected_full, expected_local = full(0, 0, queries, keys), local(0, 0, queries, keys)
+    second_image = request.mm.unit_first_position(1)
+    assert window < request.mm.unit_rows[0]  # the window cuts into an image's own block
+    for start, end in [(0, n), (0, second_image), (second_image, n)]:
+        mask, sliding = engine.runner._prefill_masks(ScheduledChunk(request, start, end - start))
+        if mask is None:  # plain causal
+            mask = torch.ones(end - start, end, dtype=torch.bool).tril(start)
+        assert torch.equal(mask, expected_full[start:end, :end]), (start, end)
+        assert torch.equal(sliding, expected_local[start:end, :end]), (start, end)

@@ -17,7 +17,7 @@ from engine.models.base import image_tokens_attend_bidirectionally
 from engine.models.presets import FAMILY_BUILDERS, PRESETS, build_checkpoint
 from tests.engine.conftest import Job, oracle_for, run_jobs
 
-FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-llava", "tiny-llava-onevision"]
+FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-llava", "tiny-llava-onevision", "tiny-gemma3"]
 QWEN_FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl"]
 
 
@@ -162,9 +162,10 @@ def test_tiny_presets_resolve_by_name_and_load_with_their_adapter(name, monkeypa
         "tiny-qwen2.5-vl": "Qwen2VLAdapter",
         "tiny-llava": "LlavaAdapter",
         "tiny-llava-onevision": "LlavaOnevisionAdapter",
+        "tiny-gemma3": "Gemma3Adapter",
     }[name]
     assert resolve_checkpoint(name).startswith(str(tmp_path))
-    assert not engine.adapter.atomic_image_spans
+    assert engine.adapter.atomic_image_spans == (name == "tiny-gemma3")
 
 
 # Parameter counts of the hub checkpoints these presets stand in for.
