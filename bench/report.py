@@ -67,11 +67,22 @@ def save(
         plot(result, png_path)
 
 
-def sample_images() -> list:
-    """The real photos with people that the ultralytics wheel ships (bus.jpg, zidane.jpg)."""
+def photo_paths() -> list[Path]:
+    """bus.jpg and zidane.jpg, real photos with people: from the folder `VLMCAP_PHOTOS` names (for a machine
+    without ultralytics, such as a lent GPU machine), else from the ultralytics wheel, found without
+    importing it (its import patches PIL.Image.open)."""
     import importlib.util
 
+    folder = os.environ.get("VLMCAP_PHOTOS")
+    if folder:
+        assets = Path(folder)
+    else:
+        assets = Path(importlib.util.find_spec("ultralytics").submodule_search_locations[0]) / "assets"
+    return [assets / name for name in ("bus.jpg", "zidane.jpg")]
+
+
+def sample_images() -> list:
+    """The photos of `photo_paths`, decoded."""
     from PIL import Image
 
-    assets = Path(importlib.util.find_spec("ultralytics").submodule_search_locations[0]) / "assets"
-    return [Image.open(assets / name).convert("RGB") for name in ("bus.jpg", "zidane.jpg")]
+    return [Image.open(path).convert("RGB") for path in photo_paths()]

@@ -3,21 +3,20 @@ engine's real loading code, and transformers' own `generate` on the same checkpo
 
 from __future__ import annotations
 
-import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 
+from bench.report import photo_paths
 from engine import Engine, EngineConfig, SamplingParams
 from engine.models.presets import PRESETS, build_checkpoint
 
-# The real photos that ultralytics ships, found without importing ultralytics (its import patches
-# PIL.Image.open, which the engine tests must not depend on).
-ASSETS = Path(importlib.util.find_spec("ultralytics").submodule_search_locations[0]) / "assets"
+# Where the engine and transformers' oracle run: cpu here and in CI; `VLMCAP_TEST_DEVICE=cuda` on a GPU machine.
+DEVICE = os.environ.get("VLMCAP_TEST_DEVICE", "cpu")
 
 PROMPTS = {
     0: "User: What is in a street scene?<end_of_utterance>\nAssistant:",
@@ -42,7 +41,7 @@ def checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def photos() -> list[Image.Image]:
-    return [Image.open(ASSETS / "bus.jpg").convert("RGB"), Image.open(ASSETS / "zidane.jpg").convert("RGB")]
+    return [Image.open(path).convert("RGB") for path in photo_paths()]
 
 
 def oracle_for(checkpoint: str) -> Callable[[str, list[Image.Image], int], list[int]]:
@@ -51,13 +50,13 @@ def oracle_for(checkpoint: str) -> Callable[[str, list[Image.Image], int], list[
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(checkpoint)
-    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).to(DEVICE).eval()
     memo: dict[tuple, list[int]] = {}
 
     def generate(prompt: str, images: list[Image.Image], max_tokens: int) -> list[int]:
         key = (prompt, tuple(id(i) for i in images), max_tokens)
         if key not in memo:
-            inputs = processor(text=[prompt], images=[images] if images else None, return_tensors="pt")
+            inputs = processor(text=[prompt], images=[images] if images else None, return_tensors="pt").to(DEVICE)
             with torch.no_grad():
                 out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
             memo[key] = out[0, inputs["input_ids"].shape[1] :].tolist()
@@ -74,7 +73,7 @@ def oracle(checkpoint):
 @pytest.fixture
 def make_engine(checkpoint):
     def make(**overrides) -> Engine:
-        settings = dict(model=checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=2048, max_num_seqs=16)
+        settings = dict(model=checkpoint, device=DEVICE, dtype="float32", max_num_batched_tokens=2048, max_num_seqs=16)
         settings.update(overrides)
         return Engine(EngineConfig(**settings))
 

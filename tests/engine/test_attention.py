@@ -8,6 +8,7 @@ import torch
 from engine import Engine, EngineConfig, SamplingParams
 from engine.models.presets import PRESETS, build_checkpoint
 from engine.scheduler import ScheduledChunk
+from tests.engine.conftest import DEVICE
 
 
 def test_a_long_context_among_short_ones_is_attended_in_its_own_batch(make_engine):
@@ -47,7 +48,7 @@ def test_gemma3_masks_are_transformers_own_block_and_window_rules(tmp_path, phot
     from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
 
     checkpoint = build_checkpoint(PRESETS["tiny-gemma3"], tmp_path)
-    engine = Engine(EngineConfig(model=str(checkpoint), dtype="float32"))
+    engine = Engine(EngineConfig(model=str(checkpoint), device=DEVICE, dtype="float32"))
     prompt = engine.adapter.render_messages([{"role": "user", "content": [
         {"type": "image"}, {"type": "text", "text": "Left, right:"}, {"type": "image"}]}])
     rid = engine.add_request(prompt=prompt, images=photos, sampling=SamplingParams(max_tokens=1))

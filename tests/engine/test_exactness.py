@@ -10,7 +10,7 @@ import torch
 
 from engine import Engine, EngineConfig
 from engine.models.presets import PRESETS, build_checkpoint
-from tests.engine.conftest import PROMPTS, Job, run_jobs
+from tests.engine.conftest import DEVICE, PROMPTS, Job, run_jobs
 
 
 def mixed_jobs(photos) -> list[Job]:
@@ -106,7 +106,7 @@ def test_greedy_tokens_equal_generate_with_the_vision_tower_sliced_over_steps(ma
 def test_sliced_vision_tower_gives_the_same_features_bit_for_bit(photos, tmp_path, vision_heads):
     preset = PRESETS["tiny"]
     preset = replace(preset, vision=replace(preset.vision, heads=vision_heads))
-    engine = Engine(EngineConfig(model=str(build_checkpoint(preset, tmp_path)), dtype="float32"))
+    engine = Engine(EngineConfig(model=str(build_checkpoint(preset, tmp_path)), device=DEVICE, dtype="float32"))
     adapter = engine.adapter
     _, mm = adapter.process(PROMPTS[2], photos)
     inputs = mm.encoder_inputs

@@ -15,7 +15,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.models import ADAPTERS, resolve_checkpoint
 from engine.models.base import image_tokens_attend_bidirectionally
 from engine.models.presets import FAMILY_BUILDERS, PRESETS, build_checkpoint
-from tests.engine.conftest import Job, oracle_for, run_jobs
+from tests.engine.conftest import DEVICE, Job, oracle_for, run_jobs
 
 FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-llava", "tiny-llava-onevision", "tiny-gemma3"]
 QWEN_FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl"]
@@ -38,7 +38,7 @@ class Family:
         )
 
     def engine(self, **settings) -> Engine:
-        return Engine(EngineConfig(model=self.checkpoint, device="cpu", dtype="float32", **settings))
+        return Engine(EngineConfig(model=self.checkpoint, device=DEVICE, dtype="float32", **settings))
 
 
 @pytest.fixture(scope="session")
