@@ -109,14 +109,26 @@ def run_hf_generate(model: Any, tokenizer: Any, work: Workload, batch_size: int)
     return _result(sum(work.output_lens), time.perf_counter() - began, latencies)
 
 
-def run_hf_generate_batch(model: Any, work: Workload) -> dict[str, Any]:
-    """transformers' continuous batching manager, each request with its own output length."""
+def run_hf_generate_batch(model: Any, work: Workload, budget: int) -> dict[str, Any]:
+    """transformers' continuous batching manager, each request with its own output length, with the engine's
+    token budget a step and a KV cache that holds the whole workload at once (left to itself it sizes the
+    cache from the machine's free memory: 13 GB for the tiny test model on a CPU)."""
     from transformers import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=max(work.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
+    sizing = {}
+    try:
+        from transformers import ContinuousBatchingConfig
+    except ImportError:  # older transformers: its own sizing
+        pass
+    else:
+        page = ContinuousBatchingConfig().page_size
+        pages = sum(-(-(len(ids) + n) // page) for ids, n in zip(work.prompt_ids, work.output_lens))
+        sizing["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=pages, max_batch_tokens=budget)
     began = time.perf_counter()
     latencies = []
-    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
+    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5,
+                                                   **sizing) as manager:
         for ids, n in zip(work.prompt_ids, work.output_lens):
             manager.add_request(ids, max_new_tokens=n, eos_token_id=-1)
         while len(latencies) < len(work.prompt_ids):
@@ -202,7 +214,7 @@ def run_peers(cfg: PeersConfig) -> dict[str, Any]:
         results = {
             "engine": engine_result,
             "hf_generate": run_hf_generate(model, tokenizer, work, cfg.hf_batch_size),
-            "hf_generate_batch": run_hf_generate_batch(model, work),
+            "hf_generate_batch": run_hf_generate_batch(model, work, cfg.budget),
         }
     ratios = {
         f"engine_vs_{peer}": results["engine"]["output_tok_s"] / results[peer]["output_tok_s"]
