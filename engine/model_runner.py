@@ -122,17 +122,18 @@ class ModelRunner:
         start, end, mm = chunk.start, chunk.end, chunk.request.mm
         images = mm.units_in(start, end) if mm is not None and mm.atomic_units else []
         window = self.adapter.sliding_window
-        mask = None
-        if start > 0 or images or window is not None:
-            mask = torch.ones(chunk.num_tokens, end, dtype=torch.bool, device=self.device).tril(start)
-            for unit in images:
-                first, last = mm.unit_first_position(unit), mm.unit_last_position(unit) + 1
-                mask[max(first, start) - start : last - start, first:last] = True
-        if window is None:
-            return (mask if start > 0 or images else None), None
-        queries = torch.arange(start, end, device=self.device)[:, None]
-        keys = torch.arange(end, device=self.device)[None, :]
-        return (mask if start > 0 or images else None), mask & (keys > queries - window)
+        plain_causal = start == 0 and not images
+        if plain_causal and window is None:
+            return None, None
+        mask = torch.ones(chunk.num_tokens, end, dtype=torch.bool, device=self.device).tril(start)
+        for unit in images:
+            first, last = mm.unit_first_position(unit), mm.unit_last_position(unit) + 1
+            mask[max(first, start) - start : last - start, first:last] = True
+        sliding_mask = None
+        if window is not None:
+            queries = torch.arange(start, end, device=self.device)[:, None]
+            sliding_mask = mask & (torch.arange(end, device=self.device)[None, :] > queries - window)
+        return (None if plain_causal else mask), sliding_mask
 
     def _encode(self, work: list[EncoderWork]) -> None:
         """Whole towers in one call, as transformers runs them; slices batched by slice range, each input
