@@ -23,10 +23,13 @@ seconds to `camera_stats_key(camera_id)` (a hash with a TTL), listed in the sort
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from enum import Enum
+from pathlib import Path
 
 JOBS_STREAM = "vlmcap:jobs"
 DEAD_STREAM = "vlmcap:jobs:dead"
@@ -48,6 +51,9 @@ CAMERAS_INDEX = "vlmcap:cameras"
 CAMERA_STATS_KEY_PREFIX = "vlmcap:camera:"
 CAMERA_STATS_TTL_SECONDS = 60
 CAMERA_RATE_COUNTERS = ("captured", "skipped", "dropped", "detected", "enqueued")
+# The job entry's fields as a JSON Schema, for producers written in other languages (README: "Sending jobs
+# from your own system"); `Job.from_fields` is the check that decides, the schema documents it.
+JOB_SCHEMA_PATH = Path(__file__).with_name("job.schema.json")
 
 
 def result_key(job_id: str) -> str:
@@ -95,6 +101,110 @@ def _decoded_fields(fields: dict) -> dict[str, bytes | str]:
     return out
 
 
+# -- field checks: each raises ValueError naming the field and the value it got -------------------------
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def finite_number(name: str, value: object) -> float:
+    """A finite float from a JSON number or a stream field's text ("1.5"); not NaN, not infinite."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"{name} must be a number, got {_shown(value)}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {_shown(value)}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {_shown(value)}")
+    return number
+
+
+def integer(name: str, value: object) -> int:
+    """An int from a JSON integer or a stream field's text ("3"); not a bool, not 1.5."""
+    if isinstance(value, str):
+        text = value.strip()
+        if not text.lstrip("-").isdigit():
+            raise ValueError(f"{name} must be an integer, got {_shown(value)}")
+        return int(text)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {_shown(value)}")
+    return value
+
+
+def text(name: str, value: object, max_length: int = 100_000) -> str:
+    """A non-empty string of at most `max_length` characters."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string, got {_shown(value)}")
+    if len(value) > max_length:
+        raise ValueError(f"{name} is {len(value)} characters, over the limit of {max_length}")
+    return value
+
+
+def boolean(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {_shown(value)}")
+    return value
+
+
+def _optional(check: Callable[[str, object], object]) -> Callable[[str, object], object]:
+    return lambda name, value: None if value is None else check(name, value)
+
+
+def _json_number(check: Callable[[str, object], object]) -> Callable[[str, object], object]:
+    """Inside JSON a number is a JSON number, not a string that reads as one."""
+    def checked(name: str, value: object) -> object:
+        if isinstance(value, str):
+            raise ValueError(f"{name} must be a JSON number, got the string {_shown(value)}")
+        return check(name, value)
+    return checked
+
+
+# The check of a JSON object's field by its dataclass annotation: a field added to `Detection` with one of
+# these types is validated with no other change.
+FIELD_CHECKS: dict[str, Callable[[str, object], object]] = {
+    "float": _json_number(finite_number), "int": _json_number(integer), "str": text, "bool": boolean,
+    "float | None": _optional(_json_number(finite_number)), "int | None": _optional(_json_number(integer)),
+    "str | None": _optional(text), "bool | None": _optional(boolean),
+}
+
+
+def json_field(name: str, value: str) -> object:
+    """A field that holds JSON text, parsed strictly (no NaN or Infinity, bounded nesting)."""
+    def refuse(constant: str) -> object:
+        raise ValueError(f"{name} holds {constant}, which is not JSON")
+
+    try:
+        return json.loads(value, parse_constant=refuse)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{name} is not valid JSON ({err}): {_shown(value)}") from None
+    except RecursionError:
+        raise ValueError(f"{name} is nested too deeply") from None
+
+
+def _dataclass_from_json(cls: type, value: object, where: str) -> object:
+    """An instance of dataclass `cls` from a JSON object, each field checked by its annotation; fields the
+    class does not know are ignored (a newer producer may send more)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a JSON object, got {_shown(value)}")
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in value:
+            if _has_default(f):
+                continue
+            raise ValueError(f"{where} lacks field {f.name!r}")
+        check = FIELD_CHECKS.get(str(f.type))
+        if check is None:
+            raise TypeError(f"{cls.__name__}.{f.name}: no check for the type {f.type!r} (add it to FIELD_CHECKS)")
+        kwargs[f.name] = check(f"{where}.{f.name}", value[f.name])
+    return cls(**kwargs)
+
+
+def _has_default(f: Field) -> bool:
+    return f.default is not MISSING or f.default_factory is not MISSING
+
+
 @dataclass
 class Detection:
     """One person box in pixel coordinates of the full frame."""
@@ -109,6 +219,33 @@ class Detection:
     @property
     def area(self) -> float:
         return max(0.0, self.x2 - self.x1) * max(0.0, self.y2 - self.y1)
+
+    @classmethod
+    def from_json(cls, value: object, where: str = "detection") -> Detection:
+        """A detection from its JSON object: every field of the right type, numbers finite, the box
+        ordered (x1 <= x2, y1 <= y2); ValueError naming the field otherwise."""
+        detection = _dataclass_from_json(cls, value, where)
+        assert isinstance(detection, Detection)
+        if detection.x2 < detection.x1 or detection.y2 < detection.y1:
+            raise ValueError(f"{where} is a reversed box: ({detection.x1}, {detection.y1}) to "
+                             f"({detection.x2}, {detection.y2}); x1 <= x2 and y1 <= y2 are required")
+        return detection
+
+
+def detections_from_json(name: str, value: str) -> list[Detection]:
+    """The detections of a stream field: a JSON list of detection objects."""
+    items = json_field(name, value)
+    if not isinstance(items, list):
+        raise ValueError(f"{name} must be a JSON list, got {_shown(items)}")
+    return [Detection.from_json(item, f"{name}[{i}]") for i, item in enumerate(items)]
+
+
+def image_origin_from_json(value: str) -> tuple[int, int]:
+    origin = json_field("image_origin", value)
+    if (not isinstance(origin, list) or len(origin) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in origin)):
+        raise ValueError(f"image_origin must be a JSON list of two integers >= 0, got {_shown(origin)}")
+    return origin[0], origin[1]
 
 
 @dataclass
@@ -145,24 +282,33 @@ class Job:
 
     @classmethod
     def from_fields(cls, fields: dict) -> Job:
-        """Decode a stream entry; raises ValueError naming the field that is missing or malformed."""
-        values = _decoded_fields(fields)
+        """Decode and validate a stream entry completely (types, finite numbers, ordered boxes, an origin
+        of two integers), so that a job that decodes can be captioned and shown; raises ValueError naming
+        the field that is missing or malformed and the value it holds."""
+        try:
+            values = _decoded_fields(fields)
+        except UnicodeDecodeError as err:
+            raise ValueError(f"job entry has a field that is not UTF-8 text: {err}") from None
         try:
             image = values["image"]
+            if not image:
+                raise ValueError("image is empty")
+            detections = detections_from_json("detections", str(values["detections"]))
+            if "person_count" in values:
+                integer("person_count", values["person_count"])
             return cls(
-                job_id=str(values["job_id"]),
-                camera_id=str(values["camera_id"]),
-                frame_ts=float(values["frame_ts"]),
-                prompt=str(values["prompt"]),
+                job_id=text("job_id", values["job_id"], 256),
+                camera_id=text("camera_id", values["camera_id"], 256),
+                frame_ts=finite_number("frame_ts", values["frame_ts"]),
+                prompt=text("prompt", values["prompt"]),
                 image=image if isinstance(image, bytes) else image.encode(),
-                detections=[Detection(**d) for d in json.loads(values["detections"])],
-                created_at=float(values.get("created_at", time.time())),
-                image_origin=tuple(json.loads(values.get("image_origin", "[0, 0]"))),
+                detections=detections,
+                created_at=finite_number("created_at", values["created_at"]) if "created_at" in values
+                else time.time(),
+                image_origin=image_origin_from_json(str(values.get("image_origin", "[0, 0]"))),
             )
         except KeyError as missing:
             raise ValueError(f"job entry lacks field {missing}") from None
-        except (TypeError, json.JSONDecodeError) as err:
-            raise ValueError(f"job entry has a malformed field: {err}") from None
 
     def frame(self) -> JobFrame:
         """The job's image with its person boxes moved into the image's own pixel coordinates."""
@@ -209,13 +355,14 @@ class CaptionResult:
                 id=values["id"],
                 status=values["status"],
                 camera_id=values["camera_id"],
-                created_at=float(values["created_at"]),
-                frame_ts=float(values["frame_ts"]),
-                person_count=int(values["person_count"]),
+                created_at=finite_number("created_at", values["created_at"]),
+                frame_ts=finite_number("frame_ts", values["frame_ts"]),
+                person_count=integer("person_count", values["person_count"]),
                 caption=values.get("caption"),
-                finished_at=float(values["finished_at"]) if "finished_at" in values else None,
+                finished_at=finite_number("finished_at", values["finished_at"]) if "finished_at" in values
+                else None,
                 error=values.get("error"),
-                deliveries=int(values.get("deliveries", 0)),
+                deliveries=integer("deliveries", values.get("deliveries", "0")),
                 consumer=values.get("consumer"),
             )
         except KeyError as missing:
@@ -242,7 +389,7 @@ class JobFrame:
         try:
             image = values["image"]
             return cls(image=image if isinstance(image, bytes) else image.encode(),
-                       detections=[Detection(**d) for d in json.loads(values["detections"])])
+                       detections=detections_from_json("detections", str(values["detections"])))
         except KeyError as missing:
             raise ValueError(f"job frame lacks field {missing}") from None
 
@@ -272,9 +419,14 @@ class CameraStats:
     def from_fields(cls, fields: dict) -> CameraStats:
         values = {name: str(value) for name, value in _decoded_fields(fields).items()}
         try:
+            counters, rates = json_field("counters", values["counters"]), json_field("rates", values["rates"])
+            if not isinstance(counters, dict) or not isinstance(rates, dict):
+                raise ValueError("counters and rates must be JSON objects")
             return cls(camera_id=values["camera_id"], status=values["status"], detector=values["detector"],
-                       started_at=float(values["started_at"]), updated_at=float(values["updated_at"]),
-                       counters=json.loads(values["counters"]), rates=json.loads(values["rates"]))
+                       started_at=finite_number("started_at", values["started_at"]),
+                       updated_at=finite_number("updated_at", values["updated_at"]),
+                       counters={str(k): integer(f"counters.{k}", v) for k, v in counters.items()},
+                       rates={str(k): finite_number(f"rates.{k}", v) for k, v in rates.items()})
         except KeyError as missing:
             raise ValueError(f"camera stats lack field {missing}") from None
 
