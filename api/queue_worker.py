@@ -22,9 +22,9 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -153,6 +153,7 @@ class WorkerStats:
     duplicates: int = 0  # deliveries of jobs already finished, acknowledged without work
     claimed: int = 0
     redis_errors: int = 0
+    errors: int = 0  # unexpected errors, each logged with its job or round; the worker went on
 
 
 def default_consumer_name() -> str:
@@ -202,6 +203,7 @@ class QueueWorker:
         self._claim_cursor = "0-0"
         self._stop_event: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._redis_down_since: float | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -210,6 +212,7 @@ class QueueWorker:
         self._stop_event = asyncio.Event()
         self._task = asyncio.create_task(self.run(self._stop_event),
                                          name=f"queue-worker-{self.consumer_name}")
+        self._task.add_done_callback(self._ended)
         return self._task
 
     async def stop(self, timeout: float = 30.0) -> None:
@@ -224,7 +227,30 @@ class QueueWorker:
             log.warning("queue worker %s did not stop within %.0f s; cancelled", self.consumer_name, timeout)
         self._task = None
 
+    @property
+    def alive(self) -> bool:
+        """Started and still running (a worker that was never started, stopped or died is not)."""
+        return self._task is not None and not self._task.done()
+
+    @property
+    def redis_reachable(self) -> bool:
+        """False from a Redis error until the next round that reaches Redis."""
+        return self._redis_down_since is None
+
+    def _ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("queue worker %s stopped by an error", self.consumer_name, exc_info=task.exception())
+
+    async def _pause(self, stop_event: asyncio.Event, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(stop_event.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
     async def run(self, stop_event: asyncio.Event | None = None) -> None:
+        """Rounds until `stop_event` is set. No error ends it: Redis errors back off and reconnect, any
+        other error is logged and the loop goes on (a job that failed that way stays pending, is reclaimed
+        and, past `max_deliveries`, dead-lettered)."""
         stop_event = stop_event or asyncio.Event()
         log.info("queue worker %s joined group %s on %s", self.consumer_name, CONSUMER_GROUP, JOBS_STREAM)
         backoff = 0.0
@@ -232,22 +258,29 @@ class QueueWorker:
             try:
                 await self.run_once()
                 backoff = 0.0
+                self._redis_down_since = None
             except (RedisConnectionError, RedisTimeoutError, OSError) as err:
                 self.stats.redis_errors += 1
                 self._group_ready = False
+                if self._redis_down_since is None:
+                    self._redis_down_since = time.monotonic()
                 backoff = min(self.max_backoff_seconds, backoff * 2 or 0.1)
                 log.warning("queue worker %s: Redis unreachable (%s); retrying in %.1f s",
                             self.consumer_name, err, backoff)
-                try:
-                    await asyncio.wait_for(stop_event.wait(), backoff)
-                except asyncio.TimeoutError:
-                    pass
+                await self._pause(stop_event, backoff)
             except ResponseError as err:
-                if "NOGROUP" not in str(err):
-                    raise
-                log.warning("queue worker %s: consumer group missing (Redis restarted empty?); recreating",
-                            self.consumer_name)
                 self._group_ready = False
+                if "NOGROUP" in str(err):
+                    log.warning("queue worker %s: consumer group missing (Redis restarted empty?); recreating",
+                                self.consumer_name)
+                    continue
+                self.stats.errors += 1
+                log.error("queue worker %s: Redis refused a command (%s); retrying", self.consumer_name, err)
+                await self._pause(stop_event, self.max_backoff_seconds)
+            except Exception:
+                self.stats.errors += 1
+                log.exception("queue worker %s: unexpected error in a round; going on", self.consumer_name)
+                await self._pause(stop_event, min(1.0, self.max_backoff_seconds))
 
     async def run_once(self) -> int:
         """One round: take over stale jobs, else wait up to `block_seconds` for new ones; process them.
@@ -257,7 +290,7 @@ class QueueWorker:
         if not entries:
             entries = await self._read_new()
         if entries:
-            await asyncio.gather(*(self._process(entry_id, fields, deliveries)
+            await asyncio.gather(*(self._process_guarded(entry_id, fields, deliveries)
                                    for entry_id, fields, deliveries in entries))
         return len(entries)
 
@@ -306,6 +339,19 @@ class QueueWorker:
 
     # -- processing --------------------------------------------------------------------------------
 
+    async def _process_guarded(self, entry_id: str, fields: dict, deliveries: int) -> None:
+        """One job; an unexpected error stays with it (logged, the entry left pending: reclaimed after
+        `claim_idle_seconds`, dead-lettered past `max_deliveries`), never with the jobs beside it. Redis
+        errors go up to the loop's backoff."""
+        try:
+            await self._process(entry_id, fields, deliveries)
+        except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError):
+            raise
+        except Exception:
+            self.stats.errors += 1
+            log.exception("stream entry %s, delivery %d: unexpected error; left pending for another attempt",
+                          entry_id, deliveries)
+
     async def _process(self, entry_id: str, fields: dict, deliveries: int) -> None:
         try:
             job = Job.from_fields(fields)
@@ -352,7 +398,13 @@ class QueueWorker:
         result.finished_at, result.deliveries, result.consumer = time.time(), deliveries, self.consumer_name
         result_fields = result.to_fields()
         dead = dead_letter_fields(job.to_fields(), error, deliveries) if error is not None else {}
-        await self._keep_frame(job)
+        try:
+            await self._keep_frame(job)
+        except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError):
+            raise
+        except Exception:  # the frame is for viewers only: the job still finishes
+            self.stats.errors += 1
+            log.exception("job %s: keeping its frame for viewers failed", job.job_id)
         first = await self._finish(
             keys=[result_key(job.job_id), JOBS_STREAM, CAPTIONS_STREAM, camera_captions_stream(job.camera_id),
                   DEAD_STREAM],
@@ -385,8 +437,17 @@ class QueueWorker:
             await pipe.execute()
 
     async def _dead_letter_malformed(self, entry_id: str, fields: dict, deliveries: int, error: str) -> None:
-        """An entry that is not a job at all cannot be retried into one: dead-letter it at once."""
+        """An entry that is not a valid job cannot be retried into one: dead-letter it at once (the
+        dead-letter entry, XACK and XDEL in one transaction, so it is dead-lettered once). A result the
+        producer wrote for it says failed, with the error."""
         await self._acknowledge(entry_id, dead_letter_fields(fields, error, deliveries))
+        job_id = fields.get(b"job_id", fields.get("job_id"))
+        if isinstance(job_id, bytes):
+            job_id = job_id.decode(errors="replace")
+        if job_id and await self.redis.exists(result_key(job_id)):
+            await self._attempt(keys=[result_key(job_id)], args=[
+                "status", JobStatus.FAILED.value, "error", error, "finished_at", repr(time.time()),
+                "deliveries", deliveries, "consumer", self.consumer_name])
         self.stats.dead += 1
         log.error("stream entry %s is not a valid job (%s); dead-lettered", entry_id, error)
 
@@ -401,16 +462,29 @@ def _flatten(fields: dict) -> list:
 
 # -- reading results ---------------------------------------------------------------------------------
 
+T = TypeVar("T")
+
+
+def _readable(decode: Callable[[dict], T], fields: dict, where: str) -> T | None:
+    """A stored entry decoded, or None (logged) when it does not hold to the contract (written by a
+    foreign or older producer): readers skip it rather than fail on it."""
+    try:
+        return decode(fields)
+    except ValueError as err:
+        log.warning("skipping %s: %s", where, err)
+        return None
+
+
 async def get_result(redis_client: aioredis.Redis, job_id: str) -> CaptionResult | None:
     """The job's current state (queued, running, done or failed), or None if unknown or expired."""
     fields = await redis_client.hgetall(result_key(job_id))
-    return CaptionResult.from_fields(fields) if fields else None
+    return _readable(CaptionResult.from_fields, fields, result_key(job_id)) if fields else None
 
 
 async def get_frame(redis_client: aioredis.Redis, job_id: str) -> JobFrame | None:
     """A finished camera job's image and person boxes, or None if unknown or expired."""
     fields = await redis_client.hgetall(frame_key(job_id))
-    return JobFrame.from_fields(fields) if fields else None
+    return _readable(JobFrame.from_fields, fields, frame_key(job_id)) if fields else None
 
 
 def _feed(camera: str | None) -> str:
@@ -423,7 +497,9 @@ async def recent_captions(redis_client: aioredis.Redis, camera: str | None = Non
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
     entries = await redis_client.xrevrange(_feed(camera), count=limit)
-    return [CaptionResult.from_fields(fields) for _, fields in entries]
+    results = [_readable(CaptionResult.from_fields, fields, f"{_feed(camera)} {_text(entry_id)}")
+               for entry_id, fields in entries]
+    return [result for result in results if result is not None]
 
 
 async def tail_captions(redis_client: aioredis.Redis, camera: str | None = None, after: str = "$",
@@ -440,7 +516,9 @@ async def tail_captions(redis_client: aioredis.Redis, camera: str | None = None,
         for _, entries in reply or []:
             for entry_id, fields in entries:
                 after = _text(entry_id)
-                yield after, CaptionResult.from_fields(fields)
+                result = _readable(CaptionResult.from_fields, fields, f"{feed} {after}")
+                if result is not None:
+                    yield after, result
 
 
 async def queue_stats(redis_client: aioredis.Redis) -> dict[str, int]:

@@ -17,7 +17,7 @@ from queue_support import ChatServer, DecodingCaptioner, make_job
 from test_queue_worker import enqueue, work_until_idle
 
 from api.queue_worker import OpenAICaptioner, QueueWorker, get_result, queue_stats
-from pipeline.contract import CAPTIONS_STREAM, CONSUMER_GROUP, DEAD_STREAM, JOBS_STREAM, CaptionResult
+from pipeline.contract import CAPTIONS_STREAM, CONSUMER_GROUP, DEAD_STREAM, JOBS_STREAM, CaptionResult, result_key
 from pipeline.redis_conn import EmbeddedRedis
 from pipeline.runner import CameraPipeline, PipelineConfig
 
@@ -149,3 +149,101 @@ def test_redis_restart_under_running_pipeline_and_worker(tmp_path, sample_video)
     assert isinstance(outcome["pipeline"], dict), outcome["pipeline"]
     assert outcome["worker"] == "stopped"
     assert outcome["pipeline"]["redis_errors"] >= 1
+
+
+def _raw_entry(client: redis.Redis, job, **overrides: str) -> None:
+    """A job entry as a producer in another language might write it, with some fields overridden, and its
+    queued result."""
+    client.xadd(JOBS_STREAM, {**job.to_fields(), **overrides})
+    client.hset(result_key(job.job_id), mapping=job.queued_result().to_fields())
+
+
+BAD_JOB_FIELDS = [
+    ({"image_origin": "[1, 2, 3]"}, "image_origin must be a JSON list of two integers"),
+    ({"image_origin": "[]"}, "image_origin must be a JSON list of two integers"),
+    ({"detections": '[{"x1": "a", "y1": 2, "x2": 30, "y2": 40, "confidence": 0.9}]'}, "detections[0].x1"),
+    ({"detections": '[{"x1": 30, "y1": 2, "x2": 1, "y2": 40, "confidence": 0.9}]'}, "reversed box"),
+    ({"detections": '[{"x1": 1, "y1": 2, "x2": 30, "y2": 40, "confidence": NaN}]'}, "NaN, which is not JSON"),
+    ({"detections": "[" * 100_000 + "]" * 100_000}, "nested too deeply"),
+    ({"frame_ts": "nan"}, "frame_ts must be a finite number"),
+    ({"created_at": "inf"}, "created_at must be a finite number"),
+    ({"prompt": ""}, "prompt must be a non-empty string"),
+]
+
+
+@pytest.mark.timeout(60)
+def test_bad_jobs_are_dead_lettered_once_and_the_worker_goes_on(redis_url):
+    """Each malformed job is dead-lettered once, with an error naming its field, its result says failed;
+    the good jobs around it are captioned, and the worker keeps running."""
+    client = redis.Redis.from_url(redis_url)
+    good = [make_job("good", width=60 + i) for i in range(3)]
+    bad = [make_job("bad") for _ in BAD_JOB_FIELDS]
+    _raw_entry(client, good[0])
+    for job, (overrides, _) in zip(bad, BAD_JOB_FIELDS, strict=True):
+        _raw_entry(client, job, **overrides)
+    _raw_entry(client, good[1])
+    _raw_entry(client, good[2])
+
+    async def scenario() -> QueueWorker:
+        worker = QueueWorker(redis_url, DecodingCaptioner(), claim_idle_seconds=0.2, max_deliveries=2,
+                             block_seconds=0.1, batch_size=4)
+        worker.start()
+        for _ in range(600):
+            if await worker.redis.xlen(JOBS_STREAM) == 0:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # a few more rounds: nothing is redelivered
+        assert worker.alive and worker.redis_reachable
+        await worker.stop()
+        await worker.redis.aclose()
+        return worker
+
+    worker = asyncio.run(scenario())
+    assert (worker.stats.done, worker.stats.dead, worker.stats.errors) == (3, len(bad), 0)
+    dead = {f[b"job_id"].decode(): f for _, f in client.xrange(DEAD_STREAM)}
+    assert len(dead) == client.xlen(DEAD_STREAM) == len(bad)
+    for job, (_, message) in zip(bad, BAD_JOB_FIELDS, strict=True):
+        assert message in dead[job.job_id][b"error"].decode(), dead[job.job_id][b"error"]
+        assert dead[job.job_id][b"deliveries"] == b"1"
+        result = CaptionResult.from_fields(client.hgetall(result_key(job.job_id)))
+        assert result.status == "failed" and message in result.error
+    for width, job in enumerate(good, start=60):
+        result = CaptionResult.from_fields(client.hgetall(result_key(job.job_id)))
+        assert (result.status, result.caption) == ("done", f"{width}x48: who is at good?")
+    client.close()
+
+
+@pytest.mark.timeout(60)
+def test_worker_survives_an_unexpected_error_in_one_job(redis_url, caplog):
+    """An error the worker does not expect (here: finishing the job raises once) stays with that job: it
+    is logged, the job is reclaimed and captioned once, the job beside it is unaffected."""
+    jobs = [make_job("odd", width=70), make_job("odd", width=71)]
+    enqueue(redis_url, jobs)
+
+    async def scenario() -> QueueWorker:
+        worker = QueueWorker(redis_url, DecodingCaptioner(), claim_idle_seconds=0.2, block_seconds=0.1)
+        real_finish = worker._finish_job
+        failures = []
+
+        async def finish_failing_once(entry_id, job, *args, **kwargs):
+            if job.job_id == jobs[0].job_id and not failures:
+                failures.append(job.job_id)
+                raise RuntimeError("injected failure")
+            await real_finish(entry_id, job, *args, **kwargs)
+
+        worker._finish_job = finish_failing_once
+        worker.start()
+        for _ in range(600):
+            if await worker.redis.xlen(JOBS_STREAM) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert worker.alive
+        await worker.stop()
+        results = [await get_result(worker.redis, j.job_id) for j in jobs]
+        assert [(r.status, r.deliveries) for r in results] == [("done", 2), ("done", 1)]
+        await worker.redis.aclose()
+        return worker
+
+    worker = asyncio.run(scenario())
+    assert (worker.stats.done, worker.stats.errors, worker.stats.dead) == (2, 1, 0)
+    assert "injected failure" in caplog.text
