@@ -2,7 +2,13 @@
 not captioned on every frame: each track yields one job when it is first confirmed (its best frame of a
 short window) and at most one more every `cooldown_seconds`, and a camera yields at most
 `max_jobs_per_minute`. All times are frame times (`Frame.ts`), so the gate behaves the same whether a
-file is read faster or slower than real time."""
+file is read faster or slower than real time.
+
+Falls: a tracked person seen on the ground (boxes of class FALL_CLASS, from the people-fall detector) in
+`fall_min_frames` frames yields a fall job (`GatedFrame.fall`): the best of those frames, once the
+best-frame window after the first sighting has passed; then no other fall job for that track until
+`fall_cooldown_seconds` have passed. Fall jobs are not held by the per-camera rate cap (they are rare:
+one per track and cooldown) and count as that track's next caption job."""
 
 from __future__ import annotations
 
@@ -12,7 +18,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pipeline.contract import Detection
+from pipeline.contract import FALL_CLASS, Detection
+
+DEFAULT_FALL_COOLDOWN_SECONDS = 300.0
+DEFAULT_FALL_MIN_FRAMES = 2
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,7 @@ class GatedFrame:
     frame: Frame
     detections: list[Detection]
     track_ids: list[int]
+    fall: bool = False  # a fall alert for the tracks in track_ids
 
 
 @dataclass
@@ -114,6 +124,13 @@ class _TrackState:
     best_score: float = -1.0
     best_frame: Frame | None = None
     best_detections: list[Detection] | None = None
+    # Falls: sightings on the ground since the last fall job, the first one's time and the best frame.
+    fall_next_due_ts: float = float("-inf")
+    fall_frames: int = 0
+    fall_first_ts: float = 0.0
+    fall_best_score: float = -1.0
+    fall_frame: Frame | None = None
+    fall_detections: list[Detection] | None = None
 
 
 class Gate:
@@ -123,14 +140,22 @@ class Gate:
         best_frame_window_seconds: float = 1.0,
         max_jobs_per_minute: int = 12,
         lost_after_seconds: float = 2.0,
+        fall_cooldown_seconds: float = DEFAULT_FALL_COOLDOWN_SECONDS,
+        fall_min_frames: int = DEFAULT_FALL_MIN_FRAMES,
     ) -> None:
         for name, value in (("cooldown_seconds", cooldown_seconds),
                             ("best_frame_window_seconds", best_frame_window_seconds),
-                            ("lost_after_seconds", lost_after_seconds)):
+                            ("lost_after_seconds", lost_after_seconds),
+                            ("fall_cooldown_seconds", fall_cooldown_seconds)):
             if value < 0:
                 raise ValueError(f"{name} must not be negative, got {value}")
         if max_jobs_per_minute < 1:
             raise ValueError(f"max_jobs_per_minute must be at least 1, got {max_jobs_per_minute}")
+        if fall_min_frames < 1:
+            raise ValueError(f"fall_min_frames must be at least 1, got {fall_min_frames}")
+        self.fall_cooldown_seconds = fall_cooldown_seconds
+        self.fall_min_frames = fall_min_frames
+        self.falls = 0  # fall jobs emitted
         self.cooldown_seconds = cooldown_seconds
         self.window_seconds = best_frame_window_seconds
         self.max_jobs_per_minute = max_jobs_per_minute
@@ -151,6 +176,12 @@ class Gate:
             score = det.confidence * det.area
             if score > state.best_score:
                 state.best_score, state.best_frame, state.best_detections = score, frame, detections
+            if det.label == FALL_CLASS and frame.ts >= state.fall_next_due_ts:
+                if state.fall_frames == 0:
+                    state.fall_first_ts = frame.ts
+                state.fall_frames += 1
+                if score > state.fall_best_score:
+                    state.fall_best_score, state.fall_frame, state.fall_detections = score, frame, detections
         return self._emit_due(frame.ts, flush=False)
 
     def flush(self) -> list[GatedFrame]:
@@ -160,9 +191,41 @@ class Gate:
             return []
         return self._emit_due(max(state.last_seen_ts for state in self._tracks.values()), flush=True)
 
+    def _emit_falls(self, now: float, flush: bool) -> list[GatedFrame]:
+        """Fall jobs due now: tracks seen on the ground in enough frames, whose window has passed (or that
+        are lost, or at the end of the source). One job covers every due track on the ground in its frame."""
+        due = {
+            track_id for track_id, state in self._tracks.items()
+            if state.fall_frames >= self.fall_min_frames and state.fall_frame is not None
+            and (flush or now >= state.fall_first_ts + self.window_seconds
+                 or now - state.last_seen_ts > self.lost_after_seconds)
+        }
+        out: list[GatedFrame] = []
+        for track_id in sorted(due):
+            if track_id not in due:
+                continue  # covered by an earlier fall job of this round
+            state = self._tracks[track_id]
+            frame, detections = state.fall_frame, state.fall_detections or []
+            covered = {d.track_id for d in detections if d.label == FALL_CLASS and d.track_id in due}
+            covered.add(track_id)
+            out.append(GatedFrame(frame, detections, sorted(covered), fall=True))
+            self.falls += 1
+            for covered_id in covered:
+                covered_state = self._tracks[covered_id]
+                covered_state.fall_next_due_ts = now + self.fall_cooldown_seconds
+                covered_state.fall_frames, covered_state.fall_best_score = 0, -1.0
+                covered_state.fall_frame = covered_state.fall_detections = None
+                # The fall job is also this track's caption job.
+                covered_state.emitted = True
+                covered_state.next_due_ts = now + self.cooldown_seconds
+                covered_state.best_score, covered_state.best_frame, covered_state.best_detections = -1.0, None, None
+            due -= covered
+        return out
+
     def _emit_due(self, now: float, flush: bool) -> list[GatedFrame]:
         while self._emitted_ts and self._emitted_ts[0] <= now - 60.0:
             self._emitted_ts.popleft()
+        out = self._emit_falls(now, flush)
         due: set[int] = set()
         for track_id, state in list(self._tracks.items()):
             lost = now - state.last_seen_ts > self.lost_after_seconds
@@ -172,7 +235,6 @@ class Gate:
             first_job_ends_track = (lost or flush) and not state.emitted
             if state.best_frame is not None and (now >= state.next_due_ts or first_job_ends_track):
                 due.add(track_id)
-        out: list[GatedFrame] = []
         while due:
             if len(self._emitted_ts) >= self.max_jobs_per_minute:
                 self.rate_limited += 1

@@ -16,7 +16,7 @@ from pipeline.camera_stats import CameraStatsPublisher
 from pipeline.capture import open_source
 from pipeline.contract import DEFAULT_STREAM_MAXLEN, Detection, Job
 from pipeline.detector import load_detector
-from pipeline.gate import Gate, GatedFrame, tracking_function
+from pipeline.gate import DEFAULT_FALL_COOLDOWN_SECONDS, Gate, GatedFrame, tracking_function
 from pipeline.producer import Backpressure, JobProducer
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class PipelineConfig:
     camera_id: str
     redis_url: str
     prompt: str = DEFAULT_PROMPT
-    detector: str | None = None  # None: YOLO yolo26n.pt, falling back to HOG
+    detector: str | None = None  # None: YOLO yolo26n.pt, else people-fall, else HOG
     conf: float = 0.25
     imgsz: int = 640
     min_box_area: float = 0.0
@@ -92,6 +92,7 @@ class PipelineConfig:
     track_cooldown_seconds: float = 30.0
     best_frame_window_seconds: float = 1.0
     max_jobs_per_minute: int = 12
+    fall_cooldown_seconds: float = DEFAULT_FALL_COOLDOWN_SECONDS
     stream_maxlen: int = DEFAULT_STREAM_MAXLEN
     backpressure: Backpressure = Backpressure.SKIP_NEW
     annotate: Annotate = Annotate.NONE
@@ -119,7 +120,7 @@ class CameraPipeline:
         self.detector = load_detector(config.detector, config.conf, config.imgsz, config.min_box_area)
         self._track = tracking_function(self.detector)
         self.gate = Gate(config.track_cooldown_seconds, config.best_frame_window_seconds,
-                         config.max_jobs_per_minute)
+                         config.max_jobs_per_minute, fall_cooldown_seconds=config.fall_cooldown_seconds)
         self.producer = JobProducer(config.redis_url, config.stream_maxlen, config.backpressure,
                                     max_backoff_seconds=config.max_backoff_seconds)
         self.stats_publisher = CameraStatsPublisher(config.redis_url, config.camera_id, self.detector.name,
@@ -135,6 +136,7 @@ class CameraPipeline:
             "detected": self.detected,
             "jobs": self.jobs,
             "rate_limited": self.gate.rate_limited,
+            "falls": self.gate.falls,
             **asdict(self.producer.stats),
         }
 
@@ -146,9 +148,13 @@ class CameraPipeline:
             prompt=config.prompt.format(camera=config.camera_id, count=len(gated.detections)),
             image=job_image(gated.frame.image, gated.detections, config.annotate, config.jpeg_quality),
             detections=gated.detections,
+            fall=gated.fall,
         )
         if config.annotate is Annotate.CROP and gated.detections:
             job.image_origin = crop_region(gated.frame.image, gated.detections)[:2]
+        if job.fall:
+            log.warning("camera %s: fall seen at %.1f s (tracks %s); fall job %s", config.camera_id, job.frame_ts,
+                        gated.track_ids, job.job_id)
         self.producer.submit(job)
         self.jobs += 1
 
