@@ -37,6 +37,13 @@ CONSUMER_GROUP = "vlmcap:workers"
 # Feed of finished results (done and failed) for all cameras, and one per camera.
 CAPTIONS_STREAM = "vlmcap:captions"
 CAPTIONS_STREAM_MAXLEN = 10_000
+# Feed of finished fall alerts (results of jobs with `fall` set), for the alert SSE route and the dashboard.
+ALERTS_STREAM = "vlmcap:alerts"
+ALERTS_STREAM_MAXLEN = 10_000
+# Box classes: a person on the ground (the people-fall detector's "Fall"), and the class of boxes from
+# detectors (and older producers) that have no other.
+FALL_CLASS = "Fall"
+PERSON_CLASS = "person"
 RESULT_KEY_PREFIX = "vlmcap:result:"
 # Finished results expire after a week; queued ones live as long as the job can wait.
 RESULT_TTL_SECONDS = 7 * 24 * 3600
@@ -148,6 +155,25 @@ def boolean(name: str, value: object) -> bool:
     return value
 
 
+def flag(name: str, value: object) -> bool:
+    """A stream field's boolean, written as the text "true" or "false"."""
+    if value not in ("true", "false"):
+        raise ValueError(f"{name} must be 'true' or 'false', got {_shown(value)}")
+    return value == "true"
+
+
+def flag_text(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def labels_from_json(name: str, value: str) -> list[str]:
+    """A stream field holding a JSON list of class names (non-empty strings)."""
+    labels = json_field(name, value)
+    if not isinstance(labels, list):
+        raise ValueError(f"{name} must be a JSON list of class names, got {_shown(labels)}")
+    return [text(f"{name}[{i}]", label, 256) for i, label in enumerate(labels)]
+
+
 def _optional(check: Callable[[str, object], object]) -> Callable[[str, object], object]:
     return lambda name, value: None if value is None else check(name, value)
 
@@ -215,6 +241,7 @@ class Detection:
     y2: float
     confidence: float
     track_id: int | None = None
+    label: str | None = None  # the detector's class ("person", "Normal", FALL_CLASS); None from older producers
 
     @property
     def area(self) -> float:
@@ -252,7 +279,9 @@ def image_origin_from_json(value: str) -> tuple[int, int]:
 class Job:
     """One frame with people, to be captioned. `frame_ts` is seconds: the frame's position for file
     sources, Unix time for live ones. `created_at` is Unix time of enqueueing. `image_origin` is where the
-    image's top-left corner lies in the full frame: (0, 0) unless the image is a crop."""
+    image's top-left corner lies in the full frame: (0, 0) unless the image is a crop. `fall` marks a fall
+    alert: the gate saw a tracked person on the ground (a box of class FALL_CLASS) not alerted within its
+    cooldown; such a job is captioned before other camera jobs and its result goes to `ALERTS_STREAM`."""
 
     camera_id: str
     frame_ts: float
@@ -262,10 +291,16 @@ class Job:
     job_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created_at: float = field(default_factory=time.time)
     image_origin: tuple[int, int] = (0, 0)
+    fall: bool = False
 
     @property
     def person_count(self) -> int:
         return len(self.detections)
+
+    @property
+    def classes(self) -> list[str]:
+        """The class of each box, in the order of `detections`."""
+        return [d.label or PERSON_CLASS for d in self.detections]
 
     def to_fields(self) -> dict[str, bytes | str]:
         return {
@@ -278,6 +313,7 @@ class Job:
             "person_count": str(self.person_count),
             "created_at": repr(self.created_at),
             "image_origin": json.dumps(list(self.image_origin)),
+            "fall": flag_text(self.fall),
         }
 
     @classmethod
@@ -306,6 +342,7 @@ class Job:
                 created_at=finite_number("created_at", values["created_at"]) if "created_at" in values
                 else time.time(),
                 image_origin=image_origin_from_json(str(values.get("image_origin", "[0, 0]"))),
+                fall=flag("fall", values.get("fall", "false")),
             )
         except KeyError as missing:
             raise ValueError(f"job entry lacks field {missing}") from None
@@ -313,7 +350,7 @@ class Job:
     def frame(self) -> JobFrame:
         """The job's image with its person boxes moved into the image's own pixel coordinates."""
         dx, dy = self.image_origin
-        boxes = [Detection(d.x1 - dx, d.y1 - dy, d.x2 - dx, d.y2 - dy, d.confidence, d.track_id)
+        boxes = [Detection(d.x1 - dx, d.y1 - dy, d.x2 - dx, d.y2 - dy, d.confidence, d.track_id, d.label)
                  for d in self.detections]
         return JobFrame(image=self.image, detections=boxes)
 
@@ -325,6 +362,8 @@ class Job:
             created_at=self.created_at,
             frame_ts=self.frame_ts,
             person_count=self.person_count,
+            fall=self.fall,
+            classes=self.classes,
         )
 
 
@@ -343,9 +382,13 @@ class CaptionResult:
     error: str | None = None
     deliveries: int = 0
     consumer: str | None = None  # the queue worker that finished the job
+    fall: bool = False  # a fall alert (see Job.fall)
+    classes: list[str] = field(default_factory=list)  # the class of each person box
 
     def to_fields(self) -> dict[str, str]:
-        return {name: str(value) for name, value in asdict(self).items() if value is not None}
+        fields = {name: str(value) for name, value in asdict(self).items() if value is not None}
+        fields["fall"], fields["classes"] = flag_text(self.fall), json.dumps(self.classes)
+        return fields
 
     @classmethod
     def from_fields(cls, fields: dict) -> CaptionResult:
@@ -364,6 +407,8 @@ class CaptionResult:
                 error=values.get("error"),
                 deliveries=integer("deliveries", values.get("deliveries", "0")),
                 consumer=values.get("consumer"),
+                fall=flag("fall", values.get("fall", "false")),
+                classes=labels_from_json("classes", values.get("classes", "[]")),
             )
         except KeyError as missing:
             raise ValueError(f"caption result lacks field {missing}") from None
