@@ -40,6 +40,9 @@ class CaptionStore(Protocol):
         """Finished results as they come, as (feed position, result), after position `after` (None: only
         new ones)."""
 
+    async def ping(self) -> None:
+        """Return when the store answers; raise when it does not."""
+
     async def close(self) -> None: ...
 
 
@@ -87,6 +90,9 @@ class MemoryCaptionStore:
                 if not self._feed or self._feed[-1][0] <= position:
                     await self._changed.wait()
 
+    async def ping(self) -> None:
+        pass
+
     async def close(self) -> None:
         pass
 
@@ -123,6 +129,9 @@ class RedisCaptionStore:
 
     def tail(self, camera: str | None, after: str | None) -> AsyncIterator[tuple[str, CaptionResult]]:
         return tail_captions(self.redis, camera, after or "$")
+
+    async def ping(self) -> None:
+        await self.redis.ping()
 
     async def close(self) -> None:
         await self.redis.aclose()

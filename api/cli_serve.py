@@ -13,7 +13,11 @@ def serve(
     host: str = typer.Option("127.0.0.1", envvar="VLMCAP_HOST", help="Address to listen on (0.0.0.0: all)."),
     port: int = typer.Option(8000, envvar="VLMCAP_PORT", help="TCP port."),
     api_key: str = typer.Option(None, envvar="VLMCAP_API_KEY",
-                                help="When set, every /v1 route needs 'Authorization: Bearer <key>'."),
+                                help="When set, every /v1 route and the API docs need 'Authorization: Bearer "
+                                     "<key>'."),
+    allowed_host: list[str] = typer.Option([], envvar="VLMCAP_ALLOWED_HOSTS",
+                                           help="Without --api-key: a Host name clients may use besides loopback "
+                                                "ones and --host (repeat; '*': any)."),
     device: str = typer.Option("cpu", envvar="VLMCAP_DEVICE", help="torch device: cpu, cuda, cuda:1, ..."),
     dtype: str = typer.Option("float32", envvar="VLMCAP_DTYPE", help="float32, bfloat16 or float16."),
     max_num_batched_tokens: int = typer.Option(2048, envvar="VLMCAP_MAX_NUM_BATCHED_TOKENS",
@@ -95,6 +99,7 @@ def serve(
                 encoder_slices_per_step=encoder_slices_per_step or None,
             ),
             served_model_name=served_model_name, api_key=api_key or None, redis_url=redis_url or None,
+            allowed_hosts=(*allowed_host, *([] if host in ("0.0.0.0", "::", "") else [host])),
             run_queue_worker=queue, consumer_name=consumer_name, claim_idle_s=claim_idle_seconds,
             max_deliveries=max_deliveries, queue_batch_size=batch_size, caption_priority=caption_priority,
             caption_prompt=caption_prompt, caption_max_tokens=caption_max_tokens,

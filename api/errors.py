@@ -10,9 +10,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 5  # told to clients with a 503 for a store (Redis) that is down or a server not ready
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -51,7 +55,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {"Retry-After": str(RETRY_AFTER_S)} \
+        if status == 503 else None
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
@@ -79,6 +84,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
         return error_response(exc.status_code, message)
+
+    @app.exception_handler(RedisConnectionError)
+    @app.exception_handler(RedisTimeoutError)
+    async def store_down(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("Redis unreachable on %s %s: %s", request.method, request.url.path, exc)
+        return error_response(503, f"the caption store (Redis) is unreachable: {exc}; retry later",
+                              code="store_unavailable")
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -13,7 +13,8 @@ import io
 import ipaddress
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 import httpx
@@ -23,6 +24,7 @@ from api.errors import APIError
 from api.settings import Limits
 
 FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 def _pil_open() -> Callable[..., Image.Image]:
@@ -32,17 +34,32 @@ def _pil_open() -> Callable[..., Image.Image]:
     return getattr(patches, "_image_open", Image.open) if patches is not None else Image.open
 
 
+@contextmanager
+def image_errors(param: str, what: str) -> Iterator[None]:
+    """The one place that turns Pillow's errors into answers: an image over Pillow's own decompression-bomb
+    limit is 413 (it can raise before our pixel check, in `Image.open`), anything else Pillow raises on a
+    client's bytes is 400 naming `what` failed."""
+    try:
+        yield
+    except APIError:
+        raise
+    except Image.DecompressionBombError as exc:
+        raise APIError(413, f"{param}: the image is too large to decode: {exc}", param, "image_too_large") from None
+    except UnidentifiedImageError as exc:
+        raise APIError(400, f"{param}: not a readable image (accepted formats: {', '.join(FORMATS)}): {exc}",
+                       param, "invalid_image") from None
+    except Exception as exc:  # Pillow's plugins raise many kinds (OSError, SyntaxError, struct.error, ...)
+        raise APIError(400, f"{param}: {what} ({type(exc).__name__}: {exc})", param, "invalid_image") from None
+
+
 def decode_image(data: bytes, limits: Limits, param: str) -> Image.Image:
     """An RGB image from encoded bytes, or an APIError (413 too large, 400 unreadable)."""
     if len(data) > limits.max_image_bytes:
         raise APIError(413, f"{param}: the image has {len(data)} bytes, over the limit of {limits.max_image_bytes}",
                        param, "image_too_large")
-    try:
+    with image_errors(param, f"not a readable image (accepted formats: {', '.join(FORMATS)})"):
         # Image.open reads only the header: the size is known before any pixel is decoded.
         image = _pil_open()(io.BytesIO(data), formats=FORMATS)
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise APIError(400, f"{param}: not a readable image (accepted formats: {', '.join(FORMATS)}): {exc}",
-                       param, "invalid_image") from None
     with image:
         width, height = image.size
         if width * height > limits.max_image_pixels:
@@ -50,12 +67,9 @@ def decode_image(data: bytes, limits: Limits, param: str) -> Image.Image:
                                 f"of {limits.max_image_pixels}", param, "image_too_large")
         if width < 1 or height < 1:
             raise APIError(400, f"{param}: the image has no pixels ({width}x{height})", param, "invalid_image")
-        try:
+        with image_errors(param, "the image could not be decoded (truncated or corrupt?)"):
             image.load()
             return image.convert("RGB")
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-            raise APIError(400, f"{param}: the image could not be decoded (truncated or corrupt?): {exc}",
-                           param, "invalid_image") from None
 
 
 def decode_base64(text: str, limits: Limits, param: str) -> bytes:
@@ -103,11 +117,30 @@ async def _resolve(host: str, port: int, check_public: bool, param: str) -> str:
         raise APIError(400, f"{param}: cannot resolve {host!r}: {exc}", param, "invalid_image_url") from None
     if check_public:
         for info in infos:
-            address = ipaddress.ip_address(info[4][0].split("%")[0])
+            address = embedded_ipv4(ipaddress.ip_address(info[4][0].split("%")[0]))
             if not address.is_global:
                 raise APIError(400, f"{param}: {host!r} resolves to the non-public address {address}, which is "
                                     "not allowed", param, "invalid_image_url")
     return infos[0][4][0]
+
+
+def embedded_ipv4(address: IPAddress) -> IPAddress:
+    """The IPv4 address an IPv6 address carries (IPv4-mapped ::ffff:a.b.c.d, IPv4-compatible ::a.b.c.d,
+    NAT64 64:ff9b::a.b.c.d, 6to4, Teredo), which is where it leads; else the address itself."""
+    if not isinstance(address, ipaddress.IPv6Address):
+        return address
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    if address.sixtofour is not None:
+        return address.sixtofour
+    if address.teredo is not None:
+        return address.teredo[1]
+    value = int(address)
+    if value >> 32 == 0 and value > 1:  # ::a.b.c.d (:: and ::1 are themselves)
+        return ipaddress.IPv4Address(value & 0xFFFFFFFF)
+    if value >> 32 == 0x64FF9B << 64:
+        return ipaddress.IPv4Address(value & 0xFFFFFFFF)
+    return address
 
 
 def _bracketed(host: str) -> str:

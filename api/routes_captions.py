@@ -5,6 +5,7 @@ through the same routes when the server has Redis."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -67,6 +68,10 @@ def _fields(model: type[BaseModel], values: dict[str, Any]) -> Any:
         raise RequestValidationError(exc.errors(include_url=False, include_context=False)) from None
 
 
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
 async def read_caption_request(request: Request, state: ServerState) -> tuple[bytes, CaptionFields]:
     """The image bytes and fields of a multipart or JSON caption request."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -81,9 +86,11 @@ async def read_caption_request(request: Request, state: ServerState) -> tuple[by
         return data, _fields(CaptionFields, fields)
     if content_type == "application/json":
         try:
-            body = await request.json()
+            body = json.loads(await request.body(), parse_constant=_refuse_constant)
         except ValueError as exc:
             raise APIError(400, f"the body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise APIError(400, "the body is not valid JSON: nested too deeply") from None
         if not isinstance(body, dict):
             raise APIError(422, "the body must be a JSON object with an 'image' field")
         parsed = _fields(CaptionRequest, body)

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 from PIL import ImageDraw
+from starlette.types import Scope
 
 from api.caption_store import RedisCaptionStore
 from api.errors import APIError
@@ -39,7 +40,19 @@ PAGE_HEADERS = {
 }
 
 router = APIRouter()
-static_files = StaticFiles(directory=STATIC_DIR)
+
+
+class PageFiles(StaticFiles):
+    """The page's static files, each with the page's headers (its CSP too: `/static/index.html` is the
+    page itself)."""
+
+    async def get_response(self, path: str, scope: Scope) -> Response:
+        response = await super().get_response(path, scope)
+        response.headers.update(PAGE_HEADERS)
+        return response
+
+
+static_files = PageFiles(directory=STATIC_DIR)
 
 
 def _redis(state: ServerState) -> aioredis.Redis | None:

@@ -41,6 +41,8 @@ class ServerSettings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     served_model_name: str | None = None
     api_key: str | None = None
+    # Without an API key, Host header names accepted besides loopback ones ("*": any); see GuardMiddleware.
+    allowed_hosts: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
     # Captions: results go to Redis (shared with camera queue workers) when a URL is given, else memory.
     redis_url: str | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
@@ -14,6 +15,9 @@ from api.captioner import EngineCaptioner
 from api.errors import APIError
 from api.metrics import Metrics
 from api.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from api.queue_worker import QueueWorker
 
 
 @dataclass
@@ -25,6 +29,7 @@ class ServerState:
     captioner: EngineCaptioner
     started_at: float = field(default_factory=time.time)
     background: set[asyncio.Task] = field(default_factory=set)  # caption requests answered with 202
+    worker: QueueWorker | None = None  # the in-process queue worker, when Redis is configured
 
 
 def server_state(request: Request) -> ServerState:

@@ -21,8 +21,10 @@ T = TypeVar("T")
 
 
 def sse(data: Any, event: str | None = None, event_id: str | None = None) -> str:
-    """One server-sent event; `data` is JSON-encoded unless it is already a string."""
-    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    """One server-sent event; `data` is JSON-encoded (strictly: NaN or Infinity raise ValueError, they are not
+    JSON) unless it is already a string."""
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False,
+                                                         allow_nan=False)
     head = (f"id: {event_id}\n" if event_id else "") + (f"event: {event}\n" if event else "")
     return f"{head}data: {text}\n\n"
 

@@ -189,7 +189,7 @@ def test_failing_step_fails_the_requests_in_flight_only(server, http):
 
 def test_model_that_cannot_load_answers_503(tmp_path):
     app = create_app(ServerSettings(engine=EngineConfig(model=str(tmp_path / "missing"))))
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         wait_for(lambda: client.get("/health").status_code == 503)
         assert "cannot load model" in client.get("/health").json()["error"]
         assert client.get("/ready").status_code == 503
