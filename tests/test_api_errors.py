@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import base64
 import io
+import struct
 import time
+import zlib
 
 import httpx
 import pytest
@@ -208,3 +210,99 @@ SCHEMA = schemathesis.openapi.from_dict(create_app(ServerSettings(limits=LIMITS)
 def test_fuzzed_requests_never_get_a_5xx(case, server):
     response = case.call(base_url=server.url, timeout=60)
     assert response.status_code < 500, (case.path, case.body, response.text)
+
+
+# -- hardening (issue 13) -----------------------------------------------------------------------------
+
+def png_header_claiming(width: int, height: int) -> bytes:
+    """A real PNG whose header claims `width` x `height` (the IHDR chunk rewritten, its CRC fixed): Pillow
+    reads the size from the header and refuses it as a decompression bomb before any pixel."""
+    data = bytearray(png(4, 4))
+    ihdr = data[12:29]  # chunk type and data of IHDR, which follows the 8-byte signature and 4-byte length
+    ihdr[4:12] = struct.pack(">II", width, height)
+    data[12:29] = ihdr
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(ihdr)))
+    return bytes(data)
+
+
+def gif_header_claiming(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("P", (4, 4)).save(out, format="GIF")
+    data = bytearray(out.getvalue())
+    data[6:10] = struct.pack("<HH", width, height)  # the logical screen size
+    return bytes(data)
+
+
+@pytest.mark.parametrize("bomb", [png_header_claiming(20000, 20000), gif_header_claiming(65535, 65535)],
+                         ids=["png", "gif"])
+def test_image_over_pillows_bomb_limit_answers_413(http, bomb):
+    for reply in (http.post("/v1/chat/completions", json=chat(data_url(bomb, "image/png"))),
+                  http.post("/v1/captions", files={"image": ("bomb.png", bomb)})):
+        assert reply.status_code == 413, reply.text
+        assert reply.json()["error"]["code"] == "image_too_large"
+    assert_serving(http)
+
+
+def test_unknown_http_methods_share_one_metrics_label(server, http):
+    for method in ("RANDOM123", "RANDOM456", "BREW"):
+        assert http.request(method, "/v1/models").status_code in (400, 405)
+    text = http.get("/metrics").text
+    assert "RANDOM123" not in text and "BREW" not in text
+    assert server.state.metrics.registry.get_sample_value(
+        "vlmcap_http_requests_total", {"method": "other", "route": "/v1/models", "status": "405"}) == 3
+
+
+def test_deeply_nested_json_answers_400(http):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for path in ("/v1/captions", "/v1/chat/completions", "/v1/responses"):
+        reply = http.post(path, content=b'{"image": ' + deep + b"}", headers={"Content-Type": "application/json"})
+        assert reply.status_code == 400, (path, reply.text)
+    nan = http.post("/v1/captions", content=b'{"image": "x", "max_tokens": NaN}',
+                    headers={"Content-Type": "application/json"})
+    assert nan.status_code == 400 and "NaN is not JSON" in nan.json()["error"]["message"]
+    assert_serving(http)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/captions"])
+def test_oversized_chunked_body_answers_413(http, path):
+    def body():  # no Content-Length: sent chunked, the limit is found while reading
+        yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+        for _ in range(30):
+            yield b"x" * 100_000
+        yield b'"}]}'
+
+    reply = http.post(path, content=body(), headers={"Content-Type": "application/json"})
+    assert reply.status_code == 413, reply.text
+    assert reply.json()["error"]["code"] == "body_too_large"
+    assert_serving(http)
+
+
+def test_static_page_has_the_pages_csp(http):
+    for path in ("/", "/static/index.html"):
+        reply = http.get(path)
+        assert reply.status_code == 200
+        assert "default-src 'none'" in reply.headers["content-security-policy"], path
+
+
+def test_without_a_key_foreign_hosts_and_cross_site_posts_are_refused(server, http):
+    port = server.url.rsplit(":", 1)[1]
+    rebound = http.get("/v1/models", headers={"Host": f"attacker.example:{port}"})
+    assert rebound.status_code == 403 and rebound.json()["error"]["code"] == "host_not_allowed"
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"):
+        assert http.get("/v1/models", headers={"Host": host}).status_code == 200, host
+    assert http.get("/ready", headers={"Host": "10.0.0.7:8000"}).status_code == 200  # probes: any address
+    upload = {"files": {"image": ("bus.jpg", BUS)}}
+    for headers in ({"Origin": "http://attacker.example"}, {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"},
+                    {"Origin": f"http://localhost:{int(port) + 1}"}):
+        reply = http.post("/v1/captions", headers=headers, **upload)
+        assert reply.status_code == 403 and reply.json()["error"]["code"] == "cross_site_request", headers
+    same_origin = http.post("/v1/captions", headers={"Origin": server.url, "Sec-Fetch-Site": "same-origin"},
+                            **upload)
+    assert same_origin.status_code == 202, same_origin.text
+
+
+def test_allowed_hosts_extend_the_loopback_names():
+    app = create_app(ServerSettings(limits=LIMITS, allowed_hosts=("vlm.internal",)))
+    client = TestClient(app, base_url="http://vlm.internal:8000")  # no lifespan: no engine is loaded
+    assert client.get("/openapi.json").status_code == 200
+    assert client.get("/openapi.json", headers={"Host": "other.internal"}).status_code == 403

@@ -103,3 +103,12 @@ def test_a_name_that_rebinds_to_loopback_after_the_check_does_not_reach_it(photo
         load(f"http://photos.test:{port}/bus.jpg", limits)
     assert refused.value.status == 400 and "fetching the image failed" in refused.value.message
     assert looked_up == ["photos.test"] and Photos.hosts == []
+
+
+@pytest.mark.parametrize("address", ["::127.0.0.1", "::ffff:127.0.0.1", "64:ff9b::7f00:1", "2002:7f00:1::1"])
+def test_ipv6_addresses_that_embed_a_private_ipv4_are_refused(photo_url, monkeypatch, address):
+    answers(monkeypatch, address)
+    with pytest.raises(APIError) as refused:
+        load("http://photos.test/bus.jpg", replace(ALLOWED, allow_private_remote_images=False,
+                                                   remote_image_hosts=("photos.test",)))
+    assert refused.value.status == 400 and "non-public address" in refused.value.message

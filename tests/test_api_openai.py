@@ -272,3 +272,12 @@ def test_metrics_count_requests_and_latencies(server, client):
     for name in ("vlmcap_num_requests_running", "vlmcap_kv_cache_usage_ratio", "vlmcap_num_preemptions_total",
                  "vlmcap_vision_encoder_seconds_total"):
         assert f"\n{name} " in text, name
+
+
+def test_api_docs_need_the_key(server):
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        refused = httpx.get(f"{server.url}{path}")
+        assert refused.status_code == 401, path
+    schema = httpx.get(f"{server.url}/openapi.json", headers={"Authorization": f"Bearer {KEY}"})
+    assert schema.status_code == 200 and "/v1/chat/completions" in schema.json()["paths"]
+    assert httpx.get(f"{server.url}/").status_code == 200  # the dashboard page itself is public
