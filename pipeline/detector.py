@@ -161,9 +161,9 @@ class HogDetector:
 
 
 class YoloDetector:
-    """An ultralytics detection model restricted to its person classes (`PERSON_CLASS_NAMES`), each box
-    labelled with its class name. `track()` uses ultralytics' own ByteTrack through
-    `model.track(persist=True)` when its `lap` dependency is installed."""
+    """An ultralytics detection model restricted to its person classes (`PERSON_CLASS_NAMES`; class 0, as
+    in COCO, when no class is named so), each box labelled with its class name. `track()` uses
+    ultralytics' own ByteTrack through `model.track(persist=True)` when its `lap` dependency is installed."""
 
     def __init__(self, weights: str, conf: float = 0.25, imgsz: int = 640, min_box_area: float = 0.0,
                  name: str | None = None) -> None:
@@ -182,9 +182,8 @@ class YoloDetector:
             raise DetectorUnavailable(f"cannot load YOLO weights {weights!r}: {err}") from err
         self.labels: dict[int, str] = dict(self.model.names)
         self.classes = sorted(index for index, label in self.labels.items() if label in PERSON_CLASS_NAMES)
-        if not self.classes:
-            raise DetectorUnavailable(f"YOLO weights {weights!r} have no person class among "
-                                      f"{sorted(self.labels.values())}")
+        if not self.classes:  # unnamed classes (a model built from a YAML): COCO's order, person first
+            self.classes, self.labels = [0], {0: PERSON_CLASS}
         self.name = name or f"yolo:{Path(weights).name}"
         self.conf = conf
         self.imgsz = imgsz

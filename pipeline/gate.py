@@ -4,11 +4,12 @@ short window) and at most one more every `cooldown_seconds`, and a camera yields
 `max_jobs_per_minute`. All times are frame times (`Frame.ts`), so the gate behaves the same whether a
 file is read faster or slower than real time.
 
-Falls: a tracked person seen on the ground (boxes of class FALL_CLASS, from the people-fall detector) in
-`fall_min_frames` frames yields a fall job (`GatedFrame.fall`): the best of those frames, once the
-best-frame window after the first sighting has passed; then no other fall job for that track until
-`fall_cooldown_seconds` have passed. Fall jobs are not held by the per-camera rate cap (they are rare:
-one per track and cooldown) and count as that track's next caption job."""
+Falls: a tracked person seen on the ground (boxes of class FALL_CLASS, from the people-fall detector, with
+a confidence of at least `fall_min_confidence`) in `fall_min_frames` frames yields a fall job
+(`GatedFrame.fall`): the best of those frames, once the best-frame window after the first sighting has
+passed; then no other fall job for that track until `fall_cooldown_seconds` have passed. Fall jobs are not
+held by the per-camera rate cap (they are rare: one per track and cooldown) and count as that track's next
+caption job."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from pipeline.contract import FALL_CLASS, Detection
 
 DEFAULT_FALL_COOLDOWN_SECONDS = 300.0
 DEFAULT_FALL_MIN_FRAMES = 2
+# people-fall gives standing people at the edge of a photo a Fall box of about 0.3 now and then; the people
+# lying on the ground of the sample and the test photo get about 0.7.
+DEFAULT_FALL_MIN_CONFIDENCE = 0.5
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,7 @@ class Gate:
         lost_after_seconds: float = 2.0,
         fall_cooldown_seconds: float = DEFAULT_FALL_COOLDOWN_SECONDS,
         fall_min_frames: int = DEFAULT_FALL_MIN_FRAMES,
+        fall_min_confidence: float = DEFAULT_FALL_MIN_CONFIDENCE,
     ) -> None:
         for name, value in (("cooldown_seconds", cooldown_seconds),
                             ("best_frame_window_seconds", best_frame_window_seconds),
@@ -155,6 +160,7 @@ class Gate:
             raise ValueError(f"fall_min_frames must be at least 1, got {fall_min_frames}")
         self.fall_cooldown_seconds = fall_cooldown_seconds
         self.fall_min_frames = fall_min_frames
+        self.fall_min_confidence = fall_min_confidence
         self.falls = 0  # fall jobs emitted
         self.cooldown_seconds = cooldown_seconds
         self.window_seconds = best_frame_window_seconds
@@ -176,7 +182,7 @@ class Gate:
             score = det.confidence * det.area
             if score > state.best_score:
                 state.best_score, state.best_frame, state.best_detections = score, frame, detections
-            if det.label == FALL_CLASS and frame.ts >= state.fall_next_due_ts:
+            if self._is_fall(det) and frame.ts >= state.fall_next_due_ts:
                 if state.fall_frames == 0:
                     state.fall_first_ts = frame.ts
                 state.fall_frames += 1
@@ -190,6 +196,9 @@ class Gate:
         if not self._tracks:
             return []
         return self._emit_due(max(state.last_seen_ts for state in self._tracks.values()), flush=True)
+
+    def _is_fall(self, detection: Detection) -> bool:
+        return detection.label == FALL_CLASS and detection.confidence >= self.fall_min_confidence
 
     def _emit_falls(self, now: float, flush: bool) -> list[GatedFrame]:
         """Fall jobs due now: tracks seen on the ground in enough frames, whose window has passed (or that
@@ -206,7 +215,7 @@ class Gate:
                 continue  # covered by an earlier fall job of this round
             state = self._tracks[track_id]
             frame, detections = state.fall_frame, state.fall_detections or []
-            covered = {d.track_id for d in detections if d.label == FALL_CLASS and d.track_id in due}
+            covered = {d.track_id for d in detections if self._is_fall(d) and d.track_id in due}
             covered.add(track_id)
             out.append(GatedFrame(frame, detections, sorted(covered), fall=True))
             self.falls += 1

