@@ -153,3 +153,35 @@ def test_redis_caption_stream(redis_api):
             event_id, result = next_caption_event(lines)
         assert event_id.count("-") == 1  # a Redis stream entry id, usable as Last-Event-ID
         assert result == poll(http, posted["id"])
+
+
+def test_entries_off_the_contract_are_skipped_not_served(module_redis_url, redis_api):
+    """A result with NaN on the caption feed (written by a foreign producer, bypassing the job checks) is
+    skipped by the list and the SSE feed, which stay strict JSON; a stored frame with a reversed box
+    answers 404, not 500."""
+    import redis as sync_redis
+
+    from pipeline.contract import CAPTIONS_STREAM, CaptionResult, JobFrame, frame_key, result_key
+
+    client = sync_redis.Redis.from_url(module_redis_url)
+    bad = CaptionResult(id="nan-result", status="done", camera_id="cam-nan", created_at=1.0, frame_ts=1.0,
+                        person_count=0, caption="x", finished_at=2.0).to_fields()
+    bad["frame_ts"] = "nan"
+    client.hset(frame_key("reversed"), mapping=JobFrame(BUS, [Detection(110, 20, 10, 220, 0.9)]).to_fields())
+    with httpx.Client(base_url=redis_api.url, timeout=120) as http:
+        with http.stream("GET", "/v1/captions/stream", params={"camera": "cam-nan"}) as events:
+            lines = events.iter_lines()
+            assert next(lines) == ": connected"
+            client.xadd(CAPTIONS_STREAM, bad)
+            client.xadd(f"{CAPTIONS_STREAM}:cam-nan", bad)
+            client.hset(result_key("nan-result"), mapping=bad)
+            posted = httpx.post(f"{redis_api.url}/v1/captions", files={"image": ("z.jpg", ZIDANE)},
+                                data={"camera_id": "cam-nan"}, timeout=120).json()
+            _, result = next_caption_event(lines)  # the NaN entry is skipped: the next event is the good one
+            assert result["id"] == posted["id"]
+        listed = http.get("/v1/captions", params={"camera": "cam-nan"})
+        assert listed.status_code == 200 and [r["id"] for r in listed.json()["data"]] == [posted["id"]]
+        assert http.get("/v1/captions/nan-result").status_code == 404
+        frame = http.get("/v1/captions/reversed/image")
+        assert frame.status_code == 404 and frame.json()["error"]["code"] == "not_found"
+    client.close()

@@ -247,3 +247,45 @@ def test_worker_survives_an_unexpected_error_in_one_job(redis_url, caplog):
     worker = asyncio.run(scenario())
     assert (worker.stats.done, worker.stats.errors, worker.stats.dead) == (2, 1, 0)
     assert "injected failure" in caplog.text
+
+
+@pytest.mark.timeout(180)
+def test_redis_down_answers_503_and_ready_follows_redis_and_the_worker(tmp_path):
+    """While Redis is down the caption and camera routes answer 503 with Retry-After (not 500) and /ready
+    answers 503; once Redis is back, both recover. A queue worker that stopped makes /ready 503 too."""
+    import httpx
+
+    from api.server import BackgroundServer, create_app
+    from api.settings import ServerSettings
+    from engine import EngineConfig
+
+    if os.environ.get("REDIS_URL"):
+        pytest.skip("stops its own embedded Redis; REDIS_URL names an external one")
+    redis_server = EmbeddedRedis(data_dir=tmp_path / "redis")
+    port = redis_server.port
+    settings = ServerSettings(engine=EngineConfig(model="tiny"), redis_url=redis_server.url, caption_max_tokens=2)
+    image = make_job().image
+    try:
+        with BackgroundServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+            assert http.get("/ready").status_code == 200
+            redis_server.close()
+            for reply in (http.post("/v1/captions", files={"image": ("x.jpg", image)}),
+                          http.get("/v1/captions"), http.get("/v1/captions/some-id"), http.get("/v1/cameras")):
+                assert reply.status_code == 503, reply.text
+                assert reply.headers["retry-after"].isdigit()
+                assert reply.json()["error"]["code"] == "store_unavailable"
+            not_ready = http.get("/ready")
+            assert not_ready.status_code == 503 and "Redis" in not_ready.json()["reason"]
+            assert server.state.bridge.engine.stats()["kv_blocks_used"] == 0  # the refused caption was aborted
+
+            redis_server = EmbeddedRedis(port=port, data_dir=tmp_path / "redis")
+            wait_for(lambda: http.get("/ready").status_code == 200, "ready again once Redis is back")
+            done = http.post("/v1/captions?wait=true", files={"image": ("x.jpg", image)})
+            assert done.status_code == 200 and done.json()["status"] == "done"
+
+            worker = server.state.worker
+            asyncio.run_coroutine_threadsafe(worker.stop(0), worker._task.get_loop()).result(30)
+            stopped = http.get("/ready")
+            assert stopped.status_code == 503 and "queue worker" in stopped.json()["reason"]
+    finally:
+        redis_server.close()
