@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,12 @@ import torch
 from PIL import Image
 
 from engine.config import EngineConfig
-from engine.detokenizer import render
+from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar import GrammarCompiler, GrammarSpec, Matcher
 from engine.kv_cache import BlockPool, KVCache
 from engine.model_runner import ModelRunner
 from engine.models import load_adapter
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, StepTimings
 from engine.request import Request
 from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler
@@ -77,13 +79,52 @@ class Engine:
             self.adapter.head_dim, config.torch_dtype, self.device,
         )
         self.scheduler = Scheduler(config, self.pool)
-        self.runner = ModelRunner(self.adapter, self.kv_cache, config.block_size)
+        self.attention_backend = self._attention_backend()
+        self.runner = ModelRunner(self.adapter, self.kv_cache, config.block_size, self.attention_backend)
+        if self._use_cuda_graphs():
+            from engine.cuda_graphs import DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs.capture(self.runner, config.max_num_seqs, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._lock = threading.RLock()
         self._steps = 0
         self._last_step_num_tokens = 0
         self._tokens_generated = 0
+        self.num_step_failures = 0  # steps whose forward raised (their requests ended with "error")
+        self.num_request_failures = 0  # requests ended alone because their token could not be sampled
+        self.last_step_timings = StepTimings()
+        self._grammars: GrammarCompiler | None = None  # built at the first constrained request
+        self._grammars_lock = threading.Lock()
+
+    def _attention_backend(self) -> str:
+        """The attention path (`EngineConfig.attention_backend`), resolved for this device and dtype."""
+        from engine import paged_kernel
+
+        config = self.config
+        block_size = config.block_size
+        reasons = []
+        if not paged_kernel.available(self.device):
+            reasons.append(f"it needs Triton on CUDA (device {config.device!r})")
+        if config.dtype not in ("bfloat16", "float16") and self.device.type == "cuda":
+            reasons.append(f"it runs in bfloat16 or float16 (dtype {config.dtype!r})")
+        if block_size < 16 or block_size & (block_size - 1):
+            reasons.append(f"it needs a block size that is a power of two of at least 16 (block_size {block_size})")
+        if config.attention_backend == "kernel" and reasons:
+            raise ValueError("attention_backend 'kernel' cannot run here: " + "; ".join(reasons))
+        if config.attention_backend == "auto":
+            return "reference" if reasons else "kernel"
+        return config.attention_backend
+
+    def _use_cuda_graphs(self) -> bool:
+        wanted = self.config.cuda_graphs
+        possible = self.device.type == "cuda" and self.attention_backend == "kernel"
+        if wanted and not possible:
+            raise ValueError(
+                f"cuda_graphs needs the kernel attention backend on CUDA (device {self.config.device!r}, "
+                f"backend {self.attention_backend!r})"
+            )
+        return possible if wanted is None else wanted
 
     def _num_kv_blocks(self) -> int:
         config = self.config
@@ -127,6 +168,7 @@ class Engine:
                 raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
+        matcher = self._matcher(sampling.grammar) if sampling.grammar is not None else None
         loaded = [_load_image(image, i) for i, image in enumerate(images or [])]
         markers = prompt.count(self.adapter.image_marker)
         if markers != len(loaded):
@@ -159,6 +201,8 @@ class Engine:
             max_total_tokens=min(self.max_model_len, self.scheduler.max_prompt_blocks() * self.pool.block_size),
             mm=mm,
             generator=make_generator(sampling, self.device),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop),
+            matcher=matcher,
         )
         with self._lock:
             if request_id in self.requests:
@@ -184,20 +228,32 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, and report every request that gained a token or finished."""
         with self._lock:
+            began = time.perf_counter()
             scheduled = self.scheduler.schedule()
+            scheduled_at = time.perf_counter()
             try:
-                sampled = self.runner.execute(scheduled)
+                result = self.runner.execute(scheduled)
             except Exception:
                 # Input is validated in add_request, so this is a fault of the step itself (a bug, memory):
                 # end the requests it carried, free their blocks, and keep serving the others.
+                self.num_step_failures += 1
                 log.exception("step %d failed; ending the %d requests it carried", self._steps, len(scheduled.chunks))
                 return [self._fail(chunk.request) for chunk in scheduled.chunks]
-            self.scheduler.update(scheduled, sampled)
+            ran_at = time.perf_counter()
+            self.scheduler.update(scheduled, result.sampled)
             self._steps += 1
             self._last_step_num_tokens = scheduled.num_tokens
-            self._tokens_generated += len(sampled)
-            outputs = [self._advance(self.requests[rid]) for rid in sampled]
+            self._tokens_generated += len(result.sampled)
+            outputs = [self._advance(self.requests[rid]) for rid in result.sampled]
+            for rid, why in result.failed.items():  # only that request ends; the others keep their tokens
+                self.num_request_failures += 1
+                log.error("request %s failed in step %d: %s", rid, self._steps, why)
+                outputs.append(self._fail(self.requests[rid]))
             self.runner.drop_encoder_outputs(self.scheduler.take_freed_encoder_inputs())
+            timings = self.runner.timings
+            timings.schedule = scheduled_at - began
+            timings.update = time.perf_counter() - ran_at
+            self.last_step_timings = timings
             return outputs
 
     def _fail(self, request: Request) -> RequestOutput:
@@ -216,14 +272,33 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
         )
 
+    def _matcher(self, spec: GrammarSpec) -> Matcher:
+        """A new request's matcher; the compiler is built once, over the model's logits width."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                vocab_size = self.adapter.lm_head.weight.shape[0]
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, vocab_size, sorted(self.eos_token_ids), max_threads=torch.get_num_threads()
+                )
+        return self._grammars.matcher(spec)
+
     def _advance(self, request: Request) -> RequestOutput:
         params = request.sampling
+        matcher = request.matcher
+        if matcher is not None and not matcher.accept(request.output_token_ids[-1]):
+            # The runner masks a constrained row before sampling, so a token outside the grammar is a fault.
+            self.num_request_failures += 1
+            token = request.output_token_ids[-1]
+            log.error("request %s sampled token %d outside its grammar", request.request_id, token)
+            return self._fail(request)
         reason = None
         if not params.ignore_eos and request.output_token_ids[-1] in self.eos_token_ids:
             reason = "stop"
+        elif matcher is not None and matcher.is_terminated:
+            reason = "stop"
         elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= request.max_total_tokens:
             reason = "length"
-        text, hit_stop = render(self.tokenizer, request.output_token_ids, params.stop, reason is not None)
+        text, hit_stop = request.detokenizer.update(request.output_token_ids, reason is not None)
         if hit_stop:
             reason = "stop"
         request.text = text
@@ -247,4 +322,6 @@ class Engine:
                 "encoder_seconds": self.runner.encoder_seconds,
                 "num_steps": self._steps,
                 "num_generated_tokens": self._tokens_generated,
+                "num_step_failures": self.num_step_failures,
+                "num_request_failures": self.num_request_failures,
             }

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar import Matcher
 from engine.sampling import SamplingParams
 
 
@@ -89,6 +91,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     text: str = ""
+    # Turns output_token_ids into `text` a step at a time; preemption keeps output_token_ids, so it stays valid.
+    detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
+    # Where the output stands in its grammar (None without one); it is fed each sampled token once, and a
+    # preempted request keeps its output tokens, so it stays valid across recompute.
+    matcher: Matcher | None = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -110,6 +117,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens at positions start..end-1: the prompt's, then the generated ones (replayed after preemption)."""
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        outputs = self.output_token_ids[max(start - prompt_len, 0) : end - prompt_len]
+        return self.prompt_token_ids[start:prompt_len] + outputs if start < prompt_len else outputs
 
     def token_at(self, position: int) -> int:
         if position < len(self.prompt_token_ids):
