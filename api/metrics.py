@@ -43,11 +43,26 @@ class RecentSamples:
             return [value for at, value in self._samples if at >= since]
 
 
-class EngineCollector(Collector):
-    """Engine gauges and counters from a stats dict as `Engine.stats()` returns it."""
+class Count:
+    """A count that only goes up, safe to add to from any thread; exported by a collector."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self) -> None:
+        self.value = 0
+        self._lock = threading.Lock()
+
+    def inc(self, amount: int = 1) -> None:
+        with self._lock:
+            self.value += amount
+
+
+class EngineCollector(Collector):
+    """Engine gauges and counters from a stats dict as `Engine.stats()` returns it. Step failures are those
+    the engine reports (a step it ended, failing the requests it carried) plus `step_raises`, steps that
+    raised out of the engine (counted by the bridge)."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], step_raises: Count) -> None:
         self.stats = stats
+        self.step_raises = step_raises
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self.stats()
@@ -69,6 +84,10 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("vlmcap_engine_steps", "Engine steps run", value=stats["num_steps"])
         yield CounterMetricFamily("vlmcap_generation_tokens", "Tokens generated",
                                   value=stats["num_generated_tokens"])
+        yield CounterMetricFamily("vlmcap_engine_step_failures", "Engine steps that failed (their requests ended "
+                                  "with an error)", value=stats.get("num_step_failures", 0) + self.step_raises.value)
+        yield CounterMetricFamily("vlmcap_engine_request_failures", "Requests the engine ended alone with an error "
+                                  "(the others of their step went on)", value=stats.get("num_request_failures", 0))
 
 
 class Metrics:
@@ -92,7 +111,7 @@ class Metrics:
                                 registry=r)
         self.aborted = Counter("vlmcap_requests_aborted", "Engine requests aborted (client left, shutdown)",
                                registry=r)
-        self.step_failures = Counter("vlmcap_engine_step_failures", "Engine steps that raised", registry=r)
+        self.step_failures = Count()  # steps that raised out of the engine; see EngineCollector
         self.recent_itl = RecentSamples()  # seconds between consecutive tokens of a request
         self.recent_step_tokens = RecentSamples()  # tokens scheduled in one step
         self.recent_output_tokens = RecentSamples()  # new tokens of one output reaching its request
@@ -106,7 +125,7 @@ class Metrics:
         self.recent_step_tokens.add(tokens)
 
     def watch_engine(self, stats: Callable[[], dict[str, Any]]) -> None:
-        self.registry.register(EngineCollector(stats))
+        self.registry.register(EngineCollector(stats, self.step_failures))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
