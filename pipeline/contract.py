@@ -37,9 +37,8 @@ CONSUMER_GROUP = "vlmcap:workers"
 # Feed of finished results (done and failed) for all cameras, and one per camera.
 CAPTIONS_STREAM = "vlmcap:captions"
 CAPTIONS_STREAM_MAXLEN = 10_000
-# Feed of finished fall alerts (results of jobs with `fall` set), for the alert SSE route and the dashboard.
+# Feed of finished fall alerts (results of jobs with `fall` set), capped like the caption feeds.
 ALERTS_STREAM = "vlmcap:alerts"
-ALERTS_STREAM_MAXLEN = 10_000
 # Box classes: a person on the ground (the people-fall detector's "Fall"), and the class of boxes from
 # detectors (and older producers) that have no other.
 FALL_CLASS = "Fall"
