@@ -281,3 +281,37 @@ def test_api_docs_need_the_key(server):
     schema = httpx.get(f"{server.url}/openapi.json", headers={"Authorization": f"Bearer {KEY}"})
     assert schema.status_code == 200 and "/v1/chat/completions" in schema.json()["paths"]
     assert httpx.get(f"{server.url}/").status_code == 200  # the dashboard page itself is public
+
+
+EXTREME_SAMPLING = [{"temperature": 1e-300}, {"top_p": 1e-320}, {"temperature": 1e-40, "top_k": 5}]
+
+
+@pytest.mark.parametrize("extreme", EXTREME_SAMPLING, ids=[str(s) for s in EXTREME_SAMPLING])
+def test_extreme_sampling_values_touch_no_other_request(server, extreme):
+    """Three greedy streams and one request with sampling values at the edge of what floats hold, in one
+    batch: the greedy streams get the tokens they get alone; the extreme one finishes or gets its own 400,
+    and no step failed."""
+    failures = metric(server, "vlmcap_engine_step_failures_total")
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+        prompts = PROMPTS[3:6]
+        alone = [await stream_tokens(client, text, paths, temperature=0) for text, paths in prompts]
+
+        async def extreme_request() -> list[int] | openai.BadRequestError:
+            try:
+                return await stream_tokens(client, "Invent a name.", (), **extreme)
+            except openai.BadRequestError as refused:
+                return refused
+
+        *together, odd = await asyncio.gather(
+            *(stream_tokens(client, text, paths, temperature=0) for text, paths in prompts), extreme_request())
+        await client.close()
+        assert together == alone
+        if isinstance(odd, openai.BadRequestError):
+            assert odd.status_code == 400
+        else:
+            assert len(odd) >= 1
+
+    asyncio.run(run())
+    assert metric(server, "vlmcap_engine_step_failures_total") == failures
