@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.grammar import GrammarSpec
+
 
 @dataclass
 class SamplingParams:
@@ -18,6 +20,8 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # Output constrained to a JSON schema, any JSON object or a regex (engine/grammar.py); None: unconstrained.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -36,6 +40,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec or None, got {type(self.grammar).__name__}")
 
     @property
     def greedy(self) -> bool:
