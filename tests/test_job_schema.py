@@ -1,0 +1,102 @@
+"""The job contract written down for other producers, pipeline/job.schema.json, holds to the code: every
+field the producer writes is described, the entries a real camera pipeline writes and the results a real
+worker writes validate against it, its Redis names are the contract's, and entries it refuses are
+dead-lettered by the worker's own check."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import redis
+from jsonschema import Draft202012Validator
+from queue_support import DecodingCaptioner, make_job
+from test_queue_worker import enqueue, work_until_idle
+
+from api.queue_worker import QueueWorker
+from pipeline import contract
+from pipeline.contract import CAPTIONS_STREAM, JOBS_STREAM, CaptionResult, Job, result_key
+from pipeline.runner import CameraPipeline, PipelineConfig
+
+SCHEMA = json.loads(contract.JOB_SCHEMA_PATH.read_text())
+Draft202012Validator.check_schema(SCHEMA)
+ENTRY = Draft202012Validator(SCHEMA)
+DEFS = {name: Draft202012Validator({"$defs": SCHEMA["$defs"], "$ref": f"#/$defs/{name}"})
+        for name in ("detections", "image_origin", "result")}
+
+
+def schema_errors(fields: dict) -> list[str]:
+    """The entry's errors against the schema, its JSON fields checked against their content schemas (a
+    validator only annotates those)."""
+    entry = {k.decode(): v.decode("latin-1") if k == b"image" else v.decode() for k, v in fields.items()}
+    errors = [e.message for e in ENTRY.iter_errors(entry)]
+    for name in ("detections", "image_origin"):
+        if name in entry:
+            try:
+                errors += [f"{name}: {e.message}" for e in DEFS[name].iter_errors(json.loads(entry[name]))]
+            except ValueError as err:
+                errors.append(f"{name}: {err}")
+    return errors
+
+
+def test_schema_names_the_contracts_keys_and_describes_every_field():
+    assert SCHEMA["x-redis"] == {
+        "jobs_stream": contract.JOBS_STREAM, "consumer_group": contract.CONSUMER_GROUP,
+        "dead_letter_stream": contract.DEAD_STREAM, "result_key_prefix": contract.RESULT_KEY_PREFIX,
+        "captions_feed": contract.CAPTIONS_STREAM, "camera_feed_prefix": contract.camera_captions_stream(""),
+        "alerts_feed": contract.ALERTS_STREAM,
+    }
+    job = make_job()
+    assert set(job.to_fields()) <= set(SCHEMA["properties"]), "document new job fields in job.schema.json"
+    result_fields = set(job.queued_result().to_fields()) | {"started_at"}
+    assert result_fields <= set(SCHEMA["$defs"]["result"]["properties"]), "document new result fields"
+
+
+@pytest.mark.timeout(120)
+def test_real_producer_entries_and_worker_results_validate(redis_url, sample_video):
+    CameraPipeline(PipelineConfig(source=str(sample_video), camera_id="schema-cam", redis_url=redis_url,
+                                  detector="hog")).run()
+    crop = make_job("schema-crop")
+    crop.image_origin, crop.fall = (5, 7), True
+    enqueue(redis_url, [crop])
+    client = redis.Redis.from_url(redis_url)
+    entries = [fields for _, fields in client.xrange(JOBS_STREAM)]
+    assert len(entries) >= 2
+    for fields in entries:
+        assert schema_errors(fields) == []
+        Job.from_fields(fields)  # and the worker's check agrees
+
+    async def work() -> None:
+        worker = QueueWorker(redis_url, DecodingCaptioner(), block_seconds=0.1)
+        await work_until_idle(worker)
+        await worker.redis.aclose()
+
+    asyncio.run(work())
+    feed = [fields for _, fields in client.xrange(CAPTIONS_STREAM)]
+    job_ids = [Job.from_fields(f).job_id for f in entries]
+    stored = [client.hgetall(result_key(job_id)) for job_id in job_ids]
+    for fields in feed + stored:
+        result = {k.decode(): v.decode() for k, v in fields.items()}
+        assert [e.message for e in DEFS["result"].iter_errors(result)] == []
+        assert CaptionResult.from_fields(fields).status == "done"
+    client.close()
+
+
+BAD = [
+    {"frame_ts": "nan"},
+    {"detections": '[{"x1": "a", "y1": 1, "x2": 2, "y2": 3, "confidence": 0.5}]'},
+    {"image_origin": "[1, 2, 3]"},
+    {"fall": "maybe"},
+    {"job_id": ""},
+]
+
+
+@pytest.mark.parametrize("override", BAD, ids=[next(iter(b)) for b in BAD])
+def test_entries_the_schema_refuses_the_worker_refuses(override):
+    fields = {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in make_job().to_fields().items()}
+    assert schema_errors(fields) == []
+    bad = {**fields, **{k.encode(): v.encode() for k, v in override.items()}}
+    assert schema_errors(bad) != []
+    with pytest.raises(ValueError):
+        Job.from_fields(bad)
