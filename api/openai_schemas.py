@@ -4,7 +4,7 @@ them; the handlers check what depends on the server (model name, caps, `n`) and 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -41,6 +41,46 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaSpec(BaseModel):
+    """`response_format.json_schema` of chat completions. The output is always held to the schema
+    (`strict` is accepted and needs no switch)."""
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(BaseModel):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(BaseModel):
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(BaseModel):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")]
+
+
+class ResponsesJSONSchemaFormat(JSONSchemaSpec):
+    """`text.format` of the Responses API: the schema's fields sit beside `type`."""
+
+    type: Literal["json_schema"]
+
+
+ResponsesTextFormat = Annotated[TextFormat | JSONObjectFormat | ResponsesJSONSchemaFormat, Field(discriminator="type")]
+
+
+class ResponsesText(BaseModel):
+    format: ResponsesTextFormat | None = None
+    verbosity: str | None = None
+
+
 class SamplingFields(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -60,6 +100,7 @@ class ChatCompletionRequest(SamplingFields):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = Field(False, description="vlmcap extension: add the generated token ids to choices")
+    response_format: ResponseFormat | None = None
 
 
 class InputText(BaseModel):
@@ -90,3 +131,4 @@ class ResponsesRequest(SamplingFields):
     max_output_tokens: int | None = Field(None, ge=1)
     stream: bool | None = False
     stop: Stop = None
+    text: ResponsesText | None = None

@@ -15,10 +15,18 @@ from PIL import Image
 from api.bridge import EngineFailure, RequestStream
 from api.errors import APIError, error_body
 from api.images import load_image_url
-from api.openai_schemas import ChatCompletionRequest, ResponsesRequest, SamplingFields
+from api.openai_schemas import (
+    ChatCompletionRequest,
+    JSONSchemaFormat,
+    ResponseFormat,
+    ResponsesRequest,
+    ResponsesTextFormat,
+    SamplingFields,
+)
 from api.state import ServerState, server_state
 from api.streaming import ClientDisconnected, SSEResponse, sse, until_disconnect
 from engine import RequestOutput, SamplingParams
+from engine.grammar import GrammarSpec
 
 router = APIRouter(prefix="/v1")
 
@@ -59,8 +67,24 @@ def check_model(model: str, state: ServerState) -> None:
                        "model", "model_not_found")
 
 
+def grammar_spec(fmt: ResponseFormat | ResponsesTextFormat | None, param: str) -> GrammarSpec | None:
+    """The grammar a `response_format` (chat) or `text.format` (Responses) asks for; None for plain text."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return GrammarSpec(json_object=True)
+    spec = fmt.json_schema if isinstance(fmt, JSONSchemaFormat) else fmt
+    where = f"{param}.json_schema.schema" if isinstance(fmt, JSONSchemaFormat) else f"{param}.schema"
+    if spec.schema_ is None:
+        raise APIError(400, f"{where} is required for a json_schema format", where, "invalid_value")
+    try:
+        return GrammarSpec.from_schema(spec.schema_)
+    except ValueError as exc:
+        raise APIError(400, f"{where}: {exc}", where, "invalid_json_schema") from None
+
+
 def sampling_params(body: SamplingFields, max_tokens: int | None, stop: str | list[str] | None,
-                    state: ServerState, param: str) -> SamplingParams:
+                    state: ServerState, param: str, grammar: GrammarSpec | None = None) -> SamplingParams:
     limits = state.settings.limits
     if max_tokens is not None and max_tokens > limits.max_tokens_cap:
         raise APIError(400, f"{param} is {max_tokens}, over this server's cap of {limits.max_tokens_cap}",
@@ -74,6 +98,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, stop: str | li
             seed=body.seed,
             stop=[stop] if isinstance(stop, str) else list(stop or []),
             ignore_eos=body.ignore_eos,
+            grammar=grammar,
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
@@ -150,7 +175,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                        "unsupported_value")
     max_tokens = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    sampling = sampling_params(body, max_tokens, body.stop, state, param)
+    grammar = grammar_spec(body.response_format, "response_format")
+    sampling = sampling_params(body, max_tokens, body.stop, state, param, grammar)
     prompt = await build_prompt(chat_turns(body), state)
     stream = await submit(prompt, sampling, body.priority, state)
     completion_id, created = f"chatcmpl-{stream.request_id}", int(time.time())
@@ -251,6 +277,8 @@ class ResponseMeta:
             "max_output_tokens": self.body.max_output_tokens, "temperature": self.body.temperature,
             "top_p": self.body.top_p, "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
             "error": None, "incomplete_details": None, "metadata": {}, "usage": None,
+            "text": self.body.text.model_dump(by_alias=True, exclude_none=True) if self.body.text and
+            self.body.text.format else {"format": {"type": "text"}},
         }
         if text is not None:
             result["output_text"] = text
@@ -274,7 +302,8 @@ class ResponseMeta:
 @router.post("/responses", response_model=None)
 async def responses(body: ResponsesRequest, request: Request, state: ServerState = Depends(server_state)) -> Response:
     check_model(body.model, state)
-    sampling = sampling_params(body, body.max_output_tokens, body.stop, state, "max_output_tokens")
+    grammar = grammar_spec(body.text.format if body.text else None, "text.format")
+    sampling = sampling_params(body, body.max_output_tokens, body.stop, state, "max_output_tokens", grammar)
     prompt = await build_prompt(responses_turns(body), state)
     stream = await submit(prompt, sampling, body.priority, state)
     meta = ResponseMeta(f"resp_{stream.request_id}", f"msg_{stream.request_id}", time.time(), body,
