@@ -116,3 +116,29 @@ def pipeline(
     result = run_pipeline_bench(cfg)
     save(result, json_path, png_path, plot)
     typer.echo(summary(result))
+
+
+@bench_app.command("host")
+def host(
+    model: str = typer.Option("tiny-deep", help="Model: tiny, tiny-deep (30 layers of tiny width), "
+                                                "dummy:smolvlm-256m, or any checkpoint."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    decodes: int = typer.Option(64, help="Requests decoding together."),
+    context: int = typer.Option(900, help="Prompt tokens of each request (the context of the first steps)."),
+    later: int = typer.Option(500, help="Tokens later, the same steps are measured again (0: right after)."),
+    steps: int = typer.Option(20, help="Steps measured at each point."),
+    budget: int = typer.Option(2048, help="The engine's max_num_batched_tokens (for the prefill)."),
+    threads: int = typer.Option(None, help="torch threads (default: torch's choice)."),
+    json_path: str = typer.Option(None, "--json", help="Write the results here."),
+    png_path: str = typer.Option(None, "--png", help="Draw the phases of a step here."),
+) -> None:
+    """A decode step's host time by phase, aten ops and read-backs per step, against a bare transformers forward."""
+    from bench.host import HostConfig, plot, run_host, summary
+    from bench.report import save
+
+    cfg = HostConfig(model=model, device=device, dtype=dtype, decodes=decodes, context=context, later=later,
+                     steps=steps, budget=budget, threads=threads)
+    result = run_host(cfg)
+    save(result, json_path, png_path, plot)
+    typer.echo(summary(result))

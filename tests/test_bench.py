@@ -89,3 +89,21 @@ def test_bench_serve_rejects_a_malformed_slo():
     assert parse_slo("ttft=500,itl=50") == {"ttft": 500.0, "itl": 50.0}
     with pytest.raises(ValueError, match="latency=5"):
         parse_slo("latency=5")
+
+
+def test_bench_host_splits_a_step_into_phases_and_counts_ops(tmp_path):
+    out, png = tmp_path / "host.json", tmp_path / "host.png"
+    invoke(["bench", "host", "--model", "tiny", "--decodes", "3", "--context", "24", "--later", "4", "--steps", "2",
+            "--threads", "1", "--json", str(out), "--png", str(png)])
+    result = json.loads(out.read_text())
+    assert result["context_late"] >= result["context_early"] + 4
+    for point in ("early", "late"):
+        phases = result[point]["phases_ms_median"]
+        assert set(phases) == {"schedule", "encode", "prepare", "forward", "sample", "detokenize", "rest"}
+        assert phases["forward"] > 0 and phases["detokenize"] > 0 and phases["schedule"] > 0
+    ops = result["ops"]
+    assert ops["aten_ops_per_step"] > 10 and ops["top_ops_per_step"]
+    assert ops["readbacks_per_step"] >= 1  # the sampled tokens are read back at least once a step
+    assert result["bare_static_cache"]["early_ms_median"] > 0
+    assert math.isfinite(result["ratios"]["engine_vs_bare_early"])
+    assert is_png(png)

@@ -194,6 +194,13 @@ PRESETS: dict[str, Preset] = {
         **_TINY, vision=VisionSizes(hidden=32, layers=2, heads=2, intermediate=64, patch_px=8, image_px=64),
         scale_factor=2, max_tiles_per_side=2,
     ),
+    # `tiny` with 30 text layers (SmolVLM-256M's depth) at tiny width: a forward that is mostly per-layer
+    # overhead, as on a GPU, for `vlmcap bench host`.
+    "tiny-deep": SmolVLMPreset(
+        **{**_TINY, "text": TextSizes(**{**asdict(_TINY_TEXT), "layers": 30})},
+        vision=VisionSizes(hidden=32, layers=2, heads=2, intermediate=64, patch_px=8, image_px=64),
+        scale_factor=2, max_tiles_per_side=2,
+    ),
     "tiny-qwen2-vl": Qwen2VLPreset(**_TINY_QWEN, version="2"),
     # Windows of 32 px are 2x2 merged tokens, so the windowed blocks really differ from full attention.
     "tiny-qwen2.5-vl": Qwen2VLPreset(**_TINY_QWEN, version="2.5", window_px=32, full_attention_blocks=(1,)),

@@ -1,0 +1,333 @@
+"""`vlmcap bench host`: where a decode step's time goes, and how it compares with a bare transformers forward.
+
+`decodes` requests with prompts of about `context` tokens are prefilled, then decode together. For the
+steps measured, each step's time is split into phases: scheduling, the vision encoder, the runner's input
+preparation (packing, embedding, the output head: what the runner does outside the text model and the
+sampler), the text model's forward, sampling, detokenizing, and the rest (the scheduler's update, stop
+conditions, outputs). The phases are timed by wrapping the methods that do them (`Scheduler.schedule`,
+`ModelRunner.execute`, `adapter.forward_text`, the sampler, the detokenizer); where the runner reports its
+own per-step timings (`runner.timings`), its split of the runner's time is used instead.
+
+A few steps are then run under a counter of aten ops (a `TorchDispatchMode`) and of device read-backs
+(`aten._local_scalar_dense`, a copy from the device to the host, and the Python calls that read a tensor's
+values: `.tolist()`, `.item()`, `.cpu()`, `.numpy()`; on the CPU every such call is counted, as each would be
+a synchronising read-back on a GPU).
+
+The same batch (`decodes` sequences, one new token each, at the same context) then runs through the model
+itself: transformers' text model with SDPA over a preallocated `StaticCache`, the output head and an argmax
+read back once: the floor a step could reach with the same model code. The engine's step is measured early
+(at `context`) and again `later` tokens later; the bare forward likewise, with a cache as long as each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from bench.report import machine, pyplot, save_figure
+from engine import Engine, EngineConfig, SamplingParams
+
+PHASES = ("schedule", "encode", "prepare", "forward", "sample", "detokenize", "rest")
+WORDS = ("a person walks past the blue bus while two friends talk near the station entrance in the rain "
+         "and the camera shows a woman with a red bag").split()
+
+
+@dataclass
+class HostConfig:
+    model: str = "tiny-deep"
+    device: str = "cpu"
+    dtype: str = "float32"
+    decodes: int = 64
+    context: int = 900
+    later: int = 500
+    steps: int = 20
+    warmup: int = 3
+    counted_steps: int = 2
+    budget: int = 2048
+    threads: int | None = None
+
+
+class Phases:
+    """Seconds spent inside wrapped callables, by phase, since the last `take`."""
+
+    def __init__(self) -> None:
+        self.spent: Counter[str] = Counter()
+
+    def wrap(self, phase: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[phase] += time.perf_counter() - began
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        spent, self.spent = dict(self.spent), Counter()
+        return spent
+
+
+@contextlib.contextmanager
+def _patched(target: Any, name: str, value: Any) -> Iterator[None]:
+    """Set `target.name` for the duration; afterwards it is as it was (an instance or subclass attribute that
+    was only inherited is removed again)."""
+    own = name in vars(target)
+    saved = getattr(target, name)
+    setattr(target, name, value)
+    try:
+        yield
+    finally:
+        if own:
+            setattr(target, name, saved)
+        else:
+            delattr(target, name)
+
+
+@contextlib.contextmanager
+def timed_phases(engine: Engine, phases: Phases) -> Iterator[None]:
+    """Wrap the engine's phase methods (on its instances, and the sampler and detokenizer where they live)."""
+    import engine.model_runner as model_runner
+    from engine.detokenizer import IncrementalDetokenizer
+
+    runner = engine.runner
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_patched(engine.scheduler, "schedule", phases.wrap("schedule", engine.scheduler.schedule)))
+        stack.enter_context(_patched(runner, "execute", phases.wrap("execute", runner.execute)))
+        if hasattr(runner, "_encode"):
+            stack.enter_context(_patched(runner, "_encode", phases.wrap("encode", runner._encode)))
+        adapter = runner.adapter
+        stack.enter_context(_patched(adapter, "forward_text", phases.wrap("forward", adapter.forward_text)))
+        if callable(getattr(model_runner, "sample", None)):
+            stack.enter_context(_patched(model_runner, "sample", phases.wrap("sample", model_runner.sample)))
+        stack.enter_context(_patched(IncrementalDetokenizer, "update",
+                                     phases.wrap("detokenize", IncrementalDetokenizer.update)))
+        yield
+
+
+def _split(total: float, spent: dict[str, float], reported: Any) -> dict[str, float]:
+    """One step's phases in seconds, from the wrappers' times and, where present, the runner's own."""
+    execute = spent.get("execute", 0.0)
+    split = {"schedule": spent.get("schedule", 0.0), "detokenize": spent.get("detokenize", 0.0)}
+    if reported is not None and all(hasattr(reported, p) for p in ("encode", "prepare", "forward", "sample")):
+        split |= {p: float(getattr(reported, p)) for p in ("encode", "prepare", "forward", "sample")}
+    else:
+        split |= {p: spent.get(p, 0.0) for p in ("encode", "forward", "sample")}
+        split["prepare"] = max(0.0, execute - split["encode"] - split["forward"] - split["sample"])
+    split["rest"] = max(0.0, total - sum(split[p] for p in PHASES if p != "rest"))
+    return split
+
+
+def measure_steps(engine: Engine, steps: int) -> list[dict[str, float]]:
+    """Per step: its wall time and phases, in seconds."""
+    phases = Phases()
+    measured = []
+    with timed_phases(engine, phases):
+        for _ in range(steps):
+            phases.take()
+            began = time.perf_counter()
+            engine.step()
+            total = time.perf_counter() - began
+            split = _split(total, phases.take(), getattr(engine.runner, "timings", None))
+            measured.append({"total": total, **split})
+    return measured
+
+
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts aten ops, and read-backs from `device` (value reads and device-to-host copies)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.ops: Counter[str] = Counter()
+        self.readbacks: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func.overloadpacket.__name__)
+        self.ops[name] += 1
+        if name == "_local_scalar_dense":
+            self.readbacks["_local_scalar_dense"] += 1
+        elif self.device.type != "cpu" and name in ("_to_copy", "copy_"):
+            src = args[1] if name == "copy_" else args[0]
+            dst_device = args[0].device if name == "copy_" else kwargs.get("device")
+            if isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst_device is not None \
+                    and torch.device(dst_device).type == "cpu":
+                self.readbacks["device_to_host_copy"] += 1
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def counted_value_reads(device: torch.device, readbacks: Counter[str]) -> Iterator[None]:
+    """Count `.tolist()`, `.item()`, `.cpu()` and `.numpy()` on tensors on `device`'s type (Python-level calls,
+    which on the CPU do not reach the dispatcher)."""
+
+    def counting(name: str, original: Callable) -> Callable:
+        def method(self, *args, **kwargs):
+            if self.device.type == device.type:
+                readbacks[f".{name}()"] += 1
+            return original(self, *args, **kwargs)
+
+        return method
+
+    with contextlib.ExitStack() as stack:
+        for name in ("tolist", "item", "cpu", "numpy"):
+            stack.enter_context(_patched(torch.Tensor, name, counting(name, getattr(torch.Tensor, name))))
+        yield
+
+
+def count_ops(engine: Engine, steps: int) -> dict[str, Any]:
+    """aten ops and read-backs per step, over `steps` steps."""
+    counter = OpCounter(engine.device)
+    with counted_value_reads(engine.device, counter.readbacks), counter:
+        for _ in range(steps):
+            engine.step()
+    per_step = {name: n / steps for name, n in counter.ops.most_common()}
+    return {
+        "aten_ops_per_step": sum(counter.ops.values()) / steps,
+        "readbacks_per_step": sum(counter.readbacks.values()) / steps,
+        "readbacks_by_kind_per_step": {k: v / steps for k, v in counter.readbacks.items()},
+        "top_ops_per_step": dict(list(per_step.items())[:15]),
+    }
+
+
+def _prompt(engine: Engine, tokens: int, seed: int) -> str:
+    """Plain text of about `tokens` tokens."""
+    words = [WORDS[(seed * 7 + i * 13) % len(WORDS)] for i in range(tokens * 2)]
+    ids = engine.tokenizer(" ".join(words), add_special_tokens=False)["input_ids"][:tokens]
+    return engine.tokenizer.decode(ids)
+
+
+def bare_forward_ms(engine: Engine, decodes: int, context: int, steps: int, warmup: int) -> list[float]:
+    """Milliseconds per step of transformers' text model on `decodes` sequences, one new token each at position
+    `context`, with SDPA over a `StaticCache` of `context + 1` tokens, then the output head and one read-back."""
+    from transformers import StaticCache
+
+    adapter = engine.adapter
+    model = adapter.text_model
+    config = model.config
+    cache = StaticCache(config=config, max_cache_len=context + 1)
+    ids = torch.randint(0, config.vocab_size, (decodes, 1), device=engine.device)
+    positions = torch.full((decodes, 1), context, device=engine.device)
+    cache_position = torch.tensor([context], device=engine.device)
+    saved = config._attn_implementation
+    config._attn_implementation = "sdpa"
+    times = []
+    try:
+        with torch.inference_mode():
+            for i in range(warmup + steps):
+                began = time.perf_counter()
+                hidden = model(inputs_embeds=adapter.embed_tokens(ids), position_ids=positions,
+                               cache_position=cache_position, cache=cache, use_cache=True).last_hidden_state
+                adapter.lm_head(hidden[:, -1]).float().argmax(-1).tolist()
+                if i >= warmup:
+                    times.append((time.perf_counter() - began) * 1000.0)
+    finally:
+        config._attn_implementation = saved
+    return times
+
+
+def _summary_of(steps: list[dict[str, float]]) -> dict[str, Any]:
+    return {
+        "step_ms_median": statistics.median(s["total"] for s in steps) * 1000.0,
+        "phases_ms_median": {p: statistics.median(s[p] for s in steps) * 1000.0 for p in PHASES},
+    }
+
+
+def run_host(cfg: HostConfig) -> dict[str, Any]:
+    if cfg.decodes < 1 or cfg.context < 2 or cfg.steps < 1 or cfg.later < 0:
+        raise ValueError(f"decodes, steps must be positive, context at least 2 and later non-negative: {cfg}")
+    extra = cfg.warmup + 2 * cfg.steps + cfg.counted_steps + cfg.later + 8
+    engine = Engine(EngineConfig(
+        model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_batched_tokens=max(cfg.budget, cfg.decodes),
+        max_num_seqs=cfg.decodes, max_model_len=cfg.context + extra + 16, num_threads=cfg.threads,
+    ))
+    params = SamplingParams(max_tokens=extra, ignore_eos=True)
+    ids = [engine.add_request(prompt=_prompt(engine, cfg.context, i), sampling=params) for i in range(cfg.decodes)]
+    prefill_began = time.perf_counter()
+    while not all(engine.requests[r].is_decoding for r in ids):
+        engine.step()
+    prefill_s = time.perf_counter() - prefill_began
+    context = statistics.median(engine.requests[r].num_tokens for r in ids)
+    for _ in range(cfg.warmup):
+        engine.step()
+    early = measure_steps(engine, cfg.steps)
+    counts = count_ops(engine, cfg.counted_steps)
+    for _ in range(cfg.later):
+        engine.step()
+    late_context = statistics.median(engine.requests[r].num_tokens for r in ids)
+    late = measure_steps(engine, cfg.steps)
+    bare_early = bare_forward_ms(engine, cfg.decodes, int(context), cfg.steps, cfg.warmup)
+    bare_late = bare_forward_ms(engine, cfg.decodes, int(late_context), cfg.steps, cfg.warmup)
+    early_s, late_s = _summary_of(early), _summary_of(late)
+    bare = {"early_ms_median": statistics.median(bare_early), "late_ms_median": statistics.median(bare_late)}
+    return {
+        "config": asdict(cfg),
+        "machine": machine(),
+        "prefill_s": prefill_s,
+        "context_early": context,
+        "context_late": late_context,
+        "early": early_s,
+        "late": late_s,
+        "ops": counts,
+        "bare_static_cache": bare,
+        "ratios": {
+            "engine_vs_bare_early": early_s["step_ms_median"] / bare["early_ms_median"],
+            "engine_vs_bare_late": late_s["step_ms_median"] / bare["late_ms_median"],
+            "engine_late_vs_early": late_s["step_ms_median"] / early_s["step_ms_median"],
+            "bare_late_vs_early": bare["late_ms_median"] / bare["early_ms_median"],
+        },
+        "samples_ms": {
+            "early": [s["total"] * 1000.0 for s in early],
+            "late": [s["total"] * 1000.0 for s in late],
+            "bare_early": bare_early,
+            "bare_late": bare_late,
+        },
+    }
+
+
+def summary(result: dict[str, Any]) -> str:
+    cfg = result["config"]
+    lines = [f"{cfg['model']} {cfg['dtype']} on {cfg['device']}: {cfg['decodes']} decodes, context "
+             f"{result['context_early']:.0f} then {result['context_late']:.0f}",
+             f"{'ms per step':<14}{'total':>8}" + "".join(f"{p:>11}" for p in PHASES)]
+    for name in ("early", "late"):
+        run = result[name]
+        lines.append(f"{name:<14}{run['step_ms_median']:>8.2f}"
+                     + "".join(f"{run['phases_ms_median'][p]:>11.2f}" for p in PHASES))
+    bare, ratios, ops = result["bare_static_cache"], result["ratios"], result["ops"]
+    lines += [
+        f"{'bare forward':<14}{bare['early_ms_median']:>8.2f} early, {bare['late_ms_median']:.2f} late "
+        "(transformers, SDPA over a StaticCache)",
+        f"engine / bare: {ratios['engine_vs_bare_early']:.2f}x early, {ratios['engine_vs_bare_late']:.2f}x late; "
+        f"late / early step: engine {ratios['engine_late_vs_early']:.2f}x, bare {ratios['bare_late_vs_early']:.2f}x",
+        f"per step: {ops['aten_ops_per_step']:.0f} aten ops, {ops['readbacks_per_step']:.1f} read-backs "
+        f"{ops['readbacks_by_kind_per_step']}",
+    ]
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Stacked phases of the median early and late step, beside the bare forward."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    names = ["engine early", "engine late"]
+    bottoms = [0.0, 0.0]
+    for phase in PHASES:
+        values = [result[k]["phases_ms_median"][phase] for k in ("early", "late")]
+        ax.bar(names, values, bottom=bottoms, label=phase)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    bare = result["bare_static_cache"]
+    ax.bar(["bare early", "bare late"], [bare["early_ms_median"], bare["late_ms_median"]], color="grey",
+           label="bare forward")
+    ax.set_ylabel("ms per step (median)")
+    ax.set_title(f"{result['config']['model']}: {result['config']['decodes']} decodes", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    save_figure(fig, path)
