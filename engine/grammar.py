@@ -84,9 +84,11 @@ def _bounded_strings_as_patterns(schema: Any) -> Any:
     out = {key: _bounded_strings_as_patterns(value) for key, value in schema.items()}
     bounded = "minLength" in out or "maxLength" in out
     if out.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & out.keys():
-        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
-        if isinstance(low, int) and isinstance(high, (int, str)):
-            out["pattern"] = _BOUNDED_STRING % (low, high)
+        low, high = out.get("minLength", 0), out.get("maxLength")
+        counts = [low] if high is None else [low, high]
+        if all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):  # else xgrammar says
+            out.pop("minLength", None), out.pop("maxLength", None)
+            out["pattern"] = _BOUNDED_STRING % (low, "" if high is None else high)
     return out
 
 
