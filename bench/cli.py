@@ -20,15 +20,32 @@ def stall(
                                                 "SmolVLM-256M tile)."),
     encoder_slices_per_step: int = typer.Option(3, help="Fifths of a vision layer a tile runs per step in the "
                                                         "'chunked' run (0: the whole tower)."),
-    after_steps: int = typer.Option(16, help="Steps measured after the image prompt's first token."),
+    after_steps: int = typer.Option(16, help="Steps measured after the image prompt's first token (with --url: "
+                                             "tokens each chat streams after it)."),
     threads: int = typer.Option(None, help="torch threads (default: torch's choice)."),
+    url: str = typer.Option(None, help="Run the scenario over HTTP against this OpenAI-compatible server instead "
+                                       "(vlmcap serve, vLLM, ...); the engine options above are then the server's."),
+    api_key: str = typer.Option(None, envvar="VLMCAP_API_KEY", help="With --url: bearer key, if the server needs one."),
+    served_model: str = typer.Option(None, help="With --url: the model id to ask for (default: the first of "
+                                                "/v1/models)."),
+    chat_max_tokens: int = typer.Option(3000, help="With --url: max_tokens of each chat (they are stopped once "
+                                                   "measured; they must outlast the image prompt's prefill)."),
     json_path: str = typer.Option(None, "--json", help="Write the results here."),
     png_path: str = typer.Option(None, "--png", help="Draw the chats' token timeline here."),
 ) -> None:
-    """Chat inter-token latency while a long image prompt is prefilled: chunked vs unchunked."""
+    """Chat inter-token latency while a long image prompt is prefilled: chunked vs unchunked (or one server)."""
     from bench.report import save
     from bench.stall import StallConfig, plot, run_stall, summary
 
+    if url is not None:
+        from bench.stall import HttpStallConfig, run_stall_http, summary_http
+
+        http_cfg = HttpStallConfig(url=url, api_key=api_key, model=served_model, chats=chats, images=images,
+                                   after_tokens=after_steps, chat_max_tokens=chat_max_tokens)
+        result = run_stall_http(http_cfg)
+        save(result, json_path, png_path, plot)
+        typer.echo(summary_http(result))
+        return
     cfg = StallConfig(model=model, device=device, dtype=dtype, chats=chats, images=images, budget=budget,
                       encoder_budget=encoder_budget, encoder_slices_per_step=encoder_slices_per_step or None,
                       after_steps=after_steps, threads=threads)
@@ -79,6 +96,8 @@ def serve(
     max_tokens: int = typer.Option(64, help="max_tokens of each request."),
     seed: int = typer.Option(0, help="Seed of arrivals and prompts."),
     slo: str = typer.Option(None, help="Goodput SLOs in ms, e.g. ttft=500,itl=100 (also tpot, e2e)."),
+    ignore_eos: bool = typer.Option(True, help="Send ignore_eos, so every request generates max_tokens tokens "
+                                               "(vlmcap and vLLM accept it; OpenAI's API does not)."),
     json_path: str = typer.Option(None, "--json", help="Write the results here."),
     png_path: str = typer.Option(None, "--png", help="Draw latency distributions here."),
 ) -> None:
@@ -90,7 +109,8 @@ def serve(
         num_requests = 50
     cfg = ServeConfig(url=url, api_key=api_key, model=model, rate=rate, burstiness=burstiness,
                       num_requests=num_requests, duration=duration, image_fraction=image_fraction,
-                      prompt_words=prompt_words, max_tokens=max_tokens, seed=seed, slo=parse_slo(slo))
+                      prompt_words=prompt_words, max_tokens=max_tokens, seed=seed, slo=parse_slo(slo),
+                      ignore_eos=ignore_eos)
     result = run_serve(cfg)
     save(result, json_path, png_path, plot)
     typer.echo(summary(result))

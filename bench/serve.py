@@ -40,6 +40,9 @@ class ServeConfig:
     max_tokens: int = 64
     seed: int = 0
     slo: dict[str, float] = field(default_factory=dict)  # "ttft" / "itl" / "tpot" / "e2e" in ms
+    # Every request generates max_tokens tokens (random-weight models reach EOS at random); vlmcap and vLLM
+    # take this extension to the OpenAI API.
+    ignore_eos: bool = True
     timeout: float = 600.0
 
 
@@ -94,6 +97,8 @@ async def _one(
         "stream_options": {"include_usage": True},
         "temperature": 0.0,
     }
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
     last = rec.sent
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:

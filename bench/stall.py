@@ -182,3 +182,141 @@ def summary(result: dict[str, Any]) -> str:
         )
     return "\n".join(lines) + ("\n(ms; ITL of the chats while the image prompt is prefilled; before and after: "
                                "ITL p50 before and after that window)")
+
+
+# -- over HTTP, against any OpenAI-compatible server -------------------------------------------------------
+
+HTTP_CHAT_TEXT = "Tell me a long story about a bus driver in a rainy city."
+HTTP_IMAGE_TEXT = "Describe each person you see and what they are doing."
+
+
+@dataclass
+class HttpStallConfig:
+    url: str = "http://127.0.0.1:8000"
+    api_key: str | None = None
+    model: str | None = None  # the model id to ask for; default: the first of /v1/models
+    chats: int = 8
+    images: int = 2
+    warmup_tokens: int = 16  # every chat has streamed this many tokens when the image prompt is sent
+    after_tokens: int = 16  # and this many more after the image prompt's first token, then all stop
+    chat_max_tokens: int = 3000  # long enough to outlast the image prompt's prefill
+    timeout: float = 1800.0
+
+
+def _jpeg_data_url(image) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+async def _stream_chat(client, body: dict[str, Any], times: list[float]) -> str | None:
+    """Stream one chat completion, appending the arrival time of every chunk that carries text. Returns an
+    error message, or None when the stream ended (a chat is cancelled once the measurement is over)."""
+    import json
+
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            return f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                times.append(time.perf_counter())
+    return None
+
+
+async def _run_http(cfg: HttpStallConfig, image_urls: list[str]) -> dict[str, Any]:
+    import asyncio
+
+    import httpx
+
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limits = httpx.Limits(max_connections=cfg.chats + 4)
+    async with httpx.AsyncClient(base_url=cfg.url, headers=headers, timeout=cfg.timeout, limits=limits) as client:
+        model = cfg.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+
+        def body(content: Any, max_tokens: int) -> dict[str, Any]:
+            return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                    "stream": True, "temperature": 0.0, "ignore_eos": True}
+
+        streams: list[list[float]] = [[] for _ in range(cfg.chats)]
+        began = time.perf_counter()
+        chats = [asyncio.create_task(_stream_chat(client, body(HTTP_CHAT_TEXT, cfg.chat_max_tokens), times))
+                 for times in streams]
+
+        async def until(condition) -> None:
+            while not condition():
+                ended = next((t for t in chats if t.done()), None)
+                if ended is not None:
+                    why = ended.exception() or ended.result() or "its stream finished; raise chat_max_tokens"
+                    raise RuntimeError(f"a chat ended before the measurement did: {why}")
+                await asyncio.sleep(0.005)
+
+        await until(lambda: all(len(t) >= cfg.warmup_tokens for t in streams))
+        content = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls]
+        content.append({"type": "text", "text": HTTP_IMAGE_TEXT})
+        image_times: list[float] = []
+        arrival = time.perf_counter()
+        image = asyncio.create_task(_stream_chat(client, body(content, 4), image_times))
+        await until(lambda: bool(image_times) or image.done())
+        if not image_times:
+            raise RuntimeError(f"the image prompt gave no token: {image.result()}")
+        first_token = image_times[0]
+        counts = [len(t) for t in streams]
+        await until(lambda: all(len(t) >= n + cfg.after_tokens for t, n in zip(streams, counts)))
+        for chat in chats:
+            chat.cancel()
+        await asyncio.gather(*chats, return_exceptions=True)
+        if error := await image:
+            raise RuntimeError(f"the image prompt failed: {error}")
+
+    before, inside, after = [], [], []
+    for times in streams:
+        for prev, now in zip(times, times[1:]):
+            (before if now <= arrival else inside if now <= first_token else after).append(now - prev)
+    in_window = sum(1 for times in streams for t in times if arrival < t <= first_token)
+    return {
+        "model": model,
+        "itl_ms": percentiles_ms(inside),
+        "itl_outside_window_ms": percentiles_ms(before + after),
+        "itl_before_window_ms": percentiles_ms(before),
+        "itl_after_window_ms": percentiles_ms(after),
+        "worst_gap_ms": percentiles_ms(inside)["max"],
+        "ttft_ms": (first_token - arrival) * 1000.0,
+        "chat_tok_s_in_window": in_window / (first_token - arrival),
+        "timeline": {
+            "window": [arrival - began, first_token - began],
+            "streams": [[t - began for t in times] for times in streams],
+        },
+    }
+
+
+def run_stall_http(cfg: HttpStallConfig) -> dict[str, Any]:
+    """The stall scenario against a running server: `chats` streaming chats, then a prompt with `images`
+    photos; the chats' gaps while it is prefilled, its time to first token, the chats' tokens/s meanwhile."""
+    import asyncio
+
+    if not 1 <= cfg.images <= 8:
+        raise ValueError(f"images must be between 1 and 8, got {cfg.images}")
+    photos = sample_images()
+    urls = [_jpeg_data_url(photos[i % len(photos)]) for i in range(cfg.images)]
+    run = asyncio.run(_run_http(cfg, urls))
+    return {"config": asdict(cfg), "machine": machine(), "runs": {cfg.url: run}}
+
+
+def summary_http(result: dict[str, Any]) -> str:
+    lines = [f"{'server':<28}{'ITL p50':>9}{'p99':>9}{'worst':>9}{'before':>8}{'after':>8}{'TTFT':>10}"
+             f"{'chat tok/s':>11}"]
+    for name, run in result["runs"].items():
+        itl = run["itl_ms"]
+        lines.append(
+            f"{name:<28}{itl['p50']:>9.0f}{itl['p99']:>9.0f}{run['worst_gap_ms']:>9.0f}"
+            f"{run['itl_before_window_ms']['p50']:>8.0f}{run['itl_after_window_ms']['p50']:>8.0f}"
+            f"{run['ttft_ms']:>10.0f}{run['chat_tok_s_in_window']:>11.1f}"
+        )
+    return "\n".join(lines) + ("\n(ms; chat gaps between streamed tokens while the image prompt is prefilled; "
+                               "chat tok/s: the chats' tokens in that window per second)")

@@ -77,6 +77,8 @@ def test_bench_serve_loads_a_real_server_with_chats_and_captions(tmp_path):
     assert result["requests"]["sent"] == result["requests"]["completed"] == 8, result["errors"]
     assert 0 < result["requests"]["image"] < 8
     assert result["goodput"] == result["request_throughput"] > 0  # SLOs no request can miss
+    # ignore_eos is sent: every request streams exactly max_tokens tokens, whatever the random model picks.
+    assert round(result["output_token_throughput"] * result["duration_s"]) == 8 * 6
     for metric in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         assert result[metric]["p50"] <= result[metric]["p99"]
     assert result["output_token_throughput"] > 0
@@ -106,4 +108,23 @@ def test_bench_host_splits_a_step_into_phases_and_counts_ops(tmp_path):
     assert ops["readbacks_per_step"] >= 1  # the sampled tokens are read back at least once a step
     assert result["bare_static_cache"]["early_ms_median"] > 0
     assert math.isfinite(result["ratios"]["engine_vs_bare_early"])
+    assert is_png(png)
+
+
+def test_bench_stall_over_http_measures_a_real_server(tmp_path):
+    from api.server import BackgroundServer, create_app
+    from api.settings import ServerSettings
+    from engine import EngineConfig
+
+    out, png = tmp_path / "stall-http.json", tmp_path / "stall-http.png"
+    settings = ServerSettings(engine=EngineConfig(model="tiny", max_num_batched_tokens=16, max_num_seqs=4),
+                              api_key="bench-key")
+    with BackgroundServer(create_app(settings)) as server:
+        invoke(["bench", "stall", "--url", server.url, "--api-key", "bench-key", "--chats", "2", "--images", "1",
+                "--after-steps", "3", "--json", str(out), "--png", str(png)])
+    (run,) = json.loads(out.read_text())["runs"].values()
+    # The image prompt (5 tiles of 16 tokens) takes several 16-token steps, and the chats stream meanwhile.
+    assert run["ttft_ms"] > 0 and run["chat_tok_s_in_window"] > 0
+    assert 0 < run["itl_ms"]["p50"] <= run["worst_gap_ms"] == run["itl_ms"]["max"]
+    assert all(len(stream) >= 16 + 3 for stream in run["timeline"]["streams"])
     assert is_png(png)
