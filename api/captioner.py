@@ -13,27 +13,37 @@ from api.errors import APIError
 from api.images import decode_image
 from api.settings import Limits
 from engine import SamplingParams
+from engine.grammar import GrammarSpec
 
 
 class EngineCaptioner:
     """Implements `api.queue_worker.Captioner`. Greedy, so a frame gets the same caption on every run."""
 
-    def __init__(self, bridge: AsyncEngine, limits: Limits, max_tokens: int) -> None:
+    def __init__(self, bridge: AsyncEngine, limits: Limits, max_tokens: int,
+                 structured_max_tokens: int | None = None) -> None:
+        """`structured_max_tokens`: the default for captions under a JSON schema (longer than a sentence)."""
         self.bridge = bridge
         self.limits = limits
         self.max_tokens = max_tokens
+        self.structured_max_tokens = structured_max_tokens or max_tokens
 
-    async def caption(self, image_jpeg: bytes, prompt: str, priority: int) -> str:
-        """The caption of one encoded image. Raises APIError for an image or prompt the server refuses
-        (its message says why)."""
+    async def caption(self, image_jpeg: bytes, prompt: str, priority: int, schema: dict | None = None) -> str:
+        """The caption of one encoded image (JSON text under `schema` when one is given). Raises APIError for
+        an image, prompt or schema the server refuses (its message says why)."""
         image = await asyncio.to_thread(decode_image, image_jpeg, self.limits, "image")
-        return await self.collect(await self.submit(image, prompt, priority))
+        return await self.collect(await self.submit(image, prompt, priority, schema=schema))
 
     async def submit(self, image: Image.Image, prompt: str, priority: int,
-                     max_tokens: int | None = None) -> RequestStream:
+                     max_tokens: int | None = None, schema: dict | None = None) -> RequestStream:
+        try:
+            grammar = None if schema is None else GrammarSpec.from_schema(schema)
+        except ValueError as exc:
+            raise APIError(400, f"schema: {exc}", "schema", "invalid_json_schema") from None
+        default = self.max_tokens if grammar is None else self.structured_max_tokens
         return await self.bridge.add(
             messages=[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}],
-            images=[image], sampling=SamplingParams(max_tokens=max_tokens or self.max_tokens, temperature=0.0),
+            images=[image],
+            sampling=SamplingParams(max_tokens=max_tokens or default, temperature=0.0, grammar=grammar),
             priority=priority,
         )
 

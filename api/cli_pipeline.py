@@ -5,9 +5,11 @@ engine. Every option can also come from the environment variable named in its he
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import threading
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -23,6 +25,25 @@ _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 def _fail(message: str) -> typer.Exit:
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(2)
+
+
+def read_caption_schema(path: Path) -> dict:
+    """A caption schema file: a JSON Schema object that is valid as a schema; ValueError saying why not."""
+    import jsonschema_rs
+
+    try:
+        schema = json.loads(path.read_text())
+    except OSError as err:
+        raise ValueError(f"cannot read the caption schema {str(path)!r}: {err.strerror or err}") from None
+    except ValueError as err:
+        raise ValueError(f"the caption schema {str(path)!r} is not valid JSON: {err}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"the caption schema {str(path)!r} must be a JSON object (a JSON Schema)")
+    try:
+        jsonschema_rs.validator_for(schema)
+    except Exception as err:  # jsonschema_rs raises its own types
+        raise ValueError(f"the caption schema {str(path)!r} is not a valid JSON Schema: {err}") from None
+    return schema
 
 
 def pipeline(
@@ -64,6 +85,9 @@ def pipeline(
         "oldest unread jobs)."))] = "skip-new",
     annotate: Annotated[str, typer.Option(envvar="VLMCAP_ANNOTATE", help=(
         "Job image: 'none' (full frame), 'boxes' (full frame with person boxes) or 'crop' (the people)."))] = "none",
+    caption_schema: Annotated[Path | None, typer.Option(envvar="VLMCAP_CAPTION_SCHEMA", help=(
+        "JSON Schema file sent with each job: the caption is decoded under it and stored parsed as the "
+        "result's `structured` (samples/caption.schema.json: people, actions, anyone on the ground)."))] = None,
 ) -> None:
     """Run one camera: frames with people become caption jobs on the Redis queue."""
     logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
@@ -76,6 +100,7 @@ def pipeline(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
+        schema = read_caption_schema(caption_schema) if caption_schema is not None else None
         with redis_url_or_embedded(redis_url) as url:
             config = PipelineConfig(
                 source=source, camera_id=camera_id, redis_url=url, prompt=prompt or DEFAULT_PROMPT,
@@ -84,7 +109,7 @@ def pipeline(
                 max_frame_age_seconds=max_frame_age, track_cooldown_seconds=track_cooldown,
                 max_jobs_per_minute=max_jobs_per_minute, fall_cooldown_seconds=fall_cooldown,
                 stream_maxlen=stream_maxlen,
-                backpressure=Backpressure(backpressure), annotate=Annotate(annotate),
+                backpressure=Backpressure(backpressure), annotate=Annotate(annotate), caption_schema=schema,
             )
             stats = CameraPipeline(config).run(stop)
     except (ValueError, DetectorUnavailable) as err:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import os
 import socket
@@ -61,8 +62,31 @@ DEFAULT_FALL_PRIORITY = 5  # fall alerts go before other camera jobs, still afte
 
 class Captioner(Protocol):
     async def caption(self, image_jpeg: bytes, prompt: str, priority: int) -> str:
-        """The caption of one JPEG image; raises for an image it cannot use (undecodable, too large)."""
+        """The caption of one JPEG image; raises for an image it cannot use (undecodable, too large).
+        Captioners that take a job's JSON schema (structured captions) also accept `schema=` (a dict) and
+        return JSON text under it; the worker passes it only for jobs that have one."""
         ...
+
+
+def structured_caption(text: str, schema: dict) -> dict:
+    """A structured caption parsed and checked against its job's schema; ValueError saying why not."""
+    import jsonschema_rs
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"the caption is not valid JSON ({err}); was it cut at max_tokens? {text[:200]!r}") \
+            from None
+    if not isinstance(value, dict):
+        raise ValueError(f"the caption is JSON but not an object: {text[:200]!r}")
+    try:
+        validator = jsonschema_rs.validator_for(schema)
+    except Exception as err:  # jsonschema_rs raises its own types for schemas it cannot use
+        raise ValueError(f"the job's schema is not a valid JSON Schema: {err}") from None
+    errors = [error.message for error in validator.iter_errors(value)]
+    if errors:
+        raise ValueError(f"the caption does not match the job's schema: {'; '.join(errors[:3])}")
+    return value
 
 
 class OpenAICaptioner:
@@ -85,8 +109,10 @@ class OpenAICaptioner:
         self.model = model
         self.max_tokens = max_tokens
 
-    async def caption(self, image_jpeg: bytes, prompt: str, priority: int) -> str:
+    async def caption(self, image_jpeg: bytes, prompt: str, priority: int, schema: dict | None = None) -> str:
         data_url = "data:image/jpeg;base64," + base64.b64encode(image_jpeg).decode()
+        response_format = None if schema is None else {
+            "type": "json_schema", "json_schema": {"name": "caption", "schema": schema, "strict": True}}
         response = await self.client.chat.completions.create(
             model=self.model,
             messages=[{"role": "user", "content": [
@@ -95,6 +121,7 @@ class OpenAICaptioner:
             ]}],
             max_tokens=self.max_tokens,
             extra_body={"priority": priority} if priority else None,
+            **({"response_format": response_format} if response_format else {}),
         )
         text = response.choices[0].message.content if response.choices else None
         if not text or not text.strip():
@@ -391,9 +418,13 @@ class QueueWorker:
             await self._acknowledge(entry_id)
             self.stats.duplicates += 1
             return
+        structured = None
         try:
+            schema = {} if job.schema is None else {"schema": job.schema}
             caption = await self.captioner.caption(job.image, job.prompt,
-                                                   self.fall_priority if job.fall else self.priority)
+                                                   self.fall_priority if job.fall else self.priority, **schema)
+            if job.schema is not None:
+                structured = structured_caption(caption, job.schema)
         except Exception as err:  # any captioner failure is the job's error, recorded and retried
             error = f"{type(err).__name__}: {err}"
             self.stats.failed_attempts += 1
@@ -403,13 +434,13 @@ class QueueWorker:
             else:
                 await self._attempt(keys=[key], args=["status", JobStatus.QUEUED.value, "error", error])
             return
-        await self._finish_job(entry_id, job, deliveries, caption=caption)
+        await self._finish_job(entry_id, job, deliveries, caption=caption, structured=structured)
 
     async def _finish_job(self, entry_id: str, job: Job, deliveries: int, caption: str | None = None,
-                          error: str | None = None) -> None:
+                          error: str | None = None, structured: dict | None = None) -> None:
         result = job.queued_result()
         result.status = JobStatus.FAILED.value if error is not None else JobStatus.DONE.value
-        result.caption, result.error = caption, error
+        result.caption, result.error, result.structured = caption, error, structured
         # finished_at is set by FINISH_SCRIPT from Redis's clock; this value only holds the field's place.
         result.finished_at, result.deliveries, result.consumer = time.time(), deliveries, self.consumer_name
         result_fields = result.to_fields()

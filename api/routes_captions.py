@@ -15,13 +15,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 from starlette.datastructures import UploadFile
 
 from api.bridge import EngineFailure, RequestStream
 from api.errors import APIError
 from api.images import decode_base64, decode_image
 from api.openai_schemas import Priority
+from api.queue_worker import structured_caption
 from api.state import ServerState, server_state
 from api.streaming import ClientDisconnected, SSEResponse, sse, until_disconnect
 from pipeline.contract import CaptionResult, JobStatus
@@ -37,6 +38,21 @@ class CaptionFields(BaseModel):
     camera_id: CameraId | None = None
     priority: Priority | None = None
     max_tokens: int | None = Field(None, ge=1)
+    schema_: dict[str, Any] | None = Field(
+        None, alias="schema",
+        description="a JSON Schema (an object, or its JSON text in a multipart field): the caption is decoded "
+                    "under it and its parsed object returned as `structured`")
+
+    @field_validator("schema_", mode="before")
+    @classmethod
+    def _schema_text(cls, value: Any) -> Any:
+        """Multipart fields are text: a schema there is JSON text."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value, parse_constant=_refuse_constant)
+            except (ValueError, RecursionError) as exc:
+                raise ValueError(f"schema is not valid JSON: {exc}") from None
+        return value
 
 
 class CaptionRequest(CaptionFields):
@@ -48,7 +64,7 @@ MULTIPART_SCHEMA = {
     "required": ["image"],
     "properties": {
         "image": {"type": "string", "format": "binary"},
-        **{name: {"type": "string"} for name in CaptionFields.model_fields},
+        **{f.alias or name: {"type": "string"} for name, f in CaptionFields.model_fields.items()},
     },
 }
 CAPTION_BODY = {"requestBody": {"required": True, "content": {
@@ -99,21 +115,25 @@ async def read_caption_request(request: Request, state: ServerState) -> tuple[by
     raise APIError(415, f"send the image as multipart/form-data or application/json, not {content_type!r}")
 
 
-async def run_caption(state: ServerState, result: CaptionResult, stream: RequestStream) -> None:
-    """Collect a caption into its result; a failure or cancellation becomes a failed result."""
+async def run_caption(state: ServerState, result: CaptionResult, stream: RequestStream,
+                      schema: dict[str, Any] | None = None) -> None:
+    """Collect a caption into its result (parsed into `structured` under a schema); a failure or cancellation
+    becomes a failed result."""
     async def running() -> None:
         result.status = JobStatus.RUNNING.value
         await state.captions.put(result)
 
     try:
         result.caption = await state.captioner.collect(stream, on_running=running)
+        if schema is not None:
+            result.structured = structured_caption(result.caption, schema)
         result.status = JobStatus.DONE.value
     except asyncio.CancelledError:
         result.status, result.error = JobStatus.FAILED.value, "cancelled: the client disconnected"
         raise
     except APIError as exc:
         result.status, result.error = JobStatus.FAILED.value, exc.message
-    except EngineFailure as exc:
+    except (EngineFailure, ValueError) as exc:
         result.status, result.error = JobStatus.FAILED.value, str(exc)
     finally:
         result.finished_at = time.time()
@@ -136,6 +156,7 @@ async def create_caption(request: Request, wait: bool = Query(False, description
     stream = await state.captioner.submit(
         image, fields.prompt or settings.caption_prompt,
         settings.caption_priority if fields.priority is None else fields.priority, fields.max_tokens,
+        schema=fields.schema_,
     )
     now = time.time()
     result = CaptionResult(id=uuid.uuid4().hex, status=JobStatus.QUEUED.value, camera_id=fields.camera_id or "",
@@ -145,7 +166,7 @@ async def create_caption(request: Request, wait: bool = Query(False, description
     except BaseException:
         state.bridge.abort(stream.request_id)
         raise
-    task = asyncio.create_task(run_caption(state, result, stream))
+    task = asyncio.create_task(run_caption(state, result, stream, fields.schema_))
     state.background.add(task)
     task.add_done_callback(state.background.discard)
     if not wait:

@@ -211,7 +211,8 @@ async def _build_state(settings: ServerSettings, metrics: Metrics, engine: Any |
         captions = RedisCaptionStore(connect(settings.redis_url))
     else:
         captions = MemoryCaptionStore()
-    captioner = EngineCaptioner(bridge, settings.limits, settings.caption_max_tokens)
+    captioner = EngineCaptioner(bridge, settings.limits, settings.caption_max_tokens,
+                                settings.structured_caption_max_tokens)
     return ServerState(settings=settings, bridge=bridge, metrics=metrics, captions=captions, captioner=captioner)
 
 

@@ -54,6 +54,7 @@ class ServerSettings:
     queue_batch_size: int = 8
     caption_prompt: str = "Describe the people in this image in one sentence."
     caption_max_tokens: int = 64
+    structured_caption_max_tokens: int = 512  # captions under a JSON schema (`schema` of a job or request)
     caption_priority: int = DEFAULT_CAPTION_PRIORITY  # chats (priority 0) go first
     fall_priority: int = DEFAULT_FALL_PRIORITY  # fall alerts: before other camera jobs, after chats
     alert_webhook: str | None = None  # URL each fall alert's result is POSTed to (see api.alerts)

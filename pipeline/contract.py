@@ -266,6 +266,28 @@ def detections_from_json(name: str, value: str) -> list[Detection]:
     return [Detection.from_json(item, f"{name}[{i}]") for i, item in enumerate(items)]
 
 
+# A caption schema travels with every job that has one: kept to a size a JSON schema needs.
+MAX_CAPTION_SCHEMA_CHARS = 64_000
+
+
+def caption_schema_from_json(value: str) -> dict:
+    """A job's caption schema: JSON text of a JSON Schema object (whether the server can use it is the
+    server's check: a schema it cannot compile dead-letters the job with the reason)."""
+    if len(value) > MAX_CAPTION_SCHEMA_CHARS:
+        raise ValueError(f"schema is {len(value)} characters, over the limit of {MAX_CAPTION_SCHEMA_CHARS}")
+    schema = json_field("schema", value)
+    if not isinstance(schema, dict):
+        raise ValueError(f"schema must be a JSON object (a JSON Schema), got {_shown(schema)}")
+    return schema
+
+
+def structured_from_json(value: str) -> dict:
+    structured = json_field("structured", value)
+    if not isinstance(structured, dict):
+        raise ValueError(f"structured must be a JSON object, got {_shown(structured)}")
+    return structured
+
+
 def image_origin_from_json(value: str) -> tuple[int, int]:
     origin = json_field("image_origin", value)
     if (not isinstance(origin, list) or len(origin) != 2
@@ -280,7 +302,9 @@ class Job:
     sources, Unix time for live ones. `created_at` is Unix time of enqueueing. `image_origin` is where the
     image's top-left corner lies in the full frame: (0, 0) unless the image is a crop. `fall` marks a fall
     alert: the gate saw a tracked person on the ground (a box of class FALL_CLASS) not alerted within its
-    cooldown; such a job is captioned before other camera jobs and its result goes to `ALERTS_STREAM`."""
+    cooldown; such a job is captioned before other camera jobs and its result goes to `ALERTS_STREAM`.
+    `schema` (a JSON Schema) asks for a structured caption: the worker decodes under it and stores the parsed
+    object as the result's `structured`, or dead-letters the job saying why."""
 
     camera_id: str
     frame_ts: float
@@ -291,6 +315,7 @@ class Job:
     created_at: float = field(default_factory=time.time)
     image_origin: tuple[int, int] = (0, 0)
     fall: bool = False
+    schema: dict | None = None
 
     @property
     def person_count(self) -> int:
@@ -302,7 +327,7 @@ class Job:
         return [d.label or PERSON_CLASS for d in self.detections]
 
     def to_fields(self) -> dict[str, bytes | str]:
-        return {
+        fields: dict[str, bytes | str] = {
             "job_id": self.job_id,
             "camera_id": self.camera_id,
             "frame_ts": repr(self.frame_ts),
@@ -314,6 +339,9 @@ class Job:
             "image_origin": json.dumps(list(self.image_origin)),
             "fall": flag_text(self.fall),
         }
+        if self.schema is not None:  # absent otherwise, so older workers see the jobs they know
+            fields["schema"] = json.dumps(self.schema)
+        return fields
 
     @classmethod
     def from_fields(cls, fields: dict) -> Job:
@@ -342,6 +370,7 @@ class Job:
                 else time.time(),
                 image_origin=image_origin_from_json(str(values.get("image_origin", "[0, 0]"))),
                 fall=flag("fall", values.get("fall", "false")),
+                schema=caption_schema_from_json(str(values["schema"])) if "schema" in values else None,
             )
         except KeyError as missing:
             raise ValueError(f"job entry lacks field {missing}") from None
@@ -383,10 +412,13 @@ class CaptionResult:
     consumer: str | None = None  # the queue worker that finished the job
     fall: bool = False  # a fall alert (see Job.fall)
     classes: list[str] = field(default_factory=list)  # the class of each person box
+    structured: dict | None = None  # the caption parsed, for a job with a schema
 
     def to_fields(self) -> dict[str, str]:
         fields = {name: str(value) for name, value in asdict(self).items() if value is not None}
         fields["fall"], fields["classes"] = flag_text(self.fall), json.dumps(self.classes)
+        if self.structured is not None:
+            fields["structured"] = json.dumps(self.structured)
         return fields
 
     @classmethod
@@ -408,6 +440,7 @@ class CaptionResult:
                 consumer=values.get("consumer"),
                 fall=flag("fall", values.get("fall", "false")),
                 classes=labels_from_json("classes", values.get("classes", "[]")),
+                structured=structured_from_json(values["structured"]) if "structured" in values else None,
             )
         except KeyError as missing:
             raise ValueError(f"caption result lacks field {missing}") from None

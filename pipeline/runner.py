@@ -99,6 +99,7 @@ class PipelineConfig:
     jpeg_quality: int = 90
     stats_interval_seconds: float = 30.0  # how often the counters are logged
     publish_stats_seconds: float = 2.0  # how often they are published to Redis (for the dashboard)
+    caption_schema: dict | None = None  # a JSON Schema sent with each job: structured captions (Job.schema)
 
     def __post_init__(self) -> None:
         if not self.camera_id.strip():
@@ -149,6 +150,7 @@ class CameraPipeline:
             image=job_image(gated.frame.image, gated.detections, config.annotate, config.jpeg_quality),
             detections=gated.detections,
             fall=gated.fall,
+            schema=config.caption_schema,
         )
         if config.annotate is Annotate.CROP and gated.detections:
             job.image_origin = crop_region(gated.frame.image, gated.detections)[:2]

@@ -220,6 +220,7 @@ async function openFrame(result) {
   image.removeAttribute("src");
   $("frame-meta").replaceChildren(...captionMeta(result));
   fillCaptionText($("frame-caption"), result);
+  $("frame-structured").replaceChildren(...[structuredFields(result)].filter(Boolean));
   dialog.showModal();
   const url = await frameUrl(result.id, null);
   if (url) image.src = url;
@@ -248,6 +249,21 @@ function fillCaptionText(node, result) {
   node.classList.toggle("error", failed);
 }
 
+// A structured caption (a job or upload with a JSON schema): its fields as a definition list, each value as
+// text (a list of objects shows one line per item), or null for a plain caption.
+function structuredFields(result) {
+  if (!result.structured || typeof result.structured !== "object") return null;
+  const list = el("dl", "structured");
+  const show = (value) => (value !== null && typeof value === "object" ? JSON.stringify(value) : String(value));
+  for (const [name, value] of Object.entries(result.structured)) {
+    const values = Array.isArray(value) && value.length && value.every((v) => v && typeof v === "object")
+      ? value.map((item) => Object.values(item).map(show).join(" · "))
+      : [Array.isArray(value) ? value.map(show).join(", ") : show(value)];
+    list.append(el("dt", null, name.replaceAll("_", " ")), ...values.map((v) => el("dd", null, v)));
+  }
+  return list;
+}
+
 function rememberCamera(cameraId) {
   if (!cameraId || knownCameras.has(cameraId)) return;
   knownCameras.add(cameraId);
@@ -268,7 +284,7 @@ function captionCard(result) {
   meta.append(...captionMeta(result));
   const text = el("p", "caption-text");
   fillCaptionText(text, result);
-  body.append(meta, text);
+  body.append(meta, text, ...[structuredFields(result)].filter(Boolean));
   card.append(thumb, body);
   card.addEventListener("click", () => openFrame(result));
   card.addEventListener("keydown", (event) => { if (event.key === "Enter") openFrame(result); });
