@@ -162,3 +162,26 @@ def host(
     result = run_host(cfg)
     save(result, json_path, png_path, plot)
     typer.echo(summary(result))
+
+
+@bench_app.command("overhead")
+def overhead(
+    model: str = typer.Option("dummy:smolvlm-256m", help="Model: checkpoint dir, hub id, tiny or dummy:<preset>."),
+    dtype: str = typer.Option("bfloat16", help="float32, bfloat16 or float16."),
+    chats: int = typer.Option(8, help="Chats streaming at once."),
+    max_tokens: int = typer.Option(64, help="Tokens of each chat (ignore_eos)."),
+    budget: int = typer.Option(2048, help="The engine's max_num_batched_tokens."),
+    threads: int = typer.Option(None, help="torch threads, here and in the server (default: torch's choice)."),
+    repeats: int = typer.Option(1, help="Runs of each side, alternating; the best of each is kept."),
+    json_path: str = typer.Option(None, "--json", help="Write the results here."),
+    png_path: str = typer.Option(None, "--png", help="Draw tokens/s and ITL here."),
+) -> None:
+    """What serving over HTTP costs: the same chats through `vlmcap serve` (its own process) and the engine alone."""
+    from bench.overhead import OverheadConfig, plot, run_overhead, summary
+    from bench.report import save
+
+    cfg = OverheadConfig(model=model, dtype=dtype, chats=chats, max_tokens=max_tokens, budget=budget,
+                         threads=threads, repeats=repeats)
+    result = run_overhead(cfg)
+    save(result, json_path, png_path, plot)
+    typer.echo(summary(result))

@@ -128,3 +128,16 @@ def test_bench_stall_over_http_measures_a_real_server(tmp_path):
     assert 0 < run["itl_ms"]["p50"] <= run["worst_gap_ms"] == run["itl_ms"]["max"]
     assert all(len(stream) >= 16 + 3 for stream in run["timeline"]["streams"])
     assert is_png(png)
+
+
+def test_bench_overhead_runs_the_same_chats_directly_and_through_a_server_process(tmp_path):
+    out, png = tmp_path / "overhead.json", tmp_path / "overhead.png"
+    invoke(["bench", "overhead", "--model", "tiny", "--dtype", "float32", "--chats", "2", "--max-tokens", "5",
+            "--threads", "1", "--json", str(out), "--png", str(png)])
+    result = json.loads(out.read_text())
+    # ignore_eos on both sides: the same number of tokens, whatever the random model picks.
+    assert result["direct"]["tokens"] == result["http"]["tokens"] == 2 * 5
+    for side in ("direct", "http"):
+        assert result[side]["output_tok_s"] > 0 and result[side]["itl_ms"]["p50"] > 0
+    assert math.isfinite(result["ratios"]["http_vs_direct_tok_s"])
+    assert is_png(png)

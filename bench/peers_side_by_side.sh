@@ -1,0 +1,119 @@
+#!/bin/bash
+# vlmcap and vLLM-CPU side by side on the engine-speed workloads (issue 11's table), one server at a time,
+# the same checkpoint (dummy:smolvlm-256m, bfloat16) and the same client (`vlmcap bench ...`, ignore_eos).
+#
+#   PEER=$HOME/vllm-peer bench/peers_side_by_side.sh [vllm|vlmcap|both]     # default: both
+#
+# Needs vLLM-CPU built once: PEER=$HOME/vllm-peer ../shared/peers/vllm-cpu/setup.sh (see its README).
+# Writes JSON, PNG and text per workload and server to $OUT (default bench/results/side-by-side) and prints a
+# summary. Workloads:
+#   chats8   8 streaming chats, 256 tokens each: gap between tokens (ITL p50)
+#   stall    the same 8 chats while a 2-photo prompt is prefilled: worst gap, the image prompt's TTFT,
+#            chat tokens/s in that window
+#   text32   32 text requests at once, 64 tokens each: output tokens/s (vlmcap with budget 2048)
+#   mixed24  24 requests at 1/s, a quarter with a photo, 64 tokens each: TTFT p50, end-to-end p50
+# Settings: vlmcap --max-num-batched-tokens 64 --max-encoder-tokens-per-step 64 --encoder-slices-per-step 3
+# (budget 2048 for text32); vLLM --max-num-batched-tokens 256 (serve.sh's), 2 OpenMP threads on cores 0-1.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHICH=${1:-both}
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-bench/results/side-by-side}
+PORT=${PORT:-8799}
+THREADS=${THREADS:-2}
+PEERS_DIR=${PEERS_DIR:-$(cd .. && pwd)/shared/peers/vllm-cpu}
+URL=http://127.0.0.1:$PORT
+MODEL_DIR=${MODEL_DIR:-$($PY -c "from engine.models import resolve_checkpoint as r; print(r('dummy:smolvlm-256m'))" \
+  2>/dev/null | tail -1)}
+mkdir -p "$OUT"
+SERVER_PID=
+
+stop_server() {
+  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
+    kill -TERM "$SERVER_PID"
+    wait "$SERVER_PID" 2>/dev/null || true
+  fi
+  SERVER_PID=
+}
+trap stop_server EXIT
+
+wait_ready() {  # $1: health path
+  for _ in $(seq 1 900); do
+    if curl -sf -o /dev/null "$URL$1"; then return 0; fi
+    kill -0 "$SERVER_PID" 2>/dev/null || { echo "the server exited; see $OUT/*.log" >&2; return 1; }
+    sleep 1
+  done
+  echo "the server was not ready in 15 minutes" >&2
+  return 1
+}
+
+start_vllm() {
+  : "${PEER:?set PEER to the folder that the vLLM-CPU setup.sh filled}"
+  PEER=$PEER "$PEERS_DIR/serve.sh" "$MODEL_DIR" "$PORT" > "$OUT/vllm-server.log" 2>&1 &
+  SERVER_PID=$!
+  wait_ready /health
+}
+
+start_vlmcap() {  # $1: max_num_batched_tokens
+  $PY -c "from api.cli import app; app(prog_name='vlmcap')" serve --model dummy:smolvlm-256m --dtype bfloat16 \
+    --port "$PORT" --no-queue --num-threads "$THREADS" --max-num-batched-tokens "$1" \
+    --max-encoder-tokens-per-step 64 --encoder-slices-per-step 3 --max-num-seqs 64 --log-level warning \
+    > "$OUT/vlmcap-server-$1.log" 2>&1 &
+  SERVER_PID=$!
+  wait_ready /ready
+}
+
+bench() {  # $1: server name, $2: workload, then the bench command and its options
+  local name=$1 workload=$2
+  shift 2
+  echo "== $name: $workload"
+  $PY -m bench "$@" --json "$OUT/$name-$workload.json" --png "$OUT/$name-$workload.png" | tee "$OUT/$name-$workload.txt"
+}
+
+workloads() {  # $1: server name
+  bench "$1" chats8 serve --url "$URL" --rate inf --num-requests 8 --image-fraction 0 --max-tokens 256
+  bench "$1" stall stall --url "$URL" --chats 8 --images 2 --after-steps 16
+  bench "$1" mixed24 serve --url "$URL" --rate 1 --num-requests 24 --image-fraction 0.25 --max-tokens 64 --seed 0
+}
+
+if [ "$WHICH" = vllm ] || [ "$WHICH" = both ]; then
+  start_vllm
+  workloads vllm
+  bench vllm text32 serve --url "$URL" --rate inf --num-requests 32 --image-fraction 0 --max-tokens 64
+  stop_server
+fi
+if [ "$WHICH" = vlmcap ] || [ "$WHICH" = both ]; then
+  start_vlmcap 64
+  workloads vlmcap
+  stop_server
+  start_vlmcap 2048
+  bench vlmcap text32 serve --url "$URL" --rate inf --num-requests 32 --image-fraction 0 --max-tokens 64
+  stop_server
+fi
+
+$PY - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+def load(name, workload):
+    path = out / f"{name}-{workload}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+rows = [
+    ("8 chats: ITL p50 (ms)", "chats8", lambda r: r["itl_ms"]["p50"]),
+    ("stall: worst chat gap (ms)", "stall", lambda r: next(iter(r["runs"].values()))["worst_gap_ms"]),
+    ("stall: image TTFT (s)", "stall", lambda r: next(iter(r["runs"].values()))["ttft_ms"] / 1000),
+    ("stall: chat tok/s in window", "stall", lambda r: next(iter(r["runs"].values()))["chat_tok_s_in_window"]),
+    ("32 text requests: output tok/s", "text32", lambda r: r["output_token_throughput"]),
+    ("24 at 1/s: TTFT p50 (ms)", "mixed24", lambda r: r["ttft_ms"]["p50"]),
+    ("24 at 1/s: e2e p50 (s)", "mixed24", lambda r: r["e2e_ms"]["p50"] / 1000),
+]
+lines = [f"| workload | vLLM-CPU | vlmcap | vlmcap / vLLM |", "| --- | --- | --- | --- |"]
+for label, workload, get in rows:
+    vals = [load(n, workload) for n in ("vllm", "vlmcap")]
+    vals = [get(v) if v else float("nan") for v in vals]
+    lines.append(f"| {label} | {vals[0]:.1f} | {vals[1]:.1f} | {vals[1] / vals[0]:.2f} |")
+(out / "summary.md").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+EOF
