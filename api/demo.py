@@ -1,6 +1,8 @@
 """`vlmcap demo`: the whole product on one machine. An embedded Redis, the server with its in-process
-queue worker, and a camera pipeline over the bundled sample video; one line per caption as it arrives,
-then exit when the video has ended and every job it queued has its caption."""
+queue worker and its dashboard, and a camera pipeline playing the bundled sample video in real time, looping,
+with the trained people-fall detector (HOG when it cannot be fetched); one line per caption as it arrives,
+and a line per fall alert, until Ctrl-C. With `once`, one pass, not paced: it ends when the video has ended
+and every job it queued has its caption."""
 
 from __future__ import annotations
 
@@ -38,7 +40,26 @@ def choose_model(model: str | None) -> tuple[str, str | None]:
     )
 
 
-async def _print_captions(redis_url: str, pipeline_done: threading.Event, timeout_s: float) -> int:
+def choose_detector(detector: str | None) -> str:
+    """The detector to run: the one asked for, else people-fall when its checkpoint can be had, else HOG
+    (saying why)."""
+    if detector is not None:
+        return detector
+    from pipeline.detector import PEOPLE_FALL, DetectorUnavailable, fetch_checkpoint
+
+    try:
+        fetch_checkpoint(PEOPLE_FALL)
+        return PEOPLE_FALL
+    except DetectorUnavailable as err:
+        print(f"demo: the {PEOPLE_FALL} detector is unavailable ({err}); falling back to HOG, which finds "
+              "standing people only, so the demo shows no fall alert", flush=True)
+        return "hog"
+
+
+async def _print_captions(redis_url: str, pipeline_done: threading.Event, timeout_s: float | None,
+                          printed: list[int]) -> None:
+    """Print each finished caption of the demo camera as it arrives, counting them in `printed[0]`; return
+    when the camera is done and every job has its caption (never, while the camera loops)."""
     from api.queue_worker import connect, queue_stats, tail_captions
     from pipeline.contract import camera_captions_stream
 
@@ -50,23 +71,25 @@ async def _print_captions(redis_url: str, pipeline_done: threading.Event, timeou
             await arrived.put(result)
 
     follower = asyncio.create_task(follow())
-    printed = 0
     try:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        deadline = loop.time() + timeout_s if timeout_s is not None else float("inf")
         while loop.time() < deadline:
             try:
                 result = await asyncio.wait_for(arrived.get(), timeout=1.0)
             except asyncio.TimeoutError:
                 # Done when the video has ended, no job is left, and every finished job was printed.
                 if pipeline_done.is_set() and (await queue_stats(redis))["backlog"] == 0:
-                    if printed == await redis.xlen(camera_captions_stream(CAMERA)):
-                        return printed
+                    if printed[0] == await redis.xlen(camera_captions_stream(CAMERA)):
+                        return
                 continue
             text = result.caption if result.status == "done" else f"[failed: {result.error}]"
-            print(f"caption camera={result.camera_id} t={result.frame_ts:.1f}s persons={result.person_count}: "
-                  f"{(text or '').strip()!r}", flush=True)
-            printed += 1
+            if result.fall:
+                print(f"ALERT fall camera={result.camera_id} t={result.frame_ts:.1f}s: a person on the ground "
+                      f"(on the dashboard, /v1/alerts and /v1/alerts/stream)", flush=True)
+            print(f"caption camera={result.camera_id} t={result.frame_ts:.1f}s persons={result.person_count}"
+                  f"{' fall' if result.fall else ''}: {(text or '').strip()!r}", flush=True)
+            printed[0] += 1
         raise TimeoutError(f"captions were still arriving after {timeout_s:.0f} s")
     finally:
         follower.cancel()
@@ -74,8 +97,10 @@ async def _print_captions(redis_url: str, pipeline_done: threading.Event, timeou
         await redis.aclose()
 
 
-def run_demo(model: str | None, detector: str | None, source: str | None, timeout_s: float = 900.0) -> int:
-    """Run the demo; return the number of captions printed."""
+def run_demo(model: str | None, detector: str | None, source: str | None, timeout_s: float = 900.0,
+             once: bool = False, port: int = 8000) -> int:
+    """Run the demo; return the number of captions printed. Without `once` it runs until Ctrl-C (the
+    video in real time, looping); with it, one pass as fast as the detector goes, within `timeout_s`."""
     from api.server import BackgroundServer, create_app
     from api.settings import ServerSettings
     from engine import EngineConfig
@@ -85,33 +110,42 @@ def run_demo(model: str | None, detector: str | None, source: str | None, timeou
     served, banner = choose_model(model)
     if banner:
         print(banner, flush=True)
+    detector = choose_detector(detector)
     redis = EmbeddedRedis()
     print(f"demo: embedded Redis at {redis.url}", flush=True)
     try:
         settings = ServerSettings(engine=EngineConfig(model=served), redis_url=redis.url, run_queue_worker=True)
-        with BackgroundServer(create_app(settings)) as server:
-            print(f"demo: server on {served} at {server.url} (dashboard: {server.url}/)", flush=True)
+        with BackgroundServer(create_app(settings), port=port) as server:
+            print(f"demo: server on {served} at {server.url}", flush=True)
             camera = CameraPipeline(PipelineConfig(
                 source=source or str(SAMPLE_VIDEO), camera_id=CAMERA, redis_url=redis.url, detector=detector,
-                track_cooldown_seconds=3.0, stats_interval_seconds=3600.0,
+                track_cooldown_seconds=3.0, stats_interval_seconds=3600.0, realtime=not once, loop=not once,
             ))
             print(f"demo: camera {CAMERA} reads {source or SAMPLE_VIDEO.name} with the "
-                  f"{camera.detector.name} detector", flush=True)
-            done = threading.Event()
+                  f"{camera.detector.name} detector" + ("" if once else ", in real time, looping"), flush=True)
+            print(f"demo: dashboard at {server.url}/ (open it in a browser)"
+                  + ("" if once else "; Ctrl-C stops the demo"), flush=True)
+            done, stop = threading.Event(), threading.Event()
 
             def run_camera() -> None:
                 try:
-                    stats = camera.run()
+                    stats = camera.run(stop)
                     print(f"demo: video ended: {stats['captured']} frames, {stats['detected']} with people, "
-                          f"{stats['jobs']} jobs", flush=True)
+                          f"{stats['jobs']} jobs, {stats['falls']} falls", flush=True)
                 finally:
                     done.set()
 
             thread = threading.Thread(target=run_camera, name="demo-camera", daemon=True)
             thread.start()
-            printed = asyncio.run(_print_captions(redis.url, done, timeout_s))
-            thread.join()
-            print(f"demo: {printed} captions", flush=True)
-            return printed
+            printed = [0]
+            try:
+                asyncio.run(_print_captions(redis.url, done, timeout_s if once else None, printed))
+            except KeyboardInterrupt:
+                print("demo: stopping (Ctrl-C)", flush=True)
+            finally:
+                stop.set()
+                thread.join(30)
+            print(f"demo: {printed[0]} captions", flush=True)
+            return printed[0]
     finally:
         redis.close()

@@ -1,10 +1,13 @@
-"""`vlmcap demo`, the README's main job, end to end as a person runs it: no network, so the tiny model and
-the HOG detector; one `caption` line per job, then a clean exit when the sample video ends."""
+"""`vlmcap demo`, the README's main job, end to end as a person runs it: no network to the hub, so the tiny
+model, and the trained people-fall detector; one `caption` line per job, the person lying on the ground of
+the sample as a fall alert, then (with --once) a clean exit when the sample video ends. Without --once the
+demo plays the video in real time, looping, until Ctrl-C (SIGINT), then exits cleanly."""
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,13 +18,43 @@ VLMCAP = Path(sys.executable).with_name("vlmcap")
 
 
 @pytest.mark.timeout(300)
-def test_demo_prints_a_caption_line_per_job_and_exits():
+def test_demo_once_prints_a_caption_line_per_job_and_the_fall_alert(people_fall_weights):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    run = subprocess.run([str(VLMCAP), "demo"], capture_output=True, text=True, timeout=280, env=env)
+    run = subprocess.run([str(VLMCAP), "demo", "--once", "--port", "0"], capture_output=True, text=True,
+                         timeout=280, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     assert any("random weights" in line for line in lines)  # the fallback banner says captions are meaningless
+    assert any("with the people-fall detector" in line for line in lines)
+    assert any(re.match(r"demo: dashboard at http://127\.0\.0\.1:\d+/ ", line) for line in lines)
     captions = [line for line in lines if line.startswith("caption ")]
-    assert captions and all(re.match(r"caption camera=sample-cam t=\d+\.\ds persons=\d+: ", c) for c in captions)
-    jobs = int(re.search(r"(\d+) jobs", run.stdout).group(1))
-    assert len(captions) == jobs >= 1
+    assert captions and all(re.match(r"caption camera=sample-cam t=\d+\.\ds persons=\d+( fall)?: ", c)
+                            for c in captions)
+    jobs, falls = map(int, re.search(r"(\d+) jobs, (\d+) falls", run.stdout).groups())
+    assert len(captions) == jobs >= 3
+    alerts = [line for line in lines if line.startswith("ALERT fall camera=sample-cam")]
+    assert len(alerts) == falls == sum(c.split(":")[0].endswith(" fall") for c in captions) == 1
+    # The person lies on the ground from 8 s to 10 s of the sample video.
+    assert 8.0 <= float(re.search(r"t=(\d+\.\d)s", alerts[0]).group(1)) < 10.0
+
+
+@pytest.mark.timeout(300)
+def test_demo_plays_until_interrupted(people_fall_weights):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    demo = subprocess.Popen([str(VLMCAP), "demo", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    try:
+        seen = []
+        for line in demo.stdout:
+            seen.append(line)
+            if line.startswith("caption "):
+                break
+        assert any("in real time, looping" in line for line in seen) and any("Ctrl-C" in line for line in seen)
+        assert demo.poll() is None, "the demo runs on after its first caption"
+        demo.send_signal(signal.SIGINT)
+        rest, _ = demo.communicate(timeout=120)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert "demo: stopping (Ctrl-C)" in rest
+    assert re.search(r"demo: \d+ captions", rest)
