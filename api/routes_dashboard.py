@@ -25,11 +25,19 @@ from api.queue_worker import get_frame, recent_captions
 from api.routes_captions import result_json
 from api.settings import Limits
 from api.state import ServerState, server_state
-from pipeline.contract import CAMERA_STATS_TTL_SECONDS, CAMERAS_INDEX, CameraStats, JobFrame, camera_stats_key
+from pipeline.contract import (
+    CAMERA_STATS_TTL_SECONDS,
+    CAMERAS_INDEX,
+    FALL_CLASS,
+    CameraStats,
+    JobFrame,
+    camera_stats_key,
+)
 
 STATIC_DIR = Path(__file__).parent / "static"
 RATE_WINDOW_S = 5.0  # rates and step sizes are averaged over this many seconds
 BOX_COLOR = (0, 230, 118)
+FALL_BOX_COLOR = (239, 68, 68)  # boxes of people on the ground
 # The page loads only its own files and talks only to this server: data shown in it can never run.
 PAGE_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' blob:; "
@@ -76,8 +84,8 @@ def render_frame(frame: JobFrame, limits: Limits, boxes: bool, max_width: int | 
         draw = ImageDraw.Draw(image)
         line = max(2, round(max(image.size) / 300))
         for box in frame.detections:
-            draw.rectangle((box.x1 * scale, box.y1 * scale, box.x2 * scale, box.y2 * scale), outline=BOX_COLOR,
-                           width=line)
+            draw.rectangle((box.x1 * scale, box.y1 * scale, box.x2 * scale, box.y2 * scale),
+                           outline=FALL_BOX_COLOR if box.label == FALL_CLASS else BOX_COLOR, width=line)
     out = io.BytesIO()
     image.save(out, format="JPEG", quality=85)
     return out.getvalue()

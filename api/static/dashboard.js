@@ -240,6 +240,7 @@ function captionMeta(result) {
   const parts = [el("span", "camera-badge", result.camera_id || "upload"),
     el("time", "time", formatTime(result.created_at)), el("span", "people", peopleLabel(result.person_count))];
   if (result.status === "failed") parts.push(el("span", "badge-failed", "failed"));
+  if (result.fall) parts.push(el("span", "badge-fall", "fall"));
   return parts;
 }
 
@@ -275,7 +276,7 @@ function rememberCamera(cameraId) {
 }
 
 function captionCard(result) {
-  const card = el("li", "caption-card");
+  const card = el("li", result.fall ? "caption-card fall" : "caption-card");
   card.tabIndex = 0;
   card.dataset.id = result.id;
   const thumb = el("div", "thumb", "…");
@@ -360,6 +361,33 @@ async function followFeed() {
     // A stream cut mid-read rejects with a TypeError, like a fetch that found no server.
     throw err instanceof TypeError ? new ServerDown("The connection to the vlmcap server was lost.") : err;
   }
+}
+
+// -- fall alerts: the newest one in a strip above the page, from the alert stream ------------------------
+
+const alerts = { lastEventId: null };
+const RECENT_ALERT_S = 600; // a page opened this soon after a fall alert shows it
+
+function showAlert(result) {
+  const text = `${result.camera_id || "a camera"}, ${formatTime(result.created_at)}: ` +
+    (result.status === "failed" ? "a person on the ground (no caption)" : result.caption || "");
+  $("alert-text").textContent = text;
+  $("alert").hidden = false;
+  $("alert").onclick = (event) => { if (event.target.id !== "alert-dismiss") openFrame(result); };
+}
+
+async function followAlerts() {
+  const headers = alerts.lastEventId ? { "Last-Event-ID": alerts.lastEventId } : {};
+  const stream = await api("v1/alerts/stream", { headers, cache: "no-store" });
+  if (!alerts.lastEventId) {
+    const newest = (await (await api("v1/alerts?limit=1")).json()).data[0];
+    if (newest && Date.now() / 1000 - (newest.finished_at || 0) < RECENT_ALERT_S) showAlert(newest);
+  }
+  await readEvents(stream, (event) => {
+    if (event.type !== "alert") return;
+    alerts.lastEventId = event.id;
+    showAlert(JSON.parse(event.data));
+  });
 }
 
 function filterFeed(camera) {
@@ -641,6 +669,7 @@ function bindControls() {
   $("change-key").hidden = !auth.key;
   $("change-key").addEventListener("click", openKeyDialog);
 
+  $("alert-dismiss").addEventListener("click", () => { $("alert").hidden = true; });
   $("chat-form").addEventListener("submit", sendChat);
   $("chat-input").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey) sendChat(event);
@@ -669,5 +698,6 @@ function bindControls() {
 
 bindControls();
 keepRunning("feed", followFeed, 0);
+keepRunning("alerts", followAlerts, 0);
 keepRunning("cameras", refreshCameras, CAMERAS_POLL_MS);
 keepRunning("engine", refreshEngine, ENGINE_POLL_MS);
