@@ -38,9 +38,10 @@ def png(width: int, height: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(module_redis_url):
+    """With Redis (results, cameras, frames and alerts are read from it), so every route does real work."""
     settings = ServerSettings(engine=EngineConfig(model="tiny", max_num_seqs=1, max_model_len=512), limits=LIMITS,
-                              caption_max_tokens=4)
+                              caption_max_tokens=4, redis_url=module_redis_url)
     with BackgroundServer(create_app(settings)) as running:
         yield running
 
@@ -199,10 +200,24 @@ def test_model_that_cannot_load_answers_503(tmp_path):
         assert reply.status_code == 503 and "failed to load" in reply.json()["error"]["message"]
 
 
-# The schema the server publishes at /openapi.json; building it needs no engine.
+# The schema the server publishes at /openapi.json; building it needs no engine. The event streams never
+# end: their refusals are tested below.
 SCHEMA = schemathesis.openapi.from_dict(create_app(ServerSettings(limits=LIMITS)).openapi()).exclude(
-    path="/v1/captions/stream"  # an endless event stream
-)
+    path_regex=r"/stream$")
+
+
+def test_fuzzing_covers_every_route_but_the_endless_streams():
+    published = create_app(ServerSettings(limits=LIMITS)).openapi()["paths"]
+    fuzzed = {operation.path for operation in SCHEMA.get_all_operations() for operation in [operation.ok()]}
+    assert fuzzed == {path for path in published if not path.endswith("/stream")}
+    assert {"/v1/captions", "/v1/cameras", "/v1/captions/{caption_id}/image", "/v1/engine/stats",
+            "/v1/responses"} <= fuzzed
+
+
+@pytest.mark.parametrize("path", ["/v1/captions/stream", "/v1/alerts/stream"])
+def test_event_streams_refuse_bad_parameters(http, path):
+    reply = http.get(path, headers={"Last-Event-ID": "not-an-id"})
+    assert reply.status_code == 422 and reply.json()["error"]["param"] == "last-event-id"
 
 
 @SCHEMA.parametrize()
