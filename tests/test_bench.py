@@ -52,13 +52,19 @@ def test_bench_peers_compares_three_systems(tmp_path):
     assert is_png(png)
 
 
-def test_bench_pipeline_times_each_stage_on_real_redis(tmp_path, redis_url):
+def test_bench_pipeline_times_each_stage_on_real_redis(tmp_path, redis_url, people_fall_weights):
     out, png = tmp_path / "pipeline.json", tmp_path / "pipeline.png"
-    invoke(["bench", "pipeline", "--detector", "hog", "--redis-url", redis_url, "--json", str(out), "--png", str(png)])
-    hog = json.loads(out.read_text())["results"]["hog"]
-    assert hog["frames"] > 0 and hog["fps"] > 0
-    assert set(hog["stage_ms_per_frame"]) == {"capture", "detect", "gate", "enqueue"}
+    invoke(["bench", "pipeline", "--detector", "people-fall", "--detector", "hog", "--redis-url", redis_url,
+            "--json", str(out), "--png", str(png)])
+    results = json.loads(out.read_text())["results"]
+    for result in results.values():
+        assert result["frames"] == 60 and result["fps"] > 0
+        assert set(result["stage_ms_per_frame"]) == {"capture", "detect", "gate", "enqueue"}
+    hog, trained = results["hog"], results["people-fall"]
     assert hog["jobs"] >= 1  # the sample video has people, and HOG finds those of bus.jpg
+    # The trained detector finds the people of the three scenes that have some (10 frames each, a new
+    # track reported from its second frame) and the one lying on the ground.
+    assert 27 <= trained["frames_with_people"] <= 30 and trained["falls"] == 1
     assert is_png(png)
 
 
