@@ -262,3 +262,29 @@ def test_camera_stats_are_published_with_rates_and_a_ttl(redis_url):
         assert CameraStats.from_fields(client.hgetall(camera_stats_key("yard"))).status == "stopped"
     finally:
         client.close()
+
+
+def test_a_fall_alert_is_highlighted(server, redis_url, page):
+    """A fall job's result, as a queue worker writes it (result, caption feeds, alerts feed): its card is
+    marked, and the alert strip above the page shows it and opens its frame."""
+    from pipeline.contract import ALERTS_STREAM, FALL_CLASS
+
+    result = CaptionResult(id="fall-caption", status="done", camera_id="ward", created_at=time.time(),
+                           frame_ts=9.0, person_count=1, caption="a person lies on the floor",
+                           finished_at=time.time(), fall=True, classes=[FALL_CLASS])
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.hset(result_key(result.id), mapping=result.to_fields())
+        for feed in (CAPTIONS_STREAM, camera_captions_stream("ward"), ALERTS_STREAM):
+            client.xadd(feed, result.to_fields(), maxlen=CAPTIONS_STREAM_MAXLEN)
+    finally:
+        client.close()
+    page.goto(server.url)
+    card = page.locator(".caption-card.fall[data-id='fall-caption']")
+    expect(card.locator(".badge-fall")).to_have_text("fall")
+    strip = page.locator("#alert")
+    expect(strip).to_be_visible()
+    expect(strip).to_contain_text("ward")
+    expect(strip).to_contain_text("a person lies on the floor")
+    page.click("#alert-dismiss")
+    expect(strip).to_be_hidden()
