@@ -147,3 +147,22 @@ def test_bench_overhead_runs_the_same_chats_directly_and_through_a_server_proces
         assert result[side]["output_tok_s"] > 0 and result[side]["itl_ms"]["p50"] > 0
     assert math.isfinite(result["ratios"]["http_vs_direct_tok_s"])
     assert is_png(png)
+
+
+@pytest.mark.timeout(600)
+def test_bench_soak_short_run_holds(tmp_path):
+    """A short soak with hostile inputs mixed in: no 5xx, good requests 2xx, every good job done and every
+    bad one dead-lettered once, none lost or captioned twice. (Memory and ITL are reported, not asserted.)"""
+    out, png = tmp_path / "soak.json", tmp_path / "soak.png"
+    invoke(["bench", "soak", "--duration", "8", "--warmup", "2", "--chats", "2", "--caption-rate", "1",
+            "--job-rate", "2", "--hostile-fraction", "0.4", "--max-tokens", "4", "--json", str(out), "--png", str(png)])
+    result = json.loads(out.read_text())
+    assert result["good_requests"] > 0 and result["hostile_requests"] > 0
+    assert (result["good_not_2xx"], result["hostile_5xx"], result["no_answer"]) == (0, 0, 0), result["requests"]
+    jobs = result["jobs"]
+    assert jobs["good_jobs"] > 0 and jobs["good_done"] == jobs["good_jobs"]
+    assert jobs["bad_dead"] == jobs["bad_failed"] == jobs["bad_jobs"]
+    assert jobs["lost"] == jobs["captioned_twice"] == jobs["dead_lettered_twice"] == 0
+    assert result["engine_step_failures"] == 0 and result["ready_after"] == 200
+    assert result["memory_mib"]["start"] > 0 and result["chat_tokens"] > 0
+    assert is_png(png)

@@ -1,0 +1,462 @@
+"""`vlmcap bench soak`: a bounded soak of a real server, on loopback only.
+
+The soak starts its own embedded Redis and its own `vlmcap serve` (a subprocess listening on 127.0.0.1),
+then for `duration` seconds keeps `chats` streaming chats going, sends REST captions and camera jobs at
+steady rates, and replaces a share `hostile_fraction` of each with a hostile one (the cases of issue 13 and
+more: extreme sampling values, deep or NaN JSON, decompression bombs, truncated images, oversized chunked
+bodies, unknown methods, foreign Host headers, cross-site posts; camera jobs with malformed fields). Then it
+waits for every camera job to end and reports: requests by kind and status, jobs done, dead and lost,
+jobs captioned twice, the server's resident memory over time (start = after `warmup`), and the inter-token
+latency of the good chats. What must hold: no 5xx, good requests 2xx, hostile ones 4xx (or served
+normally where the input is merely odd), good jobs done, bad jobs dead once, none lost or captioned twice,
+memory flat after warm-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import random
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from bench.report import machine, percentiles_ms, photo_paths, pyplot, save_figure
+
+MAX_DURATION_S = 3600.0
+MAX_CHATS = 64
+MAX_RATE = 50.0
+
+
+@dataclass
+class SoakConfig:
+    model: str = "tiny"
+    duration: float = 120.0  # seconds of load
+    warmup: float = 20.0  # seconds of load before the first memory sample that counts
+    chats: int = 4  # streaming chats kept going at once
+    caption_rate: float = 0.5  # REST captions per second
+    job_rate: float = 1.0  # camera jobs per second
+    hostile_fraction: float = 0.2
+    max_tokens: int = 16
+    max_body_bytes: int = 4 * 2**20  # the server's limit (an oversized hostile body is just over it)
+    drain_timeout: float = 300.0  # seconds to wait for the last camera jobs after the load stops
+    memory_interval: float = 2.0
+    seed: int = 0
+    startup_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.duration <= MAX_DURATION_S:
+            raise ValueError(f"duration must be in (0, {MAX_DURATION_S:.0f}] seconds, got {self.duration}")
+        if not 0 <= self.warmup < self.duration:
+            raise ValueError(f"warmup must be in [0, duration), got {self.warmup}")
+        if not 0 <= self.chats <= MAX_CHATS:
+            raise ValueError(f"chats must be in [0, {MAX_CHATS}], got {self.chats}")
+        for name in ("caption_rate", "job_rate"):
+            if not 0 <= getattr(self, name) <= MAX_RATE:
+                raise ValueError(f"{name} must be in [0, {MAX_RATE:.0f}] per second, got {getattr(self, name)}")
+        if not 0 <= self.hostile_fraction <= 1:
+            raise ValueError(f"hostile_fraction must be in [0, 1], got {self.hostile_fraction}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+
+
+@dataclass
+class Outcome:
+    kind: str  # "chat", "caption", or "hostile:<name>"
+    status: int | None  # None: no answer (connection error), with `error`
+    error: str | None = None
+
+
+@dataclass
+class Tally:
+    outcomes: list[Outcome] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)  # gaps between streamed tokens of good chats
+    ttft: list[float] = field(default_factory=list)
+    good_jobs: list[str] = field(default_factory=list)
+    bad_jobs: list[str] = field(default_factory=list)
+    memory: list[tuple[float, float]] = field(default_factory=list)  # (seconds since load began, RSS MiB)
+
+
+# -- hostile inputs -----------------------------------------------------------------------------------
+
+def _png(width: int, height: int) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (90, 120, 30)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def bomb_png() -> bytes:
+    """A real 4x4 PNG whose header claims 20000x20000 pixels (past Pillow's own bomb limit)."""
+    data = bytearray(_png(4, 4))
+    ihdr = data[12:29]
+    ihdr[4:12] = struct.pack(">II", 20000, 20000)
+    data[12:29] = ihdr
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(ihdr)))
+    return bytes(data)
+
+
+def data_url(data: bytes, media: str = "image/jpeg") -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+class Client:
+    """The soak's requests to one server."""
+
+    def __init__(self, http: httpx.AsyncClient, cfg: SoakConfig, photos: list[bytes], model: str) -> None:
+        self.http = http
+        self.cfg = cfg
+        self.photos = photos
+        self.model = model
+        self.bomb = bomb_png()
+
+    def chat_body(self, content: Any, **extra: Any) -> dict[str, Any]:
+        return {"model": self.model, "messages": [{"role": "user", "content": content}],
+                "max_tokens": self.cfg.max_tokens, **extra}
+
+    async def good_chat(self, tally: Tally, rng: random.Random) -> None:
+        body = self.chat_body(f"Tell me about the bus stop, number {rng.randrange(1000)}.", stream=True,
+                              temperature=0, ignore_eos=True)
+        sent = time.perf_counter()
+        last = None
+        try:
+            async with self.http.stream("POST", "/v1/chat/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        tally.outcomes.append(Outcome("chat", 500, chunk["error"]["message"]))
+                        return
+                    if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                        now = time.perf_counter()
+                        if last is None:
+                            tally.ttft.append(now - sent)
+                        else:
+                            tally.itl.append(now - last)
+                        last = now
+                tally.outcomes.append(Outcome("chat", response.status_code))
+        except httpx.HTTPError as exc:
+            tally.outcomes.append(Outcome("chat", None, f"{type(exc).__name__}: {exc}"))
+
+    async def good_caption(self, tally: Tally, rng: random.Random) -> None:
+        photo = rng.choice(self.photos)
+        await self._record(tally, "caption", self.http.post(
+            "/v1/captions?wait=true", files={"image": ("photo.jpg", photo, "image/jpeg")},
+            data={"camera_id": "soak-rest", "max_tokens": str(self.cfg.max_tokens)}))
+
+    async def hostile(self, tally: Tally, rng: random.Random) -> None:
+        name = rng.choice(sorted(HOSTILE_REQUESTS))
+        await self._record(tally, f"hostile:{name}", HOSTILE_REQUESTS[name](self))
+
+    async def _record(self, tally: Tally, kind: str, request: Any) -> None:
+        try:
+            response = await request
+            tally.outcomes.append(Outcome(kind, response.status_code))
+        except httpx.HTTPError as exc:
+            tally.outcomes.append(Outcome(kind, None, f"{type(exc).__name__}: {exc}"))
+
+
+def _json_post(client: Client, path: str, raw: bytes) -> Any:
+    return client.http.post(path, content=raw, headers={"Content-Type": "application/json"})
+
+
+async def _chunked(total: int) -> AsyncIterator[bytes]:
+    yield b'{"model": "x", "messages": [{"role": "user", "content": "'
+    sent = 0
+    while sent < total:
+        yield b"x" * 65536
+        sent += 65536
+    yield b'"}]}'
+
+
+HOSTILE_REQUESTS: dict[str, Any] = {
+    "temperature_1e-300": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("Hi", temperature=1e-300)),
+    "top_p_1e-320": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("Hi", top_p=1e-320)),
+    "tiny_temperature_top_k": lambda c: c.http.post("/v1/chat/completions",
+                                                    json=c.chat_body("Hi", temperature=1e-40, top_k=5)),
+    "deep_json": lambda c: _json_post(c, "/v1/captions", b'{"image": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"),
+    "deep_json_chat": lambda c: _json_post(c, "/v1/chat/completions", b"[" * 50_000 + b"]" * 50_000),
+    "nan_json": lambda c: _json_post(c, "/v1/captions", b'{"image": "aGk=", "max_tokens": NaN}'),
+    "bomb_image": lambda c: c.http.post("/v1/captions", files={"image": ("bomb.png", c.bomb, "image/png")}),
+    "bomb_image_chat": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
+        [{"type": "image_url", "image_url": {"url": data_url(c.bomb, "image/png")}}, {"type": "text", "text": "?"}])),
+    "truncated_jpeg": lambda c: c.http.post("/v1/captions", files={"image": ("t.jpg", c.photos[0][:3000])}),
+    "oversized_chunked_body": lambda c: c.http.post("/v1/chat/completions", content=_chunked(c.cfg.max_body_bytes),
+                                                    headers={"Content-Type": "application/json"}),
+    "unknown_method": lambda c: c.http.request("RANDOM123", "/v1/models"),
+    "foreign_host": lambda c: c.http.get("/v1/models", headers={"Host": "attacker.example"}),
+    "cross_site_post": lambda c: c.http.post("/v1/captions", headers={"Origin": "http://attacker.example"},
+                                             files={"image": ("p.jpg", c.photos[0])}),
+    "negative_max_tokens": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("Hi", max_tokens=-1)),
+    "unknown_model": lambda c: c.http.post("/v1/chat/completions", json={**c.chat_body("Hi"), "model": "gpt-9"}),
+    "remote_image_url": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
+        [{"type": "image_url", "image_url": {"url": "http://[::127.0.0.1]/x.jpg"}}])),
+    "reversed_box_frame": lambda c: c.http.get("/v1/captions/no-such-id/image"),
+}
+
+# Camera job fields that make a job malformed; each such job must be dead-lettered once.
+HOSTILE_JOB_FIELDS: list[dict[str, str]] = [
+    {"image_origin": "[1, 2, 3]"}, {"image_origin": "[]"},
+    {"detections": '[{"x1": "a", "y1": 2, "x2": 30, "y2": 40, "confidence": 0.9}]'},
+    {"detections": '[{"x1": 30, "y1": 2, "x2": 1, "y2": 40, "confidence": 0.9}]'},
+    {"detections": '[{"x1": 1, "y1": 2, "x2": 30, "y2": 40, "confidence": NaN}]'},
+    {"frame_ts": "nan"}, {"created_at": "inf"}, {"prompt": ""}, {"detections": "[" * 20_000 + "]" * 20_000},
+]
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+async def _ticker(rate: float, until: float, action: Any, rng: random.Random, tasks: set[asyncio.Task]) -> None:
+    """`action()` at a steady `rate` per second (with a random phase), each as its own task."""
+    if rate <= 0:
+        return
+    gap = 1.0 / rate
+    await asyncio.sleep(rng.random() * gap)
+    next_at = time.monotonic()
+    while time.monotonic() < until:
+        task = asyncio.create_task(action())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        next_at += gap
+        await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+
+
+async def _load(cfg: SoakConfig, url: str, redis_url: str, server_pid: int, tally: Tally) -> float:
+    import psutil
+    import redis.asyncio as aioredis
+
+    from pipeline.contract import Detection, Job, result_key
+    from pipeline.producer import JobProducer
+
+    rng = random.Random(cfg.seed)
+    photos = [path.read_bytes() for path in photo_paths()]
+    process = psutil.Process(server_pid)
+    producer = JobProducer(redis_url)
+    store = aioredis.Redis.from_url(redis_url)
+    limits = httpx.Limits(max_connections=cfg.chats + 64, max_keepalive_connections=cfg.chats + 16)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        client = Client(http, cfg, photos, model)
+        began = time.monotonic()
+        until = began + cfg.duration
+        tasks: set[asyncio.Task] = set()
+
+        async def chat_loop(seed: int) -> None:
+            own = random.Random(seed)
+            while time.monotonic() < until:
+                if own.random() < cfg.hostile_fraction:
+                    await client.hostile(tally, own)
+                else:
+                    await client.good_chat(tally, own)
+
+        async def caption() -> None:
+            if rng.random() < cfg.hostile_fraction:
+                await client.hostile(tally, rng)
+            else:
+                await client.good_caption(tally, rng)
+
+        async def job() -> None:
+            good = Job(camera_id="soak-cam", frame_ts=time.time(), prompt="Who is there?", image=rng.choice(photos),
+                       detections=[Detection(10.0, 20.0, 110.0, 220.0, 0.9, 1)])
+            if rng.random() >= cfg.hostile_fraction:
+                tally.good_jobs.append(good.job_id)
+                producer.submit(good)
+                return
+            tally.bad_jobs.append(good.job_id)  # written as a foreign producer would, with a malformed field
+            await store.hset(result_key(good.job_id), mapping=good.queued_result().to_fields())
+            await store.xadd("vlmcap:jobs", {**good.to_fields(), **rng.choice(HOSTILE_JOB_FIELDS)})
+
+        async def sample_memory() -> None:
+            while time.monotonic() < until:
+                tally.memory.append((time.monotonic() - began, process.memory_info().rss / 2**20))
+                await asyncio.sleep(cfg.memory_interval)
+            tally.memory.append((time.monotonic() - began, process.memory_info().rss / 2**20))
+
+        loops = [asyncio.create_task(chat_loop(cfg.seed * 1000 + i)) for i in range(cfg.chats)]
+        await asyncio.gather(
+            *loops, sample_memory(),
+            _ticker(cfg.caption_rate, until, caption, random.Random(cfg.seed + 1), tasks),
+            _ticker(cfg.job_rate, until, job, random.Random(cfg.seed + 2), tasks),
+        )
+        while tasks:
+            await asyncio.gather(*list(tasks))
+        load_s = time.monotonic() - began
+    producer.close()
+    await store.aclose()
+    return load_s
+
+
+async def _job_outcomes(cfg: SoakConfig, redis_url: str, tally: Tally) -> dict[str, Any]:
+    """Wait (up to `drain_timeout`) for every job to end, then count how each ended."""
+    import redis.asyncio as aioredis
+
+    from pipeline.contract import CAPTIONS_STREAM, DEAD_STREAM, FINAL_STATUSES, result_key
+
+    store = aioredis.Redis.from_url(redis_url)
+    ids = tally.good_jobs + tally.bad_jobs
+    deadline = time.monotonic() + cfg.drain_timeout
+    drained_s = 0.0
+    started = time.monotonic()
+    while True:
+        statuses = [await store.hget(result_key(job_id), "status") for job_id in ids]
+        statuses = [s.decode() if s else None for s in statuses]
+        if all(s in FINAL_STATUSES for s in statuses) or time.monotonic() > deadline:
+            drained_s = time.monotonic() - started
+            break
+        await asyncio.sleep(0.5)
+    by_id = dict(zip(ids, statuses, strict=True))
+    feed = Counter()
+    for _, fields in await store.xrange(CAPTIONS_STREAM):
+        feed[fields[b"id"].decode()] += 1
+    dead = Counter()
+    for _, fields in await store.xrange(DEAD_STREAM):
+        job_id = fields.get(b"job_id")
+        dead[job_id.decode() if job_id else "?"] += 1
+    await store.aclose()
+    good = [by_id[j] for j in tally.good_jobs]
+    bad = [by_id[j] for j in tally.bad_jobs]
+    return {
+        "good_jobs": len(good), "good_done": good.count("done"), "good_failed": good.count("failed"),
+        "bad_jobs": len(bad), "bad_dead": sum(dead[j] == 1 for j in tally.bad_jobs),
+        "bad_failed": bad.count("failed"),
+        "lost": sum(s not in FINAL_STATUSES for s in statuses),
+        "captioned_twice": sum(feed[j] > 1 for j in tally.good_jobs),
+        "dead_lettered_twice": sum(n > 1 for n in dead.values()),
+        "drain_s": drained_s,
+    }
+
+
+def _start_server(cfg: SoakConfig, redis_url: str) -> tuple[subprocess.Popen, str]:
+    from pipeline.redis_conn import free_tcp_port
+
+    port = free_tcp_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", "from api.cli import app; app()", "serve", "--model", cfg.model,
+         "--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url,
+         "--caption-max-tokens", str(cfg.max_tokens), "--max-body-bytes", str(cfg.max_body_bytes),
+         "--max-deliveries", "2", "--claim-idle-seconds", "10", "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + cfg.startup_timeout
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                return server, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    server.kill()
+    raise RuntimeError(f"the server did not become ready: {server.stderr.read()[-2000:] if server.stderr else ''}")
+
+
+def _requests_by_kind(outcomes: list[Outcome]) -> dict[str, dict[str, int]]:
+    table: dict[str, Counter] = defaultdict(Counter)
+    for outcome in outcomes:
+        table[outcome.kind][str(outcome.status) if outcome.status is not None else "no answer"] += 1
+    return {kind: dict(sorted(counts.items())) for kind, counts in sorted(table.items())}
+
+
+def run_soak(cfg: SoakConfig) -> dict[str, Any]:
+    from pipeline.redis_conn import EmbeddedRedis
+
+    redis_server = EmbeddedRedis()
+    server, url = _start_server(cfg, redis_server.url)
+    tally = Tally()
+    try:
+        load_s = asyncio.run(_load(cfg, url, redis_server.url, server.pid, tally))
+        jobs = asyncio.run(_job_outcomes(cfg, redis_server.url, tally))
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        ready = httpx.get(f"{url}/ready", timeout=30).status_code
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        server_log = server.stderr.read()[-4000:] if server.stderr else ""
+        redis_server.close()
+    good = [o for o in tally.outcomes if not o.kind.startswith("hostile:")]
+    hostile = [o for o in tally.outcomes if o.kind.startswith("hostile:")]
+    after_warmup = [rss for t, rss in tally.memory if t >= cfg.warmup]
+    rss_start = after_warmup[0] if after_warmup else None
+    rss_end = tally.memory[-1][1] if tally.memory else None
+    step_failures = [line for line in metrics.splitlines() if line.startswith("vlmcap_engine_step_failures_total")]
+    return {
+        "benchmark": "soak",
+        "config": asdict(cfg),
+        "machine": machine(),
+        "load_s": load_s,
+        "requests": _requests_by_kind(tally.outcomes),
+        "good_requests": len(good),
+        "good_not_2xx": sum(o.status is None or not 200 <= o.status < 300 for o in good),
+        "hostile_requests": len(hostile),
+        "hostile_5xx": sum(o.status is not None and o.status >= 500 for o in hostile),
+        "no_answer": sum(o.status is None for o in tally.outcomes),
+        "errors": sorted({o.error for o in tally.outcomes if o.error})[:20],
+        "jobs": jobs,
+        "memory_mib": {"start": rss_start, "end": rss_end, "max": max((m for _, m in tally.memory), default=None),
+                       "growth": (rss_end / rss_start - 1.0) if rss_start and rss_end else None,
+                       "samples": tally.memory},
+        "chat_itl_ms": percentiles_ms(tally.itl),
+        "chat_ttft_ms": percentiles_ms(tally.ttft),
+        "chat_tokens": len(tally.itl) + len(tally.ttft),
+        "engine_step_failures": float(step_failures[0].split()[-1]) if step_failures else None,
+        "ready_after": ready,
+        "server_log_tail": server_log,
+    }
+
+
+def summary(result: dict[str, Any]) -> str:
+    jobs, memory, itl = result["jobs"], result["memory_mib"], result["chat_itl_ms"]
+    lines = [f"soak: {result['load_s']:.0f} s of load, {result['good_requests']} good and "
+             f"{result['hostile_requests']} hostile requests"]
+    for kind, counts in result["requests"].items():
+        lines.append(f"  {kind:34s} " + ", ".join(f"{status}: {n}" for status, n in counts.items()))
+    lines += [
+        f"good requests not 2xx: {result['good_not_2xx']}; hostile answered 5xx: {result['hostile_5xx']}; "
+        f"no answer: {result['no_answer']}",
+        f"jobs: good {jobs['good_done']}/{jobs['good_jobs']} done ({jobs['good_failed']} failed), bad "
+        f"{jobs['bad_dead']}/{jobs['bad_jobs']} dead-lettered once, lost {jobs['lost']}, captioned twice "
+        f"{jobs['captioned_twice']}, dead-lettered twice {jobs['dead_lettered_twice']}",
+        f"server RSS: {memory['start']:.0f} MiB after warm-up, {memory['end']:.0f} MiB at the end "
+        f"({memory['growth'] * 100:+.1f}%), max {memory['max']:.0f} MiB" if memory["start"] else "server RSS: -",
+        f"good chats: {result['chat_tokens']} tokens, ITL p50 {itl['p50']:.1f} ms, p99 {itl['p99']:.1f} ms, "
+        f"max {itl['max']:.1f} ms; engine step failures {result['engine_step_failures']}; /ready "
+        f"{result['ready_after']} after",
+    ]
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], png_path: str) -> None:
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    samples = result["memory_mib"]["samples"]
+    left.plot([t for t, _ in samples], [m for _, m in samples], marker=".")
+    left.axvline(result["config"]["warmup"], color="grey", linestyle="--", label="end of warm-up")
+    left.set_xlabel("seconds of load")
+    left.set_ylabel("server RSS (MiB)")
+    left.set_title("server memory")
+    left.legend()
+    kinds = list(result["requests"])
+    totals = [sum(result["requests"][k].values()) for k in kinds]
+    bad = [sum(n for s, n in result["requests"][k].items() if not s.isdigit() or int(s) >= 500) for k in kinds]
+    right.barh(kinds, totals, color="tab:green", label="answered")
+    right.barh(kinds, bad, color="tab:red", label="5xx or no answer")
+    right.set_xlabel("requests")
+    right.set_title("requests by kind")
+    right.tick_params(axis="y", labelsize=7)
+    right.legend()
+    save_figure(fig, png_path)
