@@ -22,19 +22,20 @@ from pipeline.runner import CameraPipeline, PipelineConfig
 SCHEMA = json.loads(contract.JOB_SCHEMA_PATH.read_text())
 Draft202012Validator.check_schema(SCHEMA)
 ENTRY = Draft202012Validator(SCHEMA)
-DEFS = {name: Draft202012Validator({"$defs": SCHEMA["$defs"], "$ref": f"#/$defs/{name}"})
-        for name in ("detections", "image_origin", "result")}
+RESULT = Draft202012Validator({"$defs": SCHEMA["$defs"], "$ref": "#/$defs/result"})
+# The fields holding JSON, each with the schema of its content (a validator only annotates those).
+CONTENT = {name: Draft202012Validator({"$defs": SCHEMA["$defs"], **spec["contentSchema"]})
+           for name, spec in SCHEMA["properties"].items() if "contentSchema" in spec}
 
 
 def schema_errors(fields: dict) -> list[str]:
-    """The entry's errors against the schema, its JSON fields checked against their content schemas (a
-    validator only annotates those)."""
+    """The entry's errors against the schema, its JSON fields checked against their content schemas."""
     entry = {k.decode(): v.decode("latin-1") if k == b"image" else v.decode() for k, v in fields.items()}
     errors = [e.message for e in ENTRY.iter_errors(entry)]
-    for name in ("detections", "image_origin"):
+    for name, validator in CONTENT.items():
         if name in entry:
             try:
-                errors += [f"{name}: {e.message}" for e in DEFS[name].iter_errors(json.loads(entry[name]))]
+                errors += [f"{name}: {e.message}" for e in validator.iter_errors(json.loads(entry[name]))]
             except ValueError as err:
                 errors.append(f"{name}: {err}")
     return errors
@@ -48,8 +49,12 @@ def test_schema_names_the_contracts_keys_and_describes_every_field():
         "alerts_feed": contract.ALERTS_STREAM,
     }
     job = make_job()
+    job.fall, job.schema = True, {"type": "object"}
     assert set(job.to_fields()) <= set(SCHEMA["properties"]), "document new job fields in job.schema.json"
-    result_fields = set(job.queued_result().to_fields()) | {"started_at"}
+    result = job.queued_result()
+    result.caption, result.error, result.finished_at, result.consumer = "c", "e", 1.0, "w"
+    result.structured = {"people": 1}
+    result_fields = set(result.to_fields()) | {"started_at"}
     assert result_fields <= set(SCHEMA["$defs"]["result"]["properties"]), "document new result fields"
 
 
@@ -78,7 +83,7 @@ def test_real_producer_entries_and_worker_results_validate(redis_url, sample_vid
     stored = [client.hgetall(result_key(job_id)) for job_id in job_ids]
     for fields in feed + stored:
         result = {k.decode(): v.decode() for k, v in fields.items()}
-        assert [e.message for e in DEFS["result"].iter_errors(result)] == []
+        assert [e.message for e in RESULT.iter_errors(result)] == []
         assert CaptionResult.from_fields(fields).status == "done"
     client.close()
 
@@ -89,6 +94,7 @@ BAD = [
     {"image_origin": "[1, 2, 3]"},
     {"fall": "maybe"},
     {"job_id": ""},
+    {"schema": "[1, 2]"},
 ]
 
 
