@@ -68,28 +68,22 @@ class GrammarSpec:
         return "json_object" if self.json_object else "regex"
 
 
-# A string of bounded length as a pattern: no quote, backslash or control character, so the raw JSON text is the
-# value itself (xgrammar 0.2.8's own rule for minLength/maxLength lets control characters through, which JSON
-# forbids unescaped).
-_BOUNDED_STRING = r'^[^"\\\x00-\x1f]{%d,%s}$'
+# xgrammar 0.2.8 writes the characters of a string with minLength or maxLength as this class, which lets
+# control characters through (JSON forbids them unescaped: strict parsers such as Python's json and pydantic
+# refuse them); its unbounded strings use the right class. The grammar is fixed in its EBNF text, which keeps
+# xgrammar's own cheap repetition (a pattern with the same bounds costs a hundred times more per mask).
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 
 
-def _bounded_strings_as_patterns(schema: Any) -> Any:
-    """A copy of `schema` in which every string with minLength or maxLength (and no pattern, format, enum or
-    const of its own) carries the equivalent `_BOUNDED_STRING` pattern instead."""
-    if isinstance(schema, list):
-        return [_bounded_strings_as_patterns(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: _bounded_strings_as_patterns(value) for key, value in schema.items()}
-    bounded = "minLength" in out or "maxLength" in out
-    if out.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & out.keys():
-        low, high = out.get("minLength", 0), out.get("maxLength")
-        counts = [low] if high is None else [low, high]
-        if all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):  # else xgrammar says
-            out.pop("minLength", None), out.pop("maxLength", None)
-            out["pattern"] = _BOUNDED_STRING % (low, "" if high is None else high)
-    return out
+def _compile_json_schema(xgr: Any, compiler: Any, schema: str) -> Any:
+    """Compact JSON (no whitespace between tokens: a model may not spend its tokens on unbounded
+    whitespace) under `schema`, with strings of bounded length held to JSON's characters."""
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    fixed = ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+    if fixed == ebnf:
+        return compiler.compile_json_schema(schema, any_whitespace=False)
+    return compiler.compile_grammar(fixed)
 
 
 def _xgrammar():
@@ -155,13 +149,12 @@ class GrammarCompiler:
             compiled = self._compiled.get(spec)
         if compiled is not None:
             return compiled
+        xgr = _xgrammar()
         try:
             if spec.json_schema is not None:
-                # Compact JSON: a model may not spend its tokens on unbounded whitespace.
-                schema = json.dumps(_bounded_strings_as_patterns(json.loads(spec.json_schema)))
-                compiled = self._compiler.compile_json_schema(schema, any_whitespace=False)
+                compiled = _compile_json_schema(xgr, self._compiler, spec.json_schema)
             elif spec.json_object:
-                compiled = self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                compiled = _compile_json_schema(xgr, self._compiler, '{"type": "object"}')
             else:
                 compiled = self._compiler.compile_regex(spec.regex)
         except Exception as exc:  # xgrammar raises RuntimeError (and others) from its C++ core
