@@ -241,3 +241,57 @@ def soak(
     result = run_soak(cfg)
     save(result, json_path, png_path, plot)
     typer.echo(summary(result))
+
+
+@bench_app.command("grammar")
+def grammar(
+    model: str = typer.Option("dummy:smolvlm-256m", help="Model: checkpoint dir, hub id, tiny or dummy:<preset>."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    dtype: str = typer.Option("bfloat16", help="float32, bfloat16 or float16."),
+    requests: int = typer.Option(32, help="Requests in the workload (bench peers' workload), all at once."),
+    input_len: int = typer.Option(128, help="Mean prompt length in tokens."),
+    output_len: int = typer.Option(64, help="Mean output length in tokens."),
+    budget: int = typer.Option(2048, help="The engine's max_num_batched_tokens."),
+    threads: int = typer.Option(None, help="torch threads (default: torch's choice)."),
+    repeats: int = typer.Option(3, help="Runs of each kind, alternating; the medians are compared."),
+    json_path: str = typer.Option(None, "--json", help="Write the results here."),
+    png_path: str = typer.Option(None, "--png", help="Draw each run's throughput here."),
+) -> None:
+    """What structured output costs: decode throughput with every request under a JSON schema vs none."""
+    from bench.grammar import GrammarBenchConfig, plot, run_grammar_bench, summary
+    from bench.report import save
+
+    cfg = GrammarBenchConfig(model=model, device=device, dtype=dtype, requests=requests, input_len=input_len,
+                             output_len=output_len, budget=budget, threads=threads, repeats=repeats)
+    result = run_grammar_bench(cfg)
+    save(result, json_path, png_path, plot)
+    typer.echo(summary(result))
+
+
+@bench_app.command("soak")
+def soak(
+    model: str = typer.Option("tiny", help="Model the soak's own server serves: tiny, dummy:<preset> or a checkpoint."),
+    duration: float = typer.Option(120.0, help="Seconds of load (at most 3600)."),
+    warmup: float = typer.Option(20.0, help="Seconds of load before memory is compared (start sample)."),
+    chats: int = typer.Option(4, help="Streaming chats kept going at once."),
+    caption_rate: float = typer.Option(0.5, help="REST captions per second."),
+    job_rate: float = typer.Option(1.0, help="Camera jobs per second."),
+    hostile_fraction: float = typer.Option(0.2, help="Share of requests and jobs replaced by hostile ones."),
+    max_tokens: int = typer.Option(16, help="New tokens of each chat and caption."),
+    seed: int = typer.Option(0, help="Seed of the mix."),
+    json_path: str = typer.Option(None, "--json", help="Write the results here."),
+    png_path: str = typer.Option(None, "--png", help="Draw memory over time and requests by kind here."),
+) -> None:
+    """A bounded soak on loopback: its own Redis and server, chats, captions and camera jobs with hostile
+    inputs mixed in; requests by status, jobs done/dead/lost, memory, ITL."""
+    from bench.report import save
+    from bench.soak import SoakConfig, plot, run_soak, summary
+
+    try:
+        cfg = SoakConfig(model=model, duration=duration, warmup=warmup, chats=chats, caption_rate=caption_rate,
+                         job_rate=job_rate, hostile_fraction=hostile_fraction, max_tokens=max_tokens, seed=seed)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    result = run_soak(cfg)
+    save(result, json_path, png_path, plot)
+    typer.echo(summary(result))

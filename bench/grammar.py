@@ -1,0 +1,105 @@
+"""`vlmcap bench grammar`: what constrained decoding costs. The peers workload (bench/peers.py: the same drawn
+prompts and output lengths) runs through one engine twice, alternately, without a grammar and with every request
+under a JSON schema, and the output throughput of the two is compared.
+
+The schema is one JSON object whose `caption` string must be longer than any output can be, so a constrained
+request (like an unconstrained one, EOS ignored) produces exactly its drawn number of tokens and both runs do the
+same work; most of its tokens are inside the string, as in a caption. The masks are computed for every request in
+every step, so the ratio is the cost of the grammar in the sampler's path."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from bench.peers import PeersConfig, Workload, make_workload
+from bench.report import machine, pyplot, save_figure
+from engine import Engine, EngineConfig, SamplingParams
+from engine.grammar import GrammarSpec
+
+
+@dataclass
+class GrammarBenchConfig(PeersConfig):
+    repeats: int = 3  # runs of each kind, alternated; the median is reported
+
+
+def long_caption_schema(output_len: int) -> dict[str, Any]:
+    """A JSON object with one string longer than `output_len` tokens can write (no token here is 64 bytes)."""
+    return {"type": "object", "properties": {"caption": {"type": "string", "minLength": 64 * output_len}},
+            "required": ["caption"], "additionalProperties": False}
+
+
+def run_once(engine: Engine, work: Workload, grammar: GrammarSpec | None) -> dict[str, Any]:
+    began = time.perf_counter()
+    ids = [
+        engine.add_request(prompt=prompt, sampling=SamplingParams(max_tokens=n, ignore_eos=True, grammar=grammar))
+        for prompt, n in zip(work.prompts, work.output_lens)
+    ]
+    tokens = 0
+    sample_seconds = 0.0
+    steps = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        sample_seconds += engine.last_step_timings.sample
+        steps += 1
+        tokens += sum(1 for o in outputs if o.request_id in ids)
+    span = time.perf_counter() - began
+    return {"output_tok_s": tokens / span, "seconds": span, "tokens": tokens, "steps": steps,
+            "sample_ms_per_step": 1000.0 * sample_seconds / max(steps, 1)}
+
+
+def run_grammar_bench(cfg: GrammarBenchConfig) -> dict[str, Any]:
+    engine = Engine(EngineConfig(model=cfg.model, device=cfg.device, dtype=cfg.dtype,
+                                 max_num_batched_tokens=cfg.budget, max_num_seqs=max(cfg.requests, 1),
+                                 num_threads=cfg.threads))
+    work = make_workload(cfg, engine.tokenizer)
+    spec = GrammarSpec.from_schema(long_caption_schema(max(work.output_lens)))
+    began = time.perf_counter()
+    engine.add_request(prompt=work.prompts[0], sampling=SamplingParams(max_tokens=2, grammar=spec))
+    while engine.has_unfinished_requests():  # compiles the grammar once and warms both paths up
+        engine.step()
+    compile_and_warm_s = time.perf_counter() - began
+    runs: dict[str, list[dict[str, Any]]] = {"unconstrained": [], "json_schema": []}
+    for _ in range(cfg.repeats):
+        runs["unconstrained"].append(run_once(engine, work, None))
+        runs["json_schema"].append(run_once(engine, work, spec))
+    for kind, kind_runs in runs.items():
+        expected = sum(work.output_lens)
+        if any(r["tokens"] != expected for r in kind_runs):
+            raise RuntimeError(f"{kind}: a run produced {[r['tokens'] for r in kind_runs]} tokens, not {expected}")
+    median = {kind: statistics.median(r["output_tok_s"] for r in kind_runs) for kind, kind_runs in runs.items()}
+    return {
+        "config": asdict(cfg),
+        "machine": machine(),
+        "workload": {"prompt_tokens": sum(map(len, work.prompt_ids)), "output_tokens": sum(work.output_lens)},
+        "compile_and_warm_s": compile_and_warm_s,
+        "runs": runs,
+        "median_output_tok_s": median,
+        "ratio_constrained_vs_unconstrained": median["json_schema"] / median["unconstrained"],
+    }
+
+
+def summary(result: dict[str, Any]) -> str:
+    lines = [f"{'run':<16}{'out tok/s (median)':>20}{'sample ms/step':>16}"]
+    for kind, runs in result["runs"].items():
+        sample_ms = statistics.median(r["sample_ms_per_step"] for r in runs)
+        lines.append(f"{kind:<16}{result['median_output_tok_s'][kind]:>20.1f}{sample_ms:>16.2f}")
+    lines.append(f"constrained / unconstrained throughput: {result['ratio_constrained_vs_unconstrained']:.3f}x")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], png_path: str) -> None:
+    """Output throughput of each run, both kinds side by side."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, (kind, runs) in enumerate(result["runs"].items()):
+        ax.bar([j + 0.4 * i for j in range(len(runs))], [r["output_tok_s"] for r in runs], width=0.4, label=kind)
+    ax.set_xlabel("repeat")
+    ax.set_ylabel("output tokens / s")
+    ax.legend()
+    config = result["config"]
+    ax.set_title(f"{config['model']} {config['dtype']}, {config['requests']} requests: "
+                 f"{result['ratio_constrained_vs_unconstrained']:.2f}x")
+    save_figure(fig, png_path)
