@@ -90,6 +90,21 @@ class EngineCollector(Collector):
                                   "(the others of their step went on)", value=stats.get("num_request_failures", 0))
 
 
+class AlertWebhookCollector(Collector):
+    """The fall-alert webhook's counters (`api.alerts.WebhookStats`), read at each scrape."""
+
+    HELP = {"sent": "Fall alerts the webhook accepted", "failed": "Fall alerts given up after every retry",
+            "failed_attempts": "Webhook attempts that failed", "dropped": "Fall alerts dropped: too many waiting"}
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self.stats()
+        for name, text in self.HELP.items():
+            yield CounterMetricFamily(f"vlmcap_alert_webhook_{name}", text, value=getattr(stats, name))
+
+
 class Metrics:
     """One registry per server, so several servers (tests) in one process do not collide."""
 
@@ -126,6 +141,9 @@ class Metrics:
 
     def watch_engine(self, stats: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(EngineCollector(stats, self.step_failures))
+
+    def watch_alert_webhook(self, stats: Callable[[], Any]) -> None:
+        self.registry.register(AlertWebhookCollector(stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -244,6 +244,7 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
 
                     webhook = AlertWebhook(settings.alert_webhook)
                     webhook.start()
+                    metrics.watch_alert_webhook(lambda: webhook.stats)
                 worker = QueueWorker(
                     connect(settings.redis_url), state.captioner, consumer_name=settings.consumer_name,
                     claim_idle_seconds=settings.claim_idle_s, max_deliveries=settings.max_deliveries,

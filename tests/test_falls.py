@@ -255,6 +255,10 @@ def test_photo_of_a_person_lying_down_end_to_end(redis_url, sample_maker, people
                 while not hook.bodies:
                     assert time.monotonic() < deadline, "the webhook got no alert"
                     time.sleep(0.1)
+                while "vlmcap_alert_webhook_sent_total 1.0" not in (metrics := http.get("/metrics").text):
+                    assert time.monotonic() < deadline, "the webhook's success was not counted"
+                    time.sleep(0.1)
+                assert "vlmcap_alert_webhook_failed_attempts_total 1.0" in metrics
             assert hook.statuses == [503, 200] and hook.bodies == [alert]
     finally:
         hook.close()
