@@ -288,3 +288,30 @@ def test_a_fall_alert_is_highlighted(server, redis_url, page):
     expect(strip).to_contain_text("a person lies on the floor")
     page.click("#alert-dismiss")
     expect(strip).to_be_hidden()
+
+
+def test_a_structured_caption_shows_its_fields(server, redis_url, page):
+    page.goto(server.url)
+    expect(page.locator("#connection")).to_have_attribute("data-state", "live")
+    structured = {"people_count": 2, "people": [{"action": "walking", "position": "left"},
+                                                {"action": "lying", "position": "center"}],
+                  "anyone_on_ground": True, "summary": "<b>two</b> people"}
+    result = CaptionResult(id="structured-caption", status="done", camera_id="ward", created_at=time.time(),
+                           frame_ts=0.0, person_count=2, caption="{...}", finished_at=time.time(),
+                           structured=structured)
+    client = redis.Redis.from_url(redis_url)
+    try:  # what a queue worker writes when it finishes a job with a schema
+        client.hset(result_key(result.id), mapping=result.to_fields())
+        for feed in (CAPTIONS_STREAM, camera_captions_stream(result.camera_id)):
+            client.xadd(feed, result.to_fields(), maxlen=CAPTIONS_STREAM_MAXLEN)
+    finally:
+        client.close()
+
+    card = page.locator(".caption-card[data-id='structured-caption']")
+    expected_names = ["people count", "people", "anyone on ground", "summary"]
+    expected_values = ["2", "walking · left", "lying · center", "true", "<b>two</b> people"]
+    expect(card.locator(".structured dt")).to_have_text(expected_names)
+    expect(card.locator(".structured dd")).to_have_text(expected_values)
+    card.click()
+    expect(page.locator("#frame-structured dd")).to_have_text(expected_values)
+    page.locator("#frame-close").click()
