@@ -190,7 +190,10 @@ async def list_captions(camera: CameraId | None = None, limit: int = Query(50, g
 async def stream_captions(camera: CameraId | None = None,
                           last_event_id: str | None = Header(None, pattern=r"^[0-9]{1,20}(-[0-9]{1,20})?$"),
                           state: ServerState = Depends(server_state)) -> SSEResponse:
-    """Finished captions as server-sent events (`event: caption`); resumes after `Last-Event-ID`."""
+    """Finished captions as server-sent events (`event: caption`); resumes after `Last-Event-ID`. 503 when the
+    store (Redis) does not answer, before the stream starts."""
+    await state.captions.ping()
+
     async def events() -> AsyncIterator[str]:
         yield ": connected\n\n"
         async for position, result in state.captions.tail(camera, last_event_id):

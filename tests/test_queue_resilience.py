@@ -270,7 +270,8 @@ def test_redis_down_answers_503_and_ready_follows_redis_and_the_worker(tmp_path)
             assert http.get("/ready").status_code == 200
             redis_server.close()
             for reply in (http.post("/v1/captions", files={"image": ("x.jpg", image)}),
-                          http.get("/v1/captions"), http.get("/v1/captions/some-id"), http.get("/v1/cameras")):
+                          http.get("/v1/captions"), http.get("/v1/captions/some-id"), http.get("/v1/cameras"),
+                          http.get("/v1/captions/stream")):
                 assert reply.status_code == 503, reply.text
                 assert reply.headers["retry-after"].isdigit()
                 assert reply.json()["error"]["code"] == "store_unavailable"
