@@ -516,7 +516,7 @@ def _flatten(fields: dict) -> list:
 T = TypeVar("T")
 
 
-def _readable(decode: Callable[[dict], T], fields: dict, where: str) -> T | None:
+def readable(decode: Callable[[dict], T], fields: dict, where: str) -> T | None:
     """A stored entry decoded, or None (logged) when it does not hold to the contract (written by a
     foreign or older producer): readers skip it rather than fail on it."""
     try:
@@ -529,13 +529,13 @@ def _readable(decode: Callable[[dict], T], fields: dict, where: str) -> T | None
 async def get_result(redis_client: aioredis.Redis, job_id: str) -> CaptionResult | None:
     """The job's current state (queued, running, done or failed), or None if unknown or expired."""
     fields = await redis_client.hgetall(result_key(job_id))
-    return _readable(CaptionResult.from_fields, fields, result_key(job_id)) if fields else None
+    return readable(CaptionResult.from_fields, fields, result_key(job_id)) if fields else None
 
 
 async def get_frame(redis_client: aioredis.Redis, job_id: str) -> JobFrame | None:
     """A finished camera job's image and person boxes, or None if unknown or expired."""
     fields = await redis_client.hgetall(frame_key(job_id))
-    return _readable(JobFrame.from_fields, fields, frame_key(job_id)) if fields else None
+    return readable(JobFrame.from_fields, fields, frame_key(job_id)) if fields else None
 
 
 def _feed(camera: str | None) -> str:
@@ -550,7 +550,7 @@ async def recent_captions(redis_client: aioredis.Redis, camera: str | None = Non
         raise ValueError(f"limit must be at least 1, got {limit}")
     feed = feed or _feed(camera)
     entries = await redis_client.xrevrange(feed, count=limit)
-    results = [_readable(CaptionResult.from_fields, fields, f"{feed} {_text(entry_id)}")
+    results = [readable(CaptionResult.from_fields, fields, f"{feed} {_text(entry_id)}")
                for entry_id, fields in entries]
     return [result for result in results if result is not None]
 
@@ -570,7 +570,7 @@ async def tail_captions(redis_client: aioredis.Redis, camera: str | None = None,
         for _, entries in reply or []:
             for entry_id, fields in entries:
                 after = _text(entry_id)
-                result = _readable(CaptionResult.from_fields, fields, f"{feed} {after}")
+                result = readable(CaptionResult.from_fields, fields, f"{feed} {after}")
                 if result is not None:
                     yield after, result
 
@@ -588,5 +588,6 @@ async def queue_stats(redis_client: aioredis.Redis) -> dict[str, int]:
 
 __all__ = [
     "DEFAULT_CAPTION_PRIORITY", "DEFAULT_FALL_PRIORITY", "Captioner", "OpenAICaptioner", "QueueWorker", "WorkerStats",
-    "connect", "default_consumer_name", "get_frame", "get_result", "queue_stats", "recent_captions", "tail_captions",
+    "connect", "default_consumer_name", "get_frame", "get_result", "queue_stats", "readable", "recent_captions",
+    "tail_captions",
 ]

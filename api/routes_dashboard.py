@@ -21,7 +21,7 @@ from starlette.types import Scope
 from api.caption_store import RedisCaptionStore
 from api.errors import APIError
 from api.images import decode_image
-from api.queue_worker import get_frame, recent_captions
+from api.queue_worker import get_frame, readable, recent_captions
 from api.routes_captions import result_json
 from api.settings import Limits
 from api.state import ServerState, server_state
@@ -120,7 +120,9 @@ async def published_cameras(redis: aioredis.Redis) -> list[CameraStats]:
         for camera_id in camera_ids:
             pipe.hgetall(camera_stats_key(camera_id))
         published = await pipe.execute()
-    return [CameraStats.from_fields(fields) for fields in published if fields]
+    stats = [readable(CameraStats.from_fields, fields, camera_stats_key(camera_id))
+             for camera_id, fields in zip(camera_ids, published, strict=True) if fields]
+    return [s for s in stats if s is not None]
 
 
 @router.get("/v1/cameras")

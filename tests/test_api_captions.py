@@ -184,4 +184,10 @@ def test_entries_off_the_contract_are_skipped_not_served(module_redis_url, redis
         assert http.get("/v1/captions/nan-result").status_code == 404
         frame = http.get("/v1/captions/reversed/image")
         assert frame.status_code == 404 and frame.json()["error"]["code"] == "not_found"
+        client.hset("vlmcap:camera:cam-nan", mapping={"camera_id": "cam-nan", "status": "running", "detector": "hog",
+                                                      "started_at": "1", "updated_at": "2", "counters": "{}",
+                                                      "rates": '{"captured": NaN}'})
+        client.zadd("vlmcap:cameras", {"cam-nan": time.time()})
+        cameras = http.get("/v1/cameras")
+        assert cameras.status_code == 200 and "cam-nan" not in [c["camera_id"] for c in cameras.json()["data"]]
     client.close()
