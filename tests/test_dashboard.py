@@ -47,6 +47,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 BUS = ASSETS / "bus.jpg"
 HANG_GUARD_MS = 60_000  # how long a wait may last before the test fails as hung; never a speed check
+expect.set_options(timeout=HANG_GUARD_MS)  # expect()'s own default is 5 s: too short on a loaded machine
 
 
 def settings(**extra) -> ServerSettings:

@@ -10,6 +10,7 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import cv2
 import httpx
@@ -65,6 +66,11 @@ def test_checkpoint_is_kept_and_a_wrong_checksum_is_refused(people_fall_weights,
     with pytest.raises(DetectorUnavailable, match=f"has SHA-256 {spec.sha256}, not the recorded 0000"):
         fetch_checkpoint(PEOPLE_FALL, tmp_path)
     assert list(tmp_path.rglob("*")) == [tmp_path / PEOPLE_FALL]
+    # A cache that cannot be written and an unknown name are named.
+    with pytest.raises(DetectorUnavailable, match="cannot create the model cache folder /proc/vlmcap"):
+        fetch_checkpoint(PEOPLE_FALL, Path("/proc/vlmcap"))
+    with pytest.raises(ValueError, match="unknown named detector 'people-sit'; known: people-fall"):
+        fetch_checkpoint("people-sit")
 
 
 def _lying(track_id: int, confidence: float = 0.7) -> Detection:

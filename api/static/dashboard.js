@@ -363,10 +363,13 @@ async function followFeed() {
   }
 }
 
-// -- fall alerts: the newest one in a strip above the page, from the alert stream ------------------------
+// -- fall alerts: the newest one in a strip above the page -------------------------------------------------
+// Polled, not streamed: a browser opens at most six connections to one server, and the caption feed already
+// holds one open; a second endless stream left the chat waiting behind the thumbnails.
 
-const alerts = { lastEventId: null };
-const RECENT_ALERT_S = 600; // a page opened this soon after a fall alert shows it
+const alerts = { shownId: null };
+const RECENT_ALERT_S = 600; // a fall alert newer than this shows when the page finds it
+const ALERTS_POLL_MS = 2000;
 
 function showAlert(result) {
   const text = `${result.camera_id || "a camera"}, ${formatTime(result.created_at)}: ` +
@@ -376,18 +379,11 @@ function showAlert(result) {
   $("alert").onclick = (event) => { if (event.target.id !== "alert-dismiss") openFrame(result); };
 }
 
-async function followAlerts() {
-  const headers = alerts.lastEventId ? { "Last-Event-ID": alerts.lastEventId } : {};
-  const stream = await api("v1/alerts/stream", { headers, cache: "no-store" });
-  if (!alerts.lastEventId) {
-    const newest = (await (await api("v1/alerts?limit=1")).json()).data[0];
-    if (newest && Date.now() / 1000 - (newest.finished_at || 0) < RECENT_ALERT_S) showAlert(newest);
-  }
-  await readEvents(stream, (event) => {
-    if (event.type !== "alert") return;
-    alerts.lastEventId = event.id;
-    showAlert(JSON.parse(event.data));
-  });
+async function refreshAlerts() {
+  const newest = (await (await api("v1/alerts?limit=1", { cache: "no-store" })).json()).data[0];
+  if (!newest || newest.id === alerts.shownId) return;
+  alerts.shownId = newest.id;
+  if (Date.now() / 1000 - (newest.finished_at || 0) < RECENT_ALERT_S) showAlert(newest);
 }
 
 function filterFeed(camera) {
@@ -698,6 +694,6 @@ function bindControls() {
 
 bindControls();
 keepRunning("feed", followFeed, 0);
-keepRunning("alerts", followAlerts, 0);
+keepRunning("alerts", refreshAlerts, ALERTS_POLL_MS);
 keepRunning("cameras", refreshCameras, CAMERAS_POLL_MS);
 keepRunning("engine", refreshEngine, ENGINE_POLL_MS);
