@@ -32,6 +32,10 @@ def serve(
                                       help="Most prompt plus output tokens of one request (default: the model's)."),
     chunked_prefill: bool = typer.Option(True, "--chunked-prefill/--no-chunked-prefill",
                                          envvar="VLMCAP_CHUNKED_PREFILL", help="Split long prompts over steps."),
+    prefix_caching: bool = typer.Option(None, "--prefix-caching/--no-prefix-caching", envvar="VLMCAP_PREFIX_CACHING",
+                                        show_default=False,
+                                        help="Reuse the KV blocks of a prompt's prefix computed for an earlier "
+                                             "request, images included (default: the engine's, on)."),
     num_threads: int = typer.Option(None, envvar="VLMCAP_NUM_THREADS", help="torch CPU threads."),
     max_encoder_tokens_per_step: int = typer.Option(128, envvar="VLMCAP_MAX_ENCODER_TOKENS_PER_STEP",
                                                     help="Vision encoder work per step, in its output tokens; at "
@@ -95,6 +99,8 @@ def serve(
     from api.settings import Limits, ServerSettings
     from engine import EngineConfig
 
+    # Set only when given, so that its default is EngineConfig's.
+    engine_options = {} if prefix_caching is None else {"enable_prefix_caching": prefix_caching}
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from api.alerts import validate_webhook_url
 
@@ -107,7 +113,7 @@ def serve(
                 max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked_prefill, block_size=block_size,
                 num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, num_threads=num_threads,
                 max_encoder_tokens_per_step=max_encoder_tokens_per_step or None,
-                encoder_slices_per_step=encoder_slices_per_step or None,
+                encoder_slices_per_step=encoder_slices_per_step or None, **engine_options,
             ),
             served_model_name=served_model_name, api_key=api_key or None, redis_url=redis_url or None,
             allowed_hosts=(*allowed_host, *([] if host in ("0.0.0.0", "::", "") else [host])),

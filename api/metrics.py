@@ -81,6 +81,14 @@ class EngineCollector(Collector):
                                   value=stats["encoder_seconds"])
         yield CounterMetricFamily("vlmcap_vision_encoder_inputs", "Images or tiles run through the vision encoder",
                                   value=stats["encoder_inputs_encoded"])
+        yield GaugeMetricFamily("vlmcap_prefix_cache_hit_rate", "Share of the prompt tokens looked up in the prefix "
+                                "cache that were found there (since start)", value=stats["prefix_cache_hit_rate"])
+        yield CounterMetricFamily("vlmcap_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+                                  value=stats["prefix_cache_queried_tokens"])
+        yield CounterMetricFamily("vlmcap_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not "
+                                  "computed again)", value=stats["prefix_cache_hit_tokens"])
+        yield CounterMetricFamily("vlmcap_vision_encoder_cache_hits", "Images or tiles whose features were reused "
+                                  "instead of running the vision encoder", value=stats.get("encoder_cache_hits", 0))
         yield CounterMetricFamily("vlmcap_engine_steps", "Engine steps run", value=stats["num_steps"])
         yield CounterMetricFamily("vlmcap_generation_tokens", "Tokens generated",
                                   value=stats["num_generated_tokens"])

@@ -151,7 +151,8 @@ def percentile(values: list[float], fraction: float) -> float | None:
 @router.get("/v1/engine/stats")
 async def engine_stats(state: ServerState = Depends(server_state)) -> dict[str, Any]:
     """The engine now: requests running and waiting, KV cache use, tokens per step against the budget and
-    output tokens per second (over the last few seconds), inter-token latency over the last minute."""
+    output tokens per second (over the last few seconds), inter-token latency over the last minute, the
+    prefix cache's hit rate and the images or tiles whose encoder features were reused (since start)."""
     stats, metrics = state.bridge.stats, state.metrics
     step_tokens = metrics.recent_step_tokens.last(RATE_WINDOW_S)
     itl = metrics.recent_itl.last(metrics.recent_itl.horizon_s)
@@ -173,6 +174,9 @@ async def engine_stats(state: ServerState = Depends(server_state)) -> dict[str, 
         "itl_p99_ms": p99 * 1000 if p99 is not None else None,
         "itl_samples": len(itl),
         "num_preemptions": stats["num_preemptions"],
+        "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
+        "prefix_cache_hit_tokens": stats["prefix_cache_hit_tokens"],
+        "encoder_cache_hits": stats.get("encoder_cache_hits", 0),
         "rate_window_s": RATE_WINDOW_S,
         "itl_window_s": metrics.recent_itl.horizon_s,
     }

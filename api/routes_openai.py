@@ -160,10 +160,12 @@ def chat_turns(body: ChatCompletionRequest) -> list[tuple[str, list[tuple[str, s
     return turns
 
 
-def chat_usage(output: RequestOutput) -> dict[str, int]:
+def chat_usage(output: RequestOutput) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: prompt tokens whose keys and values came from the prefix cache."""
     completion = len(output.token_ids)
     return {"prompt_tokens": output.num_prompt_tokens, "completion_tokens": completion,
-            "total_tokens": output.num_prompt_tokens + completion}
+            "total_tokens": output.num_prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}
 
 
 @router.post("/chat/completions", response_model=None)
@@ -204,7 +206,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
 async def chat_events(stream: RequestStream, state: ServerState, completion_id: str, created: int, model: str,
                       include_usage: bool, return_token_ids: bool) -> AsyncIterator[str]:
     def chunk(delta: dict[str, Any], finish_reason: str | None = None, token_ids: list[int] | None = None,
-              usage: dict[str, int] | None = None, choices: bool = True) -> str:
+              usage: dict[str, Any] | None = None, choices: bool = True) -> str:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
         if token_ids is not None:
             choice["token_ids"] = token_ids
@@ -285,7 +287,8 @@ class ResponseMeta:
         if output is not None:
             completion = len(output.token_ids)
             result["usage"] = {
-                "input_tokens": output.num_prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens": output.num_prompt_tokens,
+                "input_tokens_details": {"cached_tokens": output.num_cached_tokens},
                 "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": output.num_prompt_tokens + completion,
             }

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import openai
 import pytest
 import redis
 from PIL import Image
@@ -41,6 +42,7 @@ from pipeline.contract import (
     result_key,
 )
 from pipeline.runner import CameraPipeline, PipelineConfig
+from tests.test_api_prefix_cache import chat_turns
 
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package; `.ci/run` installs it
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -186,6 +188,17 @@ def test_camera_caption_frame_counters_and_chat(server, redis_url, page, tmp_pat
     expect(page.locator("#engine-itl")).to_contain_text("p99")
     page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+
+
+def test_engine_panel_shows_the_prefix_cache(server, page):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    chat_turns(client, "You are the dashboard's test.", model="tiny")
+    stats = httpx.get(f"{server.url}/v1/engine/stats").json()
+    assert stats["prefix_cache_hit_tokens"] == server.state.bridge.engine.stats()["prefix_cache_hit_tokens"] > 0
+    page.goto(server.url)
+    expect(page.locator("#engine-prefix")).to_have_text(
+        f"{stats['prefix_cache_hit_rate'] * 100:.1f} % · {stats['prefix_cache_hit_tokens']} tokens · "
+        f"{stats['encoder_cache_hits']} images or tiles reused")
 
 
 def test_a_caption_with_html_is_shown_as_text(server, redis_url, page):

@@ -435,7 +435,7 @@ async function refreshCameras() {
 // -- engine charts -------------------------------------------------------------------------------------------
 
 const engineHistory = { running: [], waiting: [], kv: [], stepMean: [], stepMax: [], budget: [], throughput: [],
-  p50: [], p99: [] };
+  p50: [], p99: [], prefix: [] };
 
 function record(name, value) {
   const values = engineHistory[name];
@@ -494,6 +494,7 @@ function drawEngineCharts() {
   drawChart(chartCanvas("chart-step"),
     [[engineHistory.budget, "--c3", true], [engineHistory.stepMax, "--c2"], [engineHistory.stepMean, "--c1"]]);
   drawChart(chartCanvas("chart-throughput"), [[engineHistory.throughput, "--c1"]]);
+  drawChart(chartCanvas("chart-prefix"), [[engineHistory.prefix, "--c1"]], 100);
   drawChart(chartCanvas("chart-itl"), [[engineHistory.p50, "--c1"], [engineHistory.p99, "--c2"]]);
 }
 
@@ -509,10 +510,13 @@ async function refreshEngine() {
   record("throughput", stats.output_tokens_per_s);
   record("p50", stats.itl_p50_ms);
   record("p99", stats.itl_p99_ms);
+  record("prefix", stats.prefix_cache_hit_rate * 100);
   $("engine-requests").textContent = `${stats.running} running · ${stats.waiting} waiting`;
   $("engine-kv").textContent = `${formatNumber(stats.kv_cache_usage * 100)} % · ${stats.kv_blocks_used}/${stats.kv_blocks_total} blocks`;
   $("engine-step").textContent = `${formatNumber(stats.step_tokens_mean)} / ${stats.step_token_budget}`;
   $("engine-throughput").textContent = formatNumber(stats.output_tokens_per_s);
+  $("engine-prefix").textContent = `${formatNumber(stats.prefix_cache_hit_rate * 100)} % · ` +
+    `${stats.prefix_cache_hit_tokens} tokens · ${stats.encoder_cache_hits} images or tiles reused`;
   $("engine-itl").textContent = stats.itl_samples
     ? `p50 ${formatNumber(stats.itl_p50_ms)} ms · p99 ${formatNumber(stats.itl_p99_ms)} ms`
     : "no tokens in the last minute";
