@@ -214,6 +214,33 @@ def grammar(
     typer.echo(summary(result))
 
 
+@bench_app.command("prefix")
+def prefix(
+    model: str = typer.Option("dummy:smolvlm-256m", help="Model: checkpoint dir, hub id, tiny or dummy:<preset>."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    dtype: str = typer.Option("bfloat16", help="float32, bfloat16 or float16."),
+    turns: int = typer.Option(4, help="Turns of the chat over one photo (at most 4)."),
+    max_tokens: int = typer.Option(32, help="New tokens of each turn's answer (EOS ignored)."),
+    budget: int = typer.Option(2048, help="The engine's max_num_batched_tokens."),
+    threads: int = typer.Option(None, help="torch threads (default: torch's choice)."),
+    json_path: str = typer.Option(None, "--json", help="Write the results here."),
+    png_path: str = typer.Option(None, "--png", help="Draw each turn's time to first token here."),
+) -> None:
+    """A chat's next turns over one photo: time to first token, tokens computed and vision-tower runs per
+    turn, with prefix caching on and off."""
+    from bench.prefix import PrefixConfig, plot, run_prefix, summary
+    from bench.report import save
+
+    try:
+        cfg = PrefixConfig(model=model, device=device, dtype=dtype, turns=turns, max_tokens=max_tokens,
+                           budget=budget, threads=threads)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    result = run_prefix(cfg)
+    save(result, json_path, png_path, plot)
+    typer.echo(summary(result))
+
+
 @bench_app.command("soak")
 def soak(
     model: str = typer.Option("tiny", help="Model the soak's own server serves: tiny, dummy:<preset> or a checkpoint."),

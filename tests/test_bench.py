@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -49,6 +51,30 @@ def test_bench_peers_compares_three_systems(tmp_path):
     assert set(result["ratios"]) == {"engine_vs_hf_generate", "engine_vs_hf_generate_batch"}
     roof = result["roofline"]
     assert roof["weight_bytes_per_decode_step"] > 0 and math.isfinite(roof["decode_step_floor_ms"])
+    assert is_png(png)
+
+
+def test_bench_prefix_runs_as_python_m_bench_without_fastapi_or_redis(tmp_path):
+    """`python -m bench prefix` with fastapi and redis unimportable: with caching, turns 2-4 compute fewer
+    tokens and run no vision tower; float32 tokens are those of the run without caching."""
+    out, png = tmp_path / "prefix.json", tmp_path / "prefix.png"
+    script = ("import runpy, sys\n"
+              "sys.modules.update(fastapi=None, redis=None, uvicorn=None)\n"  # importing them now raises
+              "runpy.run_module('bench', run_name='__main__')\n")
+    argv = ["prefix", "--model", "tiny", "--dtype", "float32", "--max-tokens", "4", "--json", str(out),
+            "--png", str(png)]
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "TTFT" in done.stdout
+    runs = json.loads(out.read_text())["runs"]
+    on, off = runs["caching"], runs["no_caching"]
+    assert len(on) == len(off) == 4
+    assert [t["prompt_tokens"] for t in on] == [t["prompt_tokens"] for t in off]
+    assert on[0]["cached_tokens"] == 0 and on[0]["encoder_inputs_run"] > 0
+    for cached, plain in zip(on[1:], off[1:], strict=True):
+        assert 0 < cached["computed_tokens"] < plain["computed_tokens"] == plain["prompt_tokens"]
+        assert cached["encoder_inputs_run"] == 0 < plain["encoder_inputs_run"]
+    assert all(t["same_tokens_as_no_caching"] for t in on)
     assert is_png(png)
 
 
