@@ -36,6 +36,9 @@ def serve(
                                         show_default=False,
                                         help="Reuse the KV blocks of a prompt's prefix computed for an earlier "
                                              "request, images included (default: the engine's, on)."),
+    encoder_cache_tokens: int = typer.Option(None, envvar="VLMCAP_ENCODER_CACHE_TOKENS", show_default=False,
+                                             help="Vision features kept for images sent again, in the encoder's "
+                                                  "output tokens (0: none; default: the engine's)."),
     num_threads: int = typer.Option(None, envvar="VLMCAP_NUM_THREADS", help="torch CPU threads."),
     max_encoder_tokens_per_step: int = typer.Option(128, envvar="VLMCAP_MAX_ENCODER_TOKENS_PER_STEP",
                                                     help="Vision encoder work per step, in its output tokens; at "
@@ -99,8 +102,9 @@ def serve(
     from api.settings import Limits, ServerSettings
     from engine import EngineConfig
 
-    # Set only when given, so that its default is EngineConfig's.
-    engine_options = {} if prefix_caching is None else {"enable_prefix_caching": prefix_caching}
+    # Set only when given, so that their defaults are EngineConfig's.
+    given = {"enable_prefix_caching": prefix_caching, "encoder_cache_tokens": encoder_cache_tokens}
+    engine_options = {name: value for name, value in given.items() if value is not None}
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from api.alerts import validate_webhook_url
 

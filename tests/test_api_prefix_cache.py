@@ -122,17 +122,22 @@ def test_responses_report_cached_input_tokens(server, client):
     assert again.output_text == final.output_text
 
 
-def test_serve_flag_and_variable_turn_caching_off_and_the_default_is_the_engines(monkeypatch):
+def test_serve_options_and_variables_set_caching_and_the_defaults_are_the_engines(monkeypatch):
     built: list[ServerSettings] = []
     monkeypatch.setattr(api.server, "create_app", lambda settings: built.append(settings))
     monkeypatch.setattr("uvicorn.run", lambda *args, **kwargs: None)
     runner = CliRunner()
     for argv, env in ((["serve"], {}), (["serve", "--no-prefix-caching"], {}),
-                      (["serve"], {"VLMCAP_PREFIX_CACHING": "0"}), (["serve", "--prefix-caching"], {})):
+                      (["serve"], {"VLMCAP_PREFIX_CACHING": "0"}), (["serve", "--prefix-caching"], {}),
+                      (["serve", "--encoder-cache-tokens", "0"], {}),
+                      (["serve"], {"VLMCAP_ENCODER_CACHE_TOKENS": "64"})):
         result = runner.invoke(app, argv, env=env)
         assert result.exit_code == 0, result.output
-    assert [s.engine.enable_prefix_caching for s in built] == [EngineConfig().enable_prefix_caching, False, False,
-                                                              True]
+    default = EngineConfig()
+    assert [s.engine.enable_prefix_caching for s in built] == [default.enable_prefix_caching, False, False, True,
+                                                              default.enable_prefix_caching,
+                                                              default.enable_prefix_caching]
+    assert [s.engine.encoder_cache_tokens for s in built] == [default.encoder_cache_tokens] * 4 + [0, 64]
 
 
 def test_without_caching_the_same_turns_give_the_same_tokens_and_report_none(server, client):
