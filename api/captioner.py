@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from PIL import Image
 
 from api.bridge import AsyncEngine, RequestStream
-from api.errors import APIError
+from api.errors import ENGINE_FAILED, APIError
 from api.images import decode_image
 from api.settings import Limits
 from engine import SamplingParams
@@ -59,4 +59,6 @@ class EngineCaptioner:
             self.bridge.abort(stream.request_id)  # a no-op once finished
         if output is None or output.finish_reason == "abort":
             raise APIError(503, "the caption request was aborted (server shutting down)", code="aborted")
+        if output.finish_reason == "error":
+            raise APIError(500, ENGINE_FAILED, code="engine_error")
         return output.text.strip()

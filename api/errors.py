@@ -16,6 +16,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 
+# What a client is told about a request the engine ended with finish_reason "error" (a step that failed,
+# or a failure confined to that request); the cause is in the server's log.
+ENGINE_FAILED = "the engine failed while running this request (the server log has the cause)"
 RETRY_AFTER_S = 5  # told to clients with a 503 for a store (Redis) that is down or a server not ready
 
 ERROR_TYPES = {

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from PIL import Image
 
 from api.bridge import EngineFailure, RequestStream
-from api.errors import APIError, error_body
+from api.errors import ENGINE_FAILED, APIError, error_body
 from api.images import load_image_url
 from api.openai_schemas import (
     ChatCompletionRequest,
@@ -112,11 +112,14 @@ async def submit(prompt: EnginePrompt, sampling: SamplingParams, priority: int, 
 async def final_output(request: Request, stream: RequestStream, state: ServerState) -> RequestOutput:
     """Wait for the request to finish; abort it if the client leaves first."""
     try:
-        return await until_disconnect(request, stream.final())
+        output = await until_disconnect(request, stream.final())
     except EngineFailure as exc:
         raise APIError(500, str(exc), code="engine_error") from None
     finally:
         state.bridge.abort(stream.request_id)  # a no-op once finished
+    if output.finish_reason == "error":
+        raise APIError(500, ENGINE_FAILED, code="engine_error")
+    return output
 
 
 async def text_deltas(stream: RequestStream, state: ServerState) -> AsyncIterator[tuple[str, RequestOutput]]:
@@ -124,6 +127,8 @@ async def text_deltas(stream: RequestStream, state: ServerState) -> AsyncIterato
     sent = ""
     try:
         async for output in stream:
+            if output.finish_reason == "error":  # ended by the engine: the consumer reports an error
+                raise EngineFailure(ENGINE_FAILED)
             delta = output.text[len(sent):]
             sent = output.text
             yield delta, output

@@ -325,3 +325,30 @@ def test_allowed_hosts_extend_the_loopback_names():
     client = TestClient(app, base_url="http://vlm.internal:8000")  # no lifespan: no engine is loaded
     assert client.get("/openapi.json").status_code == 200
     assert client.get("/openapi.json", headers={"Host": "other.internal"}).status_code == 403
+
+
+def test_a_request_the_engine_fails_gets_an_error_and_is_counted(server, http):
+    """A forward that raises inside the engine's step ends the requests it carried with an error (counted
+    in vlmcap_engine_step_failures_total); the client gets an error, never a 200 with partial text, and
+    the server goes on."""
+    runner = engine_of(server).runner
+    real_execute = runner.execute
+    failures = server.state.metrics.registry.get_sample_value("vlmcap_engine_step_failures_total")
+
+    def failing_execute(*args, **kwargs):
+        runner.execute = real_execute
+        raise RuntimeError("injected forward failure")
+
+    runner.execute = failing_execute
+    reply = http.post("/v1/chat/completions", json=chat())
+    assert reply.status_code == 500 and reply.json()["error"]["code"] == "engine_error", reply.text
+    runner.execute = failing_execute
+    streamed = http.post("/v1/chat/completions", json=chat(stream=True))
+    events = [e for e in streamed.text.split("\n\n") if e]
+    assert "engine_error" in events[-2] and events[-1] == "data: [DONE]"
+    runner.execute = failing_execute
+    caption = http.post("/v1/captions?wait=true", files={"image": ("bus.jpg", BUS)})
+    assert caption.status_code == 200 and caption.json()["status"] == "failed", caption.text
+    assert "engine failed" in caption.json()["error"]
+    assert server.state.metrics.registry.get_sample_value("vlmcap_engine_step_failures_total") == failures + 3
+    assert_serving(http)
