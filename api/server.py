@@ -94,12 +94,14 @@ class GuardMiddleware:
         status = 500
         too_large = False
         replaced = False
+        started = False
 
         async def send_counted(message: Message) -> None:
-            nonlocal status, replaced
+            nonlocal status, replaced, started
             if replaced:
                 return
             if message["type"] == "http.response.start":
+                started = True
                 if too_large:  # the app saw the body limit passed mid-stream: answer 413 whatever it made of it
                     replaced = True
                     await self._too_large()(scope, receive, send)
@@ -130,7 +132,7 @@ class GuardMiddleware:
             else:
                 await self.app(scope, limited(receive), send_counted)
         except BodyTooLarge:
-            if status == 500 and not replaced:
+            if not started:
                 await self._too_large()(scope, receive, send)
                 status = 413
             else:
