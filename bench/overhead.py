@@ -4,7 +4,8 @@ The same `chats` chats (the same messages, `max_tokens` tokens each with `ignore
 engine directly (`add_request`, then `step()` until all finish, in this process) and through `vlmcap serve`
 started as its own process with the same engine settings, streamed by an HTTP client from this process.
 Reported for each: output tokens per second (from the first request sent to the last token), the gaps between
-a chat's tokens (p50, p99), and the ratios.
+a chat's text deltas, as a streaming client sees them (p50, p99; a token whose text is held back, such as
+part of a multi-byte character, makes no delta on either side), and the ratios.
 """
 
 from __future__ import annotations
@@ -60,13 +61,16 @@ def run_direct(cfg: OverheadConfig, engine=None) -> dict[str, Any]:
     began = time.perf_counter()
     ids = [engine.add_request(messages=CHAT, sampling=params) for _ in range(cfg.chats)]
     times: dict[str, list[float]] = {rid: [] for rid in ids}
+    shown = dict.fromkeys(ids, 0)
     tokens = 0
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = time.perf_counter()
         for out in outputs:
-            times[out.request_id].append(now)
             tokens += 1
+            if len(out.text) > shown[out.request_id]:  # as a client sees it: when there is new text
+                shown[out.request_id] = len(out.text)
+                times[out.request_id].append(now)
     return _result(list(times.values()), tokens, began)
 
 
