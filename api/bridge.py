@@ -45,6 +45,17 @@ class RequestStream:
             self.last = item
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
+    @staticmethod
+    def push_step(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+        """A step's outputs, from the step thread: one wake-up of each event loop for all of them (a wake-up
+        per output had the loop take the GIL from the step thread once per stream and step)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for stream, output in items:
+            stream.last = output
+            by_loop.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, queued in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, queued)
+
     def push_abort(self) -> None:
         last = self.last
         self.push(RequestOutput(self.request_id, last.token_ids if last else [], last.text if last else "",
@@ -80,6 +91,11 @@ class RequestStream:
             pass
         assert last is not None
         return last
+
+
+def _put_all(queued: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, output in queued:
+        queue.put_nowait(output)
 
 
 class AsyncEngine:
@@ -231,10 +247,9 @@ class AsyncEngine:
             for output in outputs:
                 if output.finished:
                     self._streams.pop(output.request_id, None)
+        RequestStream.push_step([(stream, output) for stream, output in streams if stream is not None])
         for stream, output in streams:
-            if stream is not None:
-                stream.push(output)
-            elif not output.finished:  # its client left while it was being added
+            if stream is None and not output.finished:  # its client left while it was being added
                 self._safe_abort(output.request_id)
 
     def _fail_all(self, exc: Exception) -> None:
