@@ -3,9 +3,21 @@
 Stock transformers decoder layers compute queries, keys and values (with their rotary embedding) for the
 packed batch of one step and hand them to this function. It writes the new keys and values into the paged
 cache, then lets each sequence's queries attend over that sequence's cached keys with a causal mask in
-absolute positions: a query at position p sees keys 0..p. Sequences that decode (one query each) are
-attended in padded batches of similar context lengths (`DecodeGroup`); prefill chunks one by one. Keys
-and values are read a whole cache block at a time.
+absolute positions: a query at position p sees keys 0..p (and, in a sliding-window layer, only keys more
+than `window` behind it are hidden).
+
+Two paths compute the same function:
+- **kernel** (`PagedKernelMetadata`): one call per layer for the whole mixed batch of decodes and prefill
+  chunks, reading keys and values from the cache blocks in place (engine/paged_kernel.py, a Triton kernel:
+  CUDA in bfloat16/float16). Every step of a decode-only batch has the same shapes, so it can be captured
+  in a CUDA graph.
+- **reference** (`DecodeGroup`, `PrefillSpan`): keys and values gathered a whole block at a time, then
+  SDPA; decodes in padded batches of similar context length, prefill chunks one by one, with explicit
+  masks where a chunk is not plain causal (a chunk after the first, image tokens that attend both ways,
+  sliding windows). float32 anywhere, and everything on the CPU; the exactness tests' path.
+
+Every tensor here was built once per step by the model runner (`AttentionBatch`) and is shared by all
+layers; nothing here reads a device value back to the host.
 """
 
 from __future__ import annotations
@@ -45,6 +57,19 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedKernelMetadata:
+    """The whole batch as the paged kernel reads it: sequence i's queries are packed rows
+    query_start_loc[i]..query_start_loc[i+1]-1, the last of its seq_lens[i] positions; its keys lie in the
+    cache blocks block_table[i, :]."""
+
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    max_query_len: int
+    num_seqs: int
+
+
+@dataclass
 class AttentionBatch:
     """Per-step metadata, built once by the model runner and shared by every layer."""
 
@@ -52,9 +77,10 @@ class AttentionBatch:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's key and value go
     decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
+    kernel: PagedKernelMetadata | None = None  # set: the kernel path runs instead of decodes and prefills
 
 
-def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
     """[slots, kv_heads, d] cache, [..., blocks] tables -> [..., kv_heads, blocks * block_size, d]. Whole
     blocks are copied, not one position at a time."""
     blocks = cache.view(-1, block_size, *cache.shape[1:])[block_tables]  # [..., blocks, block_size, kv, d]
@@ -82,6 +108,39 @@ def _pick(item: PrefillSpan | DecodeGroup, sliding: bool) -> torch.Tensor | None
     return item.sliding_mask
 
 
+def reference_attention(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: AttentionBatch, sliding: bool,
+    scaling: float | None,
+) -> torch.Tensor:
+    """[heads, T, d] queries -> [T, heads, d]: gathered keys and values, SDPA per decode group and per chunk."""
+    block_size = batch.kv_cache.block_size
+    num_heads, kv_heads = q.shape[0], key_cache.shape[1]
+    out = torch.empty(q.shape[1], num_heads, q.shape[2], dtype=q.dtype, device=q.device)
+    for group in batch.decodes:
+        rows = group.query_index.shape[0]
+        dq = q[:, group.query_index].transpose(0, 1).reshape(rows, kv_heads, num_heads // kv_heads, -1)
+        dk = gather_blocks(key_cache, group.block_tables, block_size).to(q.dtype)  # [B, kv_heads, ctx, d]
+        dv = gather_blocks(value_cache, group.block_tables, block_size).to(q.dtype)
+        o = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=_pick(group, sliding), scale=scaling)
+        out[group.query_index] = o.reshape(rows, num_heads, -1)
+
+    for span in batch.prefills:
+        pq = q[:, span.query_start : span.query_end]  # [heads, n, d]
+        n = pq.shape[1]
+        pk = gather_blocks(key_cache, span.block_table, block_size)[:, : span.context_len].to(q.dtype)
+        pv = gather_blocks(value_cache, span.block_table, block_size)[:, : span.context_len].to(q.dtype)
+        mask = _pick(span, sliding)
+        if mask is None:  # the chunk is the whole context so far: plain causal attention
+            o = F.scaled_dot_product_attention(pq, _expand_kv(pk, num_heads), _expand_kv(pv, num_heads),
+                                               is_causal=True, scale=scaling)
+        else:
+            mask = mask.repeat(num_heads // kv_heads, 1)
+            o = F.scaled_dot_product_attention(_by_kv_head(pq, kv_heads), pk, pv, attn_mask=mask, scale=scaling)
+            o = o.reshape(num_heads, n, -1)
+        out[span.query_start : span.query_end] = o.transpose(0, 1)
+    return out
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -98,40 +157,18 @@ def paged_attention_forward(
     batch = vlmcap_batch
     layer = module.layer_idx
     key_cache, value_cache = batch.kv_cache.keys[layer], batch.kv_cache.values[layer]
-    block_size = batch.kv_cache.block_size
     # [1, kv_heads, T, d] -> [T, kv_heads, d], the cache's layout.
     key_cache.index_copy_(0, batch.slot_mapping, key[0].transpose(0, 1).to(key_cache.dtype))
     value_cache.index_copy_(0, batch.slot_mapping, value[0].transpose(0, 1).to(value_cache.dtype))
-
-    q = query[0]  # [heads, T, d]
-    num_heads, kv_heads = q.shape[0], key_cache.shape[1]
     # Layers with a sliding window (Gemma 3's local layers) see only keys less than the window behind.
-    sliding = getattr(module, "sliding_window", None) is not None
-    out = torch.empty(q.shape[1], num_heads, q.shape[2], dtype=q.dtype, device=q.device)
+    window = getattr(module, "sliding_window", None)
+    if batch.kernel is not None:
+        from engine.paged_kernel import paged_attention
 
-    for group in batch.decodes:
-        rows = len(group.query_index)
-        dq = q[:, group.query_index].transpose(0, 1).reshape(rows, kv_heads, num_heads // kv_heads, -1)
-        dk = _gather_blocks(key_cache, group.block_tables, block_size).to(q.dtype)  # [B, kv_heads, ctx, d]
-        dv = _gather_blocks(value_cache, group.block_tables, block_size).to(q.dtype)
-        o = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=_pick(group, sliding), scale=scaling)
-        out[group.query_index] = o.reshape(rows, num_heads, -1)
-
-    for span in batch.prefills:
-        pq = q[:, span.query_start : span.query_end]  # [heads, n, d]
-        n = pq.shape[1]
-        pk = _gather_blocks(key_cache, span.block_table, block_size)[:, : span.context_len].to(q.dtype)
-        pv = _gather_blocks(value_cache, span.block_table, block_size)[:, : span.context_len].to(q.dtype)
-        mask = _pick(span, sliding)
-        if mask is None:  # the chunk is the whole context so far: plain causal attention
-            o = F.scaled_dot_product_attention(pq, _expand_kv(pk, num_heads), _expand_kv(pv, num_heads),
-                                               is_causal=True, scale=scaling)
-        else:
-            mask = mask.repeat(num_heads // kv_heads, 1)
-            o = F.scaled_dot_product_attention(_by_kv_head(pq, kv_heads), pk, pv, attn_mask=mask, scale=scaling)
-            o = o.reshape(num_heads, n, -1)
-        out[span.query_start : span.query_end] = o.transpose(0, 1)
-
+        out = paged_attention(query[0].transpose(0, 1), key_cache, value_cache, batch.kernel,
+                              batch.kv_cache.block_size, scaling, window)
+    else:
+        out = reference_attention(query[0], key_cache, value_cache, batch, window is not None, scaling)
     return out.unsqueeze(0), None
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+ATTENTION_BACKENDS = ("auto", "kernel", "reference")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -37,6 +38,17 @@ class EngineConfig:
         device memory that is free after the model is loaded (capped at what `max_num_seqs` requests of
         `max_model_len` tokens can use).
     max_model_len: prompt plus output tokens of one request; `None` takes the model's own limit.
+    enable_prefix_caching: keep computed KV blocks findable by a hash of their tokens and images, so a request
+        whose prompt starts like an earlier one (a chat's next turn, a camera's fixed prompt) skips that prefix;
+        and keep recent vision features by image content, so an image sent again is not encoded again.
+    encoder_cache_tokens: the vision features kept for reuse, in the encoder's output tokens (0: none).
+    attention_backend: `kernel` reads the paged cache in place with one Triton launch per layer (CUDA, bfloat16 or
+        float16, a block size that is a power of two of at least 16); `reference` gathers each context's
+        blocks and runs SDPA (any device and dtype: the exactness reference); `auto` takes the kernel where it
+        runs.
+    cuda_graphs: replay decode-only steps from CUDA graphs captured at start-up at padded batch sizes
+        (1, 2, 4, 8, then multiples of 8 up to `max_num_seqs`); needs the kernel backend. `None`: on where
+        the kernel runs on CUDA.
     """
 
     model: str = "tiny"
@@ -54,6 +66,10 @@ class EngineConfig:
     watermark: float = 0.01
     seed: int = 0
     num_threads: int | None = None
+    attention_backend: str = "auto"
+    cuda_graphs: bool | None = None
+    enable_prefix_caching: bool = True
+    encoder_cache_tokens: int = 4096
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -67,6 +83,8 @@ class EngineConfig:
                 f"max_num_seqs ({self.max_num_seqs}) must not exceed max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}): every running decode needs a token of each step's budget"
             )
+        if not isinstance(self.encoder_cache_tokens, int) or self.encoder_cache_tokens < 0:
+            raise ValueError(f"encoder_cache_tokens must be a non-negative integer, got {self.encoder_cache_tokens!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -79,6 +97,8 @@ class EngineConfig:
             raise ValueError(f"encoder_slices_per_step must be positive or None, got {self.encoder_slices_per_step!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
 

@@ -20,8 +20,10 @@ from typing import Any
 import torch
 from PIL import Image
 
+from engine.block_hash import add_unit_hashes
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.encoder_cache import EncoderOutputCache
 from engine.grammar import GrammarCompiler, GrammarSpec, Matcher
 from engine.kv_cache import BlockPool, KVCache
 from engine.model_runner import ModelRunner
@@ -78,9 +80,14 @@ class Engine:
             self.adapter.num_layers, num_blocks, config.block_size, self.adapter.num_kv_heads,
             self.adapter.head_dim, config.torch_dtype, self.device,
         )
-        self.scheduler = Scheduler(config, self.pool)
+        self.encoder_outputs = (
+            EncoderOutputCache(config.encoder_cache_tokens)
+            if config.enable_prefix_caching and config.encoder_cache_tokens else None
+        )
+        self.scheduler = Scheduler(config, self.pool, self.encoder_outputs)
         self.attention_backend = self._attention_backend()
-        self.runner = ModelRunner(self.adapter, self.kv_cache, config.block_size, self.attention_backend)
+        self.runner = ModelRunner(self.adapter, self.kv_cache, config.block_size, self.attention_backend,
+                                  self.encoder_outputs)
         if self._use_cuda_graphs():
             from engine.cuda_graphs import DecodeGraphs
 
@@ -182,6 +189,8 @@ class Engine:
         except Exception as exc:
             raise ValueError(f"the prompt and images could not be processed: {exc}") from exc
 
+        if mm is not None and self.config.enable_prefix_caching:
+            add_unit_hashes(mm)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, at or above max_model_len {self.max_model_len}"
@@ -270,6 +279,7 @@ class Engine:
             finished=request.is_finished,
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def _matcher(self, spec: GrammarSpec) -> Matcher:
@@ -322,6 +332,11 @@ class Engine:
                 "encoder_seconds": self.runner.encoder_seconds,
                 "num_steps": self._steps,
                 "num_generated_tokens": self._tokens_generated,
+                "prefix_cache_queried_tokens": self.pool.queried_tokens,
+                "prefix_cache_hit_tokens": self.pool.hit_tokens,
+                "prefix_cache_hit_rate": self.pool.hit_tokens / max(self.pool.queried_tokens, 1),
+                "prefix_cache_blocks": self.pool.num_cached,
+                "encoder_cache_hits": self.encoder_outputs.hits if self.encoder_outputs else 0,
                 "num_step_failures": self.num_step_failures,
                 "num_request_failures": self.num_request_failures,
             }

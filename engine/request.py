@@ -47,6 +47,7 @@ class MultimodalPrompt:
     rope_position_delta: int = 0
     atomic_units: bool = False
     encoder_stages: int = 1
+    unit_hashes: list[bytes] = field(default_factory=list)  # content hash of each encoder input (prefix caching)
 
     @property
     def num_units(self) -> int:
@@ -89,6 +90,8 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far (engine/block_hash.py)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first admitted
     finish_reason: str | None = None
     text: str = ""
     # Turns output_token_ids into `text` a step at a time; preemption keeps output_token_ids, so it stays valid.

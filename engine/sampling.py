@@ -1,4 +1,4 @@
-"""Sampling parameters and the sampler that turns one row of logits into one token."""
+"""Sampling parameters and the sampler that turns a step's rows of logits into one token each."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.grammar import GrammarSpec
+
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -45,7 +47,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below `GREEDY_BELOW` sample the likeliest token (as vLLM does): no float32
+        distribution is sharper than that."""
+        return self.temperature < GREEDY_BELOW
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -61,19 +65,40 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return generator
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from one row of logits."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    logits = logits.float() / params.temperature
-    if params.top_k > 0 and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> tuple[list[int], list[bool]]:
+    """One token for each row of float32 logits [rows, vocab], and whether that row failed (its distribution
+    had no finite mass: the model's logits for it were not finite). All rows in tensor ops, one read-back.
+
+    Greedy rows take the argmax. The others are scaled by their temperature after subtracting the row's
+    maximum (so any temperature the parameters allow stays finite), cut to their top_k tokens and to the
+    smallest prefix of the sorted distribution whose mass reaches top_p (the likeliest token always
+    stays), and sampled by the exponential race (argmax of p / E with E ~ Exp(1), which draws from p),
+    each row's E from its request's own generator, so a seeded request repeats whatever else is batched.
+    """
+    tokens = logits.argmax(dim=-1)
+    failed = torch.zeros_like(tokens)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        settings = torch.tensor([[params[i].temperature, params[i].top_k, params[i].top_p] for i in rows],
+                                dtype=torch.float32, device=logits.device)
+        x = logits[index]
+        sorted_x, order = torch.sort(x - x.max(dim=-1, keepdim=True).values, dim=-1, descending=True)
+        sorted_x = sorted_x / settings[:, :1]
+        rank = torch.arange(x.shape[-1], device=x.device)
+        top_k = settings[:, 1:2]
+        sorted_x = sorted_x.masked_fill((top_k > 0) & (rank >= top_k), float("-inf"))
+        probs = torch.softmax(sorted_x, dim=-1)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= settings[:, 2:3]
+        probs = probs.masked_fill(drop & (rank > 0), 0.0)
+        race = torch.empty_like(probs)
+        for row, i in enumerate(rows):
+            race[row].exponential_(generator=generators[i])
+        picked = order.gather(-1, (probs / race).argmax(dim=-1, keepdim=True)).squeeze(-1)
+        bad = ~torch.isfinite(probs).all(dim=-1) | (probs.sum(dim=-1) <= 0)
+        tokens = tokens.index_copy(0, index, picked)
+        failed = failed.index_copy(0, index, bad.to(failed.dtype))
+    both = torch.stack([tokens, failed]).tolist()  # the one read-back
+    return both[0], [bool(f) for f in both[1]]

@@ -28,6 +28,17 @@ KV blocks are taken as the chunks need them. When a running request needs a bloc
 the lowest-priority, newest running request not yet scheduled this step is preempted (possibly the
 one asking): its blocks are freed and it is recomputed later from its prompt plus the tokens it has
 already generated. No request is admitted in a step that preempted.
+
+Prefix caching (`enable_prefix_caching`): a request being admitted starts after the longest run of its full
+blocks that the pool holds computed (engine/kv_cache.py, engine/block_hash.py), always leaving its last
+token to compute, and counts only the blocks it does not find against the free ones. Blocks are registered
+only once every token in them has been computed, in the step after that, so a request never reads a block
+another one is still writing; a request never writes into a block it found (its computation starts at a block
+boundary). An encoder input whose placeholders lie wholly in the found prefix is never encoded; one that the
+boundary cuts is encoded whole as usual. Where image tokens attend both ways, the prefix never ends inside
+an image's span: the span's cached keys were computed with its whole image, which the block's hash covers,
+so they are the ones a recomputation would give, and the chunk that resumes starts at a span boundary as
+every chunk there does. A preempted request finds its own blocks again when it is readmitted.
 """
 
 from __future__ import annotations
@@ -35,7 +46,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from engine.block_hash import full_block_hashes
 from engine.config import EngineConfig
+from engine.encoder_cache import EncoderOutputCache
 from engine.kv_cache import BlockPool
 from engine.request import MultimodalPrompt, Request, RequestStatus
 
@@ -64,6 +77,7 @@ class EncoderWork:
     unit: int
     first: int
     end: int
+    from_cache: bool = False  # the features are taken from the shared encoder cache; no tower runs
 
     @property
     def finishes(self) -> bool:
@@ -83,9 +97,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
+    def __init__(
+        self, config: EngineConfig, pool: BlockPool, encoder_outputs: EncoderOutputCache | None = None
+    ) -> None:
         self.config = config
         self.pool = pool
+        self.encoder_outputs = encoder_outputs  # features shared across requests by content (engine/encoder_cache.py)
         self.watermark_blocks = int(config.watermark * pool.num_blocks)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -163,14 +180,20 @@ class Scheduler:
 
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if self.pool.blocks_for(request.num_tokens) + self.watermark_blocks > self.pool.num_free:
+            cached = self._cached_prefix(request)
+            needed = self.pool.blocks_for(request.num_tokens) - len(cached) + self.pool.num_unheld(cached)
+            if needed + self.watermark_blocks > self.pool.num_free:
                 break
+            self._resume_after(request, cached)
             n, work = self._chunk(request, budget, encoder_left, prefill_scheduled)
             if n == 0 and not work:
+                self._release(request)
+                request.num_computed_tokens = 0
                 break
             self.waiting.pop(0)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
+            self._count_cached(request)
             self._reserve(request, n, scheduled, out)  # cannot fail: the whole prompt's blocks are free
             self._take(request, n, work, out, scheduled)
             budget = max(budget - n, 0)
@@ -178,11 +201,61 @@ class Scheduler:
             prefill_scheduled = prefill_scheduled or n > 0
         return out
 
+    # -- prefix caching -------------------------------------------------------------------------
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """The cached blocks a waiting request can start from: the longest run of its full blocks found in the
+        pool, leaving at least its last token to compute (it must yield a token), and, where image tokens
+        attend both ways, not ending inside an image's span (the chunk that resumes must hold the span whole)."""
+        if not self.config.enable_prefix_caching:
+            return []
+        bs = self.pool.block_size
+        hashes = full_block_hashes(request, bs, request.num_tokens - 1)
+        found = self.pool.find(hashes)
+        mm = request.mm
+        if mm is not None and mm.atomic_units:
+            while found:
+                boundary = len(found) * bs
+                cut = [u for u in mm.units_in(boundary - 1, boundary + 1)
+                       if mm.unit_first_position(u) < boundary <= mm.unit_last_position(u)]
+                if not cut:
+                    break
+                found = found[: mm.unit_first_position(cut[0]) // bs]
+        return found
+
+    def _resume_after(self, request: Request, cached: list[int]) -> None:
+        """Hold the cached blocks and start the request's computation after them."""
+        self.pool.take(cached)
+        request.block_ids = list(cached)
+        request.num_computed_tokens = len(cached) * self.pool.block_size
+
+    def _count_cached(self, request: Request) -> None:
+        if self.config.enable_prefix_caching and not request.output_token_ids:  # first admission: reported
+            request.num_cached_tokens = request.num_computed_tokens
+            self.pool.queried_tokens += request.num_prompt_tokens
+            self.pool.hit_tokens += request.num_computed_tokens
+
+    def _register_full_blocks(self, request: Request, computed_before: int) -> None:
+        """Blocks that this step filled become findable by later requests."""
+        bs = self.pool.block_size
+        first, end = computed_before // bs, request.num_computed_tokens // bs
+        if end <= first:
+            return
+        hashes = full_block_hashes(request, bs, request.num_computed_tokens)
+        for index in range(first, end):
+            self.pool.register(request.block_ids[index], hashes[index])
+
     @staticmethod
     def _encoder_left(encoder_left: int | None, work: list[EncoderWork]) -> int | None:
         if encoder_left is None:
             return None
-        return max(encoder_left - sum(item.request.mm.unit_rows[item.unit] for item in work), 0)
+        spent = sum(item.request.mm.unit_rows[item.unit] for item in work if not item.from_cache)
+        return max(encoder_left - spent, 0)
+
+    def _held(self, request: Request, unit: int) -> bool:
+        """The input's features are in the shared encoder cache and its tower has not started."""
+        cache = self.encoder_outputs
+        return (cache is not None and bool(request.mm.unit_hashes) and request.mm.unit_hashes[unit] in cache
+                and self.encoder_progress.get(request.request_id, {}).get(unit, 0) == 0)
 
     def _chunk(
         self, request: Request, budget: int, encoder_left: int | None, prefill_scheduled: bool
@@ -198,7 +271,7 @@ class Scheduler:
             n = self._keep_span_whole(request.mm, start, n, alone=not prefill_scheduled)
         units = self._unfinished_units(request, start, start + n)
         if encoder_left is not None:
-            fitting = self._units_within(request.mm, units, encoder_left)
+            fitting = self._units_within(request, units, encoder_left)
             if fitting < len(units):
                 n = request.mm.unit_first_position(units[fitting]) - start
                 units = units[:fitting]
@@ -215,16 +288,19 @@ class Scheduler:
         if it fits in what is left of the encoder budget."""
         busy = {item.unit for item in work}
         ahead = next((u for u in self._unfinished_units(request, end, request.num_tokens) if u not in busy), None)
-        if ahead is None or request.mm.unit_rows[ahead] > encoder_left:
+        if ahead is None or (request.mm.unit_rows[ahead] > encoder_left and not self._held(request, ahead)):
             return []
         return [self._work(request, ahead, whole=False)]
 
-    def _units_within(self, mm: MultimodalPrompt, units: list[int], encoder_left: int) -> int:
+    def _units_within(self, request: Request, units: list[int], encoder_left: int) -> int:
         """How many of `units`, in order, fit in what is left of the step's encoder budget; the first of the
         step runs whatever its size, so that an input larger than the budget still gets encoded."""
         first_of_step = encoder_left == self.config.max_encoder_tokens_per_step
+        mm = request.mm
         used = 0
         for count, unit in enumerate(units):
+            if self._held(request, unit):
+                continue
             used += mm.unit_rows[unit]
             if used > encoder_left and not (first_of_step and count == 0):
                 return count
@@ -233,6 +309,8 @@ class Scheduler:
     def _work(self, request: Request, unit: int, whole: bool) -> EncoderWork:
         """The next slices of an input's vision tower: all that are left, or `encoder_slices_per_step`."""
         stages = request.mm.encoder_stages
+        if self._held(request, unit):
+            return EncoderWork(request, unit, stages, stages, from_cache=True)
         done = self.encoder_progress.get(request.request_id, {}).get(unit, 0)
         step = self.config.encoder_slices_per_step
         end = stages if whole or step is None else min(done + step, stages)
@@ -293,6 +371,8 @@ class Scheduler:
         for chunk in out.chunks:
             request = chunk.request
             request.num_computed_tokens = chunk.end
+            if self.config.enable_prefix_caching:
+                self._register_full_blocks(request, chunk.start)
             token = sampled.get(request.request_id)
             if token is not None:
                 request.output_token_ids.append(token)

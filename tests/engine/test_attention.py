@@ -11,12 +11,23 @@ from engine.scheduler import ScheduledChunk
 from tests.engine.conftest import DEVICE
 
 
+def _groups(runner, decodes):
+    """The runner's decode batches, each with the masks and tables it builds for them."""
+    built = []
+    for group in runner._decode_groups(decodes):
+        width = max(len(blocks) for _, _, blocks in group)
+        tables = torch.tensor([blocks + [0] * (width - len(blocks)) for _, _, blocks in group])
+        built.append(runner._decode_group(torch.tensor([i for i, _, _ in group]),
+                                          torch.tensor([n for _, n, _ in group]), tables))
+    return built
+
+
 def test_a_long_context_among_short_ones_is_attended_in_its_own_batch(make_engine):
     runner = make_engine(block_size=16).runner
     # (packed query index, context length, cache blocks)
     short = [(i, 40 + i, [i * 3, i * 3 + 1, i * 3 + 2]) for i in range(8)]
     long = (8, 1700, list(range(100, 207)))
-    groups = runner._decode_groups([*short, long])
+    groups = _groups(runner, [*short, long])
     assert [group.query_index.tolist() for group in groups] == [[8], [7, 6, 5, 4, 3, 2, 1, 0]]
     alone, together = groups
     assert alone.block_tables.shape == (1, 107) and alone.mask.sum() == 1700
@@ -28,7 +39,7 @@ def test_a_long_context_among_short_ones_is_attended_in_its_own_batch(make_engin
 def test_similar_contexts_share_one_batch(make_engine):
     runner = make_engine(block_size=16).runner
     contexts = [100 + 10 * i for i in range(6)]
-    groups = runner._decode_groups([(i, n, list(range(20 * i, 20 * i + -(-n // 16)))) for i, n in enumerate(contexts)])
+    groups = _groups(runner, [(i, n, list(range(20 * i, 20 * i + -(-n // 16)))) for i, n in enumerate(contexts)])
     assert len(groups) == 1 and groups[0].query_index.tolist() == [5, 4, 3, 2, 1, 0]
     assert groups[0].block_tables.shape == (6, 10)  # 150 positions in blocks of 16
     assert groups[0].mask[:, 0, 0].sum(dim=1).tolist() == contexts[::-1]

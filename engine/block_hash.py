@@ -1,0 +1,56 @@
+"""What identifies a block of KV cache for prefix caching.
+
+A block's keys and values are determined by every token up to its end and by the images whose features those
+tokens carry. So a full block's hash is SHA-256 over: the previous block's hash (which covers everything
+before), the block's token ids, and, for each encoder input (a tile or an image) with placeholders in the block,
+the input's content hash and its first placeholder's position. Positions of every kind follow from these (M-RoPE
+positions from the tokens and the image grids, which the content hash covers). One engine serves one model, so
+the model needs no place in the hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+import torch
+
+from engine.request import MultimodalPrompt, Request
+
+
+def content_hash(encoder_input: dict[str, torch.Tensor]) -> bytes:
+    """SHA-256 of an encoder input's tensors (names, dtypes, shapes and values)."""
+    digest = hashlib.sha256()
+    for name in sorted(encoder_input):
+        value = encoder_input[name]
+        digest.update(name.encode())
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().cpu().contiguous()
+            digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        else:
+            digest.update(repr(value).encode())
+    return digest.digest()
+
+
+def add_unit_hashes(mm: MultimodalPrompt) -> None:
+    mm.unit_hashes = [content_hash(inputs) for inputs in mm.encoder_inputs]
+
+
+def full_block_hashes(request: Request, block_size: int, num_tokens: int) -> list[bytes]:
+    """Hashes of the request's first `num_tokens // block_size` blocks (its token ids up to `num_tokens` must be
+    known), extending `request.block_hashes`, which keeps those already computed."""
+    hashes = request.block_hashes
+    mm = request.mm
+    if mm is not None and len(mm.unit_hashes) != mm.num_units:  # `Engine.add_request` computes them off the lock
+        add_unit_hashes(mm)
+    for index in range(len(hashes), num_tokens // block_size):
+        start = index * block_size
+        digest = hashlib.sha256(hashes[-1] if hashes else b"vlmcap-prefix")
+        digest.update(array("q", request.token_ids_between(start, start + block_size)).tobytes())
+        if mm is not None:
+            for unit in mm.units_in(start, start + block_size):
+                digest.update(mm.unit_hashes[unit])
+                digest.update(mm.unit_first_position(unit).to_bytes(8, "little"))
+        hashes.append(digest.digest())
+    return hashes
