@@ -1,26 +1,69 @@
 #!/usr/bin/env bash
-# The GPU checks in one run, for a lent GPU machine that has torch, transformers, pytest and typer but not
-# ultralytics (see BENCHMARKS.md, "On a GPU"). From the repository root, with the two photos copied to
-# .photos (an ignored folder the run carries):
+# The GPU checks in one script, for a lent GPU machine that has torch, transformers, Triton, pytest and typer but
+# not ultralytics, FastAPI or Redis, and no network. From the repository root, with the two photos copied to
+# .photos and num2words (SmolVLM's processor needs it; pure Python) as a wheel in .whl, two ignored folders the
+# run carries:
 #   mkdir -p .photos && cp "$(python -c 'import ultralytics, os; print(os.path.dirname(ultralytics.__file__))')"/assets/{bus,zidane}.jpg .photos/
-#   device run: bash bench/device_check.sh   (carry .photos; results come back from $OUT)
-# The engine's tests on the device (exactness against transformers' generate, scheduling properties), then
-# `bench stall` (two and four photos) and `bench peers` there. DEVICE, MODEL and DTYPE override the defaults.
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl num2words==0.5.14
+#   device run (carry .photos and .whl): bash bench/device_check.sh [core|serving|all]      results under $OUT
+# core (about 4 minutes): the paged-attention kernel against the gather reference per layer (SmolVLM-256M and
+#   Qwen2.5-VL-3B head shapes); the engine's kernel path, with and without CUDA graphs, against the reference
+#   path on 64 requests, and decode step time at batch 1/16/64 x 1k context against the memory-read floor; the
+#   engine's tests on CUDA (exactness against transformers' generate, float32 reference path).
+# serving (about 5 minutes): `bench stall` and `bench peers` on the GPU, then the engine check on Qwen2.5-VL-3B.
+# DEVICE=cpu runs the same script in smoke mode (small sizes, Triton's interpreter) to check it before a GPU is
+# lent. Each part has its own time limit, so one that hangs or fails leaves the others' results. At most 8
+# files come back from $OUT: log.txt and one JSON or text file per part.
 set -o pipefail
-export PYTHONUNBUFFERED=1 VLMCAP_TEST_DEVICE=${DEVICE:-cuda} VLMCAP_PHOTOS=${VLMCAP_PHOTOS:-.photos}
-device=${DEVICE:-cuda} model=${MODEL:-dummy:smolvlm-256m} dtype=${DTYPE:-bfloat16}
+part=${1:-all}
+device=${DEVICE:-cuda}
+export PYTHONUNBUFFERED=1 VLMCAP_TEST_DEVICE=$device VLMCAP_PHOTOS=${VLMCAP_PHOTOS:-.photos}
 out=${OUT:-bench/results/$device}
 mkdir -p "$out"
 python=${PYTHON:-python3}
-run=(--model "$model" --device "$device" --dtype "$dtype")
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
-  "$python" -c "import torch, transformers; print('torch', torch.__version__, '/ transformers', transformers.__version__)"
-  "$python" -m pytest -q -p no:cacheprovider tests/engine
-} 2>&1 | tee "$out/tests-engine.txt" | tail -3
-# On a GPU a step's cost hardly grows with its tokens up to hundreds: a budget of 256 with whole towers.
-"$python" -m bench stall "${run[@]}" --budget 256 --encoder-budget 128 --encoder-slices-per-step 0 \
-  --json "$out/stall.json" --png "$out/stall.png" 2>&1 | tee "$out/stall.txt"
-"$python" -m bench stall "${run[@]}" --images 4 --budget 256 --encoder-budget 128 --encoder-slices-per-step 0 \
-  --json "$out/stall-4images.json" 2>&1
-"$python" -m bench peers "${run[@]}" --json "$out/peers.json" --png "$out/peers.png" 2>&1 | tee "$out/peers.txt"
+model=${MODEL:-dummy:smolvlm-256m}
+model_large=${MODEL_LARGE:-dummy:qwen2.5-vl-3b}
+dtype=${DTYPE:-bfloat16}
+smoke=() checks=("$python" -m bench.device_checks) slower=1
+if [ "$device" = cpu ]; then  # the kernel through Triton's interpreter, in the checks of bench/device_checks.py only
+  model=tiny model_large=tiny-qwen2.5-vl dtype=float32 smoke=(--smoke) slower=${SLOWER:-8}
+  checks=(env TRITON_INTERPRET=1 "${checks[@]}")
+fi
+log="$out/log.txt"
+if [ -d .whl ] && [ "$device" != cpu ]; then
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log its output and how it ended
+  local name=$1 limit=$(($2 * slower))
+  shift 2
+  echo "== $name (limit ${limit}s) $(date -u +%T)" | tee -a "$log"
+  local began=$SECONDS
+  timeout -k 5 "$limit" "$@" 2>&1 | grep -v -e 'Warning' -e 'warn(' | tee -a "$log"
+  echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - began))s" | tee -a "$log"
+}
+
+step environment 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null;
+  $python -c 'import torch, transformers, triton; print(\"torch\", torch.__version__, \"transformers\", transformers.__version__, \"triton\", triton.__version__)'"
+
+if [ "$part" = core ] || [ "$part" = all ]; then
+  step attention 90 "${checks[@]}" attention --device "$device" --dtype "$dtype" "${smoke[@]}" \
+    --json "$out/attention.json"
+  step engine-smolvlm 130 "${checks[@]}" engine --model "$model" --device "$device" \
+    --dtype "$dtype" "${smoke[@]}" --json "$out/engine-smolvlm.json"
+  if [ "$device" != cpu ]; then  # on the CPU these are `make test`'s
+    step tests-engine 110 "$python" -m pytest -q -x -p no:cacheprovider tests/engine -k "not kernel_path" \
+      -o addopts="" --timeout 100
+  fi
+fi
+
+if [ "$part" = serving ] || [ "$part" = all ]; then
+  run=(--model "$model" --device "$device" --dtype "$dtype")
+  # On a GPU a step's cost hardly grows with its tokens up to hundreds: a budget of 256 with whole towers.
+  step stall 100 "$python" -m bench stall "${run[@]}" --budget 256 --encoder-budget 128 --encoder-slices-per-step 0 \
+    --json "$out/stall.json"
+  step peers 100 "$python" -m bench peers "${run[@]}" --json "$out/peers.json"
+  step engine-qwen2.5-vl-3b 150 "${checks[@]}" engine --model "$model_large" \
+    --device "$device" --dtype "$dtype" "${smoke[@]}" --json "$out/engine-qwen.json"
+fi
+grep -E '^== .*exit' "$log"
