@@ -23,6 +23,8 @@ def stall(
     after_steps: int = typer.Option(16, help="Steps measured after the image prompt's first token (with --url: "
                                              "tokens each chat streams after it)."),
     threads: int = typer.Option(None, help="torch threads (default: torch's choice)."),
+    prefix_caching: bool = typer.Option(None, "--prefix-caching/--no-prefix-caching", show_default=False,
+                                        help="The engine's prefix caching (default: the engine's, on)."),
     url: str = typer.Option(None, help="Run the scenario over HTTP against this OpenAI-compatible server instead "
                                        "(vlmcap serve, vLLM, ...); the engine options above are then the server's."),
     api_key: str = typer.Option(None, envvar="VLMCAP_API_KEY", help="With --url: bearer key, if the server needs one."),
@@ -48,7 +50,7 @@ def stall(
         return
     cfg = StallConfig(model=model, device=device, dtype=dtype, chats=chats, images=images, budget=budget,
                       encoder_budget=encoder_budget, encoder_slices_per_step=encoder_slices_per_step or None,
-                      after_steps=after_steps, threads=threads)
+                      after_steps=after_steps, threads=threads, prefix_caching=prefix_caching)
     result = run_stall(cfg)
     save(result, json_path, png_path, plot)
     typer.echo(summary(result))
@@ -67,6 +69,8 @@ def peers(
     hf_batch_size: int = typer.Option(8, help="Static batch size of transformers' generate."),
     budget: int = typer.Option(2048, help="The engine's max_num_batched_tokens."),
     threads: int = typer.Option(None, help="torch threads (default: torch's choice)."),
+    prefix_caching: bool = typer.Option(None, "--prefix-caching/--no-prefix-caching", show_default=False,
+                                        help="The engine's prefix caching (default: the engine's, on)."),
     json_path: str = typer.Option(None, "--json", help="Write the results here."),
     png_path: str = typer.Option(None, "--png", help="Draw throughput and latency bars here."),
 ) -> None:
@@ -76,7 +80,7 @@ def peers(
 
     cfg = PeersConfig(model=model, device=device, dtype=dtype, requests=requests, input_len=input_len,
                       output_len=output_len, range_ratio=range_ratio, seed=seed, hf_batch_size=hf_batch_size,
-                      budget=budget, threads=threads)
+                      budget=budget, threads=threads, prefix_caching=prefix_caching)
     result = run_peers(cfg)
     save(result, json_path, png_path, plot)
     typer.echo(summary(result))

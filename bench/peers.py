@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from bench.report import machine, pyplot, save_figure
+from bench.report import machine, prefix_caching_option, pyplot, save_figure
 from engine import Engine, EngineConfig, SamplingParams
 
 WORDS = (
@@ -41,6 +41,7 @@ class PeersConfig:
     hf_batch_size: int = 8
     budget: int = 2048
     threads: int | None = None
+    prefix_caching: bool | None = None  # None: the engine's default
 
 
 @dataclass
@@ -204,7 +205,7 @@ def run_peers(cfg: PeersConfig) -> dict[str, Any]:
     engine = Engine(
         EngineConfig(
             model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_batched_tokens=cfg.budget,
-            max_num_seqs=max(cfg.requests, 1), num_threads=cfg.threads,
+            max_num_seqs=max(cfg.requests, 1), num_threads=cfg.threads, **prefix_caching_option(cfg.prefix_caching),
         )
     )
     model, tokenizer = engine.adapter.model, engine.tokenizer

@@ -67,6 +67,12 @@ def save(
         plot(result, png_path)
 
 
+def prefix_caching_option(enabled: bool | None) -> dict[str, bool]:
+    """EngineConfig's keyword for a benchmark's `--prefix-caching/--no-prefix-caching`: none when not given, so
+    that the engine's default holds."""
+    return {} if enabled is None else {"enable_prefix_caching": enabled}
+
+
 def photo_paths() -> list[Path]:
     """bus.jpg and zidane.jpg, real photos with people: from the folder `VLMCAP_PHOTOS` names (for a machine
     without ultralytics, such as a lent GPU machine), else from the ultralytics wheel, found without

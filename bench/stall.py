@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench.report import machine, percentiles_ms, pyplot, sample_images, save_figure
+from bench.report import machine, percentiles_ms, prefix_caching_option, pyplot, sample_images, save_figure
 from engine import Engine, EngineConfig, SamplingParams
 
 CHAT_PROMPT = "User: Tell me a long story about a bus driver in a rainy city.<end_of_utterance>\nAssistant:"
@@ -38,6 +38,7 @@ class StallConfig:
     warmup_steps: int = 16
     after_steps: int = 16
     threads: int | None = None
+    prefix_caching: bool | None = None  # None: the engine's default
 
 
 # name: (chunked prefill, per-step encoder budget)
@@ -60,6 +61,7 @@ def _run(cfg: StallConfig, chunked: bool, encoder_budget: bool, images: list) ->
             max_encoder_tokens_per_step=cfg.encoder_budget if encoder_budget else None,
             encoder_slices_per_step=cfg.encoder_slices_per_step if encoder_budget else None,
             num_threads=cfg.threads,
+            **prefix_caching_option(cfg.prefix_caching),
         )
     )
     chats = [

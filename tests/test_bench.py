@@ -26,8 +26,9 @@ def is_png(path) -> bool:
 def test_bench_stall_writes_three_runs(tmp_path):
     out, png = tmp_path / "stall.json", tmp_path / "stall.png"
     invoke(["bench", "stall", "--model", "tiny", "--dtype", "float32", "--chats", "2", "--images", "1",
-            "--budget", "16", "--after-steps", "2", "--json", str(out), "--png", str(png)])
+            "--budget", "16", "--after-steps", "2", "--no-prefix-caching", "--json", str(out), "--png", str(png)])
     result = json.loads(out.read_text())
+    assert result["config"]["prefix_caching"] is False
     assert set(result["runs"]) == {"chunked", "unchunked", "chunked_no_encoder_budget"}
     for run in result["runs"].values():
         assert set(run["itl_ms"]) == {"p50", "p99", "max"}
