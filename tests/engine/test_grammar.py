@@ -191,3 +191,17 @@ def test_the_engine_imports_and_serves_without_xgrammar(make_engine, monkeypatch
     assert len(drain(engine)[rid].token_ids) == 4
     with pytest.raises(ValueError, match="needs the xgrammar package"):
         engine.add_request(prompt=PROMPTS[0], sampling=SamplingParams(grammar=GrammarSpec(json_object=True)))
+
+
+def test_bounded_strings_refuse_raw_control_characters(checkpoint):
+    """xgrammar 0.2.8's own rule for minLength/maxLength strings lets a raw tab through (invalid JSON)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    compiler = GrammarCompiler(tokenizer, 512, [tokenizer.eos_token_id])
+    matcher = compiler.matcher(GrammarSpec.from_schema({"type": "string", "maxLength": 5}))
+    [quote], [tab], [letter] = (tokenizer.encode(t, add_special_tokens=False) for t in ('"', "\t", "a"))
+    assert matcher.accept(quote)
+    logits = torch.zeros(1, 512)
+    apply_token_masks(logits, [matcher])
+    assert logits[0, tab] == float("-inf") and logits[0, letter] == 0.0
