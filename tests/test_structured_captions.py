@@ -5,6 +5,7 @@ schema cannot be used, or whose caption does not parse, is dead-lettered saying 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from pathlib import Path
@@ -138,3 +139,29 @@ def test_bad_caption_schema_files_are_named(tmp_path):
             read_caption_schema(path)
     with pytest.raises(ValueError, match="cannot read"):
         read_caption_schema(tmp_path / "missing.json")
+
+
+def test_the_openai_captioner_asks_for_the_schema_over_http(redis_url, server):
+    """`vlmcap worker`'s path: the job's schema goes to the server as response_format."""
+    from test_queue_worker import work_until_idle
+
+    from api.queue_worker import OpenAICaptioner, QueueWorker, get_result
+
+    job = camera_job("remote", SAMPLE_SCHEMA)
+    producer = JobProducer(redis_url)
+    producer.submit(job)
+    producer.close()
+
+    async def work():
+        captioner = OpenAICaptioner(server.url, model=server.state.settings.model_name, max_tokens=512)
+        worker = QueueWorker(redis_url, captioner, block_seconds=0.1)
+        try:
+            await work_until_idle(worker)
+            return await get_result(worker.redis, job.job_id)
+        finally:
+            await captioner.aclose()
+            await worker.redis.aclose()
+
+    result = asyncio.run(work())
+    assert result.status == "done", result.error
+    jsonschema_rs.validate(SAMPLE_SCHEMA, result.structured)
