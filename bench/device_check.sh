@@ -10,7 +10,8 @@
 #   Qwen2.5-VL-3B head shapes); the engine's kernel path, with and without CUDA graphs, against the reference
 #   path on 64 requests, and decode step time at batch 1/16/64 x 1k context against the memory-read floor; the
 #   engine's tests on CUDA (exactness against transformers' generate, float32 reference path).
-# serving (about 5 minutes): `bench stall` and `bench peers` on the GPU, then the engine check on Qwen2.5-VL-3B.
+# serving (about 5 minutes): `bench stall`, `bench peers` and `bench host` (a step's host time by phase, against
+#   transformers over a StaticCache) on the GPU, then the engine check on Qwen2.5-VL-3B.
 # DEVICE=cpu runs the same script in smoke mode (small sizes, Triton's interpreter) to check it before a GPU is
 # lent. Each part has its own time limit, so one that hangs or fails leaves the others' results. At most 8
 # files come back from $OUT: log.txt and one JSON or text file per part.
@@ -27,6 +28,7 @@ dtype=${DTYPE:-bfloat16}
 smoke=() checks=("$python" -m bench.device_checks) slower=1
 if [ "$device" = cpu ]; then  # the kernel through Triton's interpreter, in the checks of bench/device_checks.py only
   model=tiny model_large=tiny-qwen2.5-vl dtype=float32 smoke=(--smoke) slower=${SLOWER:-8}
+  export HOST_DECODES=${HOST_DECODES:-4} HOST_CONTEXT=${HOST_CONTEXT:-64}
   checks=(env TRITON_INTERPRET=1 "${checks[@]}")
 fi
 log="$out/log.txt"
@@ -63,6 +65,8 @@ if [ "$part" = serving ] || [ "$part" = all ]; then
   step stall 100 "$python" -m bench stall "${run[@]}" --budget 256 --encoder-budget 128 --encoder-slices-per-step 0 \
     --json "$out/stall.json"
   step peers 100 "$python" -m bench peers "${run[@]}" --json "$out/peers.json"
+  step host 100 "$python" -m bench host "${run[@]}" --decodes "${HOST_DECODES:-64}" --context "${HOST_CONTEXT:-900}" \
+    --later 500 --steps 20 --json "$out/host.json"
   step engine-qwen2.5-vl-3b 150 "${checks[@]}" engine --model "$model_large" \
     --device "$device" --dtype "$dtype" "${smoke[@]}" --json "$out/engine-qwen.json"
 fi

@@ -169,8 +169,8 @@ def engine_check(model: str, device: torch.device, dtype: str, smoke: bool) -> d
     requests; decode step time at batch 1/16/64 and ~1k context against the read floor."""
     from engine import Engine, EngineConfig
 
-    n, max_tokens = (8, 8) if smoke else (64, 32)
-    context, batches, steps = (64, (1, 4), 5) if smoke else (1000, (1, 16, 64), 20)
+    n, max_tokens = (3, 4) if smoke else (64, 32)
+    context, batches, steps = (40, (1, 2), 4) if smoke else (1000, (1, 16, 64), 20)
     common = dict(model=model, device=str(device), dtype=dtype, max_num_seqs=max(64, n), max_num_batched_tokens=2048,
                   num_kv_blocks=(max(batches) * (context + 64)) // 16 + 64 + n * 16, max_model_len=2048)
     prompts = _prompts(n)

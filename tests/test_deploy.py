@@ -292,9 +292,10 @@ def test_server_gets_a_gpu_and_every_healthcheck_asks_a_real_route(monkeypatch):
 
 def test_readme_table_of_environment_variables_matches_the_cli():
     readme = (REPO / "README.md").read_text()
-    deployment = readme[readme.index("\n## Deployment"):]
+    section = readme[readme.index("\n### Environment variables") + 1:]
+    section = section[: section.index("\n#")]  # up to the next heading: other tables start with "| `" too
     cells = [[cell.strip() for cell in line.strip().strip("|").split("|")]
-             for line in deployment.splitlines() if line.startswith("| `")]
+             for line in section.splitlines() if line.startswith("| `")]
     rows = [(variable.strip("`"), option.strip("`"), commands) for variable, option, commands, *_ in cells]
     assert rows, "no table of environment variables under ## Deployment"
     options = {}

@@ -118,3 +118,20 @@ def test_without_room_for_features_every_photo_is_encoded(make_engine, oracle, p
     other = "User: Look at this.<image>Who is there?<end_of_utterance>\nAssistant:"
     assert _finish(engine, other, [photos[0]]).token_ids == oracle(other, [photos[0]], 10)
     assert engine.stats()["encoder_inputs_encoded"] == 2 * encoded
+
+
+def test_a_cached_prefix_that_ends_inside_an_image_span_resumes_exactly(make_engine, oracle, photos):
+    """A first request is stopped partway through its image's placeholders; the same prompt and photo again
+    finds the blocks computed so far, encodes the tile that the boundary cuts, and takes only its later rows."""
+    engine = make_engine(max_num_batched_tokens=8, max_num_seqs=4, encoder_cache_tokens=0)
+    first = engine.add_request(prompt=PROMPTS[1], images=[photos[0]], sampling=SamplingParams(max_tokens=10))
+    mm = engine.requests[first].mm
+    span_start, span_end = mm.placeholder_positions[0], mm.placeholder_positions[-1]
+    middle = (span_start + span_end) // 2
+    while engine.requests[first].num_computed_tokens < middle:
+        engine.step()
+    engine.abort(first)
+    out = _finish(engine, PROMPTS[1], [photos[0]])
+    assert span_start < out.num_cached_tokens <= span_end  # the boundary falls inside the span
+    assert out.num_cached_tokens not in mm.placeholder_positions[:: mm.unit_rows[0]]  # and inside a tile
+    assert out.token_ids == oracle(PROMPTS[1], [photos[0]], 10)
