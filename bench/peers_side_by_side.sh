@@ -49,9 +49,13 @@ wait_ready() {  # $1: health path
 
 start_vllm() {
   : "${PEER:?set PEER to the folder that the vLLM-CPU setup.sh filled}"
-  PEER=$PEER "$PEERS_DIR/serve.sh" "$MODEL_DIR" "$PORT" > "$OUT/vllm-server.log" 2>&1 &
+  # A step that compiles a new shape on a busy machine can pass vLLM's 300 s default, and the engine dies
+  # ("RPC call to execute_model timed out", seen here under a load of 10 on 2 cores).
+  VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=${VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS:-3600} PEER=$PEER \
+    "$PEERS_DIR/serve.sh" "$MODEL_DIR" "$PORT" > "$OUT/vllm-server.log" 2>&1 &
   SERVER_PID=$!
   wait_ready /health
+  warm_up
 }
 
 start_vlmcap() {  # $1: max_num_batched_tokens
@@ -61,6 +65,12 @@ start_vlmcap() {  # $1: max_num_batched_tokens
     > "$OUT/vlmcap-server-$1.log" 2>&1 &
   SERVER_PID=$!
   wait_ready /ready
+  warm_up
+}
+
+warm_up() {  # not measured: first requests with an image and in a batch (vLLM compiles shapes on first use)
+  $PY -m bench serve --url "$URL" --rate inf --num-requests 4 --image-fraction 0.5 --max-tokens 8 --seed 3 \
+    > "$OUT/warm-up.txt" 2>&1
 }
 
 bench() {  # $1: server name, $2: workload, then the bench command and its options

@@ -55,6 +55,14 @@ def decode_function(tokenizer: Any) -> Callable[[list[int]], str]:
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def skipped_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids that decoding with `skip_special_tokens` drops wherever they are (special added tokens)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None)
+    if isinstance(added, dict):
+        return frozenset(i for i, token in added.items() if getattr(token, "special", False))
+    return frozenset(getattr(tokenizer, "all_special_ids", ()))
+
+
 def _longest_stop_start(text: str, start: int, stop: str) -> int:
     """Length of the longest tail of `text` beginning at or after `start` that is a proper prefix of `stop`."""
     first = stop[0]
@@ -69,19 +77,25 @@ def _longest_stop_start(text: str, start: int, stop: str) -> int:
 class IncrementalDetokenizer:
     """One request's output text, updated each step from its growing list of token ids.
 
-    Tokens before `prefix_offset` are done with; `prefix_text` is the decode of tokens
-    [`prefix_offset`, `read_offset`), and `stable` the text of all tokens before `read_offset`, a point
-    after which the text of the tokens does not depend on what came before (the text there ended with a
-    whole character). Each step decodes the tokens from `prefix_offset` on; what they add past
-    `prefix_text` is the new text, taken into `stable` unless it ends with an incomplete character.
+    Offsets count the output's tokens less those decoding skips. Tokens before `prefix_offset` are done
+    with; `prefix_text` is the decode of tokens [`prefix_offset`, `read_offset`), and `stable` the text of
+    all tokens before `read_offset`, a point after which the text of the tokens does not depend on what came
+    before (the text there ended with a whole character). Each step decodes the tokens from `prefix_offset`
+    on; what they add past `prefix_text` is the new text, taken into `stable` unless it ends with an
+    incomplete character.
 
     `tokens_decoded` and `chars_scanned` count the work done, for tests and benchmarks.
     """
 
-    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
+    def __init__(self, tokenizer: Any, stops: list[str], skipped: frozenset[int] | None = None) -> None:
         self.tokenizer = tokenizer
         self.stops = list(stops)
         self._decode = decode_function(tokenizer)
+        # The output without the tokens decoding skips (EOS generated with ignore_eos, a model's special
+        # tokens), so that a run of them, which adds no text, does not widen the window decoded each step.
+        self._skipped = skipped_token_ids(tokenizer) if skipped is None else skipped
+        self._ids: list[int] = []
+        self._seen = 0
         self.prefix_offset = 0
         self.read_offset = 0
         self.prefix_text = ""
@@ -100,8 +114,11 @@ class IncrementalDetokenizer:
         if self._full_decode:
             self.tokens_decoded += len(token_ids)
             return render(self.tokenizer, token_ids, self.stops, finished)
-        window = self._decode(token_ids[self.prefix_offset :])
-        self.tokens_decoded += len(token_ids) - self.prefix_offset
+        self._ids.extend(t for t in token_ids[self._seen :] if t not in self._skipped)
+        self._seen = len(token_ids)
+        ids = self._ids
+        window = self._decode(ids[self.prefix_offset :])
+        self.tokens_decoded += len(ids) - self.prefix_offset
         if not window.startswith(self.prefix_text):
             log.debug("tokenizer %s does not decode in windows; decoding whole outputs", type(self.tokenizer).__name__)
             self._full_decode = True
@@ -138,7 +155,7 @@ class IncrementalDetokenizer:
 
         if tail and not tail.endswith(REPLACEMENT):
             self.stable += tail
-            self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
-            self.prefix_text = self._decode(token_ids[self.prefix_offset : self.read_offset])
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+            self.prefix_text = self._decode(ids[self.prefix_offset : self.read_offset])
             self.tokens_decoded += self.read_offset - self.prefix_offset
         return text, False

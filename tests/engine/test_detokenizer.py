@@ -223,3 +223,19 @@ def test_a_tokenizer_that_does_not_decode_in_windows_falls_back_to_whole_outputs
     for _ in range(50):
         ids = [rng.randrange(60) for _ in range(rng.randint(1, 30))]
         _check_every_step(tokenizer, ids, rng.sample(["ab", "c", "xyz", "q"], 2))
+
+
+def test_a_run_of_skipped_tokens_does_not_widen_the_window(tokenizers):
+    tokenizer = tokenizers["tiny"]
+    eos = tokenizer.eos_token_id
+    text_ids = tokenizer(" ".join(MULTILINGUAL[:2]), add_special_tokens=False)["input_ids"]
+    # EOS generated over and over with ignore_eos, then text again.
+    ids = text_ids[:10] + [eos] * 300 + text_ids[10:30]
+    detok = IncrementalDetokenizer(tokenizer, ["zz"])
+    grown: list[int] = []
+    for token in ids:
+        grown.append(token)
+        before = detok.tokens_decoded
+        text, _ = detok.update(grown, finished=False)
+        assert detok.tokens_decoded - before <= 8
+    assert text == render(tokenizer, grown, ["zz"], False)[0]
