@@ -14,6 +14,7 @@ may not).
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -98,6 +99,8 @@ def _run(cfg: PrefixConfig, caching: bool, photo: Any, answers: list[str] | None
     for i in range(cfg.turns):
         history = answers if answers is not None else [turn["text"] for turn in turns]
         turns.append(_turn(engine, conversation(i, history), [photo], cfg.max_tokens))
+        print(f"{'caching' if caching else 'no caching'}, turn {i + 1}: TTFT {turns[-1]['ttft_ms']:.0f} ms, "
+              f"{turns[-1]['computed_tokens']} tokens computed", file=sys.stderr, flush=True)
     del engine
     gc.collect()
     return turns
