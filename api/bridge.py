@@ -59,7 +59,8 @@ class RequestStream:
     def push_abort(self) -> None:
         last = self.last
         self.push(RequestOutput(self.request_id, last.token_ids if last else [], last.text if last else "",
-                                True, "abort", last.num_prompt_tokens if last else 0))
+                                True, "abort", last.num_prompt_tokens if last else 0,
+                                last.num_cached_tokens if last else 0))
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         last_time, last_count = self.arrival, 0
