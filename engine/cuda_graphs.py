@@ -18,6 +18,7 @@ import time
 import torch
 
 from engine.attention import AttentionBatch, PagedKernelMetadata
+from engine.model_runner import cache_slots
 from engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -104,12 +105,11 @@ class DecodeGraphs:
                 return None
         return next(size for size in self.sizes if size >= len(chunks))
 
-    def replay(self, size: int, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Fill the static inputs for `chunks`, replay the graph of `size`, and return the logits of the real rows."""
-        self.fill(size, chunks)
+    def run(self, size: int, rows: int) -> torch.Tensor:
+        """Replay the graph of `size` on the inputs `fill` left, and return the logits of the first `rows` rows."""
         graph, logits = self.graphs[size]
         graph.replay()
-        return logits[: len(chunks)]
+        return logits[:rows]
 
     def fill(self, size: int, chunks: list[ScheduledChunk]) -> None:
         """The static inputs of a padded batch of `size` for `chunks`, from one upload; padding rows write and
@@ -125,8 +125,7 @@ class DecodeGraphs:
             ids.append(request.token_ids_between(position, position + 1)[0])
             for stream, values in zip(positions, runner._positions(request, position, position + 1)):
                 stream.extend(values)
-            block = request.block_ids[position // bs]
-            slots.append(block * bs + position % bs)
+            slots.extend(cache_slots(request.block_ids, position, position + 1, bs))
             seq_lens.append(chunk.end)
             blocks = request.block_ids[:width]
             table.extend(blocks + [self.scratch_block] * (width - len(blocks)))

@@ -107,10 +107,10 @@ class ModelRunner:
         sampled_chunks = [chunk for chunk in out.chunks if chunk.samples]
         graph = self.graphs.lookup(out.chunks) if self.graphs is not None else None
         if graph is not None:
-            logits = self.graphs.replay(graph, out.chunks)
-            timings.prepare = time.perf_counter() - prepared
-            timings.forward = 0.0
-            forwarded = time.perf_counter()
+            self.graphs.fill(graph, out.chunks)
+            run_at = time.perf_counter()
+            timings.prepare = run_at - prepared
+            logits = self.graphs.run(graph, len(out.chunks))
         else:
             ids, positions, batch, sample_index, merges = self._prepare(out.chunks, len(sampled_chunks))
             embeds = self.adapter.embed_tokens(ids)
@@ -121,15 +121,15 @@ class ModelRunner:
             timings.prepare = run_at - prepared
             hidden = self.adapter.forward_text(embeds, positions, batch)
             logits = self.adapter.lm_head(hidden[sample_index]).float() if sampled_chunks else None
-            forwarded = time.perf_counter()
-            timings.forward = forwarded - run_at
+        forwarded = time.perf_counter()
+        timings.forward = forwarded - run_at
         result = ModelRunnerOutput()
         if sampled_chunks:
             requests = [chunk.request for chunk in sampled_chunks]
-            if any(getattr(r, "matcher", None) is not None for r in requests):
+            if any(r.matcher is not None for r in requests):
                 from engine.grammar import apply_token_masks
 
-                apply_token_masks(logits, [getattr(r, "matcher", None) for r in requests])
+                apply_token_masks(logits, [r.matcher for r in requests])
             tokens, failed = sample(logits, [r.sampling for r in requests], [r.generator for r in requests])
             for request, token, bad in zip(requests, tokens, failed):
                 if bad:
@@ -161,7 +161,7 @@ class ModelRunner:
             token_ids.extend(request.token_ids_between(start, end))
             for stream, values in zip(positions, self._positions(request, start, end)):
                 stream.extend(values)
-            slots.extend(_slots(request.block_ids, start, end, bs))
+            slots.extend(cache_slots(request.block_ids, start, end, bs))
             blocks = request.block_ids[: -(-end // bs)]
             if kernel:
                 prefills.append((query_start, chunk, blocks))
@@ -330,7 +330,7 @@ class ModelRunner:
         self.encoder_seconds += time.perf_counter() - began
 
 
-def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
+def cache_slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Cache slots of positions start..end-1 of a request, a block's run at a time."""
     slots: list[int] = []
     position = start

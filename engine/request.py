@@ -129,11 +129,6 @@ class Request:
         outputs = self.output_token_ids[max(start - prompt_len, 0) : end - prompt_len]
         return self.prompt_token_ids[start:prompt_len] + outputs if start < prompt_len else outputs
 
-    def token_at(self, position: int) -> int:
-        if position < len(self.prompt_token_ids):
-            return self.prompt_token_ids[position]
-        return self.output_token_ids[position - len(self.prompt_token_ids)]
-
     def sort_key(self) -> tuple[int, int]:
         """Lower priority value first, then first come first served."""
         return (self.priority, self.arrival)

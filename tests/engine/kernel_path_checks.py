@@ -111,13 +111,16 @@ class RecordedGraphs(DecodeGraphs):
         super().__init__(*args)
         self.traces: list[tuple[int, list[int], list]] = []
 
-    def replay(self, size: int, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        self.fill(size, chunks)
+    def fill(self, size: int, chunks: list[ScheduledChunk]) -> None:
+        super().fill(size, chunks)
+        self.contexts = [chunk.end for chunk in chunks]
+
+    def run(self, size: int, rows: int) -> torch.Tensor:
         recorder = OpRecorder()
         with recorder:
             logits = self._forward(size)
-        self.traces.append((size, [chunk.end for chunk in chunks], recorder.ops))
-        return logits[: len(chunks)]
+        self.traces.append((size, self.contexts, recorder.ops))
+        return logits[:rows]
 
 
 def check_decode_steps_issue_the_same_ops(checkpoint: str) -> None:
