@@ -112,7 +112,7 @@ class ModelRunner:
             timings.prepare = run_at - prepared
             logits = self.graphs.run(graph, len(out.chunks))
         else:
-            ids, positions, batch, sample_index, merges = self._prepare(out.chunks, len(sampled_chunks))
+            ids, positions, batch, sample_index, merges = self._prepare(out.chunks)
             embeds = self.adapter.embed_tokens(ids)
             if merges is not None:
                 where, features = merges
@@ -140,7 +140,7 @@ class ModelRunner:
         return result
 
     # -- the step's inputs ----------------------------------------------------------------------
-    def _prepare(self, chunks: list[ScheduledChunk], num_samples: int):
+    def _prepare(self, chunks: list[ScheduledChunk]):
         """Token ids, positions, attention metadata, the rows to sample and the encoder features to merge,
         from one upload."""
         bs = self.block_size
