@@ -109,13 +109,13 @@ def attention_check(device: torch.device, dtype: torch.dtype, smoke: bool) -> li
             q_heads_first = query.transpose(0, 1)
             with torch.inference_mode():
                 out = paged_attention(query, cache.keys[0], cache.values[0], meta, block_size, None, None)
-                ref = reference_attention(q_heads_first, cache.keys[0], cache.values[0], batch, False, None)
+                ref = reference_attention(q_heads_first, cache.keys[0], cache.values[0], batch, None, None)
                 error = (out.float() - ref.float()).abs().max().item()
                 repeat = dict(repeat=2, warmup=0) if smoke else {}
                 kernel_ms = timed_ms(partial(paged_attention, query, cache.keys[0], cache.values[0], meta,
                                              block_size, None, None), device, **repeat)
                 gather_ms = timed_ms(partial(reference_attention, q_heads_first, cache.keys[0], cache.values[0],
-                                             batch, False, None), device, **repeat)
+                                             batch, None, None), device, **repeat)
             kv_bytes = sum(n for _, n in seqs) * kv_heads * head_dim * 2 * cache.keys[0].element_size()
             gbps = kv_bytes / (kernel_ms / 1e3) / 1e9
             rows.append(dict(model=model, case=name, max_abs_diff=error, kernel_ms=kernel_ms, gather_ms=gather_ms,

@@ -14,7 +14,10 @@ Two paths compute the same function:
 - **reference** (`DecodeGroup`, `PrefillSpan`): keys and values gathered a whole block at a time, then
   SDPA; decodes in padded batches of similar context length, prefill chunks one by one, with explicit
   masks where a chunk is not plain causal (a chunk after the first, image tokens that attend both ways,
-  sliding windows). float32 anywhere, and everything on the CPU; the exactness tests' path.
+  sliding windows). float32 anywhere, and everything on the CPU; the exactness reference.
+- **cpu**: the reference path's prefill chunks, and every decode of the step in one call of a small C kernel
+  that reads the cache blocks in place (engine/cpu_kernel.py): on the CPU the gather's copy costs as much
+  as the attention, and grows with context.
 
 Every tensor here was built once per step by the model runner (`AttentionBatch`) and is shared by all
 layers; nothing here reads a device value back to the host.
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from engine.cpu_kernel import paged_decode_attention
 from engine.kv_cache import KVCache
 
 ATTN_IMPLEMENTATION = "vlmcap_paged"
@@ -48,12 +52,14 @@ class PrefillSpan:
 
 @dataclass
 class DecodeGroup:
-    """Sequences with one query each, attended in one padded batch."""
+    """Sequences with one query each, attended in one batch: padded to its longest context and masked (the
+    reference path), or, with `context_lens` set, read in place by the CPU's decode kernel (no masks)."""
 
     query_index: torch.Tensor  # [B] packed index of each sequence's query
     block_tables: torch.Tensor  # [B, max_blocks] padded with block 0
-    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] True where a key is real
+    mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] True where a key is real
     sliding_mask: torch.Tensor | None = None  # `mask` within the sliding window, for models that have one
+    context_lens: torch.Tensor | None = None  # [B] keys of each sequence, for engine/cpu_kernel.py
 
 
 @dataclass
@@ -109,16 +115,23 @@ def _pick(item: PrefillSpan | DecodeGroup, sliding: bool) -> torch.Tensor | None
 
 
 def reference_attention(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: AttentionBatch, sliding: bool,
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: AttentionBatch, window: int | None,
     scaling: float | None,
 ) -> torch.Tensor:
-    """[heads, T, d] queries -> [T, heads, d]: gathered keys and values, SDPA per decode group and per chunk."""
+    """[heads, T, d] queries -> [T, heads, d]: gathered keys and values, SDPA per decode group and per chunk
+    (a group with context lengths through the CPU's decode kernel instead)."""
+    sliding = window is not None
     block_size = batch.kv_cache.block_size
     num_heads, kv_heads = q.shape[0], key_cache.shape[1]
     out = torch.empty(q.shape[1], num_heads, q.shape[2], dtype=q.dtype, device=q.device)
     for group in batch.decodes:
         rows = group.query_index.shape[0]
         dq = q[:, group.query_index].transpose(0, 1).reshape(rows, kv_heads, num_heads // kv_heads, -1)
+        if group.context_lens is not None:
+            o = paged_decode_attention(dq, key_cache, value_cache, group.block_tables, group.context_lens,
+                                       block_size, scaling if scaling is not None else q.shape[-1] ** -0.5, window)
+            out[group.query_index] = o.reshape(rows, num_heads, -1)
+            continue
         dk = gather_blocks(key_cache, group.block_tables, block_size).to(q.dtype)  # [B, kv_heads, ctx, d]
         dv = gather_blocks(value_cache, group.block_tables, block_size).to(q.dtype)
         o = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=_pick(group, sliding), scale=scaling)
@@ -168,7 +181,7 @@ def paged_attention_forward(
         out = paged_attention(query[0].transpose(0, 1), key_cache, value_cache, batch.kernel,
                               batch.kv_cache.block_size, scaling, window)
     else:
-        out = reference_attention(query[0], key_cache, value_cache, batch, window is not None, scaling)
+        out = reference_attention(query[0], key_cache, value_cache, batch, window, scaling)
     return out.unsqueeze(0), None
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-ATTENTION_BACKENDS = ("auto", "kernel", "reference")
+ATTENTION_BACKENDS = ("auto", "kernel", "cpu", "reference")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -43,9 +43,10 @@ class EngineConfig:
         and keep recent vision features by image content, so an image sent again is not encoded again.
     encoder_cache_tokens: the vision features kept for reuse, in the encoder's output tokens (0: none).
     attention_backend: `kernel` reads the paged cache in place with one Triton launch per layer (CUDA, bfloat16 or
-        float16, a block size that is a power of two of at least 16); `reference` gathers each context's
-        blocks and runs SDPA (any device and dtype: the exactness reference); `auto` takes the kernel where it
-        runs.
+        float16, a block size that is a power of two of at least 16); `cpu` reads the cache in place for every
+        decode with a small C kernel built at first use (the CPU, with a C compiler), prefill chunks as
+        `reference`; `reference` gathers each context's blocks and runs SDPA (any device and dtype: the
+        exactness reference); `auto` takes the kernel where it runs, else `cpu` where it runs, else `reference`.
     cuda_graphs: replay decode-only steps from CUDA graphs captured at start-up at padded batch sizes
         (1, 2, 4, 8, then multiples of 8 up to `max_num_seqs`); needs the kernel backend. `None`: on where
         the kernel runs on CUDA.

@@ -106,7 +106,7 @@ class Engine:
 
     def _attention_backend(self) -> str:
         """The attention path (`EngineConfig.attention_backend`), resolved for this device and dtype."""
-        from engine import paged_kernel
+        from engine import cpu_kernel, paged_kernel
 
         config = self.config
         block_size = config.block_size
@@ -119,8 +119,12 @@ class Engine:
             reasons.append(f"it needs a block size that is a power of two of at least 16 (block_size {block_size})")
         if config.attention_backend == "kernel" and reasons:
             raise ValueError("attention_backend 'kernel' cannot run here: " + "; ".join(reasons))
+        cpu = self.device.type == "cpu" and cpu_kernel.available(self.device)
+        if config.attention_backend == "cpu" and not cpu:
+            raise ValueError(f"attention_backend 'cpu' needs the CPU and a C compiler to build its kernel (device "
+                             f"{config.device!r}, CC={os.environ.get('CC', 'cc')!r})")
         if config.attention_backend == "auto":
-            return "reference" if reasons else "kernel"
+            return "kernel" if not reasons else "cpu" if cpu else "reference"
         return config.attention_backend
 
     def _use_cuda_graphs(self) -> bool:

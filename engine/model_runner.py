@@ -80,7 +80,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = adapter.device
-        self.attention_backend = attention_backend  # "kernel" or "reference", resolved by the engine
+        self.attention_backend = attention_backend  # "kernel", "cpu" or "reference", resolved by the engine
         self.uploader = Uploader(self.device)
         self.graphs = None  # engine/cuda_graphs.DecodeGraphs, set by the engine when it captures them
         self.encoder_outputs = encoder_outputs  # features shared across requests (engine/encoder_cache.py)
@@ -187,7 +187,8 @@ class ModelRunner:
             layout.append(packer.take(chunk.end for _, chunk, _ in prefills))
             layout.append(packer.take(b for _, _, blocks in prefills for b in _padded(blocks, width)))
         else:
-            groups = self._decode_groups(decodes)
+            # The CPU kernel reads each context's own blocks only: one batch, unsorted and unpadded in keys.
+            groups = ([decodes] if decodes else []) if self.attention_backend == "cpu" else self._decode_groups(decodes)
             for group in groups:
                 width = max(len(blocks) for _, _, blocks in group)
                 layout.append((
@@ -271,7 +272,9 @@ class ModelRunner:
 
     def _decode_group(self, query_index: torch.Tensor, context_lens: torch.Tensor, tables: torch.Tensor) -> DecodeGroup:
         """A decode batch's masks from its context lengths: key k is real for a sequence of context n when k < n,
-        and in a sliding-window layer when also k > n - 1 - window."""
+        and in a sliding-window layer when also k > n - 1 - window. The CPU kernel takes the lengths instead."""
+        if self.attention_backend == "cpu":
+            return DecodeGroup(query_index, tables, None, context_lens=context_lens)
         keys = torch.arange(tables.shape[1] * self.block_size, device=tables.device)
         mask = keys < context_lens[:, None]
         sliding_mask = None

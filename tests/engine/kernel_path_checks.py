@@ -65,8 +65,7 @@ def check_kernel_matches_reference_attention() -> None:
             sliding = mask & (keys > positions - window) if window else None
             spans.append(PrefillSpan(starts[i], starts[i] + q, torch.tensor(tables[i]), n, mask, sliding))
         batch = AttentionBatch(cache, torch.zeros(0, dtype=torch.long), [], spans)
-        ref = reference_attention(query.transpose(0, 1), cache.keys[0], cache.values[0], batch,
-                                  window is not None, None)
+        ref = reference_attention(query.transpose(0, 1), cache.keys[0], cache.values[0], batch, window, None)
         error = (out - ref).abs().max().item()
         assert error < 1e-5, f"kernel differs from the reference by {error} (window {window})"
     print("ok kernel_matches_reference_attention")

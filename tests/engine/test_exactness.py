@@ -35,6 +35,17 @@ def test_greedy_tokens_equal_generate_for_any_budget(make_engine, oracle, photos
     assert engine.stats()["kv_blocks_used"] == 0
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_each_attention_path_gives_generate_s_tokens(make_engine, oracle, photos, backend):
+    """The gather+SDPA reference and the CPU's in-place decode kernel, each alone, in float32."""
+    jobs = mixed_jobs(photos)
+    engine = make_engine(max_num_batched_tokens=13, max_num_seqs=8, attention_backend=backend)
+    assert engine.attention_backend == backend
+    tokens, _ = run_jobs(engine, jobs)
+    for i, job in enumerate(jobs):
+        assert tokens[i] == oracle(job.prompt, job.images, job.max_tokens), f"job {i} on the {backend} path"
+
+
 def test_chunk_boundaries_fall_inside_image_spans(make_engine, photos):
     """The odd budgets above really cut image spans: some step computes image tokens of a tile that an
     earlier step had started."""

@@ -1,0 +1,143 @@
+/* Decode attention over the paged KV cache, read in place, for the CPU (engine/cpu_kernel.py builds and
+ * calls it).
+ *
+ * Sequence i has one query per query head, at its last position: it attends to keys first..n-1, where n is
+ * its context length and first is 0 (or n - window in a sliding-window layer). Key p lies in the cache at slot
+ * block_tables[i][p / block_size] * block_size + p % block_size. The query heads that share a KV head are one
+ * task's `groups` rows, so each key and value is read once per KV head; tasks (sequence, KV head) run in
+ * parallel. Scores are kept for the whole context (a thread's scratch), then softmaxed in float32 and used to
+ * sum the values: two passes, one over the keys, one over the values, with no copy of either.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+
+/* Row `offset` of the cache as float32: in place for a float32 cache, else converted into `dst`. */
+static inline const float *row_as_float(const void *cache, int dtype, int64_t offset, int64_t d, float *dst) {
+    if (dtype == F32) return (const float *)cache + offset;
+    if (dtype == BF16) {
+        const uint16_t *src = (const uint16_t *)cache + offset;
+        for (int64_t j = 0; j < d; j++) {
+            uint32_t bits = (uint32_t)src[j] << 16;
+            float value;
+            memcpy(&value, &bits, sizeof(value));
+            dst[j] = value;
+        }
+    } else {
+        const _Float16 *src = (const _Float16 *)cache + offset;
+        for (int64_t j = 0; j < d; j++) dst[j] = (float)src[j];
+    }
+    return dst;
+}
+
+/* Ask for the next block's rows (heads h0.. of each) while this block's are used: a sequence's blocks lie
+ * anywhere in the cache, so the hardware's stride prefetching stops at each block's end. */
+static inline void prefetch_block(const void *cache, int64_t block, int64_t block_size, int64_t width, int dtype,
+                                  int64_t h0, int64_t heads, int64_t d) {
+    const int64_t item = dtype == F32 ? 4 : 2;
+    const char *base = (const char *)cache + (block * block_size * width + h0 * d) * item;
+    for (int64_t r = 0; r < block_size; r++)
+        for (int64_t b = 0; b < heads * d * item; b += 64) __builtin_prefetch(base + r * width * item + b);
+}
+
+/* One task: sequence i's KV heads h0..h1-1 (a cache row holds every head of a position, so a task that takes
+ * them all reads whole rows). `d` is a constant where the caller passes one (see the switch below), so the
+ * compiler unrolls and vectorises the loops over a head's dimension. `scores` holds
+ * (h1 - h0) * groups * (context) floats, `row` kv_heads * d. */
+static inline __attribute__((always_inline)) void attend(
+        int64_t i, int64_t h0, int64_t h1, const float *q, const void *key_cache, const void *value_cache,
+        int dtype, const int64_t *block_tables, const int64_t *context_lens, int64_t kv_heads, int64_t groups,
+        const int64_t d, int64_t block_size, int64_t table_width, float scale, int64_t window, float *out,
+        float *scores, float *row) {
+    const int64_t n = context_lens[i];
+    const int64_t first = (window > 0 && n > window) ? n - window : 0;
+    const int64_t len = n - first, heads = h1 - h0, rows = heads * groups, width = kv_heads * d;
+    const int64_t *table = block_tables + i * table_width;
+    const float *qi = q + (i * kv_heads + h0) * groups * d;  /* [heads, groups, d]: rows of the task */
+    float *oi = out + (i * kv_heads + h0) * groups * d;
+    for (int64_t p = first; p < n;) {  /* a block's run of positions at a time */
+        const int64_t offset = p % block_size, run = MIN(block_size - offset, n - p);
+        const int64_t slot = table[p / block_size] * block_size + offset;
+        if (p + run < n) prefetch_block(key_cache, table[(p + run) / block_size], block_size, width, dtype, h0, heads, d);
+        for (int64_t r = 0; r < run; r++) {
+            const float *keys = row_as_float(key_cache, dtype, (slot + r) * width + h0 * d, heads * d, row);
+            for (int64_t x = 0; x < rows; x++) {
+                const float *qx = qi + x * d, *key = keys + (x / groups) * d;
+                float dot = 0.0f;
+                for (int64_t j = 0; j < d; j++) dot += qx[j] * key[j];
+                scores[x * len + (p + r - first)] = dot * scale;
+            }
+        }
+        p += run;
+    }
+    for (int64_t x = 0; x < rows; x++) {
+        float *s = scores + x * len;
+        float top = s[0];
+        for (int64_t k = 1; k < len; k++) top = s[k] > top ? s[k] : top;
+        float total = 0.0f;
+        for (int64_t k = 0; k < len; k++) {
+            s[k] = expf(s[k] - top);
+            total += s[k];
+        }
+        const float inverse = 1.0f / total;
+        for (int64_t k = 0; k < len; k++) s[k] *= inverse;
+    }
+    memset(oi, 0, (size_t)(rows * d) * sizeof(float));
+    for (int64_t p = first; p < n;) {
+        const int64_t offset = p % block_size, run = MIN(block_size - offset, n - p);
+        const int64_t slot = table[p / block_size] * block_size + offset;
+        if (p + run < n) prefetch_block(value_cache, table[(p + run) / block_size], block_size, width, dtype, h0, heads, d);
+        for (int64_t r = 0; r < run; r++) {
+            const float *values = row_as_float(value_cache, dtype, (slot + r) * width + h0 * d, heads * d, row);
+            for (int64_t x = 0; x < rows; x++) {
+                const float weight = scores[x * len + (p + r - first)], *value = values + (x / groups) * d;
+                float *ox = oi + x * d;
+                for (int64_t j = 0; j < d; j++) ox[j] += weight * value[j];
+            }
+        }
+        p += run;
+    }
+}
+
+int paged_decode_attention(const float *q, const void *key_cache, const void *value_cache, int dtype,
+                           const int64_t *block_tables, const int64_t *context_lens, int64_t num_seqs,
+                           int64_t kv_heads, int64_t groups, int64_t d, int64_t block_size, int64_t table_width,
+                           float scale, int64_t window, float *out, int num_threads) {
+    int64_t longest = 1;
+    for (int64_t i = 0; i < num_seqs; i++) {
+        if (context_lens[i] < 1 || context_lens[i] > table_width * block_size) return 1;
+        if (context_lens[i] > longest) longest = context_lens[i];
+    }
+    /* Whole rows (every KV head of a sequence) per task where there are sequences enough to keep every thread
+     * busy; one KV head per task otherwise. */
+    const int64_t heads = num_seqs >= 2 * num_threads ? kv_heads : 1, per_seq = kv_heads / heads;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = malloc((size_t)(heads * groups * longest + kv_heads * d) * sizeof(float));
+        float *row = scores ? scores + heads * groups * longest : NULL;
+        if (!scores) {
+#pragma omp atomic write
+            failed = 2;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_seqs * per_seq; task++) {
+            if (!scores) continue;
+            const int64_t i = task / per_seq, h0 = task % per_seq * heads, h1 = h0 + heads;
+            switch (d) {
+#define CASE(D) case D: attend(i, h0, h1, q, key_cache, value_cache, dtype, block_tables, context_lens, kv_heads, \
+                               groups, D, block_size, table_width, scale, window, out, scores, row); break;
+                CASE(16) CASE(32) CASE(64) CASE(80) CASE(96) CASE(128) CASE(256)
+#undef CASE
+                default: attend(i, h0, h1, q, key_cache, value_cache, dtype, block_tables, context_lens, kv_heads,
+                                groups, d, block_size, table_width, scale, window, out, scores, row);
+            }
+        }
+        free(scores);
+    }
+    return failed;
+}
