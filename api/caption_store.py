@@ -1,6 +1,6 @@
 """Where caption results live: in Redis (the queue contract's result hashes and caption feeds, shared with
-camera queue workers, read through `api.queue_worker`'s readers) when a Redis URL is configured, else in
-this process's memory. Both hold `pipeline.contract.CaptionResult`s; an id is a REST request's or a
+camera queue workers, read through `jobqueue.results`) when a Redis URL is configured, else in
+this process's memory. Both hold `jobqueue.contract.CaptionResult`s; an id is a REST request's or a
 camera job's."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 
-from api.queue_worker import get_result, recent_captions, tail_captions
-from pipeline.contract import (
+from jobqueue.contract import (
     CAPTIONS_STREAM,
     CAPTIONS_STREAM_MAXLEN,
     RESULT_TTL_SECONDS,
@@ -22,6 +21,7 @@ from pipeline.contract import (
     camera_captions_stream,
     result_key,
 )
+from jobqueue.results import get_result, recent_captions, tail_captions
 
 
 class CaptionStore(Protocol):

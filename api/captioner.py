@@ -17,7 +17,7 @@ from engine.grammar import GrammarSpec
 
 
 class EngineCaptioner:
-    """Implements `api.queue_worker.Captioner`. Greedy, so a frame gets the same caption on every run."""
+    """Implements `jobqueue.consumer.Captioner`. Greedy, so a frame gets the same caption on every run."""
 
     def __init__(self, bridge: AsyncEngine, limits: Limits, max_tokens: int,
                  structured_max_tokens: int | None = None) -> None:

@@ -1,5 +1,5 @@
 """Fall alerts over HTTP: the recent ones and a server-sent event stream of new ones, read from the alerts
-feed (`pipeline.contract.ALERTS_STREAM`) that queue workers append each finished fall job's result to.
+feed (`jobqueue.contract.ALERTS_STREAM`) that queue workers append each finished fall job's result to.
 A server without Redis has no camera jobs, so no alerts."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Header, Query
 
-from api.queue_worker import recent_captions, tail_captions
 from api.routes_captions import result_json
 from api.routes_dashboard import _redis
 from api.state import ServerState, server_state
 from api.streaming import SSEResponse, sse
-from pipeline.contract import ALERTS_STREAM
+from jobqueue.contract import ALERTS_STREAM
+from jobqueue.results import recent_captions, tail_captions
 
 router = APIRouter(prefix="/v1")
 

@@ -22,10 +22,10 @@ from api.bridge import EngineFailure, RequestStream
 from api.errors import APIError
 from api.images import decode_base64, decode_image
 from api.openai_schemas import Priority
-from api.queue_worker import structured_caption
 from api.state import ServerState, server_state
 from api.streaming import ClientDisconnected, SSEResponse, sse, until_disconnect
-from pipeline.contract import CaptionResult, JobStatus
+from jobqueue.consumer import structured_caption
+from jobqueue.contract import CaptionResult, JobStatus
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")

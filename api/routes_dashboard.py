@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -21,18 +20,20 @@ from starlette.types import Scope
 from api.caption_store import RedisCaptionStore
 from api.errors import APIError
 from api.images import decode_image
-from api.queue_worker import get_frame, readable, recent_captions
+from api.metrics import percentiles_ms
 from api.routes_captions import result_json
 from api.settings import Limits
 from api.state import ServerState, server_state
-from pipeline.contract import (
+from jobqueue.contract import (
     CAMERA_STATS_TTL_SECONDS,
     CAMERAS_INDEX,
     FALL_CLASS,
     CameraStats,
     JobFrame,
+    as_text,
     camera_stats_key,
 )
+from jobqueue.results import get_frame, readable, recent_captions
 
 STATIC_DIR = Path(__file__).parent / "static"
 RATE_WINDOW_S = 5.0  # rates and step sizes are averaged over this many seconds
@@ -112,10 +113,10 @@ async def caption_image(caption_id: str, boxes: bool = Query(True, description="
 
 
 async def published_cameras(redis: aioredis.Redis) -> list[CameraStats]:
-    """The latest stats of every camera that published within `CAMERA_STATS_TTL_SECONDS`, by id (older
-    cameras are dropped from the index)."""
-    await redis.zremrangebyscore(CAMERAS_INDEX, "-inf", time.time() - CAMERA_STATS_TTL_SECONDS)
-    camera_ids = [c.decode() if isinstance(c, bytes) else c for c in await redis.zrange(CAMERAS_INDEX, 0, -1)]
+    """The latest stats of every camera that published within `CAMERA_STATS_TTL_SECONDS`, by id. Only reads:
+    publishers drop cameras gone silent from the index."""
+    recent = await redis.zrangebyscore(CAMERAS_INDEX, time.time() - CAMERA_STATS_TTL_SECONDS, "+inf")
+    camera_ids = [as_text(camera_id) for camera_id in recent]
     async with redis.pipeline(transaction=False) as pipe:
         for camera_id in camera_ids:
             pipe.hgetall(camera_stats_key(camera_id))
@@ -140,14 +141,6 @@ async def list_cameras(state: ServerState = Depends(server_state)) -> dict[str, 
     return {"object": "list", "data": cameras}
 
 
-def percentile(values: list[float], fraction: float) -> float | None:
-    """Nearest-rank percentile; None without values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
-
-
 @router.get("/v1/engine/stats")
 async def engine_stats(state: ServerState = Depends(server_state)) -> dict[str, Any]:
     """The engine now: requests running and waiting, KV cache use, tokens per step against the budget and
@@ -157,7 +150,7 @@ async def engine_stats(state: ServerState = Depends(server_state)) -> dict[str, 
     step_tokens = metrics.recent_step_tokens.last(RATE_WINDOW_S)
     itl = metrics.recent_itl.last(metrics.recent_itl.horizon_s)
     used, total = stats["kv_blocks_used"], stats["kv_blocks_total"]
-    p50, p99 = percentile(itl, 0.5), percentile(itl, 0.99)
+    itl_ms = percentiles_ms(itl)
     return {
         "model": state.settings.model_name,
         "running": stats["num_running"],
@@ -170,8 +163,8 @@ async def engine_stats(state: ServerState = Depends(server_state)) -> dict[str, 
         "step_tokens_max": max(step_tokens, default=0),
         "steps_per_s": len(step_tokens) / RATE_WINDOW_S,
         "output_tokens_per_s": sum(metrics.recent_output_tokens.last(RATE_WINDOW_S)) / RATE_WINDOW_S,
-        "itl_p50_ms": p50 * 1000 if p50 is not None else None,
-        "itl_p99_ms": p99 * 1000 if p99 is not None else None,
+        "itl_p50_ms": itl_ms["p50"] if itl else None,
+        "itl_p99_ms": itl_ms["p99"] if itl else None,
         "itl_samples": len(itl),
         "num_preemptions": stats["num_preemptions"],
         "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],

@@ -208,7 +208,7 @@ async def _build_state(settings: ServerSettings, metrics: Metrics, engine: Any |
     metrics.watch_engine(lambda: bridge.stats)
     captions: CaptionStore
     if settings.redis_url:
-        from api.queue_worker import connect
+        from jobqueue.connection import connect
 
         captions = RedisCaptionStore(connect(settings.redis_url))
     else:
@@ -239,10 +239,11 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
                 app.state.load_error = f"{type(exc).__name__}: {exc}"
                 return
             if settings.redis_url and settings.run_queue_worker:
-                from api.queue_worker import QueueWorker, connect
+                from jobqueue.connection import connect
+                from jobqueue.consumer import QueueWorker
 
                 if settings.alert_webhook:
-                    from api.alerts import AlertWebhook
+                    from jobqueue.alerts import AlertWebhook
 
                     webhook = AlertWebhook(settings.alert_webhook)
                     webhook.start()
@@ -317,54 +318,3 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
-
-
-class BackgroundServer:
-    """A real uvicorn server for `app` on a thread of this process (tests, benchmarks, notebooks):
-    `with BackgroundServer(app) as server: ... server.url ...`. Waits until `/ready` says so."""
-
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, ready_timeout_s: float = 300.0) -> None:
-        import socket
-
-        import uvicorn
-
-        self.app = app
-        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.socket.bind((host, port))
-        self.url = f"http://{host}:{self.socket.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-        self.ready_timeout_s = ready_timeout_s
-        self._thread: Any = None
-
-    def __enter__(self) -> BackgroundServer:
-        import threading
-        import time
-
-        import httpx
-
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + self.ready_timeout_s
-        with httpx.Client(timeout=5) as http:
-            while time.monotonic() < deadline and self._thread.is_alive():
-                try:
-                    if http.get(f"{self.url}/ready").status_code == 200:
-                        return self
-                    if http.get(f"{self.url}/health").status_code != 200:
-                        break  # the engine failed to load
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.1)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"the server at {self.url} did not become ready")
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(60)
-        self.socket.close()
-
-    @property
-    def state(self) -> ServerState:
-        return self.app.state.vlmcap

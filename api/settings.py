@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from api.queue_worker import DEFAULT_CAPTION_PRIORITY, DEFAULT_FALL_PRIORITY
-from engine import EngineConfig
+from jobqueue.consumer import DEFAULT_CAPTION_PRIORITY, DEFAULT_FALL_PRIORITY
+
+if TYPE_CHECKING:
+    from engine import EngineConfig
+
+
+def _engine_config() -> EngineConfig:
+    """The engine's defaults, imported only when settings are made: the command line reads the defaults of
+    these settings without loading torch."""
+    from engine import EngineConfig
+
+    return EngineConfig()
 
 
 @dataclass
@@ -38,7 +49,7 @@ class Limits:
 
 @dataclass
 class ServerSettings:
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine: EngineConfig = field(default_factory=_engine_config)
     served_model_name: str | None = None
     api_key: str | None = None
     # Without an API key, Host header names accepted besides loopback ones ("*": any); see GuardMiddleware.
@@ -47,7 +58,7 @@ class ServerSettings:
     # Captions: results go to Redis (shared with camera queue workers) when a URL is given, else memory.
     redis_url: str | None = None
     run_queue_worker: bool = True
-    # The in-process queue worker (see api.queue_worker.QueueWorker); consumer name None: host-pid.
+    # The in-process queue worker (see jobqueue.consumer.QueueWorker); consumer name None: host-pid.
     consumer_name: str | None = None
     claim_idle_s: float = 60.0
     max_deliveries: int = 3
@@ -57,7 +68,7 @@ class ServerSettings:
     structured_caption_max_tokens: int = 512  # captions under a JSON schema (`schema` of a job or request)
     caption_priority: int = DEFAULT_CAPTION_PRIORITY  # chats (priority 0) go first
     fall_priority: int = DEFAULT_FALL_PRIORITY  # fall alerts: before other camera jobs, after chats
-    alert_webhook: str | None = None  # URL each fall alert's result is POSTed to (see api.alerts)
+    alert_webhook: str | None = None  # URL each fall alert's result is POSTed to (see jobqueue.alerts)
     shutdown_grace_s: float = 10.0
 
     @property

@@ -17,7 +17,7 @@ from api.metrics import Metrics
 from api.settings import ServerSettings
 
 if TYPE_CHECKING:
-    from api.queue_worker import QueueWorker
+    from jobqueue.consumer import QueueWorker
 
 
 @dataclass

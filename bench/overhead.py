@@ -21,7 +21,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench.report import machine, percentiles_ms, pyplot, save_figure
+from api.metrics import percentiles_ms
+from bench.report import machine, pyplot, save_figure
 
 CHAT = [{"role": "user", "content": "Tell me a long story about a bus driver in a rainy city."}]
 
@@ -125,7 +126,7 @@ class ServerProcess:
             args += ["--num-threads", str(cfg.threads)]
         env = {k: v for k, v in os.environ.items() if k not in ("VLMCAP_API_KEY", "REDIS_URL")}
         self.process = subprocess.Popen(
-            [sys.executable, "-c", "from api.cli import app; app(prog_name='vlmcap')", *args], env=env
+            [sys.executable, "-c", "from cli.main import app; app(prog_name='vlmcap')", *args], env=env
         )
         deadline = time.monotonic() + cfg.ready_timeout_s
         while time.monotonic() < deadline:

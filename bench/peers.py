@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from api.metrics import percentiles_ms
 from bench.report import machine, prefix_caching_option, pyplot, save_figure
 from engine import Engine, EngineConfig, SamplingParams
 
@@ -70,10 +71,9 @@ def make_workload(cfg: PeersConfig, tokenizer: Any) -> Workload:
 
 
 def _result(tokens: int, span: float, latencies: list[float]) -> dict[str, Any]:
-    ms = sorted(x * 1000.0 for x in latencies)
     return {
         "output_tok_s": tokens / span,
-        "latency_ms": {"p50": statistics.median(ms), "p99": ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]},
+        "latency_ms": percentiles_ms(latencies),
         "seconds": span,
     }
 

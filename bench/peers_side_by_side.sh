@@ -59,7 +59,7 @@ start_vllm() {
 }
 
 start_vlmcap() {  # $1: max_num_batched_tokens
-  $PY -c "from api.cli import app; app(prog_name='vlmcap')" serve --model dummy:smolvlm-256m --dtype bfloat16 \
+  $PY -c "from cli.main import app; app(prog_name='vlmcap')" serve --model dummy:smolvlm-256m --dtype bfloat16 \
     --port "$PORT" --no-queue --num-threads "$THREADS" --max-num-batched-tokens "$1" \
     --max-encoder-tokens-per-step 64 --encoder-slices-per-step 3 --max-num-seqs 64 --log-level warning \
     > "$OUT/vlmcap-server-$1.log" 2>&1 &

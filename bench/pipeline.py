@@ -64,8 +64,8 @@ def _run_one(cfg: PipelineBenchConfig, detector: str, redis_url: str) -> dict[st
 
 
 def run_pipeline_bench(cfg: PipelineBenchConfig) -> dict[str, Any]:
+    from jobqueue.connection import redis_url_or_embedded
     from pipeline.detector import PEOPLE_FALL
-    from pipeline.redis_conn import redis_url_or_embedded
 
     known = {"hog", "yolo", PEOPLE_FALL}
     unknown = set(cfg.detectors) - known

@@ -1,4 +1,6 @@
-"""Shared helpers of the benchmarks: percentiles, the machine's description, JSON output."""
+"""Shared helpers of the benchmarks: the machine's description, JSON and PNG output, the sample photos. It
+imports neither torch nor the engine (`bench serve`, an HTTP load generator, runs without them): `machine()`
+imports torch only when asked for torch's part. Percentiles are `api.metrics`'s."""
 
 from __future__ import annotations
 
@@ -10,28 +12,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 
-
-def percentiles_ms(seconds: list[float]) -> dict[str, float]:
-    """p50, p99 and max of durations given in seconds, in milliseconds (NaN when there are none)."""
-    if not seconds:
-        return {"p50": float("nan"), "p99": float("nan"), "max": float("nan")}
-    ms = np.asarray(seconds) * 1000.0
-    return {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)), "max": float(ms.max())}
-
-
-def machine() -> dict[str, Any]:
-    info = {
+def machine(with_torch: bool = True) -> dict[str, Any]:
+    """When and where a benchmark ran; `with_torch`: also torch's version, threads and GPU (imports torch)."""
+    info: dict[str, Any] = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
         "platform": platform.platform(),
     }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
+    if with_torch:
+        import torch
+
+        info.update(torch_threads=torch.get_num_threads(), torch=torch.__version__)
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
     return info
 
 

@@ -14,13 +14,16 @@ import asyncio
 import base64
 import io
 import json
+import math
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
+from api.metrics import percentiles_ms
 from bench.report import machine, pyplot, sample_images, save_figure
 
 WORDS = "a person walks past the bus while two friends talk near the station entrance in the rain".split()
@@ -157,11 +160,7 @@ async def _run(cfg: ServeConfig) -> tuple[list[RequestRecord], float, str]:
 
 
 def _stats(values_s: list[float]) -> dict[str, float]:
-    if not values_s:
-        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan"), "max": float("nan")}
-    ms = np.asarray(values_s) * 1000.0
-    return {"mean": float(ms.mean()), "p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)),
-            "max": float(ms.max())}
+    return {"mean": statistics.fmean(values_s) * 1000.0 if values_s else math.nan, **percentiles_ms(values_s)}
 
 
 def _meets(rec: RequestRecord, tpot: float | None, slo: dict[str, float]) -> bool:
@@ -180,7 +179,7 @@ def summarize(cfg: ServeConfig, records: list[RequestRecord], span: float, model
     good = [r for r in done if _meets(r, tpots.get(id(r)), cfg.slo)]
     return {
         "config": asdict(cfg) | {"model": model},
-        "machine": machine(),
+        "machine": machine(with_torch=False),
         "requests": {"sent": len(records), "completed": len(done), "failed": len(records) - len(done),
                      "image": sum(r.kind == "image" for r in records)},
         "errors": sorted({r.error for r in records if r.error})[:10],

@@ -31,7 +31,8 @@ from typing import Any
 
 import httpx
 
-from bench.report import machine, percentiles_ms, photo_paths, pyplot, save_figure
+from api.metrics import percentiles_ms
+from bench.report import machine, photo_paths, pyplot, save_figure
 
 MAX_DURATION_S = 3600.0
 MAX_CHATS = 64
@@ -237,8 +238,8 @@ async def _load(cfg: SoakConfig, url: str, redis_url: str, server_pid: int, tall
     import psutil
     import redis.asyncio as aioredis
 
-    from pipeline.contract import Detection, Job, result_key
-    from pipeline.producer import JobProducer
+    from jobqueue.contract import Detection, Job, result_key
+    from jobqueue.producer import JobProducer
 
     rng = random.Random(cfg.seed)
     photos = [path.read_bytes() for path in photo_paths()]
@@ -302,7 +303,7 @@ async def _job_outcomes(cfg: SoakConfig, redis_url: str, tally: Tally) -> dict[s
     """Wait (up to `drain_timeout`) for every job to end, then count how each ended."""
     import redis.asyncio as aioredis
 
-    from pipeline.contract import CAPTIONS_STREAM, DEAD_STREAM, FINAL_STATUSES, result_key
+    from jobqueue.contract import CAPTIONS_STREAM, DEAD_STREAM, FINAL_STATUSES, result_key
 
     store = aioredis.Redis.from_url(redis_url)
     ids = tally.good_jobs + tally.bad_jobs
@@ -339,11 +340,11 @@ async def _job_outcomes(cfg: SoakConfig, redis_url: str, tally: Tally) -> dict[s
 
 
 def _start_server(cfg: SoakConfig, redis_url: str) -> tuple[subprocess.Popen, str]:
-    from pipeline.redis_conn import free_tcp_port
+    from jobqueue.connection import free_tcp_port
 
     port = free_tcp_port()
     server = subprocess.Popen(
-        [sys.executable, "-c", "from api.cli import app; app()", "serve", "--model", cfg.model,
+        [sys.executable, "-c", "from cli.main import app; app()", "serve", "--model", cfg.model,
          "--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url,
          "--caption-max-tokens", str(cfg.max_tokens), "--max-body-bytes", str(cfg.max_body_bytes),
          "--max-deliveries", "2", "--claim-idle-seconds", "10", "--log-level", "warning"],
@@ -370,7 +371,7 @@ def _requests_by_kind(outcomes: list[Outcome]) -> dict[str, dict[str, int]]:
 
 
 def run_soak(cfg: SoakConfig) -> dict[str, Any]:
-    from pipeline.redis_conn import EmbeddedRedis
+    from jobqueue.connection import EmbeddedRedis
 
     redis_server = EmbeddedRedis()
     server, url = _start_server(cfg, redis_server.url)

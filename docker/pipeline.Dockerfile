@@ -36,6 +36,8 @@ COPY pyproject.toml README.md ./
 COPY engine engine
 COPY api api
 COPY pipeline pipeline
+COPY jobqueue jobqueue
+COPY cli cli
 COPY bench bench
 # The project (and ultralytics) ask for opencv-python, which needs X11 and OpenGL libraries; the headless
 # build of the same version takes its place (same `cv2` module, no GUI).

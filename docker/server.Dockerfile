@@ -36,6 +36,8 @@ COPY pyproject.toml README.md ./
 COPY engine engine
 COPY api api
 COPY pipeline pipeline
+COPY jobqueue jobqueue
+COPY cli cli
 COPY bench bench
 RUN pip install --no-cache-dir .
 

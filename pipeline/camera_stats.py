@@ -2,7 +2,8 @@
 (the server's dashboard) can show every camera's frame rates; a slow or absent Redis never blocks capture.
 
 Each publication writes `camera_stats_key(camera_id)` (a `CameraStats` hash that expires after
-`CAMERA_STATS_TTL_SECONDS` unless refreshed) and scores the camera in `CAMERAS_INDEX` with the time."""
+`CAMERA_STATS_TTL_SECONDS` unless refreshed), scores the camera in `CAMERAS_INDEX` with the time and drops
+from the index the cameras that have not published within the TTL (so readers only read)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from collections.abc import Callable
 
 import redis
 
-from pipeline.contract import (
+from jobqueue.connection import connect_sync
+from jobqueue.contract import (
     CAMERA_RATE_COUNTERS,
     CAMERA_STATS_TTL_SECONDS,
     CAMERAS_INDEX,
@@ -38,7 +40,7 @@ class CameraStatsPublisher:
         self.read_counters = read_counters
         self.interval_seconds = interval_seconds
         self.consecutive_failures = 0  # publications Redis did not take, since the last it took
-        self._redis = redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
+        self._redis = connect_sync(redis_url)
         self._started_at = time.time()
         self._previous: tuple[float, dict[str, int]] = (time.monotonic(), {})
         self._stop = threading.Event()
@@ -75,6 +77,7 @@ class CameraStatsPublisher:
                 pipe.hset(key, mapping=stats.to_fields())
                 pipe.expire(key, CAMERA_STATS_TTL_SECONDS)
                 pipe.zadd(CAMERAS_INDEX, {self.camera_id: stats.updated_at})
+                pipe.zremrangebyscore(CAMERAS_INDEX, "-inf", stats.updated_at - CAMERA_STATS_TTL_SECONDS)
                 pipe.execute()
         except redis.RedisError as err:
             if not self.consecutive_failures:

@@ -20,7 +20,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from pipeline.gate import Frame
+from pipeline.frame import Frame
 
 log = logging.getLogger(__name__)
 

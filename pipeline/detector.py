@@ -26,7 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pipeline.contract import FALL_CLASS, PERSON_CLASS, Detection
+from jobqueue.contract import FALL_CLASS, PERSON_CLASS, Detection
 
 log = logging.getLogger(__name__)
 

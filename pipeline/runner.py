@@ -12,12 +12,13 @@ from enum import Enum
 import cv2
 import numpy as np
 
+from jobqueue.contract import DEFAULT_STREAM_MAXLEN, Detection, Job
+from jobqueue.producer import Backpressure, JobProducer
 from pipeline.camera_stats import CameraStatsPublisher
 from pipeline.capture import open_source
-from pipeline.contract import DEFAULT_STREAM_MAXLEN, Detection, Job
 from pipeline.detector import load_detector
-from pipeline.gate import DEFAULT_FALL_COOLDOWN_SECONDS, Gate, GatedFrame, tracking_function
-from pipeline.producer import Backpressure, JobProducer
+from pipeline.gate import DEFAULT_FALL_COOLDOWN_SECONDS, Gate, GatedFrame
+from pipeline.tracker import tracking_function
 
 log = logging.getLogger(__name__)
 

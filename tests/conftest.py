@@ -36,7 +36,7 @@ def _empty_redis() -> Iterator[str]:
         client.close()
         yield external
         return
-    from pipeline.redis_conn import EmbeddedRedis
+    from jobqueue.connection import EmbeddedRedis
 
     server = EmbeddedRedis()
     try:

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import cv2
 import numpy as np
 
-from pipeline.contract import Detection, Job
+from jobqueue.contract import Detection, Job
 
 
 class UndecodableImage(ValueError):

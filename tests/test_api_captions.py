@@ -14,12 +14,13 @@ import pytest
 import redis.asyncio as aioredis
 from ultralytics.utils import ASSETS
 
-from api.queue_worker import get_result
-from api.server import BackgroundServer, create_app
+from api.background import BackgroundServer
+from api.server import create_app
 from api.settings import ServerSettings
 from engine import EngineConfig
-from pipeline.contract import Detection, Job
-from pipeline.producer import JobProducer
+from jobqueue.contract import Detection, Job
+from jobqueue.producer import JobProducer
+from jobqueue.results import get_result
 
 BUS = (ASSETS / "bus.jpg").read_bytes()
 ZIDANE = (ASSETS / "zidane.jpg").read_bytes()
@@ -161,7 +162,7 @@ def test_entries_off_the_contract_are_skipped_not_served(module_redis_url, redis
     answers 404, not 500."""
     import redis as sync_redis
 
-    from pipeline.contract import CAPTIONS_STREAM, CaptionResult, JobFrame, frame_key, result_key
+    from jobqueue.contract import CAPTIONS_STREAM, CaptionResult, JobFrame, frame_key, result_key
 
     client = sync_redis.Redis.from_url(module_redis_url)
     bad = CaptionResult(id="nan-result", status="done", camera_id="cam-nan", created_at=1.0, frame_ts=1.0,

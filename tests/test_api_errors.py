@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, settings
 from PIL import Image
 from ultralytics.utils import ASSETS
 
-from api.server import BackgroundServer, create_app
+from api.background import BackgroundServer
+from api.server import create_app
 from api.settings import Limits, ServerSettings
 from engine import EngineConfig
 

@@ -16,7 +16,8 @@ from PIL import Image
 from ultralytics import LLM
 from ultralytics.utils import ASSETS
 
-from api.server import BackgroundServer, create_app
+from api.background import BackgroundServer
+from api.server import create_app
 from api.settings import Limits, ServerSettings
 from engine import EngineConfig
 

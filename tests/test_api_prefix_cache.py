@@ -14,9 +14,10 @@ from typer.testing import CliRunner
 from ultralytics.utils import ASSETS
 
 import api.server
-from api.cli import app
-from api.server import BackgroundServer, create_app
+from api.background import BackgroundServer
+from api.server import create_app
 from api.settings import ServerSettings
+from cli.main import app
 from engine import EngineConfig
 from tests.test_api_openai import data_url
 

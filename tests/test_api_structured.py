@@ -12,7 +12,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from api.server import BackgroundServer, create_app
+from api.background import BackgroundServer
+from api.server import create_app
 from api.settings import Limits, ServerSettings
 from engine import EngineConfig
 from engine.grammar import GrammarCompiler, GrammarSpec

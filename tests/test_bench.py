@@ -11,7 +11,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from api.cli import app
+from cli.main import app
 
 
 def invoke(args: list[str]) -> None:
@@ -96,7 +96,8 @@ def test_bench_pipeline_times_each_stage_on_real_redis(tmp_path, redis_url, peop
 
 
 def test_bench_serve_loads_a_real_server_with_chats_and_captions(tmp_path):
-    from api.server import BackgroundServer, create_app
+    from api.background import BackgroundServer
+    from api.server import create_app
     from api.settings import ServerSettings
     from engine import EngineConfig
 
@@ -145,7 +146,8 @@ def test_bench_host_splits_a_step_into_phases_and_counts_ops(tmp_path):
 
 
 def test_bench_stall_over_http_measures_a_real_server(tmp_path):
-    from api.server import BackgroundServer, create_app
+    from api.background import BackgroundServer
+    from api.server import create_app
     from api.settings import ServerSettings
     from engine import EngineConfig
 

@@ -21,12 +21,12 @@ from PIL import Image
 from playwright.sync_api import Browser, Locator, Page, expect, sync_playwright
 from ultralytics.utils import ASSETS
 
+from api.background import BackgroundServer
 from api.routes_dashboard import BOX_COLOR
-from api.server import BackgroundServer, create_app
+from api.server import create_app
 from api.settings import ServerSettings
 from engine import EngineConfig
-from pipeline.camera_stats import CameraStatsPublisher
-from pipeline.contract import (
+from jobqueue.contract import (
     CAMERA_STATS_TTL_SECONDS,
     CAMERAS_INDEX,
     CAPTIONS_STREAM,
@@ -41,6 +41,7 @@ from pipeline.contract import (
     frame_key,
     result_key,
 )
+from pipeline.camera_stats import CameraStatsPublisher
 from pipeline.runner import CameraPipeline, PipelineConfig
 from tests.test_api_prefix_cache import chat_turns
 
@@ -281,7 +282,7 @@ def test_camera_stats_are_published_with_rates_and_a_ttl(redis_url):
 def test_a_fall_alert_is_highlighted(server, redis_url, page):
     """A fall job's result, as a queue worker writes it (result, caption feeds, alerts feed): its card is
     marked, and the alert strip above the page shows it and opens its frame."""
-    from pipeline.contract import ALERTS_STREAM, FALL_CLASS
+    from jobqueue.contract import ALERTS_STREAM, FALL_CLASS
 
     result = CaptionResult(id="fall-caption", status="done", camera_id="ward", created_at=time.time(),
                            frame_ts=9.0, person_count=1, caption="a person lies on the floor",

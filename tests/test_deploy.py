@@ -28,16 +28,16 @@ from queue_support import make_job
 from test_queue_resilience import wait_for
 from test_queue_worker import enqueue
 
-from api.cli import app
-from pipeline.contract import CAPTIONS_STREAM, CONSUMER_GROUP, DEAD_STREAM, JOBS_STREAM, CaptionResult, result_key
-from pipeline.redis_conn import free_tcp_port
+from cli.main import app
+from jobqueue.connection import free_tcp_port
+from jobqueue.contract import CAPTIONS_STREAM, CONSUMER_GROUP, DEAD_STREAM, JOBS_STREAM, CaptionResult, result_key
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
 COMPOSE = DOCKER / "compose.yaml"
 ENV_EXAMPLE = DOCKER / ".env.example"
 DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
-PROJECT_PACKAGES = ("api", "engine", "pipeline", "bench")
+PROJECT_PACKAGES = ("api", "cli", "engine", "jobqueue", "pipeline", "bench")
 # The library that downloads checkpoints for the engine; the containers set its cache and token variables.
 HUB_PACKAGE = "huggingface_hub"
 
@@ -335,7 +335,7 @@ class ServeProcess:
         self.log_path = log_dir / f"{name}.log"
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-c", "from api.cli import app; app()", "serve", "--model", "tiny",
+                [sys.executable, "-c", "from cli.main import app; app()", "serve", "--model", "tiny",
                  "--port", self.url.rsplit(":", 1)[1], "--redis-url", redis_url, "--consumer-name", name,
                  "--claim-idle-seconds", str(CLAIM_IDLE_SECONDS), "--caption-max-tokens", "16",
                  "--num-threads", "1", "--log-level", "warning"],

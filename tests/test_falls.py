@@ -19,15 +19,18 @@ import pytest
 import redis.asyncio as aioredis
 from queue_support import describe
 
-from api.alerts import AlertWebhook
-from api.queue_worker import DEFAULT_CAPTION_PRIORITY, DEFAULT_FALL_PRIORITY, QueueWorker, recent_captions
-from api.server import BackgroundServer, create_app
+from api.background import BackgroundServer
+from api.server import create_app
 from api.settings import ServerSettings
 from engine import EngineConfig
-from pipeline.contract import ALERTS_STREAM, FALL_CLASS, Detection, Job
+from jobqueue.alerts import AlertWebhook
+from jobqueue.consumer import DEFAULT_CAPTION_PRIORITY, DEFAULT_FALL_PRIORITY, QueueWorker
+from jobqueue.contract import ALERTS_STREAM, FALL_CLASS, Detection, Job
+from jobqueue.producer import JobProducer
+from jobqueue.results import recent_captions
 from pipeline.detector import NAMED_CHECKPOINTS, PEOPLE_FALL, DetectorUnavailable, fetch_checkpoint, load_detector
-from pipeline.gate import DEFAULT_FALL_MIN_CONFIDENCE, Frame, Gate
-from pipeline.producer import JobProducer
+from pipeline.frame import Frame
+from pipeline.gate import DEFAULT_FALL_MIN_CONFIDENCE, Gate
 from pipeline.runner import CameraPipeline, PipelineConfig
 
 

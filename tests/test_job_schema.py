@@ -1,4 +1,4 @@
-"""The job contract written down for other producers, pipeline/job.schema.json, holds to the code: every
+"""The job contract written down for other producers, jobqueue/job.schema.json, holds to the code: every
 field the producer writes is described, the entries a real camera pipeline writes and the results a real
 worker writes validate against it, its Redis names are the contract's, and entries it refuses are
 dead-lettered by the worker's own check."""
@@ -14,9 +14,9 @@ from jsonschema import Draft202012Validator
 from queue_support import DecodingCaptioner, make_job
 from test_queue_worker import enqueue, work_until_idle
 
-from api.queue_worker import QueueWorker
-from pipeline import contract
-from pipeline.contract import CAPTIONS_STREAM, JOBS_STREAM, CaptionResult, Job, result_key
+from jobqueue import contract
+from jobqueue.consumer import QueueWorker
+from jobqueue.contract import CAPTIONS_STREAM, JOBS_STREAM, CaptionResult, Job, result_key
 from pipeline.runner import CameraPipeline, PipelineConfig
 
 SCHEMA = json.loads(contract.JOB_SCHEMA_PATH.read_text())

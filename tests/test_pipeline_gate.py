@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.contract import Detection
+from jobqueue.contract import Detection
 from pipeline.detector import HogDetector
-from pipeline.gate import Frame, Gate, IoUTracker, tracking_function
+from pipeline.frame import Frame
+from pipeline.gate import Gate
 from pipeline.runner import validate_prompt_template
+from pipeline.tracker import IoUTracker, tracking_function
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import redis
 
-from pipeline.contract import JOBS_STREAM, CaptionResult, Job, result_key
+from jobqueue.contract import JOBS_STREAM, CaptionResult, Job, result_key
 from pipeline.detector import PEOPLE_FALL, DetectorUnavailable, HogDetector, YoloDetector, load_detector
 from pipeline.runner import Annotate, CameraPipeline, PipelineConfig
 

@@ -16,9 +16,11 @@ import redis
 from queue_support import ChatServer, DecodingCaptioner, make_job
 from test_queue_worker import enqueue, work_until_idle
 
-from api.queue_worker import OpenAICaptioner, QueueWorker, get_result, queue_stats
-from pipeline.contract import CAPTIONS_STREAM, CONSUMER_GROUP, DEAD_STREAM, JOBS_STREAM, CaptionResult, result_key
-from pipeline.redis_conn import EmbeddedRedis
+from jobqueue.connection import EmbeddedRedis
+from jobqueue.consumer import QueueWorker
+from jobqueue.contract import CAPTIONS_STREAM, CONSUMER_GROUP, DEAD_STREAM, JOBS_STREAM, CaptionResult, result_key
+from jobqueue.openai_captioner import OpenAICaptioner
+from jobqueue.results import get_result, queue_stats
 from pipeline.runner import CameraPipeline, PipelineConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +42,7 @@ def test_worker_killed_mid_job_loses_nothing(redis_url):
     jobs = [make_job("k", width=60 + i) for i in range(4)]
     enqueue(redis_url, jobs)
     doomed = subprocess.Popen(
-        [sys.executable, "-c", "from api.cli import app; app()", "worker", "--vlm-url", server.url,
+        [sys.executable, "-c", "from cli.main import app; app()", "worker", "--vlm-url", server.url,
          "--redis-url", redis_url, "--consumer-name", "doomed", "--batch-size", "2"],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
@@ -255,7 +257,8 @@ def test_redis_down_answers_503_and_ready_follows_redis_and_the_worker(tmp_path)
     answers 503; once Redis is back, both recover. A queue worker that stopped makes /ready 503 too."""
     import httpx
 
-    from api.server import BackgroundServer, create_app
+    from api.background import BackgroundServer
+    from api.server import create_app
     from api.settings import ServerSettings
     from engine import EngineConfig
 

@@ -10,16 +10,11 @@ import pytest
 import redis
 from queue_support import ChatServer, DecodingCaptioner, make_job
 
-from api.queue_worker import (
-    OpenAICaptioner,
-    QueueWorker,
-    get_result,
-    queue_stats,
-    recent_captions,
-    tail_captions,
-)
-from pipeline.contract import CAPTIONS_STREAM, CONSUMER_GROUP, DEAD_STREAM, JOBS_STREAM, Job, result_key
-from pipeline.producer import Backpressure, JobProducer
+from jobqueue.consumer import QueueWorker
+from jobqueue.contract import CAPTIONS_STREAM, CONSUMER_GROUP, DEAD_STREAM, JOBS_STREAM, Job, result_key
+from jobqueue.openai_captioner import OpenAICaptioner
+from jobqueue.producer import Backpressure, JobProducer
+from jobqueue.results import get_result, queue_stats, recent_captions, tail_captions
 
 pytestmark = pytest.mark.timeout(60)
 

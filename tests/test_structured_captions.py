@@ -16,12 +16,13 @@ import pytest
 import redis
 from test_api_captions import BUS, PROMPT, next_caption_event, poll
 
-from api.cli_pipeline import read_caption_schema
-from api.server import BackgroundServer, create_app
+from api.background import BackgroundServer
+from api.server import create_app
 from api.settings import ServerSettings
+from cli.camera import read_caption_schema
 from engine import EngineConfig
-from pipeline.contract import DEAD_STREAM, CaptionResult, Detection, Job
-from pipeline.producer import JobProducer
+from jobqueue.contract import DEAD_STREAM, CaptionResult, Detection, Job
+from jobqueue.producer import JobProducer
 
 pytest.importorskip("xgrammar")
 
@@ -145,7 +146,9 @@ def test_the_openai_captioner_asks_for_the_schema_over_http(redis_url, server):
     """`vlmcap worker`'s path: the job's schema goes to the server as response_format."""
     from test_queue_worker import work_until_idle
 
-    from api.queue_worker import OpenAICaptioner, QueueWorker, get_result
+    from jobqueue.consumer import QueueWorker
+    from jobqueue.openai_captioner import OpenAICaptioner
+    from jobqueue.results import get_result
 
     job = camera_job("remote", SAMPLE_SCHEMA)
     producer = JobProducer(redis_url)

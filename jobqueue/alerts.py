@@ -1,4 +1,4 @@
-"""Fall alerts. A camera job marked `fall` (see `pipeline.contract.Job.fall`) is captioned at its own
+"""Fall alerts. A camera job marked `fall` (see `jobqueue.contract.Job.fall`) is captioned at its own
 priority; when it finishes, the queue worker's finish script appends its result to the alerts feed
 (`ALERTS_STREAM`, read by `/v1/alerts` and `/v1/alerts/stream`), and the worker hands the result to an
 `AlertWebhook`, which POSTs it as JSON to a URL from a task of its own: with a timeout, retries with
@@ -15,7 +15,7 @@ import urllib.request
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from pipeline.contract import CaptionResult
+from jobqueue.contract import CaptionResult
 
 log = logging.getLogger(__name__)
 

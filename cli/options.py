@@ -1,0 +1,35 @@
+"""What the commands share: each option's default read from the dataclass field (or the parameter) it sets, so
+a default is written once, where it takes effect; the log format; the exit on a bad option."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import typer
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def fail(message: str) -> typer.Exit:
+    """An exit with status 2 after `error: message` on stderr (raise it)."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
+def default(owner: type | Callable, name: str) -> Any:
+    """The default of field `name` of dataclass `owner` (its default_factory called), or of parameter `name` of
+    the function or class `owner`; ValueError when it has none."""
+    if dataclasses.is_dataclass(owner):
+        field = {f.name: f for f in dataclasses.fields(owner)}[name]
+        if field.default is not dataclasses.MISSING:
+            return field.default
+        if field.default_factory is not dataclasses.MISSING:
+            return field.default_factory()
+    else:
+        parameter = inspect.signature(owner).parameters[name]
+        if parameter.default is not inspect.Parameter.empty:
+            return parameter.default
+    raise ValueError(f"{getattr(owner, '__name__', owner)}.{name} has no default")

@@ -1,0 +1,50 @@
+"""The captioner of `vlmcap worker`: any OpenAI-compatible `/v1/chat/completions` (this project's server,
+vLLM, ...) behind the queue worker's `Captioner` protocol."""
+
+from __future__ import annotations
+
+import base64
+
+
+class OpenAICaptioner:
+    """Captions through any OpenAI-compatible `/v1/chat/completions` (this project's server, vLLM, ...),
+    the image sent inline as a data URL. `priority` is sent as the request's `priority` (vLLM's and
+    this server's name for it) unless it is 0, so servers without priority scheduling accept it."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, model: str = "default",
+                 max_tokens: int = 128, timeout_seconds: float = 300.0) -> None:
+        from openai import AsyncOpenAI
+
+        base_url = base_url.rstrip("/")
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"VLM URL must start with http:// or https://, got {base_url!r}")
+        if not base_url.endswith("/v1"):
+            base_url += "/v1"
+        # Retries are the queue's business (redelivery), not the HTTP client's.
+        self.client = AsyncOpenAI(base_url=base_url, api_key=api_key or "none", timeout=timeout_seconds,
+                                  max_retries=0)
+        self.model = model
+        self.max_tokens = max_tokens
+
+    async def caption(self, image_jpeg: bytes, prompt: str, priority: int, schema: dict | None = None) -> str:
+        data_url = "data:image/jpeg;base64," + base64.b64encode(image_jpeg).decode()
+        response_format = None if schema is None else {
+            "type": "json_schema", "json_schema": {"name": "caption", "schema": schema, "strict": True}}
+        response = await self.client.chat.completions.create(
+            model=self.model,
+            messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url}},
+                {"type": "text", "text": prompt},
+            ]}],
+            max_tokens=self.max_tokens,
+            extra_body={"priority": priority} if priority else None,
+            **({"response_format": response_format} if response_format else {}),
+        )
+        text = response.choices[0].message.content if response.choices else None
+        if not text or not text.strip():
+            raise ValueError(f"VLM returned no caption (finish reason "
+                             f"{response.choices[0].finish_reason if response.choices else 'none'})")
+        return text.strip()
+
+    async def aclose(self) -> None:
+        await self.client.close()
