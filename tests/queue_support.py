@@ -1,5 +1,6 @@
-"""Helpers of the queue tests: a captioner that really decodes the JPEG, and a minimal OpenAI-compatible
-chat-completions server that does the same over HTTP (and can hold requests, to kill a worker mid-job)."""
+"""Helpers of the queue tests: a captioner that really decodes the JPEG, a minimal OpenAI-compatible
+chat-completions server that does the same over HTTP (and can hold requests, to kill a worker mid-job), jobs
+enqueued through the real producer, a worker run until the stream is empty, and a bounded wait."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import cv2
 import numpy as np
 
-from jobqueue.contract import Detection, Job
+from jobqueue.consumer import QueueWorker
+from jobqueue.contract import JOBS_STREAM, Detection, Job
+from jobqueue.producer import JobProducer
+from jobqueue.results import queue_stats
 
 
 class UndecodableImage(ValueError):
@@ -100,3 +104,29 @@ class ChatServer:
         self.hold.clear()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def enqueue(redis_url: str, jobs: list[Job], **producer_options) -> JobProducer:
+    producer = JobProducer(redis_url, **producer_options)
+    for job in jobs:
+        producer.submit(job)
+    producer.close()
+    return producer
+
+
+async def work_until_idle(worker: QueueWorker, max_rounds: int = 50) -> None:
+    """Run rounds until the stream holds no job (waiting or pending)."""
+    for _ in range(max_rounds):
+        await worker.run_once()
+        if await worker.redis.xlen(JOBS_STREAM) == 0:
+            return
+    raise AssertionError(f"jobs left after {max_rounds} rounds: {await queue_stats(worker.redis)}")
+
+
+def wait_for(condition, what: str, timeout: float = 30.0, interval: float = 0.05) -> None:
+    """Poll until `condition()` holds; the deadline only turns a hang into a clear failure."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(interval)

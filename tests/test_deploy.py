@@ -24,9 +24,7 @@ import redis
 import typer
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from queue_support import make_job
-from test_queue_resilience import wait_for
-from test_queue_worker import enqueue
+from queue_support import enqueue, make_job, wait_for
 
 from cli.main import app
 from jobqueue.connection import free_tcp_port

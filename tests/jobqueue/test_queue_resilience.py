@@ -13,8 +13,7 @@ import time
 
 import pytest
 import redis
-from queue_support import ChatServer, DecodingCaptioner, make_job
-from test_queue_worker import enqueue, work_until_idle
+from queue_support import ChatServer, DecodingCaptioner, enqueue, make_job, wait_for, work_until_idle
 
 from jobqueue.connection import EmbeddedRedis
 from jobqueue.consumer import QueueWorker
@@ -23,16 +22,7 @@ from jobqueue.openai_captioner import OpenAICaptioner
 from jobqueue.results import get_result, queue_stats
 from pipeline.runner import CameraPipeline, PipelineConfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def wait_for(condition, what: str, timeout: float = 30.0, interval: float = 0.05) -> None:
-    """Poll until `condition()` holds; the deadline only turns a hang into a clear failure."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(interval)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.timeout(120)

@@ -43,7 +43,7 @@ from jobqueue.contract import (
 )
 from pipeline.camera_stats import CameraStatsPublisher
 from pipeline.runner import CameraPipeline, PipelineConfig
-from tests.test_api_prefix_cache import chat_turns
+from tests.api.test_api_prefix_cache import chat_turns
 
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package; `.ci/run` installs it
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -275,6 +275,23 @@ def test_camera_stats_are_published_with_rates_and_a_ttl(redis_url):
         assert client.zscore(CAMERAS_INDEX, "yard") == pytest.approx(stats.updated_at)
         publisher.close()
         assert CameraStats.from_fields(client.hgetall(camera_stats_key("yard"))).status == "stopped"
+    finally:
+        client.close()
+
+
+def test_listing_cameras_only_reads_and_publishers_drop_the_silent_ones(server, redis_url):
+    """GET /v1/cameras leaves Redis as it was: a camera gone silent is left out, not deleted; the next camera
+    that publishes drops it from the index."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.zadd(CAMERAS_INDEX, {"gone": time.time() - CAMERA_STATS_TTL_SECONDS - 5})
+        publisher = CameraStatsPublisher(redis_url, "porch", "hog", dict, interval_seconds=30)
+        ids = [camera["camera_id"] for camera in httpx.get(f"{server.url}/v1/cameras").json()["data"]]
+        assert "gone" not in ids and client.zscore(CAMERAS_INDEX, "gone") is not None
+        publisher.publish()
+        assert client.zscore(CAMERAS_INDEX, "gone") is None
+        assert "porch" in [c["camera_id"] for c in httpx.get(f"{server.url}/v1/cameras").json()["data"]]
+        publisher.close()
     finally:
         client.close()
 

@@ -19,7 +19,7 @@ from api.server import create_app
 from api.settings import ServerSettings
 from cli.main import app
 from engine import EngineConfig
-from tests.test_api_openai import data_url
+from tests.api.test_api_openai import data_url
 
 BUS = ASSETS / "bus.jpg"
 ZIDANE = ASSETS / "zidane.jpg"

@@ -8,32 +8,15 @@ import asyncio
 
 import pytest
 import redis
-from queue_support import ChatServer, DecodingCaptioner, make_job
+from queue_support import ChatServer, DecodingCaptioner, enqueue, make_job, work_until_idle
 
 from jobqueue.consumer import QueueWorker
 from jobqueue.contract import CAPTIONS_STREAM, CONSUMER_GROUP, DEAD_STREAM, JOBS_STREAM, Job, result_key
 from jobqueue.openai_captioner import OpenAICaptioner
-from jobqueue.producer import Backpressure, JobProducer
+from jobqueue.producer import Backpressure
 from jobqueue.results import get_result, queue_stats, recent_captions, tail_captions
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def enqueue(redis_url: str, jobs: list[Job], **producer_options) -> JobProducer:
-    producer = JobProducer(redis_url, **producer_options)
-    for job in jobs:
-        producer.submit(job)
-    producer.close()
-    return producer
-
-
-async def work_until_idle(worker: QueueWorker, max_rounds: int = 50) -> None:
-    """Run rounds until the stream holds no job (waiting or pending)."""
-    for _ in range(max_rounds):
-        await worker.run_once()
-        if await worker.redis.xlen(JOBS_STREAM) == 0:
-            return
-    raise AssertionError(f"jobs left after {max_rounds} rounds: {await queue_stats(worker.redis)}")
 
 
 def test_every_job_gets_exactly_one_caption_and_results_are_readable(redis_url):

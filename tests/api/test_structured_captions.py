@@ -26,7 +26,7 @@ from jobqueue.producer import JobProducer
 
 pytest.importorskip("xgrammar")
 
-SAMPLE_SCHEMA_PATH = Path(__file__).resolve().parent.parent / "samples" / "caption.schema.json"
+SAMPLE_SCHEMA_PATH = Path(__file__).resolve().parents[2] / "samples" / "caption.schema.json"
 SAMPLE_SCHEMA = json.loads(SAMPLE_SCHEMA_PATH.read_text())
 
 
@@ -144,7 +144,7 @@ def test_bad_caption_schema_files_are_named(tmp_path):
 
 def test_the_openai_captioner_asks_for_the_schema_over_http(redis_url, server):
     """`vlmcap worker`'s path: the job's schema goes to the server as response_format."""
-    from test_queue_worker import work_until_idle
+    from queue_support import work_until_idle
 
     from jobqueue.consumer import QueueWorker
     from jobqueue.openai_captioner import OpenAICaptioner

@@ -11,8 +11,7 @@ import json
 import pytest
 import redis
 from jsonschema import Draft202012Validator
-from queue_support import DecodingCaptioner, make_job
-from test_queue_worker import enqueue, work_until_idle
+from queue_support import DecodingCaptioner, enqueue, make_job, work_until_idle
 
 from jobqueue import contract
 from jobqueue.consumer import QueueWorker
