@@ -1,17 +1,14 @@
 """Prometheus metrics of one server: requests by route and status, latency histograms (TTFT, inter-token,
 end to end) observed as outputs reach their request, and the engine's gauges and counters read from the
 bridge's latest stats (so a scrape never waits for a step). Inter-token latencies, tokens per step and
-output tokens are also kept as the last minute's samples, for the dashboard's live charts. The percentile
-helpers are the project's one (the benchmarks use them too: this module imports neither torch nor the
-engine)."""
+output tokens are also kept as the last minute's samples, for the dashboard's live charts."""
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -22,24 +19,6 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 RECENT_HORIZON_S = 60.0
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The `q`-th percentile (0 to 100) of `values`, interpolated between the nearest ranks as numpy's default
-    does; NaN without values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def percentiles_ms(seconds: Sequence[float]) -> dict[str, float]:
-    """p50, p99 and max of durations given in seconds, in milliseconds (NaN when there are none)."""
-    ms = [value * 1000.0 for value in seconds]
-    return {"p50": percentile(ms, 50), "p99": percentile(ms, 99), "max": max(ms, default=math.nan)}
 
 
 class RecentSamples:

@@ -20,7 +20,7 @@ from starlette.types import Scope
 from api.caption_store import RedisCaptionStore
 from api.errors import APIError
 from api.images import decode_image
-from api.metrics import percentiles_ms
+from api.percentiles import percentiles_ms
 from api.routes_captions import result_json
 from api.settings import Limits
 from api.state import ServerState, server_state

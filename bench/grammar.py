@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
-from bench.peers import PeersConfig, Workload, make_workload
+from bench.configs import GrammarBenchConfig
+from bench.peers import Workload, make_workload
 from bench.report import machine, pyplot, save_figure
 from engine import Engine, EngineConfig, SamplingParams
 from engine.grammar import GrammarSpec
-
-
-@dataclass
-class GrammarBenchConfig(PeersConfig):
-    repeats: int = 3  # runs of each kind, alternated; the median is reported
 
 
 def long_caption_schema(output_len: int) -> dict[str, Any]:

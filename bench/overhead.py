@@ -18,25 +18,14 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
-from api.metrics import percentiles_ms
+from api.percentiles import percentiles_ms
+from bench.configs import OverheadConfig
 from bench.report import machine, pyplot, save_figure
 
 CHAT = [{"role": "user", "content": "Tell me a long story about a bus driver in a rainy city."}]
-
-
-@dataclass
-class OverheadConfig:
-    model: str = "dummy:smolvlm-256m"
-    dtype: str = "bfloat16"
-    chats: int = 8
-    max_tokens: int = 64
-    budget: int = 2048
-    threads: int | None = None
-    repeats: int = 1  # each side runs this many times, alternating; the best of each is kept
-    ready_timeout_s: float = 600.0
 
 
 def _engine_config(cfg: OverheadConfig):

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from api.metrics import percentiles_ms
+from api.percentiles import percentiles_ms
+from bench.configs import PeersConfig
 from bench.report import machine, prefix_caching_option, pyplot, save_figure
 from engine import Engine, EngineConfig, SamplingParams
 
@@ -27,22 +28,6 @@ WORDS = (
     "the camera shows a person walking past a parked bus while two people talk near the entrance of a busy "
     "station and a cyclist waits at the corner under the rain"
 ).split()
-
-
-@dataclass
-class PeersConfig:
-    model: str = "dummy:smolvlm-256m"
-    device: str = "cpu"
-    dtype: str = "bfloat16"
-    requests: int = 32
-    input_len: int = 128
-    output_len: int = 64
-    range_ratio: float = 0.5
-    seed: int = 0
-    hf_batch_size: int = 8
-    budget: int = 2048
-    threads: int | None = None
-    prefix_caching: bool | None = None  # None: the engine's default
 
 
 @dataclass

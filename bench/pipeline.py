@@ -11,24 +11,14 @@ from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench.configs import PipelineBenchConfig
 from bench.report import machine, pyplot, save_figure
 
-SAMPLE_VIDEO = Path(__file__).resolve().parent.parent / "samples" / "people.mp4"
 STAGES = ("capture", "detect", "gate", "enqueue")
-
-
-@dataclass
-class PipelineBenchConfig:
-    source: str = str(SAMPLE_VIDEO)
-    detectors: tuple[str, ...] = ("people-fall", "hog")
-    yolo_weights: str | None = None
-    imgsz: int = 640
-    redis_url: str | None = None
-    repeats: int = 1
 
 
 def untrained_yolo(folder: Path) -> str:

@@ -16,36 +16,14 @@ from __future__ import annotations
 import gc
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
+from bench.configs import QUESTIONS, PrefixConfig
 from bench.report import machine, photo_paths, pyplot, save_figure
 from engine import Engine, EngineConfig, SamplingParams
 
-QUESTIONS = (
-    "Describe the people in this photo and what they are doing.",
-    "What is the person nearest the camera wearing?",
-    "What colour is the bus, and what is written on it?",
-    "Is it day or night, and what is the weather like?",
-)
 RUNS = {"caching": True, "no_caching": False}  # name: enable_prefix_caching
-
-
-@dataclass
-class PrefixConfig:
-    model: str = "dummy:smolvlm-256m"
-    device: str = "cpu"
-    dtype: str = "bfloat16"
-    turns: int = 4
-    max_tokens: int = 32  # new tokens of each turn (EOS ignored, so each answer has exactly this many)
-    budget: int = 2048  # max_num_batched_tokens
-    threads: int | None = None
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.turns <= len(QUESTIONS):
-            raise ValueError(f"turns must be between 1 and {len(QUESTIONS)}, got {self.turns}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
 
 
 def conversation(turn: int, answers: list[str]) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Shared helpers of the benchmarks: the machine's description, JSON and PNG output, the sample photos. It
 imports neither torch nor the engine (`bench serve`, an HTTP load generator, runs without them): `machine()`
-imports torch only when asked for torch's part. Percentiles are `api.metrics`'s."""
+imports torch only when asked for torch's part. Percentiles are `api.percentiles`'s."""
 
 from __future__ import annotations
 

@@ -23,30 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from api.metrics import percentiles_ms
+from api.percentiles import percentiles_ms
+from bench.configs import ServeConfig
 from bench.report import machine, pyplot, sample_images, save_figure
 
 WORDS = "a person walks past the bus while two friends talk near the station entrance in the rain".split()
-
-
-@dataclass
-class ServeConfig:
-    url: str = "http://127.0.0.1:8000"
-    api_key: str | None = None
-    model: str | None = None
-    rate: float = 2.0
-    burstiness: float = 1.0
-    num_requests: int | None = 50
-    duration: float | None = None
-    image_fraction: float = 0.25
-    prompt_words: int = 48
-    max_tokens: int = 64
-    seed: int = 0
-    slo: dict[str, float] = field(default_factory=dict)  # "ttft" / "itl" / "tpot" / "e2e" in ms
-    # Every request generates max_tokens tokens (random-weight models reach EOS at random); vlmcap and vLLM
-    # take this extension to the OpenAI API.
-    ignore_eos: bool = True
-    timeout: float = 600.0
 
 
 @dataclass

@@ -31,44 +31,9 @@ from typing import Any
 
 import httpx
 
-from api.metrics import percentiles_ms
+from api.percentiles import percentiles_ms
+from bench.configs import SoakConfig
 from bench.report import machine, photo_paths, pyplot, save_figure
-
-MAX_DURATION_S = 3600.0
-MAX_CHATS = 64
-MAX_RATE = 50.0
-
-
-@dataclass
-class SoakConfig:
-    model: str = "tiny"
-    duration: float = 120.0  # seconds of load
-    warmup: float = 20.0  # seconds of load before the first memory sample that counts
-    chats: int = 4  # streaming chats kept going at once
-    caption_rate: float = 0.5  # REST captions per second
-    job_rate: float = 1.0  # camera jobs per second
-    hostile_fraction: float = 0.2
-    max_tokens: int = 16
-    max_body_bytes: int = 4 * 2**20  # the server's limit (an oversized hostile body is just over it)
-    drain_timeout: float = 300.0  # seconds to wait for the last camera jobs after the load stops
-    memory_interval: float = 2.0
-    seed: int = 0
-    startup_timeout: float = 600.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.duration <= MAX_DURATION_S:
-            raise ValueError(f"duration must be in (0, {MAX_DURATION_S:.0f}] seconds, got {self.duration}")
-        if not 0 <= self.warmup < self.duration:
-            raise ValueError(f"warmup must be in [0, duration), got {self.warmup}")
-        if not 0 <= self.chats <= MAX_CHATS:
-            raise ValueError(f"chats must be in [0, {MAX_CHATS}], got {self.chats}")
-        for name in ("caption_rate", "job_rate"):
-            if not 0 <= getattr(self, name) <= MAX_RATE:
-                raise ValueError(f"{name} must be in [0, {MAX_RATE:.0f}] per second, got {getattr(self, name)}")
-        if not 0 <= self.hostile_fraction <= 1:
-            raise ValueError(f"hostile_fraction must be in [0, 1], got {self.hostile_fraction}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
 
 
 @dataclass

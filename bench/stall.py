@@ -15,31 +15,16 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
-from api.metrics import percentiles_ms
+from api.percentiles import percentiles_ms
+from bench.configs import HttpStallConfig, StallConfig
 from bench.report import machine, prefix_caching_option, pyplot, sample_images, save_figure
 from engine import Engine, EngineConfig, SamplingParams
 
 CHAT_PROMPT = "User: Tell me a long story about a bus driver in a rainy city.<end_of_utterance>\nAssistant:"
 IMAGE_PROMPT = "User:{markers}Describe each person you see and what they are doing.<end_of_utterance>\nAssistant:"
-
-
-@dataclass
-class StallConfig:
-    model: str = "dummy:smolvlm-256m"
-    device: str = "cpu"
-    dtype: str = "bfloat16"
-    chats: int = 8
-    images: int = 2
-    budget: int = 16
-    encoder_budget: int = 64
-    encoder_slices_per_step: int | None = 3
-    warmup_steps: int = 16
-    after_steps: int = 16
-    threads: int | None = None
-    prefix_caching: bool | None = None  # None: the engine's default
 
 
 # name: (chunked prefill, per-step encoder budget)
@@ -191,19 +176,6 @@ def summary(result: dict[str, Any]) -> str:
 
 HTTP_CHAT_TEXT = "Tell me a long story about a bus driver in a rainy city."
 HTTP_IMAGE_TEXT = "Describe each person you see and what they are doing."
-
-
-@dataclass
-class HttpStallConfig:
-    url: str = "http://127.0.0.1:8000"
-    api_key: str | None = None
-    model: str | None = None  # the model id to ask for; default: the first of /v1/models
-    chats: int = 8
-    images: int = 2
-    warmup_tokens: int = 16  # every chat has streamed this many tokens when the image prompt is sent
-    after_tokens: int = 16  # and this many more after the image prompt's first token, then all stop
-    chat_max_tokens: int = 3000  # long enough to outlast the image prompt's prefill
-    timeout: float = 1800.0
 
 
 def _jpeg_data_url(image) -> str:

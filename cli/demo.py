@@ -10,12 +10,12 @@ import asyncio
 import logging
 import socket
 import threading
-from pathlib import Path
 
 import typer
 
+from bench.configs import SAMPLE_VIDEO
+
 HUB_MODEL = "HuggingFaceTB/SmolVLM-256M-Instruct"
-SAMPLE_VIDEO = Path(__file__).resolve().parent.parent / "samples" / "people.mp4"
 CAMERA = "sample-cam"
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ so a camera node running `vlmcap pipeline` never loads the engine."""
 
 import typer
 
-from bench.cli import bench_app
+from cli.bench import bench_app
 from cli.camera import pipeline
 from cli.demo import demo
 from cli.serve import serve

@@ -28,6 +28,8 @@ def imported_roots(package: str) -> dict[str, set[str]]:
     """Each top-level name the package's modules import, with the files that import it."""
     roots: dict[str, set[str]] = {}
     for path in (REPO / package).rglob("*.py"):
+        if path.name == "__main__.py":  # a program (`python -m bench`), imported by no module
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
@@ -63,9 +65,22 @@ def test_the_packages_import_one_another_without_a_cycle():
         visit(package, ())
 
 
-@pytest.mark.parametrize("modules", ["cli.main", "bench.cli, bench.serve, bench.report, api.metrics"])
+@pytest.mark.parametrize("modules", ["cli.main", "cli.bench, bench.serve, bench.report, api.percentiles"])
 def test_starting_without_torch(modules):
     script = f"import sys\nimport {modules}\nprint(sorted({{'torch', 'engine'}} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"importing {modules} loads {done.stdout.strip()}"
+
+
+def test_python_m_bench_needs_none_of_the_servers_packages():
+    """A lent GPU machine has torch, transformers and typer, not FastAPI, Redis, httpx or Prometheus: the
+    benchmarks' command line and the in-process benchmarks import none of them."""
+    script = ("import runpy, sys\n"
+              "sys.modules.update(fastapi=None, redis=None, uvicorn=None, httpx=None, prometheus_client=None)\n"
+              "import bench.stall, bench.peers, bench.prefix, bench.grammar\n"
+              "sys.argv = ['bench', '--help']\n"
+              "runpy.run_module('bench', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "stall" in done.stdout and "peers" in done.stdout
