@@ -125,13 +125,13 @@ def reference_attention(
     num_heads, kv_heads = q.shape[0], key_cache.shape[1]
     out = torch.empty(q.shape[1], num_heads, q.shape[2], dtype=q.dtype, device=q.device)
     for group in batch.decodes:
+        if group.context_lens is not None:  # straight from q into out, reading the cache in place
+            paged_decode_attention(q, group.query_index, key_cache, value_cache, group.block_tables,
+                                   group.context_lens, block_size,
+                                   scaling if scaling is not None else q.shape[-1] ** -0.5, window, out)
+            continue
         rows = group.query_index.shape[0]
         dq = q[:, group.query_index].transpose(0, 1).reshape(rows, kv_heads, num_heads // kv_heads, -1)
-        if group.context_lens is not None:
-            o = paged_decode_attention(dq, key_cache, value_cache, group.block_tables, group.context_lens,
-                                       block_size, scaling if scaling is not None else q.shape[-1] ** -0.5, window)
-            out[group.query_index] = o.reshape(rows, num_heads, -1)
-            continue
         dk = gather_blocks(key_cache, group.block_tables, block_size).to(q.dtype)  # [B, kv_heads, ctx, d]
         dv = gather_blocks(value_cache, group.block_tables, block_size).to(q.dtype)
         o = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=_pick(group, sliding), scale=scaling)

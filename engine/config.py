@@ -47,6 +47,9 @@ class EngineConfig:
         decode with a small C kernel built at first use (the CPU, with a C compiler), prefill chunks as
         `reference`; `reference` gathers each context's blocks and runs SDPA (any device and dtype: the
         exactness reference); `auto` takes the kernel where it runs, else `cpu` where it runs, else `reference`.
+    cpu_linear: on the CPU, multiply a step's few rows by the weights with a small C kernel that reads each weight
+        once in its own dtype (engine/cpu_kernel.py; every row count for bfloat16 and float16 weights, up to 16
+        rows for float32); `None`: on where the kernel builds (the CPU, with a C compiler).
     cuda_graphs: replay decode-only steps from CUDA graphs captured at start-up at padded batch sizes
         (1, 2, 4, 8, then multiples of 8 up to `max_num_seqs`); needs the kernel backend. `None`: on where
         the kernel runs on CUDA.
@@ -69,6 +72,7 @@ class EngineConfig:
     num_threads: int | None = None
     attention_backend: str = "auto"
     cuda_graphs: bool | None = None
+    cpu_linear: bool | None = None
     enable_prefix_caching: bool = True
     encoder_cache_tokens: int = 4096
 

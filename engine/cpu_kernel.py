@@ -1,10 +1,17 @@
-"""The CPU's decode attention over the paged cache, read in place (engine/paged_decode.c).
+"""The CPU's two C kernels, for the steps a server spends most of its time in: decodes.
 
-The reference path gathers every context's blocks into a new tensor in every layer before SDPA reads it; on
-the CPU that copy costs as much as the attention itself, and grows with context. This small C library reads
-each key and value where the cache holds it instead. It is compiled once per source and machine with the
-system's C compiler (`CC`, else `cc`) into `<tmp>/vlmcap-kernels/` on first use, and shares torch's OpenMP
-runtime; where no compiler is found, `available()` is False and the engine uses the reference path.
+- `paged_decode_attention` (engine/paged_decode.c): decode attention over the paged cache, read in place.
+  The reference path gathers every context's blocks into a new tensor in every layer before SDPA reads it;
+  on the CPU that copy costs as much as the attention itself, and grows with context.
+- `small_linear` (engine/small_linear.c): a Linear layer for a few rows, reading each weight row once in its
+  own dtype. A decode step's matrix products are a few rows times every weight of the model: their cost is
+  reading the weights, which the general GEMMs torch calls do at a fraction of the memory's bandwidth here
+  (and bfloat16 ones several times slower still on CPUs without bfloat16 instructions).
+  `route_linears` sends a model's Linear layers through it where it is faster (`KERNEL_ROWS`).
+
+They are compiled once per source and machine with the system's C compiler (`CC`, else `cc`) into
+`<tmp>/vlmcap-kernels/` on first use, and share torch's OpenMP runtime; where no compiler is found,
+`available()` is False and the engine keeps torch's own operations.
 """
 
 from __future__ import annotations
@@ -21,10 +28,13 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
+FOLDER = Path(__file__).with_name("csrc")
+SOURCES = [FOLDER / "paged_decode.c", FOLDER / "small_linear.c"]
+HEADERS = [FOLDER / "dtypes.h"]
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _state: dict[str, object] = {}
@@ -37,14 +47,14 @@ def _build() -> ctypes.CDLL | None:
     if compiler is None:
         log.info("no C compiler (CC=%r): the CPU decode kernel is off", os.environ.get("CC", "cc"))
         return None
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + platform.machine().encode()).hexdigest()[:16]
     folder = Path(tempfile.gettempdir()) / "vlmcap-kernels"
-    library = folder / f"paged_decode-{key}.so"
+    library = folder / f"vlmcap-cpu-{key}.so"
     if not library.exists():
         folder.mkdir(parents=True, exist_ok=True)
         partial = folder / f".{library.name}.{os.getpid()}"
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"],
+        done = subprocess.run([compiler, *FLAGS, f"-I{FOLDER}", *map(str, SOURCES), "-o", str(partial), "-lm"],
                               capture_output=True, text=True)
         if done.returncode != 0:
             log.warning("the CPU decode kernel did not compile (%s): %s", compiler, done.stderr[-2000:])
@@ -55,9 +65,12 @@ def _build() -> ctypes.CDLL | None:
     lib.paged_decode_attention.restype = ctypes.c_int
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.paged_decode_attention.argtypes = [
-        pointer, pointer, pointer, ctypes.c_int, pointer, pointer, i64, i64, i64, i64, i64, i64,
-        ctypes.c_float, i64, pointer, ctypes.c_int,
+        pointer, ctypes.c_int, i64, i64, pointer, pointer, pointer, ctypes.c_int, pointer, pointer, i64, i64, i64,
+        i64, i64, i64, ctypes.c_float, i64, pointer, ctypes.c_int,
     ]
+    lib.small_linear.restype = ctypes.c_int
+    lib.small_linear.argtypes = [pointer, ctypes.c_int, i64, i64, pointer, ctypes.c_int, i64, pointer, pointer,
+                                 ctypes.c_int]
     return lib
 
 
@@ -74,31 +87,89 @@ def available(device: torch.device) -> bool:
 
 
 def paged_decode_attention(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, block_size: int, scale: float, window: int | None,
-) -> torch.Tensor:
-    """q [n, kv_heads, groups, d] (one query per head of each sequence) over the cache's [slots, kv_heads, d]
-    keys and values -> [n, kv_heads, groups, d] in q's dtype. Sequence i attends to its first
-    `context_lens[i]` positions (the last `window` of them in a sliding-window layer), which lie in the blocks
-    `block_tables[i]`."""
+    q: torch.Tensor, query_index: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float, window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Sequence i's query is q[:, query_index[i]] ([heads, tokens, d], any strides); it attends to its first
+    `context_lens[i]` positions (the last `window` of them in a sliding-window layer), which lie in the cache
+    blocks `block_tables[i]` of the [slots, kv_heads, d] caches, and its output goes to out[query_index[i]]
+    ([tokens, heads, d], contiguous, q's dtype). Integer tensors are int64 and contiguous."""
     lib = _library()
     if lib is None:
-        raise RuntimeError("the CPU decode kernel is not available (no C compiler); use the reference path")
-    if key_cache.dtype not in _DTYPES or key_cache.dtype != value_cache.dtype:
-        raise ValueError(f"the CPU decode kernel reads float32, bfloat16 or float16 caches, got {key_cache.dtype}")
-    n, kv_heads, groups, d = q.shape
-    if key_cache.shape[1:] != (kv_heads, d) or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError(f"cache rows {tuple(key_cache.shape[1:])} must be contiguous [kv_heads={kv_heads}, d={d}]")
-    query = q.to(torch.float32).contiguous()
-    tables = block_tables.to(torch.int64).contiguous()
-    lens = context_lens.to(torch.int64).contiguous()
-    out = torch.empty(query.shape, dtype=torch.float32)
+        raise RuntimeError("the CPU kernels are not available (no C compiler); use the reference path")
+    if key_cache.dtype not in _DTYPES or key_cache.dtype != value_cache.dtype or q.dtype not in _DTYPES:
+        raise ValueError(f"the CPU decode kernel reads float32, bfloat16 or float16 tensors, got cache "
+                         f"{key_cache.dtype} and queries {q.dtype}")
+    heads, _, d = q.shape
+    kv_heads = key_cache.shape[1]
+    if key_cache.shape[2] != d or heads % kv_heads or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError(f"cache rows {tuple(key_cache.shape[1:])} must be contiguous [kv_heads, d={d}] with "
+                         f"kv_heads dividing the {heads} query heads")
+    if out.dtype != q.dtype or not out.is_contiguous() or q.stride(2) != 1:
+        raise ValueError("the output must be contiguous in q's dtype, and q's rows contiguous")
     failed = lib.paged_decode_attention(
-        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), _DTYPES[key_cache.dtype],
-        tables.data_ptr(), lens.data_ptr(), n, kv_heads, groups, d, block_size, tables.shape[1],
-        float(scale), int(window or 0), out.data_ptr(), torch.get_num_threads(),
+        q.data_ptr(), _DTYPES[q.dtype], q.stride(0), q.stride(1), query_index.data_ptr(), key_cache.data_ptr(),
+        value_cache.data_ptr(), _DTYPES[key_cache.dtype], block_tables.data_ptr(), context_lens.data_ptr(),
+        query_index.shape[0], kv_heads, heads // kv_heads, d, block_size, block_tables.shape[1], float(scale),
+        int(window or 0), out.data_ptr(), torch.get_num_threads(),
     )
     if failed:
         raise ValueError(f"paged decode attention refused its inputs (code {failed}): context lengths "
-                         f"{lens.tolist()} must lie in 1..{tables.shape[1] * block_size} (the block tables' reach)")
-    return out.to(q.dtype)
+                         f"{context_lens.tolist()} must lie in 1..{block_tables.shape[1] * block_size} "
+                         "(the block tables' reach)")
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., k] @ weight [n, k]^T (+ bias), summed in float32, returned in x's dtype: each weight row read
+    once, in its own dtype (engine/small_linear.c); for the few rows of a decode step. `bias` is float32."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not available (no C compiler)")
+    n, k = weight.shape
+    if weight.dtype not in _DTYPES or x.dtype not in _DTYPES or not weight.is_contiguous():
+        raise ValueError(f"small_linear reads contiguous float32, bfloat16 or float16 tensors, got weights "
+                         f"{weight.dtype} and input {x.dtype}")
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError(f"small_linear takes a contiguous float32 bias, got {bias.dtype}")
+    rows = x.reshape(-1, k)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    failed = lib.small_linear(rows.data_ptr(), _DTYPES[x.dtype], rows.shape[0], k, weight.data_ptr(),
+                              _DTYPES[weight.dtype], n, None if bias is None else bias.data_ptr(), out.data_ptr(),
+                              torch.get_num_threads())
+    if failed:
+        raise MemoryError(f"small_linear could not allocate its buffers ({rows.shape[0]} x {k} -> {n})")
+    return out
+
+
+# Most rows of x for which `small_linear` beats torch's GEMM, by weight dtype (measured on a 2-core AVX2 CPU:
+# float32 weights to 16 rows, beyond which MKL's blocking wins; bfloat16 and float16 at any count, their
+# general GEMM lacking fast kernels there).
+KERNEL_ROWS: dict[torch.dtype, int] = {torch.float32: 16, torch.bfloat16: 1 << 30, torch.float16: 1 << 30}
+
+
+def route_linears(model: torch.nn.Module) -> int:
+    """Send every `nn.Linear` of `model` through `small_linear` for inputs of at most `KERNEL_ROWS` rows (the
+    rest through F.linear as before). Returns how many layers were routed."""
+    routed = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.weight.dtype in KERNEL_ROWS:
+            module.forward = _KernelLinear(module.weight, module.bias)
+            routed += 1
+    return routed
+
+
+class _KernelLinear:
+    """A Linear layer's forward: the kernel for few rows (with the bias kept in float32 for it), F.linear else."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+        self.bias32 = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        self.rows = KERNEL_ROWS[weight.dtype]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= self.rows * x.shape[-1] and x.device.type == "cpu" and x.dtype in _DTYPES:
+            return small_linear(x, self.weight, self.bias32)
+        return F.linear(x, self.weight, self.bias)

@@ -86,6 +86,11 @@ class Engine:
         )
         self.scheduler = Scheduler(config, self.pool, self.encoder_outputs)
         self.attention_backend = self._attention_backend()
+        self.cpu_linear = self._use_cpu_linear()
+        if self.cpu_linear:
+            from engine import cpu_kernel
+
+            cpu_kernel.route_linears(self.adapter.model)
         self.runner = ModelRunner(self.adapter, self.kv_cache, config.block_size, self.attention_backend,
                                   self.encoder_outputs)
         if self._use_cuda_graphs():
@@ -126,6 +131,16 @@ class Engine:
         if config.attention_backend == "auto":
             return "kernel" if not reasons else "cpu" if cpu else "reference"
         return config.attention_backend
+
+    def _use_cpu_linear(self) -> bool:
+        from engine import cpu_kernel
+
+        wanted = self.config.cpu_linear
+        possible = self.device.type == "cpu" and cpu_kernel.available(self.device)
+        if wanted and not possible:
+            raise ValueError(f"cpu_linear needs the CPU and a C compiler to build its kernel (device "
+                             f"{self.config.device!r}, CC={os.environ.get('CC', 'cc')!r})")
+        return possible if wanted is None else wanted
 
     def _use_cuda_graphs(self) -> bool:
         wanted = self.config.cuda_graphs

@@ -35,15 +35,16 @@ def test_greedy_tokens_equal_generate_for_any_budget(make_engine, oracle, photos
     assert engine.stats()["kv_blocks_used"] == 0
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_each_attention_path_gives_generate_s_tokens(make_engine, oracle, photos, backend):
-    """The gather+SDPA reference and the CPU's in-place decode kernel, each alone, in float32."""
+@pytest.mark.parametrize(("backend", "cpu_linear"), [("reference", False), ("cpu", False), ("reference", True)])
+def test_each_fast_path_gives_generate_s_tokens(make_engine, oracle, photos, backend, cpu_linear):
+    """The reference path (gather+SDPA, torch's Linear), then each CPU kernel alone (in-place decode attention,
+    the small-batch Linear), in float32."""
     jobs = mixed_jobs(photos)
-    engine = make_engine(max_num_batched_tokens=13, max_num_seqs=8, attention_backend=backend)
-    assert engine.attention_backend == backend
+    engine = make_engine(max_num_batched_tokens=13, max_num_seqs=8, attention_backend=backend, cpu_linear=cpu_linear)
+    assert (engine.attention_backend, engine.cpu_linear) == (backend, cpu_linear)
     tokens, _ = run_jobs(engine, jobs)
     for i, job in enumerate(jobs):
-        assert tokens[i] == oracle(job.prompt, job.images, job.max_tokens), f"job {i} on the {backend} path"
+        assert tokens[i] == oracle(job.prompt, job.images, job.max_tokens), f"job {i}, {backend}, {cpu_linear}"
 
 
 def test_chunk_boundaries_fall_inside_image_spans(make_engine, photos):

@@ -9,28 +9,14 @@
  * sum the values: two passes, one over the keys, one over the values, with no copy of either.
  */
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-enum { F32 = 0, BF16 = 1, F16 = 2 };
-#define MIN(a, b) ((a) < (b) ? (a) : (b))
+#include "dtypes.h"
 
 /* Row `offset` of the cache as float32: in place for a float32 cache, else converted into `dst`. */
 static inline const float *row_as_float(const void *cache, int dtype, int64_t offset, int64_t d, float *dst) {
     if (dtype == F32) return (const float *)cache + offset;
-    if (dtype == BF16) {
-        const uint16_t *src = (const uint16_t *)cache + offset;
-        for (int64_t j = 0; j < d; j++) {
-            uint32_t bits = (uint32_t)src[j] << 16;
-            float value;
-            memcpy(&value, &bits, sizeof(value));
-            dst[j] = value;
-        }
-    } else {
-        const _Float16 *src = (const _Float16 *)cache + offset;
-        for (int64_t j = 0; j < d; j++) dst[j] = (float)src[j];
-    }
+    load_floats(cache, dtype, offset, d, dst);
     return dst;
 }
 
@@ -46,19 +32,18 @@ static inline void prefetch_block(const void *cache, int64_t block, int64_t bloc
 
 /* One task: sequence i's KV heads h0..h1-1 (a cache row holds every head of a position, so a task that takes
  * them all reads whole rows). `d` is a constant where the caller passes one (see the switch below), so the
- * compiler unrolls and vectorises the loops over a head's dimension. `scores` holds
- * (h1 - h0) * groups * (context) floats, `row` kv_heads * d. */
+ * compiler unrolls and vectorises the loops over a head's dimension. `qi` holds the task's queries and `oi`
+ * receives its outputs ([h1 - h0, groups, d] floats each), `scores` (h1 - h0) * groups * context floats, `row`
+ * kv_heads * d. */
 static inline __attribute__((always_inline)) void attend(
-        int64_t i, int64_t h0, int64_t h1, const float *q, const void *key_cache, const void *value_cache,
+        int64_t i, int64_t h0, int64_t h1, const float *qi, const void *key_cache, const void *value_cache,
         int dtype, const int64_t *block_tables, const int64_t *context_lens, int64_t kv_heads, int64_t groups,
-        const int64_t d, int64_t block_size, int64_t table_width, float scale, int64_t window, float *out,
+        const int64_t d, int64_t block_size, int64_t table_width, float scale, int64_t window, float *oi,
         float *scores, float *row) {
     const int64_t n = context_lens[i];
     const int64_t first = (window > 0 && n > window) ? n - window : 0;
     const int64_t len = n - first, heads = h1 - h0, rows = heads * groups, width = kv_heads * d;
     const int64_t *table = block_tables + i * table_width;
-    const float *qi = q + (i * kv_heads + h0) * groups * d;  /* [heads, groups, d]: rows of the task */
-    float *oi = out + (i * kv_heads + h0) * groups * d;
     for (int64_t p = first; p < n;) {  /* a block's run of positions at a time */
         const int64_t offset = p % block_size, run = MIN(block_size - offset, n - p);
         const int64_t slot = table[p / block_size] * block_size + offset;
@@ -103,10 +88,14 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-int paged_decode_attention(const float *q, const void *key_cache, const void *value_cache, int dtype,
+/* Query head x of sequence i is q[x * q_head_stride + query_index[i] * q_token_stride], d values in q_dtype; its
+ * output goes to out[(query_index[i] * kv_heads * groups + x) * d] in q_dtype (the [tokens, heads, d] layout the
+ * decoder layers take back). */
+int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, int64_t q_token_stride,
+                           const int64_t *query_index, const void *key_cache, const void *value_cache, int dtype,
                            const int64_t *block_tables, const int64_t *context_lens, int64_t num_seqs,
                            int64_t kv_heads, int64_t groups, int64_t d, int64_t block_size, int64_t table_width,
-                           float scale, int64_t window, float *out, int num_threads) {
+                           float scale, int64_t window, void *out, int num_threads) {
     int64_t longest = 1;
     for (int64_t i = 0; i < num_seqs; i++) {
         if (context_lens[i] < 1 || context_lens[i] > table_width * block_size) return 1;
@@ -115,27 +104,33 @@ int paged_decode_attention(const float *q, const void *key_cache, const void *va
     /* Whole rows (every KV head of a sequence) per task where there are sequences enough to keep every thread
      * busy; one KV head per task otherwise. */
     const int64_t heads = num_seqs >= 2 * num_threads ? kv_heads : 1, per_seq = kv_heads / heads;
+    const int64_t rows = heads * groups;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc((size_t)(heads * groups * longest + kv_heads * d) * sizeof(float));
-        float *row = scores ? scores + heads * groups * longest : NULL;
+        float *scores = malloc((size_t)(rows * longest + kv_heads * d + 2 * rows * d) * sizeof(float));
         if (!scores) {
 #pragma omp atomic write
             failed = 2;
         }
+        float *row = scores ? scores + rows * longest : NULL;
+        float *qi = row ? row + kv_heads * d : NULL, *oi = qi ? qi + rows * d : NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < num_seqs * per_seq; task++) {
             if (!scores) continue;
             const int64_t i = task / per_seq, h0 = task % per_seq * heads, h1 = h0 + heads;
+            const int64_t token = query_index[i];
+            for (int64_t x = 0; x < rows; x++)
+                load_floats(q, q_dtype, (h0 * groups + x) * q_head_stride + token * q_token_stride, d, qi + x * d);
             switch (d) {
-#define CASE(D) case D: attend(i, h0, h1, q, key_cache, value_cache, dtype, block_tables, context_lens, kv_heads, \
-                               groups, D, block_size, table_width, scale, window, out, scores, row); break;
+#define CASE(D) case D: attend(i, h0, h1, qi, key_cache, value_cache, dtype, block_tables, context_lens, \
+                               kv_heads, groups, D, block_size, table_width, scale, window, oi, scores, row); break;
                 CASE(16) CASE(32) CASE(64) CASE(80) CASE(96) CASE(128) CASE(256)
 #undef CASE
-                default: attend(i, h0, h1, q, key_cache, value_cache, dtype, block_tables, context_lens, kv_heads,
-                                groups, d, block_size, table_width, scale, window, out, scores, row);
+                default: attend(i, h0, h1, qi, key_cache, value_cache, dtype, block_tables, context_lens, kv_heads,
+                                groups, d, block_size, table_width, scale, window, oi, scores, row);
             }
+            store_floats(oi, rows * d, out, q_dtype, (token * kv_heads * groups + h0 * groups) * d);
         }
         free(scores);
     }

@@ -1,0 +1,57 @@
+/* What the CPU kernels share: the dtypes they read and write, converted to and from float32 in registers. */
+#ifndef VLMCAP_DTYPES_H
+#define VLMCAP_DTYPES_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VECTOR 1
+#endif
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };  /* engine/cpu_kernel.py's _DTYPES */
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+
+/* `count` values of `src` (from element `offset`, in `dtype`) as float32 into `dst`. */
+static inline void load_floats(const void *src, int dtype, int64_t offset, int64_t count, float *dst) {
+    if (dtype == F32) {
+        memcpy(dst, (const float *)src + offset, (size_t)count * sizeof(float));
+    } else if (dtype == BF16) {
+        const uint16_t *from = (const uint16_t *)src + offset;
+        int64_t t = 0;
+#ifdef VECTOR
+        for (; t + 8 <= count; t += 8) {
+            __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(from + t)));
+            _mm256_storeu_ps(dst + t, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+        }
+#endif
+        for (; t < count; t++) {
+            uint32_t bits = (uint32_t)from[t] << 16;
+            memcpy(dst + t, &bits, sizeof(bits));
+        }
+    } else {
+        const _Float16 *from = (const _Float16 *)src + offset;
+        for (int64_t t = 0; t < count; t++) dst[t] = (float)from[t];
+    }
+}
+
+/* `count` float32 values into `dst` (from element `offset`) in `dtype`, rounded to nearest even as torch does. */
+static inline void store_floats(const float *src, int64_t count, void *dst, int dtype, int64_t offset) {
+    if (dtype == BF16) {
+        uint16_t *out = (uint16_t *)dst + offset;
+        for (int64_t t = 0; t < count; t++) {
+            uint32_t bits;
+            memcpy(&bits, src + t, sizeof(bits));
+            if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) out[t] = (uint16_t)((bits >> 16) | 0x40);
+            else out[t] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+        }
+    } else if (dtype == F16) {
+        _Float16 *out = (_Float16 *)dst + offset;
+        for (int64_t t = 0; t < count; t++) out[t] = (_Float16)src[t];
+    } else {
+        memcpy((float *)dst + offset, src, (size_t)count * sizeof(float));
+    }
+}
+
+#endif
