@@ -39,6 +39,14 @@ def png_option(what: str):
     return Annotated[str | None, typer.Option("--png", help=f"Draw {what} here.")]
 
 
+def report(result: dict, json_path: str | None, png_path: str | None, plot, summary) -> None:
+    """Write a benchmark's JSON and figure where asked, and print its summary."""
+    from bench.report import save
+
+    save(result, json_path, png_path, plot)
+    typer.echo(summary(result))
+
+
 @bench_app.command("stall")
 def stall(
     model: Model = default(StallConfig, "model"),
@@ -74,7 +82,6 @@ def stall(
     png_path: png_option("the chats' token timeline") = None,
 ) -> None:
     """Chat inter-token latency while a long image prompt is prefilled: chunked vs unchunked (or one server)."""
-    from bench.report import save
     from bench.stall import plot, run_stall, summary
 
     if url is not None:
@@ -82,16 +89,12 @@ def stall(
 
         http_cfg = HttpStallConfig(url=url, api_key=api_key, model=served_model, chats=chats, images=images,
                                    after_tokens=after_steps, chat_max_tokens=chat_max_tokens)
-        result = run_stall_http(http_cfg)
-        save(result, json_path, png_path, plot)
-        typer.echo(summary_http(result))
+        report(run_stall_http(http_cfg), json_path, png_path, plot, summary_http)
         return
     cfg = StallConfig(model=model, device=device, dtype=dtype, chats=chats, images=images, budget=budget,
                       encoder_budget=encoder_budget, encoder_slices_per_step=encoder_slices_per_step or None,
                       after_steps=after_steps, threads=threads, prefix_caching=prefix_caching)
-    result = run_stall(cfg)
-    save(result, json_path, png_path, plot)
-    typer.echo(summary(result))
+    report(run_stall(cfg), json_path, png_path, plot, summary)
 
 
 @bench_app.command("peers")
@@ -117,14 +120,11 @@ def peers(
 ) -> None:
     """Throughput and latency: this engine vs transformers' generate and generate_batch."""
     from bench.peers import plot, run_peers, summary
-    from bench.report import save
 
     cfg = PeersConfig(model=model, device=device, dtype=dtype, requests=requests, input_len=input_len,
                       output_len=output_len, range_ratio=range_ratio, seed=seed, hf_batch_size=hf_batch_size,
                       budget=budget, threads=threads, prefix_caching=prefix_caching)
-    result = run_peers(cfg)
-    save(result, json_path, png_path, plot)
-    typer.echo(summary(result))
+    report(run_peers(cfg), json_path, png_path, plot, summary)
 
 
 @bench_app.command("serve")
@@ -155,7 +155,6 @@ def serve(
     png_path: png_option("latency distributions") = None,
 ) -> None:
     """Load an OpenAI-compatible server with streaming chat and captioning requests."""
-    from bench.report import save
     from bench.serve import parse_slo, plot, run_serve, summary
 
     if num_requests is None and duration is None:
@@ -164,9 +163,7 @@ def serve(
                       num_requests=num_requests, duration=duration, image_fraction=image_fraction,
                       prompt_words=prompt_words, max_tokens=max_tokens, seed=seed, slo=parse_slo(slo),
                       ignore_eos=ignore_eos)
-    result = run_serve(cfg)
-    save(result, json_path, png_path, plot)
-    typer.echo(summary(result))
+    report(run_serve(cfg), json_path, png_path, plot, summary)
 
 
 @bench_app.command("pipeline")
@@ -187,13 +184,10 @@ def pipeline(
 ) -> None:
     """Frames per second through capture, detector, gate and enqueue, per stage."""
     from bench.pipeline import plot, run_pipeline_bench, summary
-    from bench.report import save
 
     cfg = PipelineBenchConfig(source=source or default(PipelineBenchConfig, "source"), detectors=tuple(detector),
                               yolo_weights=yolo_weights, imgsz=imgsz, redis_url=redis_url, repeats=repeats)
-    result = run_pipeline_bench(cfg)
-    save(result, json_path, png_path, plot)
-    typer.echo(summary(result))
+    report(run_pipeline_bench(cfg), json_path, png_path, plot, summary)
 
 
 @bench_app.command("host")
@@ -216,13 +210,10 @@ def host(
     """A decode step's host time by phase, aten ops and read-backs per step, against a bare transformers forward."""
     # HostConfig lives in bench/host.py, which imports torch: these defaults are still written here.
     from bench.host import HostConfig, plot, run_host, summary
-    from bench.report import save
 
     cfg = HostConfig(model=model, device=device, dtype=dtype, decodes=decodes, context=context, later=later,
                      steps=steps, budget=budget, threads=threads)
-    result = run_host(cfg)
-    save(result, json_path, png_path, plot)
-    typer.echo(summary(result))
+    report(run_host(cfg), json_path, png_path, plot, summary)
 
 
 @bench_app.command("overhead")
@@ -242,13 +233,10 @@ def overhead(
 ) -> None:
     """What serving over HTTP costs: the same chats through `vlmcap serve` (its own process) and the engine alone."""
     from bench.overhead import plot, run_overhead, summary
-    from bench.report import save
 
     cfg = OverheadConfig(model=model, dtype=dtype, chats=chats, max_tokens=max_tokens, budget=budget,
                          threads=threads, repeats=repeats)
-    result = run_overhead(cfg)
-    save(result, json_path, png_path, plot)
-    typer.echo(summary(result))
+    report(run_overhead(cfg), json_path, png_path, plot, summary)
 
 
 @bench_app.command("grammar")
@@ -271,13 +259,10 @@ def grammar(
 ) -> None:
     """What structured output costs: decode throughput with every request under a JSON schema vs none."""
     from bench.grammar import plot, run_grammar_bench, summary
-    from bench.report import save
 
     cfg = GrammarBenchConfig(model=model, device=device, dtype=dtype, requests=requests, input_len=input_len,
                              output_len=output_len, budget=budget, threads=threads, repeats=repeats)
-    result = run_grammar_bench(cfg)
-    save(result, json_path, png_path, plot)
-    typer.echo(summary(result))
+    report(run_grammar_bench(cfg), json_path, png_path, plot, summary)
 
 
 @bench_app.command("prefix")
@@ -297,16 +282,13 @@ def prefix(
     """A chat's next turns over one photo: time to first token, tokens computed and vision-tower runs per
     turn, with prefix caching on and off."""
     from bench.prefix import plot, run_prefix, summary
-    from bench.report import save
 
     try:
         cfg = PrefixConfig(model=model, device=device, dtype=dtype, turns=turns, max_tokens=max_tokens,
                            budget=budget, threads=threads)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    result = run_prefix(cfg)
-    save(result, json_path, png_path, plot)
-    typer.echo(summary(result))
+    report(run_prefix(cfg), json_path, png_path, plot, summary)
 
 
 @bench_app.command("soak")
@@ -330,7 +312,6 @@ def soak(
 ) -> None:
     """A bounded soak on loopback: its own Redis and server, chats, captions and camera jobs with hostile
     inputs mixed in; requests by status, jobs done/dead/lost, memory, ITL."""
-    from bench.report import save
     from bench.soak import plot, run_soak, summary
 
     try:
@@ -338,6 +319,4 @@ def soak(
                          job_rate=job_rate, hostile_fraction=hostile_fraction, max_tokens=max_tokens, seed=seed)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    result = run_soak(cfg)
-    save(result, json_path, png_path, plot)
-    typer.echo(summary(result))
+    report(run_soak(cfg), json_path, png_path, plot, summary)
