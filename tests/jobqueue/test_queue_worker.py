@@ -11,9 +11,17 @@ import redis
 from queue_support import ChatServer, DecodingCaptioner, enqueue, make_job, work_until_idle
 
 from jobqueue.consumer import QueueWorker
-from jobqueue.contract import CAPTIONS_STREAM, CONSUMER_GROUP, DEAD_STREAM, JOBS_STREAM, Job, result_key
+from jobqueue.contract import (
+    CAPTIONS_STREAM,
+    CONSUMER_GROUP,
+    DEAD_STREAM,
+    JOBS_STREAM,
+    Job,
+    dead_letter_fields,
+    result_key,
+)
 from jobqueue.openai_captioner import OpenAICaptioner
-from jobqueue.producer import Backpressure
+from jobqueue.producer import DROPPED_ERROR, Backpressure
 from jobqueue.results import get_result, queue_stats, recent_captions, tail_captions
 
 pytestmark = pytest.mark.timeout(60)
@@ -144,6 +152,11 @@ def test_drop_oldest_backpressure_dead_letters_only_unread_jobs(redis_url):
     # Every job is in exactly one place.
     assert sorted(in_stream + dead) == sorted(j.job_id for j in first + later)
     assert client.hget(result_key(first[1].job_id), "status") == b"failed"
+    # The enqueue script writes the dead-letter fields the contract defines, nothing spelled on its own.
+    for _, fields in client.xrange(DEAD_STREAM):
+        assert set(dead_letter_fields({}, DROPPED_ERROR, 0)) <= {name.decode() for name in fields}
+        assert (fields[b"error"], fields[b"deliveries"]) == (DROPPED_ERROR.encode(), b"0")
+        assert Job.from_fields(fields).job_id in dead
     client.close()
 
 
