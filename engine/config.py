@@ -29,7 +29,7 @@ class EngineConfig:
         needs runs in the step that needs it.
     encoder_slices_per_step: run an encoder input's vision tower over several steps, this many slices of
         it a step, so that one tile never costs a step much more than a decode (families that support it:
-        SmolVLM, where a slice is a fifth of a SigLIP layer: its QKV projections, half its heads' attention,
+        SmolVLM, where a slice is one of five of a SigLIP layer: its QKV projections, half its heads' attention,
         the other half with the output projection, the MLP's first or its second linear layer); `None` runs
         each input's tower whole. What a step leaves of the encoder budget starts the next input's tower
         before the chunk reaches it.

@@ -246,7 +246,6 @@ class Engine:
             if request is None:
                 return False
             self.scheduler.finish(request, "abort")
-            self.runner.drop_encoder_outputs(self.scheduler.take_freed_encoder_inputs())
             return True
 
     def has_unfinished_requests(self) -> bool:
@@ -277,7 +276,6 @@ class Engine:
                 self.num_request_failures += 1
                 log.error("request %s failed in step %d: %s", rid, self._steps, why)
                 outputs.append(self._fail(self.requests[rid]))
-            self.runner.drop_encoder_outputs(self.scheduler.take_freed_encoder_inputs())
             timings = self.runner.timings
             timings.schedule = scheduled_at - began
             timings.update = time.perf_counter() - ran_at
@@ -287,7 +285,6 @@ class Engine:
     def _fail(self, request: Request) -> RequestOutput:
         self.scheduler.finish(request, "error")
         self.requests.pop(request.request_id, None)
-        self.runner.drop_encoder_outputs(self.scheduler.take_freed_encoder_inputs())
         return self._output(request)
 
     def _output(self, request: Request) -> RequestOutput:

@@ -122,10 +122,6 @@ class Matcher:
         """The grammar has ended: a stop token was accepted after a complete match."""
         return bool(self._matcher.is_terminated())
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into row `row` of a host bitmask (int32, one bit per token)."""
-        self._matcher.fill_next_token_bitmask(bitmask, row)
-
 
 class GrammarCompiler:
     """Compiles grammar specs for one tokenizer and logits width, caching compiled grammars by spec."""
@@ -173,8 +169,8 @@ class GrammarCompiler:
 
 def apply_token_masks(logits: torch.Tensor, matchers: list[Matcher | None]) -> None:
     """Mask, in place, row i of `logits` ([rows, vocab], float32) to the tokens `matchers[i]` allows; rows whose
-    matcher is None are untouched. One bitmask for the batch: filled on the host, one copy to the logits'
-    device, applied there by xgrammar's kernel."""
+    matcher is None are untouched. One bitmask for the batch: its rows filled on the host by xgrammar's threads
+    (as many as torch's), one copy to the logits' device, applied there by xgrammar's kernel."""
     if len(matchers) != logits.shape[0]:
         raise ValueError(f"{len(matchers)} matchers for {logits.shape[0]} rows of logits")
     indices = [i for i, matcher in enumerate(matchers) if matcher is not None]
@@ -185,8 +181,7 @@ def apply_token_masks(logits: torch.Tensor, matchers: list[Matcher | None]) -> N
     # All bits set: every token allowed, so rows without a matcher could be masked too and stay untouched.
     on_cuda = logits.device.type == "cuda"
     bitmask = torch.full(xgr.get_bitmask_shape(len(matchers), vocab_size), -1, dtype=torch.int32, pin_memory=on_cuda)
-    for i in indices:
-        matchers[i].fill(bitmask, i)
+    _batch_matcher(xgr).batch_fill_next_token_bitmask([matchers[i]._matcher for i in indices], bitmask, indices)
     if logits.device != bitmask.device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(
@@ -195,3 +190,14 @@ def apply_token_masks(logits: torch.Tensor, matchers: list[Matcher | None]) -> N
         vocab_size=min(vocab_size, logits.shape[-1]),
         indices=None if len(indices) == len(matchers) else indices,
     )
+
+
+_batch_matchers: dict[int, Any] = {}
+
+
+def _batch_matcher(xgr: Any) -> Any:
+    """xgrammar's batch filler with as many threads as torch uses (one per thread count, built once)."""
+    threads = torch.get_num_threads()
+    if threads not in _batch_matchers:
+        _batch_matchers[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
+    return _batch_matchers[threads]

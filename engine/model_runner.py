@@ -90,14 +90,12 @@ class ModelRunner:
         self.encoder_seconds = 0.0
         self.timings = StepTimings()
 
-    def drop_encoder_outputs(self, keys: list[tuple[str, int]]) -> None:
-        for key in keys:
-            self.encoder_cache.pop(key, None)
-
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         timings = self.timings = StepTimings()
         began = time.perf_counter()
+        for key in out.freed_encoder_inputs:
+            self.encoder_cache.pop(key, None)
         if out.encoder_work:
             self._encode(out.encoder_work)
         prepared = time.perf_counter()
@@ -323,7 +321,7 @@ class ModelRunner:
                 results = self.adapter.encode(inputs)
             else:
                 states = [self.encoder_cache.get((item.request.request_id, item.unit)) for item in items]
-                results = self.adapter.encode_stages(inputs, states, *key)
+                results = self.adapter.encode_slices(inputs, states, *key)
             for item, result in zip(items, results):
                 self.encoder_cache[(item.request.request_id, item.unit)] = result
                 if shared is not None and item.finishes and item.request.mm.unit_hashes:

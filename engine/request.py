@@ -32,7 +32,7 @@ class MultimodalPrompt:
     not the token index (Qwen2-VL's M-RoPE), computed once by the model's own rule; a token past the
     prompt sits at its index plus `rope_position_delta`.
 
-    `encoder_stages`: an input's vision tower can run in this many slices (its layers), one step after
+    `encoder_slices`: an input's vision tower can run in this many slices (its layers), one step after
     another, carrying the hidden state between steps; 1 for towers that run whole.
 
     `atomic_units`: the placeholder tokens of one encoder input attend to each other both ways (Gemma 3),
@@ -46,7 +46,7 @@ class MultimodalPrompt:
     rope_positions: torch.Tensor | None = None
     rope_position_delta: int = 0
     atomic_units: bool = False
-    encoder_stages: int = 1
+    encoder_slices: int = 1
     unit_hashes: list[bytes] = field(default_factory=list)  # content hash of each encoder input (prefix caching)
 
     @property

@@ -82,14 +82,19 @@ class EncoderWork:
     @property
     def finishes(self) -> bool:
         """After this step the input's features are ready for the chunks that reach its placeholders."""
-        return self.end == self.request.mm.encoder_stages
+        return self.end == self.request.mm.encoder_slices
 
 
 @dataclass
 class SchedulerOutput:
+    """What the runner runs this step, and what it frees first: the encoder inputs (request id, input) whose
+    features or tower state no chunk will read again, freed since the last step (a request finished,
+    aborted or preempted, or its chunks went past the input's placeholders)."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
     encoder_work: list[EncoderWork] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    freed_encoder_inputs: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -108,7 +113,7 @@ class Scheduler:
         self.running: list[Request] = []
         # Per request, the encoder inputs whose state or features the runner holds, and the slices run.
         self.encoder_progress: dict[str, dict[int, int]] = {}
-        self.freed_encoder_inputs: list[tuple[str, int]] = []  # for the runner to drop
+        self.freed_encoder_inputs: list[tuple[str, int]] = []  # for the runner, in the next SchedulerOutput
         self.num_preemptions = 0
 
     # -- queue changes --------------------------------------------------------------------------
@@ -145,7 +150,8 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(freed_encoder_inputs=self.freed_encoder_inputs)
+        self.freed_encoder_inputs = []
         budget = self.config.max_num_batched_tokens
         encoder_left = self.config.max_encoder_tokens_per_step
         scheduled: set[str] = set()
@@ -308,12 +314,12 @@ class Scheduler:
 
     def _work(self, request: Request, unit: int, whole: bool) -> EncoderWork:
         """The next slices of an input's vision tower: all that are left, or `encoder_slices_per_step`."""
-        stages = request.mm.encoder_stages
+        slices = request.mm.encoder_slices
         if self._held(request, unit):
-            return EncoderWork(request, unit, stages, stages, from_cache=True)
+            return EncoderWork(request, unit, slices, slices, from_cache=True)
         done = self.encoder_progress.get(request.request_id, {}).get(unit, 0)
         step = self.config.encoder_slices_per_step
-        end = stages if whole or step is None else min(done + step, stages)
+        end = slices if whole or step is None else min(done + step, slices)
         return EncoderWork(request, unit, done, end)
 
     @staticmethod
@@ -336,8 +342,8 @@ class Scheduler:
         if request.mm is None or end <= start:
             return []
         progress = self.encoder_progress.get(request.request_id, {})
-        stages = request.mm.encoder_stages
-        return [u for u in request.mm.units_in(start, end) if progress.get(u, 0) < stages]
+        slices = request.mm.encoder_slices
+        return [u for u in request.mm.units_in(start, end) if progress.get(u, 0) < slices]
 
     def _take(
         self, request: Request, n: int, work: list[EncoderWork], out: SchedulerOutput, scheduled: set[str]
@@ -383,6 +389,3 @@ class Scheduler:
                     del progress[unit]
                     self.freed_encoder_inputs.append((request.request_id, unit))
 
-    def take_freed_encoder_inputs(self) -> list[tuple[str, int]]:
-        freed, self.freed_encoder_inputs = self.freed_encoder_inputs, []
-        return freed

@@ -49,7 +49,7 @@ class VLMAdapter:
         self.sliding_window: int | None = (
             text_config.sliding_window if "sliding_attention" in layer_types else None
         )
-        self.atomic_image_spans = image_tokens_attend_bidirectionally(model.config)
+        self.atomic_units = image_tokens_attend_bidirectionally(model.config)
 
     # -- family-specific ------------------------------------------------------------------------
     @property
@@ -68,11 +68,11 @@ class VLMAdapter:
         """Vision features of each encoder input, one [rows, hidden] tensor each."""
         raise NotImplementedError
 
-    # Families whose vision tower can run a part at a time set this to the number of slices and
-    # implement `encode_stages`.
-    encoder_stages: int = 1
+    # Families whose vision tower can run a slice at a time set this to the number of slices and
+    # implement `encode_slices`.
+    encoder_slices: int = 1
 
-    def encode_stages(
+    def encode_slices(
         self, inputs: list[dict[str, torch.Tensor]], states: list[Any], first: int, end: int
     ) -> list[Any]:
         """Run slices first..end-1 of the vision tower on each input, starting from the state the previous
@@ -84,8 +84,8 @@ class VLMAdapter:
     def process(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], MultimodalPrompt | None]:
         token_ids, mm = self.expand_prompt(prompt, images)
         if mm is not None:
-            mm.atomic_units = self.atomic_image_spans
-            mm.encoder_stages = self.encoder_stages
+            mm.atomic_units = self.atomic_units
+            mm.encoder_slices = self.encoder_slices
         return token_ids, mm
 
     def rope_positions(self, request: Request, start: int, end: int) -> torch.Tensor:

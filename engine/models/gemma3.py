@@ -1,7 +1,7 @@
 """Gemma 3: each image is one fixed-size view through a SigLIP tower, average-pooled to `mm_tokens_per_image`
 tokens between `<start_of_image>` and `<end_of_image>`; a Gemma 3 text model whose local layers attend within
 a sliding window and whose image tokens attend to all tokens of their own image, both ways. The scheduler
-keeps each image's span in one chunk (`atomic_image_spans`), and the runner gives the attention that block
+keeps each image's span in one chunk (`atomic_units`), and the runner gives the attention that block
 (see `ModelRunner._prefill_masks`)."""
 
 from __future__ import annotations

@@ -14,39 +14,39 @@ from PIL import Image
 from engine.models.base import VLMAdapter
 from engine.request import MultimodalPrompt
 
-# A SigLIP encoder layer runs in five parts of similar work (on a CPU, some 10-20 ms each for a 512 px
-# tile of SmolVLM-256M), so that a step carries only a fifth of a layer: (0) the normed input's query, key
+# A SigLIP encoder layer runs in five slices of similar work (on a CPU, some 10-20 ms each for a 512 px
+# tile of SmolVLM-256M), so that a step carries only one slice of a layer: (0) the normed input's query, key
 # and value projections; (1) attention of the first half of the heads; (2) attention of the other half and
 # the output projection, added to the residual; (3) the MLP's first linear layer and activation on the
-# normed sum; (4) its second linear layer, added to the residual. A part leaves what the next one needs.
-PARTS_PER_LAYER = 5
+# normed sum; (4) its second linear layer, added to the residual. A slice leaves what the next one needs.
+SLICES_PER_LAYER = 5
 
 
-def _run_part(layer: torch.nn.Module, part: int, hidden: torch.Tensor, mask: Any, carried: Any) -> tuple[Any, Any]:
-    """One part of an encoder layer's forward, with the very operations the layer's own forward runs (each
+def _run_slice(layer: torch.nn.Module, which: int, hidden: torch.Tensor, mask: Any, carried: Any) -> tuple[Any, Any]:
+    """One slice of an encoder layer's forward, with the very operations the layer's own forward runs (each
     head's attention is computed on its own, whichever heads run beside it)."""
     attention, mlp = layer.self_attn, layer.mlp
-    if part == 0:
+    if which == 0:
         normed = layer.layer_norm1(hidden)
         heads = (*normed.shape[:-1], -1, attention.head_dim)
         projections = (attention.q_proj, attention.k_proj, attention.v_proj)
         return hidden, tuple(project(normed).view(heads).transpose(1, 2) for project in projections)
-    if part in (1, 2):
+    if which in (1, 2):
         queries, keys, values, *done = carried
         count = queries.shape[1]
-        half = (count + 1) // 2  # the first part takes the odd head (a one-head tower's only one)
-        heads = slice(0, half) if part == 1 else slice(half, count)
+        half = (count + 1) // 2  # the first slice takes the odd head (a one-head tower's only one)
+        heads = slice(0, half) if which == 1 else slice(half, count)
         if heads.start < heads.stop:
             attended, _ = _attention_function(attention)(
                 attention, queries[:, heads], keys[:, heads], values[:, heads], mask,
                 is_causal=False, scaling=attention.scale, dropout=0.0,
             )  # [batch, patches, heads, head_dim]
             done.append(attended)
-        if part == 1:
+        if which == 1:
             return hidden, (queries, keys, values, *done)
         attended = torch.cat(done, dim=2).reshape(*hidden.shape[:-1], -1).contiguous()
         return hidden + attention.out_proj(attended), None
-    if part == 3:
+    if which == 3:
         return hidden, mlp.activation_fn(mlp.fc1(layer.layer_norm2(hidden)))
     return hidden + mlp.fc2(carried), None
 
@@ -62,11 +62,11 @@ def _attention_function(attention: torch.nn.Module) -> Any:
 
 
 def _join(carried: list[Any]) -> Any:
-    """The carried tensors of inputs at the same part, batched (a tuple of tensors stays a tuple)."""
+    """The carried tensors of inputs at the same slice, batched (a tuple of tensors stays a tuple)."""
     if carried[0] is None:
         return None
     if isinstance(carried[0], tuple):
-        return tuple(torch.cat(parts) for parts in zip(*carried))
+        return tuple(torch.cat(tensors) for tensors in zip(*carried))
     return torch.cat(carried)
 
 
@@ -74,7 +74,7 @@ def _split(carried: Any, count: int) -> list[Any]:
     if carried is None:
         return [None] * count
     if isinstance(carried, tuple):
-        return list(zip(*(part.split(1) for part in carried)))
+        return list(zip(*(tensor.split(1) for tensor in carried)))
     return list(carried.split(1))
 
 
@@ -87,10 +87,10 @@ class SmolVLMAdapter(VLMAdapter):
         return self.model.model.text_model
 
     @property
-    def encoder_stages(self) -> int:
-        """`PARTS_PER_LAYER` slices per layer of the SigLIP tower; the embeddings run with the first slice, the
+    def encoder_slices(self) -> int:
+        """`SLICES_PER_LAYER` slices per layer of the SigLIP tower; the embeddings run with the first slice, the
         final norm and the connector with the last."""
-        return PARTS_PER_LAYER * len(self.model.model.vision_model.encoder.layers)
+        return SLICES_PER_LAYER * len(self.model.model.vision_model.encoder.layers)
 
     def expand_prompt(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], MultimodalPrompt | None]:
         if not images:  # tokenized exactly as the processor does for transformers' own generate
@@ -139,12 +139,12 @@ class SmolVLMAdapter(VLMAdapter):
         return list(rows.unbind(0))
 
     @torch.inference_mode()
-    def encode_stages(
+    def encode_slices(
         self, inputs: list[dict[str, torch.Tensor]], states: list[Any], first: int, end: int
     ) -> list[Any]:
         """The same operations as SmolVLM's `get_image_features` and its encoder layers' own forward, a
         range of fifths of a layer at a time. A state is (hidden states [1, patches, dim], the tower's attention
-        mask or None when no patch is padding, what the last part left for the next one or None)."""
+        mask or None when no patch is padding, what the last slice left for the next one or None)."""
         vision = self.model.model.vision_model
         if first == 0:
             states = [(*self._embed_tile(vision, item), None) for item in inputs]
@@ -152,10 +152,10 @@ class SmolVLMAdapter(VLMAdapter):
         masks = [state[1] for state in states]
         mask = None if all(m is None for m in masks) else torch.cat([self._full_mask(h, m) for h, m, _ in states])
         carried = _join([state[2] for state in states])
-        for stage in range(first, end):
-            layer = vision.encoder.layers[stage // PARTS_PER_LAYER]
-            hidden, carried = _run_part(layer, stage % PARTS_PER_LAYER, hidden, mask, carried)
-        if end < self.encoder_stages:
+        for index in range(first, end):
+            layer = vision.encoder.layers[index // SLICES_PER_LAYER]
+            hidden, carried = _run_slice(layer, index % SLICES_PER_LAYER, hidden, mask, carried)
+        if end < self.encoder_slices:
             return list(zip(hidden.split(1), masks, _split(carried, len(states))))
         features = self.model.model.connector(vision.post_layernorm(hidden))
         return list(features.unbind(0))

@@ -124,8 +124,8 @@ def test_sliced_vision_tower_gives_the_same_features_bit_for_bit(photos, tmp_pat
     inputs = mm.encoder_inputs
     whole = adapter.encode(inputs)
     sliced = [None] * len(inputs)
-    for stage in range(adapter.encoder_stages):  # one fifth of a layer at a time
-        sliced = adapter.encode_stages(inputs, sliced, stage, stage + 1)
-    assert adapter.encoder_stages == 10 and len(sliced) == len(whole) == 10
+    for stage in range(adapter.encoder_slices):  # one fifth of a layer at a time
+        sliced = adapter.encode_slices(inputs, sliced, stage, stage + 1)
+    assert adapter.encoder_slices == 10 and len(sliced) == len(whole) == 10
     for a, b in zip(whole, sliced):
         assert torch.equal(a, b)

@@ -52,7 +52,7 @@ def test_decodes_gain_one_token_every_step_while_a_long_image_prompt_prefills(ma
         assert set(step.values()) == {1}
     assert max(s["last_step_num_tokens"] for s in stats) <= budget
     slices = [b["encoder_slices_run"] - a["encoder_slices_run"] for a, b in zip(stats, stats[1:])]
-    assert max(slices) <= (slices_per_step or engine.adapter.encoder_stages)  # one tile's share a step
+    assert max(slices) <= (slices_per_step or engine.adapter.encoder_slices)  # one tile's share a step
     assert stats[-1]["encoder_inputs_encoded"] == 10  # two images of five tiles, each tile once
 
 
@@ -167,7 +167,7 @@ def test_the_next_inputs_tower_starts_while_the_chunk_prefills_the_input_before(
     rows = [16, 16, 16]
     mm = MultimodalPrompt(
         placeholder_positions=list(range(2, 2 + sum(rows))), unit_row_starts=[0, 16, 32], unit_rows=rows,
-        encoder_inputs=[{} for _ in rows], encoder_stages=2,
+        encoder_inputs=[{} for _ in rows], encoder_slices=2,
     )
     request = Request(request_id="r", prompt_token_ids=list(range(sum(rows) + 4)), sampling=SamplingParams(),
                       priority=0, arrival=0, max_total_tokens=1000, mm=mm)
