@@ -4,7 +4,7 @@ transformers only."""
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.outputs import RequestOutput
+from engine.outputs import EngineStats, RequestOutput
 from engine.sampling import SamplingParams
 
-__all__ = ["Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput", "SamplingParams"]

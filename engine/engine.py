@@ -28,7 +28,7 @@ from engine.grammar import GrammarCompiler, GrammarSpec, Matcher
 from engine.kv_cache import BlockPool, KVCache
 from engine.model_runner import ModelRunner
 from engine.models import load_adapter
-from engine.outputs import RequestOutput, StepTimings
+from engine.outputs import EngineStats, RequestOutput, StepTimings
 from engine.request import Request
 from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler
@@ -333,26 +333,25 @@ class Engine:
             del self.requests[request.request_id]
         return self._output(request)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         with self._lock:
-            return {
-                "num_running": len(self.scheduler.running),
-                "num_waiting": len(self.scheduler.waiting),
-                "kv_blocks_used": self.pool.num_used,
-                "kv_blocks_total": self.pool.num_blocks,
-                "num_preemptions": self.scheduler.num_preemptions,
-                "last_step_num_tokens": self._last_step_num_tokens,
-                "max_num_batched_tokens": self.config.max_num_batched_tokens,
-                "encoder_inputs_encoded": self.runner.encoder_inputs_encoded,
-                "encoder_slices_run": self.runner.encoder_slices_run,
-                "encoder_seconds": self.runner.encoder_seconds,
-                "num_steps": self._steps,
-                "num_generated_tokens": self._tokens_generated,
-                "prefix_cache_queried_tokens": self.pool.queried_tokens,
-                "prefix_cache_hit_tokens": self.pool.hit_tokens,
-                "prefix_cache_hit_rate": self.pool.hit_tokens / max(self.pool.queried_tokens, 1),
-                "prefix_cache_blocks": self.pool.num_cached,
-                "encoder_cache_hits": self.encoder_outputs.hits if self.encoder_outputs else 0,
-                "num_step_failures": self.num_step_failures,
-                "num_request_failures": self.num_request_failures,
-            }
+            return EngineStats(
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                kv_blocks_used=self.pool.num_used,
+                kv_blocks_total=self.pool.num_blocks,
+                num_preemptions=self.scheduler.num_preemptions,
+                last_step_num_tokens=self._last_step_num_tokens,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                encoder_inputs_encoded=self.runner.encoder_inputs_encoded,
+                encoder_slices_run=self.runner.encoder_slices_run,
+                encoder_seconds=self.runner.encoder_seconds,
+                num_steps=self._steps,
+                num_generated_tokens=self._tokens_generated,
+                prefix_cache_queried_tokens=self.pool.queried_tokens,
+                prefix_cache_hit_tokens=self.pool.hit_tokens,
+                prefix_cache_blocks=self.pool.num_cached,
+                encoder_cache_hits=self.encoder_outputs.hits if self.encoder_outputs else 0,
+                num_step_failures=self.num_step_failures,
+                num_request_failures=self.num_request_failures,
+            )

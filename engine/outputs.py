@@ -1,8 +1,10 @@
-"""What `Engine.step` reports for each request that advanced, and where a step's time went."""
+"""What the engine reports: each request that advanced in a step (`Engine.step`), where a step's time went,
+and the engine's counters (`Engine.stats`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass
@@ -31,3 +33,40 @@ class StepTimings:
     @property
     def total(self) -> float:
         return self.schedule + self.encode + self.prepare + self.forward + self.sample + self.update
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state and counters since it started. Fields can also be read by name
+    (`stats["kv_blocks_used"]`) and as a dict (`as_dict`, for JSON)."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions: int
+    last_step_num_tokens: int  # tokens (decodes plus prefill chunks) of the last step
+    max_num_batched_tokens: int
+    encoder_inputs_encoded: int  # encoder inputs whose vision tower ran to the end
+    encoder_slices_run: int  # slices of the tower run (a whole tower counts all of its slices)
+    encoder_seconds: float
+    num_steps: int
+    num_generated_tokens: int
+    prefix_cache_queried_tokens: int  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hit_tokens: int  # of those, found computed
+    prefix_cache_blocks: int  # blocks held for reuse (computed, not in use)
+    encoder_cache_hits: int  # encoder inputs whose features were found by content, not encoded again
+    num_step_failures: int  # steps whose forward raised (their requests ended with "error")
+    num_request_failures: int  # requests ended alone because their token could not be sampled
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hit_tokens / max(self.prefix_cache_queried_tokens, 1)
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self.__dataclass_fields__ and name != "prefix_cache_hit_rate":
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "prefix_cache_hit_rate": self.prefix_cache_hit_rate}

@@ -206,7 +206,7 @@ def test_engine_text_equals_a_full_decode_with_stops_and_preemption(make_engine)
             assert out.text == want
             assert not stopped or (out.finished and out.finish_reason == "stop")
             outputs[out.request_id] = out
-    assert engine.stats()["num_preemptions"] > 0
+    assert engine.stats().num_preemptions > 0
     assert all(outputs[rid].finished for rid in ids)
 
 

@@ -31,8 +31,8 @@ def test_greedy_tokens_equal_generate_for_any_budget(make_engine, oracle, photos
     tokens, trace = run_jobs(engine, jobs)
     for i, job in enumerate(jobs):
         assert tokens[i] == oracle(job.prompt, job.images, job.max_tokens), f"job {i} at budget {budget}"
-    assert max(stats["last_step_num_tokens"] for _, stats in trace) <= budget
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert max(stats.last_step_num_tokens for _, stats in trace) <= budget
+    assert engine.stats().kv_blocks_used == 0
 
 
 @pytest.mark.parametrize(("backend", "cpu_linear"), [("reference", False), ("cpu", False), ("reference", True)])
@@ -75,10 +75,10 @@ def test_greedy_tokens_equal_generate_under_preemption(make_engine, oracle, phot
     ]
     engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=8, num_kv_blocks=16)
     tokens, _ = run_jobs(engine, jobs)
-    assert engine.stats()["num_preemptions"] > 0
+    assert engine.stats().num_preemptions > 0
     for i, job in enumerate(jobs):
         assert tokens[i] == oracle(job.prompt, job.images, job.max_tokens), f"job {i}"
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_chunked_prefill_off_is_exact_too(make_engine, oracle, photos):
@@ -111,7 +111,7 @@ def test_greedy_tokens_equal_generate_with_the_vision_tower_sliced_over_steps(ma
     for i, job in enumerate(jobs):
         assert tokens[i] == oracle(job.prompt, job.images, job.max_tokens), f"job {i} at budget {budget}"
     # 2 layers of 5 slices a tile
-    assert engine.stats()["encoder_slices_run"] == 10 * engine.stats()["encoder_inputs_encoded"]
+    assert engine.stats().encoder_slices_run == 10 * engine.stats().encoder_inputs_encoded
 
 
 @pytest.mark.parametrize("vision_heads", [2, 1])  # the tiny tower's two, and one (all in the first half)

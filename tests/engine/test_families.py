@@ -82,12 +82,12 @@ def test_greedy_tokens_equal_generate_and_each_image_is_encoded_once(families, i
     tokens, trace = run_jobs(engine, jobs)
     for i, job in enumerate(jobs):
         assert tokens[i] == family.oracle(job.prompt, job.images, job.max_tokens), f"{name} job {i} budget {budget}"
-    assert max(stats["last_step_num_tokens"] for _, stats in trace) <= budget
+    assert max(stats.last_step_num_tokens for _, stats in trace) <= budget
     stats = engine.stats()  # the bus photo comes twice: encoded once, then its features reused
-    assert stats["encoder_inputs_encoded"] + stats["encoder_cache_hits"] == sum(len(job.images) for job in jobs) == 4
-    assert stats["encoder_inputs_encoded"] >= 3
+    assert stats.encoder_inputs_encoded + stats.encoder_cache_hits == sum(len(job.images) for job in jobs) == 4
+    assert stats.encoder_inputs_encoded >= 3
     assert not engine.runner.encoder_cache
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -109,10 +109,10 @@ def test_greedy_tokens_equal_generate_under_preemption(families, images, name):
     assert num_blocks * block_size >= longest + 40
     engine = family.engine(max_num_batched_tokens=13, max_num_seqs=4, num_kv_blocks=num_blocks, block_size=block_size)
     tokens, _ = run_jobs(engine, jobs)
-    assert engine.stats()["num_preemptions"] > 0
+    assert engine.stats().num_preemptions > 0
     for i, job in enumerate(jobs):
         assert tokens[i] == family.oracle(job.prompt, job.images, job.max_tokens), f"{name} job {i}"
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 @pytest.mark.parametrize("name", QWEN_FAMILIES)

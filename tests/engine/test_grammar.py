@@ -129,7 +129,7 @@ def test_preempted_requests_keep_their_grammar_state(make_engine):
         params = SamplingParams(max_tokens=MAX_TOKENS, grammar=spec)
         ids = [engine.add_request(prompt=p, sampling=params) for p in prompts]
         outputs = drain(engine)
-        return [outputs[rid] for rid in ids], engine.stats()["num_preemptions"]
+        return [outputs[rid] for rid in ids], engine.stats().num_preemptions
 
     roomy, _ = run()
     tight, preemptions = run(num_kv_blocks=40)

@@ -24,16 +24,16 @@ def test_a_chats_next_turn_over_one_photo_reuses_the_image_and_equals_generate(m
     engine = make_engine(max_num_batched_tokens=64)
     first = _finish(engine, PROMPTS[1], [photos[0]])
     assert first.num_cached_tokens == 0 and first.token_ids == oracle(PROMPTS[1], [photos[0]], 10)
-    encoded = engine.stats()["encoder_inputs_encoded"]
+    encoded = engine.stats().encoder_inputs_encoded
     second_prompt = PROMPTS[1] + first.text + "<end_of_utterance>\nUser: And the colours?<end_of_utterance>\nAssistant:"
     second = _finish(engine, second_prompt, [photos[0]])
     assert second.token_ids == oracle(second_prompt, [photos[0]], 10)
     request_mm_end = engine.adapter.process(PROMPTS[1], [photos[0]])[1].placeholder_positions[-1]
     assert second.num_cached_tokens > request_mm_end  # the whole image span came from the cache
     assert second.num_cached_tokens % engine.pool.block_size == 0
-    assert engine.stats()["encoder_inputs_encoded"] == encoded  # the vision tower did not run again
-    assert engine.stats()["prefix_cache_hit_tokens"] == second.num_cached_tokens
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.stats().encoder_inputs_encoded == encoded  # the vision tower did not run again
+    assert engine.stats().prefix_cache_hit_tokens == second.num_cached_tokens
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_the_same_tokens_with_another_image_are_not_reused(make_engine, oracle, photos):
@@ -94,30 +94,30 @@ def test_caching_off_finds_nothing(make_engine, photos):
     engine = make_engine(enable_prefix_caching=False)
     _finish(engine, PROMPTS[0], [])
     assert _finish(engine, PROMPTS[0], []).num_cached_tokens == 0
-    assert engine.stats()["prefix_cache_blocks"] == 0
+    assert engine.stats().prefix_cache_blocks == 0
 
 
 def test_a_photo_sent_again_after_another_prefix_is_not_encoded_again(make_engine, oracle, photos):
     """The image's placeholders sit at other positions, so no KV block can be reused; its features can."""
     engine = make_engine(max_num_batched_tokens=64)
     _finish(engine, PROMPTS[1], [photos[0]])
-    encoded = engine.stats()["encoder_inputs_encoded"]
+    encoded = engine.stats().encoder_inputs_encoded
     tiles = engine.adapter.process(PROMPTS[1], [photos[0]])[1].num_units
     other = "User: Look at this.<image>Who is there?<end_of_utterance>\nAssistant:"
     out = _finish(engine, other, [photos[0]])
     assert out.token_ids == oracle(other, [photos[0]], 10)
-    assert engine.stats()["encoder_inputs_encoded"] == encoded
-    assert engine.stats()["encoder_cache_hits"] == tiles
+    assert engine.stats().encoder_inputs_encoded == encoded
+    assert engine.stats().encoder_cache_hits == tiles
     assert not engine.runner.encoder_cache  # per-request references dropped once the spans were prefilled
 
 
 def test_without_room_for_features_every_photo_is_encoded(make_engine, oracle, photos):
     engine = make_engine(encoder_cache_tokens=0)
     _finish(engine, PROMPTS[1], [photos[0]])
-    encoded = engine.stats()["encoder_inputs_encoded"]
+    encoded = engine.stats().encoder_inputs_encoded
     other = "User: Look at this.<image>Who is there?<end_of_utterance>\nAssistant:"
     assert _finish(engine, other, [photos[0]]).token_ids == oracle(other, [photos[0]], 10)
-    assert engine.stats()["encoder_inputs_encoded"] == 2 * encoded
+    assert engine.stats().encoder_inputs_encoded == 2 * encoded
 
 
 def test_a_cached_prefix_that_ends_inside_an_image_span_resumes_exactly(make_engine, oracle, photos):

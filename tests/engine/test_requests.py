@@ -178,7 +178,7 @@ def test_a_failing_step_ends_only_its_requests_and_the_engine_keeps_serving(make
     engine.requests[broken].mm.encoder_inputs[0] = {}  # the vision encoder will fail on this tile
     outputs = engine.step()
     assert [(o.request_id, o.finished, o.finish_reason) for o in outputs] == [(broken, True, "error")]
-    assert engine.stats()["kv_blocks_used"] == 0 and not engine.has_unfinished_requests()
+    assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished_requests()
     rid = engine.add_request(prompt=PROMPTS[1], images=[photos[0]], sampling=SamplingParams(max_tokens=6))
     assert drain(engine)[rid].token_ids == oracle(PROMPTS[1], [photos[0]], 6)
 

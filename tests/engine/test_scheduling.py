@@ -50,10 +50,10 @@ def test_decodes_gain_one_token_every_step_while_a_long_image_prompt_prefills(ma
     assert len(gained) > 5
     for step in gained:
         assert set(step.values()) == {1}
-    assert max(s["last_step_num_tokens"] for s in stats) <= budget
-    slices = [b["encoder_slices_run"] - a["encoder_slices_run"] for a, b in zip(stats, stats[1:])]
+    assert max(s.last_step_num_tokens for s in stats) <= budget
+    slices = [b.encoder_slices_run - a.encoder_slices_run for a, b in zip(stats, stats[1:])]
     assert max(slices) <= (slices_per_step or engine.adapter.encoder_slices)  # one tile's share a step
-    assert stats[-1]["encoder_inputs_encoded"] == 10  # two images of five tiles, each tile once
+    assert stats[-1].encoder_inputs_encoded == 10  # two images of five tiles, each tile once
 
 
 def test_without_chunking_the_same_prompt_takes_one_oversized_step(make_engine, photos):
@@ -62,7 +62,7 @@ def test_without_chunking_the_same_prompt_takes_one_oversized_step(make_engine, 
     chats = start_chats(engine, 4)
     gained, stats = prefill_image_prompt(engine, chats, photos)
     assert len(gained) == 1
-    assert stats[0]["last_step_num_tokens"] > 5 * budget
+    assert stats[0].last_step_num_tokens > 5 * budget
     assert set(gained[0].values()) == {1}
 
 
@@ -75,8 +75,8 @@ def test_vision_encoder_runs_once_per_tile_whatever_the_chunking(make_engine, ph
     jobs = [Job(PROMPTS[2], photos, max_tokens=3), Job(PROMPTS[1], [photos[0]], max_tokens=3, arrive_at_step=2)]
     tiles = [engine.adapter.process(job.prompt, job.images)[1].num_units for job in jobs]
     _, trace = run_jobs(engine, jobs)
-    assert engine.stats()["encoder_inputs_encoded"] == sum(tiles) == 15  # 5 tiles an image for the tiny model
-    encoded = [0] + [stats["encoder_inputs_encoded"] for _, stats in trace]
+    assert engine.stats().encoder_inputs_encoded == sum(tiles) == 15  # 5 tiles an image for the tiny model
+    encoded = [0] + [stats.encoder_inputs_encoded for _, stats in trace]
     per_step = [b - a for a, b in zip(encoded, encoded[1:])]
     if encoder_budget is not None:
         assert max(per_step) <= max(1, encoder_budget // 16)
@@ -91,7 +91,7 @@ def test_one_token_per_decode_per_step_and_budget_never_exceeded_in_mixed_traffi
     ]
     _, trace = run_jobs(engine, jobs)
     for outputs, stats in trace:
-        assert stats["last_step_num_tokens"] <= budget
+        assert stats.last_step_num_tokens <= budget
         assert len({o.request_id for o in outputs}) == len(outputs)  # at most one new token per request
 
 
@@ -112,9 +112,9 @@ def test_preemption_takes_the_lowest_priority_newest_request(make_engine, photos
     second = engine.add_request(prompt=PROMPTS[1], images=[photos[1]], sampling=params, priority=0)
     victims = []
     while engine.has_unfinished_requests() and not victims:
-        before = engine.stats()["num_preemptions"]
+        before = engine.stats().num_preemptions
         engine.step()
-        if engine.stats()["num_preemptions"] > before:
+        if engine.stats().num_preemptions > before:
             victims = [r for r in (first, second) if engine.requests[r].num_computed_tokens == 0]
     assert victims == [second]
 
@@ -125,18 +125,18 @@ def test_abort_frees_blocks_at_once_and_others_continue(make_engine, oracle, pho
     drop = engine.add_request(prompt=PROMPTS[2], images=photos, sampling=SamplingParams(max_tokens=50))
     for _ in range(6):
         engine.step()
-    used = engine.stats()["kv_blocks_used"]
+    used = engine.stats().kv_blocks_used
     # Both prompts start with the same image: with prefix caching the first blocks are shared and stay held.
     held = len(set(engine.requests[drop].block_ids) - set(engine.requests[keep].block_ids))
     assert held > 0
     assert engine.abort(drop)
-    assert engine.stats()["kv_blocks_used"] == used - held
+    assert engine.stats().kv_blocks_used == used - held
     assert not engine.abort(drop)
     outputs = {}
     while engine.has_unfinished_requests():
         outputs.update({o.request_id: o for o in engine.step()})
     assert outputs[keep].token_ids == oracle(PROMPTS[1], [photos[0]], 10)
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_encoder_budget_counts_tokens_and_always_runs_one_input():
