@@ -64,7 +64,7 @@ class DetectorUnavailable(RuntimeError):
 
 def model_cache_dir() -> Path:
     """Where downloaded and built models are kept: `VLMCAP_CACHE`, by default the same folder as the
-    engine's preset checkpoints (engine/models/presets.py; the pipeline does not import the engine)."""
+    engine's preset checkpoints (engine/presets/; the pipeline does not import the engine)."""
     return Path(os.environ.get("VLMCAP_CACHE") or Path(tempfile.gettempdir()) / "vlmcap-presets")
 
 

@@ -9,9 +9,9 @@ import torch
 from engine.models.base import VLMAdapter
 from engine.models.gemma3 import Gemma3Adapter
 from engine.models.llava import LlavaAdapter, LlavaOnevisionAdapter
-from engine.models.presets import PRESETS, preset_checkpoint
 from engine.models.qwen2_vl import Qwen2VLAdapter
 from engine.models.smolvlm import SmolVLMAdapter
+from engine.presets import PRESETS, preset_checkpoint
 
 ADAPTERS: dict[str, type[VLMAdapter]] = {
     arch: cls

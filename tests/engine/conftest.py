@@ -13,7 +13,7 @@ from PIL import Image
 
 from bench.report import photo_paths
 from engine import Engine, EngineConfig, SamplingParams
-from engine.models.presets import PRESETS, build_checkpoint
+from engine.presets import PRESETS, build_checkpoint
 
 # Where the engine and transformers' oracle run: cpu here and in CI; `VLMCAP_TEST_DEVICE=cuda` on a GPU machine.
 DEVICE = os.environ.get("VLMCAP_TEST_DEVICE", "cpu")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.models.presets import PRESETS, build_checkpoint
+from engine.presets import PRESETS, build_checkpoint
 from engine.scheduler import ScheduledChunk
 from tests.engine.conftest import DEVICE
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.models.presets import PRESETS, build_checkpoint
+from engine.presets import PRESETS, build_checkpoint
 from tests.engine.conftest import DEVICE, PROMPTS, Job, run_jobs
 
 

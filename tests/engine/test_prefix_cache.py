@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from engine.models.presets import PRESETS, build_checkpoint
+from engine.presets import PRESETS, build_checkpoint
 from tests.engine.conftest import DEVICE, PROMPTS, Job, oracle_for, run_jobs
 
 
