@@ -14,7 +14,8 @@ from PIL import Image
 from engine import Engine, EngineConfig, SamplingParams
 from engine.models import ADAPTERS, resolve_checkpoint
 from engine.models.base import image_tokens_attend_bidirectionally
-from engine.presets import FAMILY_BUILDERS, PRESETS, build_checkpoint
+from engine.presets import PRESETS, build_checkpoint
+from engine.presets.checkpoints import FAMILY_BUILDERS
 from tests.engine.conftest import DEVICE, Job, oracle_for, run_jobs
 
 FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-llava", "tiny-llava-onevision", "tiny-gemma3"]
