@@ -88,14 +88,14 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("vlmcap_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not "
                                   "computed again)", value=stats["prefix_cache_hit_tokens"])
         yield CounterMetricFamily("vlmcap_vision_encoder_cache_hits", "Images or tiles whose features were reused "
-                                  "instead of running the vision encoder", value=stats.get("encoder_cache_hits", 0))
+                                  "instead of running the vision encoder", value=stats["encoder_cache_hits"])
         yield CounterMetricFamily("vlmcap_engine_steps", "Engine steps run", value=stats["num_steps"])
         yield CounterMetricFamily("vlmcap_generation_tokens", "Tokens generated",
                                   value=stats["num_generated_tokens"])
         yield CounterMetricFamily("vlmcap_engine_step_failures", "Engine steps that failed (their requests ended "
-                                  "with an error)", value=stats.get("num_step_failures", 0) + self.step_raises.value)
+                                  "with an error)", value=stats["num_step_failures"] + self.step_raises.value)
         yield CounterMetricFamily("vlmcap_engine_request_failures", "Requests the engine ended alone with an error "
-                                  "(the others of their step went on)", value=stats.get("num_request_failures", 0))
+                                  "(the others of their step went on)", value=stats["num_request_failures"])
 
 
 class AlertWebhookCollector(Collector):

@@ -169,7 +169,7 @@ async def engine_stats(state: ServerState = Depends(server_state)) -> dict[str, 
         "num_preemptions": stats["num_preemptions"],
         "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
         "prefix_cache_hit_tokens": stats["prefix_cache_hit_tokens"],
-        "encoder_cache_hits": stats.get("encoder_cache_hits", 0),
+        "encoder_cache_hits": stats["encoder_cache_hits"],
         "rate_window_s": RATE_WINDOW_S,
         "itl_window_s": metrics.recent_itl.horizon_s,
     }

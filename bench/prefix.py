@@ -61,7 +61,7 @@ def _turn(engine: Engine, messages: list[dict[str, Any]], images: list, max_toke
         "cached_tokens": output.num_cached_tokens,
         "computed_tokens": output.num_prompt_tokens - output.num_cached_tokens,
         "encoder_inputs_run": after["encoder_inputs_encoded"] - before["encoder_inputs_encoded"],
-        "encoder_cache_hits": after.get("encoder_cache_hits", 0) - before.get("encoder_cache_hits", 0),
+        "encoder_cache_hits": after["encoder_cache_hits"] - before["encoder_cache_hits"],
         "text": output.text,
         "token_ids": output.token_ids,
     }
