@@ -185,4 +185,6 @@ def paged_attention_forward(
     return out.unsqueeze(0), None
 
 
-AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+# A compiled decoder layer (engine/compiled.py) runs this function eagerly between its compiled halves: the
+# per-step metadata's Python structure (how many decode groups and chunks) must not become graph guards.
+AttentionInterface.register(ATTN_IMPLEMENTATION, torch.compiler.disable(paged_attention_forward))

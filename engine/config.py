@@ -50,6 +50,9 @@ class EngineConfig:
     cpu_linear: on the CPU, multiply a step's few rows by the weights with a small C kernel that reads each weight
         once in its own dtype (engine/cpu_kernel.py; every row count for bfloat16 and float16 weights, up to 16
         rows for float32); `None`: on where the kernel builds (the CPU, with a C compiler).
+    compile_model: compile the text model's decoder layers with torch.compile at start-up (engine/compiled.py;
+        the CPU, where per-operator overhead is a large part of a decode step; needs a C compiler for
+        inductor's kernels). Start-up takes longer by the compile time, which `stats().compile_seconds` reports.
     cuda_graphs: replay decode-only steps from CUDA graphs captured at start-up at padded batch sizes
         (1, 2, 4, 8, then multiples of 8 up to `max_num_seqs`); needs the kernel backend. `None`: on where
         the kernel runs on CUDA.
@@ -73,6 +76,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     cuda_graphs: bool | None = None
     cpu_linear: bool | None = None
+    compile_model: bool = False
     enable_prefix_caching: bool = True
     encoder_cache_tokens: int = 4096
 

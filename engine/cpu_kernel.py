@@ -151,25 +151,38 @@ KERNEL_ROWS: dict[torch.dtype, int] = {torch.float32: 16, torch.bfloat16: 1 << 3
 
 
 def route_linears(model: torch.nn.Module) -> int:
-    """Send every `nn.Linear` of `model` through `small_linear` for inputs of at most `KERNEL_ROWS` rows (the
-    rest through F.linear as before). Returns how many layers were routed."""
+    """Make every `nn.Linear` of `model` a `KernelLinear` (its weights untouched): inputs of at most
+    `KERNEL_ROWS` rows go through `small_linear`, the rest through F.linear as before. Returns how many."""
     routed = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.dtype in KERNEL_ROWS:
-            module.forward = _KernelLinear(module.weight, module.bias)
+            module.__class__ = KernelLinear
+            bias32 = None if module.bias is None else module.bias.detach().to(torch.float32).contiguous()
+            module.register_buffer("bias32", bias32, persistent=False)  # the kernel sums in float32
             routed += 1
     return routed
 
 
-class _KernelLinear:
-    """A Linear layer's forward: the kernel for few rows (with the bias kept in float32 for it), F.linear else."""
+class KernelLinear(torch.nn.Linear):
+    """A Linear layer whose few-row inputs go through `small_linear` (one class for all, so that a compiled
+    model sees the same code in every layer)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight, self.bias = weight, bias
-        self.bias32 = None if bias is None else bias.detach().to(torch.float32).contiguous()
-        self.rows = KERNEL_ROWS[weight.dtype]
+    bias32: torch.Tensor | None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= self.rows * x.shape[-1] and x.device.type == "cpu" and x.dtype in _DTYPES:
-            return small_linear(x, self.weight, self.bias32)
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if x.numel() <= KERNEL_ROWS[weight.dtype] * x.shape[-1] and x.device.type == "cpu" and x.dtype in _DTYPES:
+            if torch.compiler.is_compiling():  # an opaque operator in the graph (engine/compiled.py)
+                return torch.ops.vlmcap.small_linear(x, weight, self.bias32)
+            return small_linear(x, weight, self.bias32)
+        return F.linear(x, weight, self.bias)
+
+
+@torch.library.custom_op("vlmcap::small_linear", mutates_args=())
+def _small_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return small_linear(x, weight, bias)
+
+
+@_small_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])

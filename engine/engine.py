@@ -91,6 +91,15 @@ class Engine:
             from engine import cpu_kernel
 
             cpu_kernel.route_linears(self.adapter.model)
+        self.compile_seconds = 0.0
+        if config.compile_model:
+            if self.device.type != "cpu":
+                raise ValueError(f"compile_model runs on the CPU (device {config.device!r}); on CUDA the decode "
+                                 "graphs take the per-operator overhead away")
+            from engine.compiled import compile_text_model
+
+            self.compile_seconds = compile_text_model(self.adapter, self.kv_cache, config.block_size)
+            log.info("compiled the text model's decoder layers in %.1f s", self.compile_seconds)
         self.runner = ModelRunner(self.adapter, self.kv_cache, config.block_size, self.attention_backend,
                                   self.encoder_outputs)
         if self._use_cuda_graphs():
@@ -354,4 +363,5 @@ class Engine:
                 encoder_cache_hits=self.encoder_outputs.hits if self.encoder_outputs else 0,
                 num_step_failures=self.num_step_failures,
                 num_request_failures=self.num_request_failures,
+                compile_seconds=self.compile_seconds,
             )

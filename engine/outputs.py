@@ -58,6 +58,7 @@ class EngineStats:
     encoder_cache_hits: int  # encoder inputs whose features were found by content, not encoded again
     num_step_failures: int  # steps whose forward raised (their requests ended with "error")
     num_request_failures: int  # requests ended alone because their token could not be sampled
+    compile_seconds: float = 0.0  # start-up time spent compiling the model (`EngineConfig.compile_model`)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -151,9 +151,11 @@ def test_small_linear_equals_torch_linear(dtype, rows):
 
 
 def test_engine_routes_the_model_s_linears_through_the_kernel(make_engine):
-    from engine.cpu_kernel import _KernelLinear
+    from engine.cpu_kernel import KernelLinear
 
     engine = make_engine()
-    linears = [m for m in engine.adapter.model.modules() if type(m) is torch.nn.Linear]
-    assert engine.cpu_linear and linears and all(isinstance(m.forward, _KernelLinear) for m in linears)
-    assert not make_engine(cpu_linear=False).cpu_linear
+    linears = [m for m in engine.adapter.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert engine.cpu_linear and linears and all(type(m) is KernelLinear for m in linears)
+    plain = make_engine(cpu_linear=False)
+    assert not plain.cpu_linear
+    assert not any(type(m) is KernelLinear for m in plain.adapter.model.modules())

@@ -35,16 +35,20 @@ def test_greedy_tokens_equal_generate_for_any_budget(make_engine, oracle, photos
     assert engine.stats().kv_blocks_used == 0
 
 
-@pytest.mark.parametrize(("backend", "cpu_linear"), [("reference", False), ("cpu", False), ("reference", True)])
-def test_each_fast_path_gives_generate_s_tokens(make_engine, oracle, photos, backend, cpu_linear):
-    """The reference path (gather+SDPA, torch's Linear), then each CPU kernel alone (in-place decode attention,
-    the small-batch Linear), in float32."""
+@pytest.mark.parametrize(("backend", "cpu_linear", "compiled"),
+                         [("reference", False, False), ("cpu", False, False), ("reference", True, False),
+                          ("cpu", True, True)])
+def test_each_fast_path_gives_generate_s_tokens(make_engine, oracle, photos, backend, cpu_linear, compiled):
+    """The reference path (gather+SDPA, torch's Linear, eager), then each CPU kernel alone (in-place decode
+    attention, the small-batch Linear), then the compiled model over both, in float32."""
     jobs = mixed_jobs(photos)
-    engine = make_engine(max_num_batched_tokens=13, max_num_seqs=8, attention_backend=backend, cpu_linear=cpu_linear)
-    assert (engine.attention_backend, engine.cpu_linear) == (backend, cpu_linear)
+    engine = make_engine(max_num_batched_tokens=13, max_num_seqs=8, attention_backend=backend, cpu_linear=cpu_linear,
+                         compile_model=compiled)
+    assert (engine.attention_backend, engine.cpu_linear, engine.compile_seconds > 0) == (backend, cpu_linear, compiled)
     tokens, _ = run_jobs(engine, jobs)
     for i, job in enumerate(jobs):
-        assert tokens[i] == oracle(job.prompt, job.images, job.max_tokens), f"job {i}, {backend}, {cpu_linear}"
+        expected = oracle(job.prompt, job.images, job.max_tokens)
+        assert tokens[i] == expected, f"job {i}, {backend}, {cpu_linear}, {compiled}"
 
 
 def test_chunk_boundaries_fall_inside_image_spans(make_engine, photos):
