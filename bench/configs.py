@@ -11,6 +11,24 @@ SAMPLE_VIDEO = Path(__file__).resolve().parent.parent / "samples" / "people.mp4"
 
 
 @dataclass
+class HostConfig:
+    model: str = "tiny-deep"
+    device: str = "cpu"
+    dtype: str = "float32"
+    decodes: int = 64
+    context: int = 900
+    later: int = 500
+    steps: int = 20
+    warmup: int = 3
+    counted_steps: int = 2
+    budget: int = 2048
+    threads: int | None = None
+    attention_backend: str | None = None  # None: the engine's default
+    cpu_linear: bool | None = None  # None: the engine's default
+    compile_model: bool = False
+
+
+@dataclass
 class StallConfig:
     model: str = "dummy:smolvlm-256m"
     device: str = "cpu"

@@ -26,32 +26,18 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
+from bench.configs import HostConfig
 from bench.report import machine, pyplot, save_figure
 from engine import Engine, EngineConfig, SamplingParams
 
 PHASES = ("schedule", "encode", "prepare", "forward", "sample", "detokenize", "rest")
 WORDS = ("a person walks past the blue bus while two friends talk near the station entrance in the rain "
          "and the camera shows a woman with a red bag").split()
-
-
-@dataclass
-class HostConfig:
-    model: str = "tiny-deep"
-    device: str = "cpu"
-    dtype: str = "float32"
-    decodes: int = 64
-    context: int = 900
-    later: int = 500
-    steps: int = 20
-    warmup: int = 3
-    counted_steps: int = 2
-    budget: int = 2048
-    threads: int | None = None
 
 
 class Phases:
@@ -248,6 +234,8 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
     engine = Engine(EngineConfig(
         model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_batched_tokens=max(cfg.budget, cfg.decodes),
         max_num_seqs=cfg.decodes, max_model_len=cfg.context + extra + 16, num_threads=cfg.threads,
+        compile_model=cfg.compile_model, **({} if cfg.cpu_linear is None else {"cpu_linear": cfg.cpu_linear}),
+        **({} if cfg.attention_backend is None else {"attention_backend": cfg.attention_backend}),
     ))
     params = SamplingParams(max_tokens=extra, ignore_eos=True)
     ids = [engine.add_request(prompt=_prompt(engine, cfg.context, i), sampling=params) for i in range(cfg.decodes)]
@@ -271,6 +259,8 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
     return {
         "config": asdict(cfg),
         "machine": machine(),
+        "engine": {"attention_backend": engine.attention_backend, "cpu_linear": engine.cpu_linear,
+                   "compile_seconds": engine.compile_seconds},
         "prefill_s": prefill_s,
         "context_early": context,
         "context_late": late_context,
@@ -295,8 +285,10 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
 
 def summary(result: dict[str, Any]) -> str:
     cfg = result["config"]
+    eng = result["engine"]
     lines = [f"{cfg['model']} {cfg['dtype']} on {cfg['device']}: {cfg['decodes']} decodes, context "
-             f"{result['context_early']:.0f} then {result['context_late']:.0f}",
+             f"{result['context_early']:.0f} then {result['context_late']:.0f}; attention {eng['attention_backend']}, "
+             f"cpu_linear {eng['cpu_linear']}, compiled {cfg['compile_model']} ({eng['compile_seconds']:.1f} s)",
              f"{'ms per step':<14}{'total':>8}" + "".join(f"{p:>11}" for p in PHASES)]
     for name in ("early", "late"):
         run = result[name]

@@ -10,6 +10,7 @@ import typer
 
 from bench.configs import (
     GrammarBenchConfig,
+    HostConfig,
     HttpStallConfig,
     OverheadConfig,
     PeersConfig,
@@ -193,26 +194,34 @@ def pipeline(
 @bench_app.command("host")
 def host(
     model: Annotated[str, typer.Option(help="Model: tiny, tiny-deep (30 layers of tiny width), dummy:smolvlm-256m, "
-                                            "or any checkpoint.")] = "tiny-deep",
-    device: Device = "cpu",
-    dtype: Dtype = "float32",
-    decodes: Annotated[int, typer.Option(help="Requests decoding together.")] = 64,
+                                            "or any checkpoint.")] = default(HostConfig, "model"),
+    device: Device = default(HostConfig, "device"),
+    dtype: Dtype = default(HostConfig, "dtype"),
+    decodes: Annotated[int, typer.Option(help="Requests decoding together.")] = default(HostConfig, "decodes"),
     context: Annotated[int, typer.Option(help="Prompt tokens of each request (the context of the first steps).")] = (
-        900),
+        default(HostConfig, "context")),
     later: Annotated[int, typer.Option(help="Tokens later, the same steps are measured again (0: right after).")] = (
-        500),
-    steps: Annotated[int, typer.Option(help="Steps measured at each point.")] = 20,
-    budget: Annotated[int, typer.Option(help="The engine's max_num_batched_tokens (for the prefill).")] = 2048,
-    threads: Threads = None,
+        default(HostConfig, "later")),
+    steps: Annotated[int, typer.Option(help="Steps measured at each point.")] = default(HostConfig, "steps"),
+    budget: Annotated[int, typer.Option(help="The engine's max_num_batched_tokens (for the prefill).")] = default(
+        HostConfig, "budget"),
+    threads: Threads = default(HostConfig, "threads"),
+    attention_backend: Annotated[str | None, typer.Option(
+        help="auto, kernel, cpu or reference (default: the engine's).")] = default(HostConfig, "attention_backend"),
+    cpu_linear: Annotated[bool | None, typer.Option("--cpu-linear/--no-cpu-linear", help="The CPU's small-batch "
+                                                    "Linear kernel (default: the engine's).")] = default(
+        HostConfig, "cpu_linear"),
+    compile_model: Annotated[bool, typer.Option("--compile-model/--no-compile-model", help="Compile the decoder "
+                                                "layers at start-up.")] = default(HostConfig, "compile_model"),
     json_path: JsonPath = None,
     png_path: png_option("the phases of a step") = None,
 ) -> None:
     """A decode step's host time by phase, aten ops and read-backs per step, against a bare transformers forward."""
-    # HostConfig lives in bench/host.py, which imports torch: these defaults are still written here.
-    from bench.host import HostConfig, plot, run_host, summary
+    from bench.host import plot, run_host, summary
 
     cfg = HostConfig(model=model, device=device, dtype=dtype, decodes=decodes, context=context, later=later,
-                     steps=steps, budget=budget, threads=threads)
+                     steps=steps, budget=budget, threads=threads, attention_backend=attention_backend,
+                     cpu_linear=cpu_linear, compile_model=compile_model)
     report(run_host(cfg), json_path, png_path, plot, summary)
 
 
