@@ -49,13 +49,17 @@ def serve(
                                              help="Vision features kept for images sent again, in the encoder's "
                                                   "output tokens (0: none; default: the engine's)."),
     num_threads: int = typer.Option(None, envvar="VLMCAP_NUM_THREADS", help="torch CPU threads."),
+    compile_model: bool = typer.Option(None, "--compile-model/--no-compile-model", envvar="VLMCAP_COMPILE_MODEL",
+                                       show_default=False,
+                                       help="Compile the text model's decoder layers with torch.compile at "
+                                            "start-up (CPU; default: the engine's, off)."),
     max_encoder_tokens_per_step: int = typer.Option(None, envvar="VLMCAP_MAX_ENCODER_TOKENS_PER_STEP",
                                                     help="Vision encoder work per step, in its output tokens; at "
                                                          "least one tile or image runs a step (0: no limit; "
                                                          "default: the engine's)."),
     encoder_slices_per_step: int = typer.Option(None, envvar="VLMCAP_ENCODER_SLICES_PER_STEP",
-                                                help="Run a tile's vision tower this many fifths of a layer a "
-                                                     "step (SmolVLM; 0: whole; default: the engine's)."),
+                                                help="Run a tile's vision tower this many slices (five a layer) "
+                                                     "a step (SmolVLM; 0: whole; default: the engine's)."),
     redis_url: str = typer.Option(None, envvar="REDIS_URL",
                                   help="Redis for caption results shared with camera queue workers "
                                        "(default: results in memory, no queue)."),
@@ -127,6 +131,7 @@ def serve(
         "num_kv_blocks": num_kv_blocks, "max_model_len": max_model_len, "num_threads": num_threads,
         "max_encoder_tokens_per_step": max_encoder_tokens_per_step, "encoder_slices_per_step": encoder_slices_per_step,
         "enable_prefix_caching": prefix_caching, "encoder_cache_tokens": encoder_cache_tokens,
+        "compile_model": compile_model,
     }
     engine_options = {name: value for name, value in given.items() if value is not None}
     for name in ("max_encoder_tokens_per_step", "encoder_slices_per_step"):

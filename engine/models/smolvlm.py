@@ -143,8 +143,8 @@ class SmolVLMAdapter(VLMAdapter):
         self, inputs: list[dict[str, torch.Tensor]], states: list[Any], first: int, end: int
     ) -> list[Any]:
         """The same operations as SmolVLM's `get_image_features` and its encoder layers' own forward, a
-        range of fifths of a layer at a time. A state is (hidden states [1, patches, dim], the tower's attention
-        mask or None when no patch is padding, what the last slice left for the next one or None)."""
+        range of slices (five a layer) at a time. A state is (hidden states [1, patches, dim], the tower's
+        attention mask or None when no patch is padding, what the last slice left for the next one or None)."""
         vision = self.model.model.vision_model
         if first == 0:
             states = [(*self._embed_tile(vision, item), None) for item in inputs]
