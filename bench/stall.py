@@ -3,7 +3,7 @@ is prefilled?
 
 Several chats decode; then a prompt with `images` photos arrives. The same scenario runs with chunked
 prefill on (with the per-step encoder budget: `encoder_budget` encoder output tokens a step, by default one
-64-token SmolVLM tile, whose tower runs `encoder_slices_per_step` fifths of a layer a step), with chunked prefill
+64-token SmolVLM tile, whose tower runs `encoder_slices_per_step` slices (five a layer) a step), with chunked prefill
 off, and with chunking on but no per-step encoder budget (every tile a chunk reaches runs its whole tower
 in that step). For each run:
 the chats' inter-token latency over the window in which the image prompt is prefilled (from its

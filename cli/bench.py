@@ -61,8 +61,9 @@ def stall(
         StallConfig, "budget"),
     encoder_budget: Annotated[int, typer.Option(help="Encoder output tokens per step in the 'chunked' run (64: one "
                                                      "SmolVLM-256M tile).")] = default(StallConfig, "encoder_budget"),
-    encoder_slices_per_step: Annotated[int, typer.Option(help="Fifths of a vision layer a tile runs per step in the "
-                                                              "'chunked' run (0: the whole tower).")] = default(
+    encoder_slices_per_step: Annotated[int, typer.Option(
+        help="Slices (five a layer) of a tile's vision tower per step in the 'chunked' run (0: the whole tower)."
+    )] = default(
         StallConfig, "encoder_slices_per_step"),
     after_steps: Annotated[int, typer.Option(help="Steps measured after the image prompt's first token (with --url: "
                                                   "tokens each chat streams after it).")] = default(
