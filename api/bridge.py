@@ -19,7 +19,7 @@ from typing import Any
 
 from api.errors import APIError
 from api.metrics import Metrics
-from engine import Engine, RequestOutput, SamplingParams
+from engine import Engine, EngineStats, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class AsyncEngine:
         self._draining = False
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.stats: dict[str, Any] = engine.stats()
+        self.stats: EngineStats = engine.stats()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -156,7 +156,7 @@ class AsyncEngine:
         429 when the waiting queue is full, 503 while shutting down."""
         if not self.alive:
             raise APIError(503, "the engine is not running (starting or shutting down)", code="not_ready")
-        if self.stats["num_waiting"] + self._adding >= self.max_waiting_requests:
+        if self.stats.num_waiting + self._adding >= self.max_waiting_requests:
             raise APIError(429, f"too many requests are waiting (limit {self.max_waiting_requests}); retry later",
                            code="queue_full")
         loop = asyncio.get_running_loop()
@@ -232,7 +232,7 @@ class AsyncEngine:
             finally:
                 self.stats = self.engine.stats()
             if self.metrics is not None:
-                self.metrics.observe_step_tokens(self.stats["last_step_num_tokens"])
+                self.metrics.observe_step_tokens(self.stats.last_step_num_tokens)
             self._deliver(outputs)
         log.info("step loop stopped")
 

@@ -9,7 +9,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -19,6 +19,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 RECENT_HORIZON_S = 60.0
+
+if TYPE_CHECKING:
+    from engine.outputs import EngineStats
 
 
 class RecentSamples:
@@ -56,46 +59,46 @@ class Count:
 
 
 class EngineCollector(Collector):
-    """Engine gauges and counters from a stats dict as `Engine.stats()` returns it. Step failures are those
+    """Engine gauges and counters from `Engine.stats()`. Step failures are those
     the engine reports (a step it ended, failing the requests it carried) plus `step_raises`, steps that
     raised out of the engine (counted by the bridge)."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]], step_raises: Count) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], step_raises: Count) -> None:
         self.stats = stats
         self.step_raises = step_raises
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self.stats()
-        used, total = stats["kv_blocks_used"], stats["kv_blocks_total"]
+        used, total = stats.kv_blocks_used, stats.kv_blocks_total
         yield GaugeMetricFamily("vlmcap_num_requests_running", "Requests running in the engine",
-                                value=stats["num_running"])
+                                value=stats.num_running)
         yield GaugeMetricFamily("vlmcap_num_requests_waiting", "Requests waiting in the engine",
-                                value=stats["num_waiting"])
+                                value=stats.num_waiting)
         yield GaugeMetricFamily("vlmcap_kv_cache_usage_ratio", "Fraction of KV cache blocks in use",
                                 value=used / total if total else 0.0)
         yield GaugeMetricFamily("vlmcap_kv_cache_blocks_used", "KV cache blocks in use", value=used)
         yield GaugeMetricFamily("vlmcap_kv_cache_blocks_total", "KV cache blocks", value=total)
         yield CounterMetricFamily("vlmcap_num_preemptions", "Requests preempted (recomputed later)",
-                                  value=stats["num_preemptions"])
+                                  value=stats.num_preemptions)
         yield CounterMetricFamily("vlmcap_vision_encoder_seconds", "Time spent in the vision encoder",
-                                  value=stats["encoder_seconds"])
+                                  value=stats.encoder_seconds)
         yield CounterMetricFamily("vlmcap_vision_encoder_inputs", "Images or tiles run through the vision encoder",
-                                  value=stats["encoder_inputs_encoded"])
+                                  value=stats.encoder_inputs_encoded)
         yield GaugeMetricFamily("vlmcap_prefix_cache_hit_rate", "Share of the prompt tokens looked up in the prefix "
-                                "cache that were found there (since start)", value=stats["prefix_cache_hit_rate"])
+                                "cache that were found there (since start)", value=stats.prefix_cache_hit_rate)
         yield CounterMetricFamily("vlmcap_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
-                                  value=stats["prefix_cache_queried_tokens"])
+                                  value=stats.prefix_cache_queried_tokens)
         yield CounterMetricFamily("vlmcap_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not "
-                                  "computed again)", value=stats["prefix_cache_hit_tokens"])
+                                  "computed again)", value=stats.prefix_cache_hit_tokens)
         yield CounterMetricFamily("vlmcap_vision_encoder_cache_hits", "Images or tiles whose features were reused "
-                                  "instead of running the vision encoder", value=stats["encoder_cache_hits"])
-        yield CounterMetricFamily("vlmcap_engine_steps", "Engine steps run", value=stats["num_steps"])
+                                  "instead of running the vision encoder", value=stats.encoder_cache_hits)
+        yield CounterMetricFamily("vlmcap_engine_steps", "Engine steps run", value=stats.num_steps)
         yield CounterMetricFamily("vlmcap_generation_tokens", "Tokens generated",
-                                  value=stats["num_generated_tokens"])
+                                  value=stats.num_generated_tokens)
         yield CounterMetricFamily("vlmcap_engine_step_failures", "Engine steps that failed (their requests ended "
-                                  "with an error)", value=stats["num_step_failures"] + self.step_raises.value)
+                                  "with an error)", value=stats.num_step_failures + self.step_raises.value)
         yield CounterMetricFamily("vlmcap_engine_request_failures", "Requests the engine ended alone with an error "
-                                  "(the others of their step went on)", value=stats["num_request_failures"])
+                                  "(the others of their step went on)", value=stats.num_request_failures)
 
 
 class AlertWebhookCollector(Collector):
@@ -147,7 +150,7 @@ class Metrics:
         self.step_tokens.observe(tokens)
         self.recent_step_tokens.add(tokens)
 
-    def watch_engine(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def watch_engine(self, stats: Callable[[], EngineStats]) -> None:
         self.registry.register(EngineCollector(stats, self.step_failures))
 
     def watch_alert_webhook(self, stats: Callable[[], Any]) -> None:

@@ -149,16 +149,16 @@ async def engine_stats(state: ServerState = Depends(server_state)) -> dict[str, 
     stats, metrics = state.bridge.stats, state.metrics
     step_tokens = metrics.recent_step_tokens.last(RATE_WINDOW_S)
     itl = metrics.recent_itl.last(metrics.recent_itl.horizon_s)
-    used, total = stats["kv_blocks_used"], stats["kv_blocks_total"]
+    used, total = stats.kv_blocks_used, stats.kv_blocks_total
     itl_ms = percentiles_ms(itl)
     return {
         "model": state.settings.model_name,
-        "running": stats["num_running"],
-        "waiting": stats["num_waiting"],
+        "running": stats.num_running,
+        "waiting": stats.num_waiting,
         "kv_blocks_used": used,
         "kv_blocks_total": total,
         "kv_cache_usage": used / total if total else 0.0,
-        "step_token_budget": stats["max_num_batched_tokens"],
+        "step_token_budget": stats.max_num_batched_tokens,
         "step_tokens_mean": sum(step_tokens) / len(step_tokens) if step_tokens else 0.0,
         "step_tokens_max": max(step_tokens, default=0),
         "steps_per_s": len(step_tokens) / RATE_WINDOW_S,
@@ -166,10 +166,10 @@ async def engine_stats(state: ServerState = Depends(server_state)) -> dict[str, 
         "itl_p50_ms": itl_ms["p50"] if itl else None,
         "itl_p99_ms": itl_ms["p99"] if itl else None,
         "itl_samples": len(itl),
-        "num_preemptions": stats["num_preemptions"],
-        "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
-        "prefix_cache_hit_tokens": stats["prefix_cache_hit_tokens"],
-        "encoder_cache_hits": stats["encoder_cache_hits"],
+        "num_preemptions": stats.num_preemptions,
+        "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+        "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
+        "encoder_cache_hits": stats.encoder_cache_hits,
         "rate_window_s": RATE_WINDOW_S,
         "itl_window_s": metrics.recent_itl.horizon_s,
     }

@@ -74,7 +74,7 @@ def run_engine(engine: Engine, work: Workload) -> tuple[dict[str, Any], list[tup
         outputs = engine.step()
         now = time.perf_counter()
         stats = engine.stats()
-        steps.append((now - start, stats["last_step_num_tokens"], stats["num_running"]))
+        steps.append((now - start, stats.last_step_num_tokens, stats.num_running))
         finish.update({o.request_id: now - began for o in outputs if o.finished})
     span = time.perf_counter() - began
     return _result(sum(work.output_lens), span, list(finish.values())), steps

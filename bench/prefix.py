@@ -60,8 +60,8 @@ def _turn(engine: Engine, messages: list[dict[str, Any]], images: list, max_toke
         "prompt_tokens": output.num_prompt_tokens,
         "cached_tokens": output.num_cached_tokens,
         "computed_tokens": output.num_prompt_tokens - output.num_cached_tokens,
-        "encoder_inputs_run": after["encoder_inputs_encoded"] - before["encoder_inputs_encoded"],
-        "encoder_cache_hits": after["encoder_cache_hits"] - before["encoder_cache_hits"],
+        "encoder_inputs_run": after.encoder_inputs_encoded - before.encoder_inputs_encoded,
+        "encoder_cache_hits": after.encoder_cache_hits - before.encoder_cache_hits,
         "text": output.text,
         "token_ids": output.token_ids,
     }

@@ -64,7 +64,7 @@ def _run(cfg: StallConfig, chunked: bool, encoder_budget: bool, images: list) ->
         start = time.perf_counter()
         outputs = engine.step()
         end = time.perf_counter()
-        steps.append((start - began, end - began, engine.stats()["last_step_num_tokens"]))
+        steps.append((start - began, end - began, engine.stats().last_step_num_tokens))
         emitted.append({out.request_id for out in outputs})
         computed.append({rid: request.num_computed_tokens for rid, request in dict(engine.requests).items()})
         for out in outputs:
@@ -116,7 +116,7 @@ def _run(cfg: StallConfig, chunked: bool, encoder_budget: bool, images: list) ->
         "steps": window_steps,
         "max_step_tokens": max(s[2] for s in steps[first_step : first_token_step + 1]),
         "image_prompt_tokens": prompt_tokens,
-        "encoder_inputs": engine.stats()["encoder_inputs_encoded"],
+        "encoder_inputs": engine.stats().encoder_inputs_encoded,
         "timeline": {
             "window": [arrival, first_token],
             "streams": [token_times[c] for c in chats],

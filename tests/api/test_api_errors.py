@@ -160,7 +160,7 @@ def test_full_queue_answers_429(server, http, monkeypatch):
             lines = running.iter_lines()  # keep a reference: a collected line iterator closes the stream
             next(lines)
             with other.stream("POST", "/v1/chat/completions", json=long) as waiting:
-                wait_for(lambda: bridge.stats["num_waiting"] == 1)
+                wait_for(lambda: bridge.stats.num_waiting == 1)
                 refused = httpx.post(f"{server.url}/v1/chat/completions", json=chat())
                 assert refused.status_code == 429, refused.text
                 assert refused.json()["error"]["code"] == "queue_full"
@@ -180,7 +180,7 @@ def test_failing_step_fails_the_requests_in_flight_only(server, http):
     engine.step = failing_step
     reply = http.post("/v1/chat/completions", json=chat())
     assert reply.status_code == 500 and "injected failure" in reply.json()["error"]["message"]
-    assert engine.stats()["kv_blocks_used"] == 0 and not engine.has_unfinished_requests()
+    assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished_requests()
 
     engine.step = failing_step
     streamed = http.post("/v1/chat/completions", json=chat(stream=True))

@@ -19,7 +19,7 @@ from ultralytics.utils import ASSETS
 from api.background import BackgroundServer
 from api.server import create_app
 from api.settings import Limits, ServerSettings
-from engine import EngineConfig
+from engine import EngineConfig, EngineStats
 
 KEY = "test-key"
 BUS = ASSETS / "bus.jpg"
@@ -212,10 +212,10 @@ def test_concurrent_streams_give_the_tokens_they_get_alone(server):
 
     asyncio.run(run())
     stats = server.state.bridge.engine.stats()
-    assert stats["num_running"] == stats["num_waiting"] == stats["kv_blocks_used"] == 0
+    assert stats.num_running == stats.num_waiting == stats.kv_blocks_used == 0
 
 
-def wait_until_idle(server, timeout_s: float = 60.0) -> dict:
+def wait_until_idle(server, timeout_s: float = 60.0) -> EngineStats:
     """Poll until the engine holds no request (a deadline against hanging, not a timing assertion)."""
     engine = server.state.bridge.engine
     deadline = time.monotonic() + timeout_s
@@ -227,7 +227,7 @@ def wait_until_idle(server, timeout_s: float = 60.0) -> dict:
 def wait_until_running(server, timeout_s: float = 60.0) -> None:
     engine = server.state.bridge.engine
     deadline = time.monotonic() + timeout_s
-    while engine.stats()["num_generated_tokens"] == 0 or not engine.has_unfinished_requests():
+    while engine.stats().num_generated_tokens == 0 or not engine.has_unfinished_requests():
         assert time.monotonic() < deadline, "the request never started"
         time.sleep(0.02)
 
@@ -245,7 +245,7 @@ def test_disconnected_stream_is_aborted_and_frees_its_blocks(server):
             assert server.state.bridge.engine.has_unfinished_requests()
         # leaving the with-block closes the connection mid-stream
     stats = wait_until_idle(server)
-    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
+    assert stats.kv_blocks_used == 0 and stats.num_running == 0
     assert metric(server, "vlmcap_requests_aborted_total") == aborted + 1
 
 
@@ -262,7 +262,7 @@ def test_disconnected_non_streamed_request_is_aborted(server):
 
     asyncio.run(run())
     stats = wait_until_idle(server)
-    assert stats["kv_blocks_used"] == 0
+    assert stats.kv_blocks_used == 0
     assert metric(server, "vlmcap_requests_aborted_total") == aborted + 1
 
 

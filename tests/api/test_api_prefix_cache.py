@@ -84,7 +84,7 @@ def test_a_chats_second_turn_over_one_photo_is_served_from_the_cache(server, cli
     before = engine.stats()
     (_, first), (_, second) = chat_turns(client, "You are test one.")
     assert first.prompt_tokens_details.cached_tokens == 0
-    encoded = engine.stats()["encoder_inputs_encoded"]
+    encoded = engine.stats().encoder_inputs_encoded
     assert encoded > before["encoder_inputs_encoded"]
     cached = second.prompt_tokens_details.cached_tokens
     # The cached prefix reaches into the photo's span, in whole blocks, and the last prompt token was computed.
@@ -146,7 +146,7 @@ def test_without_caching_the_same_turns_give_the_same_tokens_and_report_none(ser
     with start(caching=False) as uncached:
         plain = openai.OpenAI(base_url=f"{uncached.url}/v1", api_key="unused", max_retries=0)
         plain_turns = chat_turns(plain, "You are test four.")
-        assert uncached.state.bridge.engine.stats()["prefix_cache_hit_tokens"] == 0
+        assert uncached.state.bridge.engine.stats().prefix_cache_hit_tokens == 0
     assert [usage.prompt_tokens_details.cached_tokens for _, usage in plain_turns] == [0, 0]
     assert cached_turns[1][1].prompt_tokens_details.cached_tokens > 0
     assert [ids for ids, _ in plain_turns] == [ids for ids, _ in cached_turns]

@@ -51,4 +51,4 @@ def test_shutdown_finishes_short_work_aborts_long_work_and_says_so(caplog):
 
     assert asyncio.run(scenario()) == ("length", "abort")
     assert "2 request(s) in flight at shutdown, 1 finished, 1 aborted" in caplog.text
-    assert engine.stats()["kv_blocks_used"] == 0 and not engine.has_unfinished_requests()
+    assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished_requests()

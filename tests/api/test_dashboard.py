@@ -195,7 +195,7 @@ def test_engine_panel_shows_the_prefix_cache(server, page):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     chat_turns(client, "You are the dashboard's test.", model="tiny")
     stats = httpx.get(f"{server.url}/v1/engine/stats").json()
-    assert stats["prefix_cache_hit_tokens"] == server.state.bridge.engine.stats()["prefix_cache_hit_tokens"] > 0
+    assert stats["prefix_cache_hit_tokens"] == server.state.bridge.engine.stats().prefix_cache_hit_tokens > 0
     page.goto(server.url)
     expect(page.locator("#engine-prefix")).to_have_text(
         f"{stats['prefix_cache_hit_rate'] * 100:.1f} % · {stats['prefix_cache_hit_tokens']} tokens · "

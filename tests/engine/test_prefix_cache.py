@@ -60,8 +60,8 @@ def test_requests_that_share_blocks_while_running_and_preemption_keep_every_toke
         engine = make_engine(max_num_batched_tokens=32, num_kv_blocks=18, enable_prefix_caching=caching)
         results[caching], trace = run_jobs(engine, jobs)
         if caching:
-            assert trace[-1][1]["num_preemptions"] > 0
-            assert trace[-1][1]["prefix_cache_hit_tokens"] > 0
+            assert trace[-1][1].num_preemptions > 0
+            assert trace[-1][1].prefix_cache_hit_tokens > 0
     assert results[True] == results[False]
     for i, job in enumerate(jobs):
         assert results[True][i] == oracle(job.prompt, job.images, job.max_tokens), i

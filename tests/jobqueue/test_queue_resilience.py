@@ -270,7 +270,7 @@ def test_redis_down_answers_503_and_ready_follows_redis_and_the_worker(tmp_path)
                 assert reply.json()["error"]["code"] == "store_unavailable"
             not_ready = http.get("/ready")
             assert not_ready.status_code == 503 and "Redis" in not_ready.json()["reason"]
-            assert server.state.bridge.engine.stats()["kv_blocks_used"] == 0  # the refused caption was aborted
+            assert server.state.bridge.engine.stats().kv_blocks_used == 0  # the refused caption was aborted
 
             redis_server = EmbeddedRedis(port=port, data_dir=tmp_path / "redis")
             wait_for(lambda: http.get("/ready").status_code == 200, "ready again once Redis is back")
