@@ -3,11 +3,12 @@
 - `paged_decode_attention` (engine/paged_decode.c): decode attention over the paged cache, read in place.
   The reference path gathers every context's blocks into a new tensor in every layer before SDPA reads it;
   on the CPU that copy costs as much as the attention itself, and grows with context.
-- `small_linear` (engine/small_linear.c): a Linear layer for a few rows, reading each weight row once in its
-  own dtype. A decode step's matrix products are a few rows times every weight of the model: their cost is
-  reading the weights, which the general GEMMs torch calls do at a fraction of the memory's bandwidth here
-  (and bfloat16 ones several times slower still on CPUs without bfloat16 instructions).
-  `route_linears` sends a model's Linear layers through it where it is faster (`KERNEL_ROWS`).
+- `small_linear` (engine/small_linear.c): a Linear layer reading its weights in their own dtype from panels
+  packed once (`pack_weight`), six rows of x against sixteen weight rows at a time. A decode step's matrix
+  products are a few rows times every weight of the model: their cost is reading the weights, which the
+  general GEMMs torch calls do at a fraction of the memory's bandwidth here; bfloat16 ones also run several
+  times slower on CPUs without bfloat16 instructions, at any row count. `route_linears` sends a model's Linear
+  layers through it where it is faster (`KERNEL_ROWS`); each keeps its packed copy beside its weight.
 
 They are compiled once per source and machine with the system's C compiler (`CC`, else `cc`) into
 `<tmp>/vlmcap-kernels/` on first use, and share torch's OpenMP runtime; where no compiler is found,
@@ -71,6 +72,8 @@ def _build() -> ctypes.CDLL | None:
     lib.small_linear.restype = ctypes.c_int
     lib.small_linear.argtypes = [pointer, ctypes.c_int, i64, i64, pointer, ctypes.c_int, i64, pointer, pointer,
                                  ctypes.c_int]
+    lib.pack_panels.restype = None
+    lib.pack_panels.argtypes = [pointer, ctypes.c_int, i64, i64, pointer]
     return lib
 
 
@@ -120,28 +123,54 @@ def paged_decode_attention(
                          "(the block tables' reach)")
 
 
-def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., k] @ weight [n, k]^T (+ bias), summed in float32, returned in x's dtype: each weight row read
-    once, in its own dtype (engine/small_linear.c); for the few rows of a decode step. `bias` is float32."""
+PANEL = 16  # weight rows per packed panel (NR in engine/csrc/small_linear.c)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [n, k] as the kernel's panels, [ceil(n / 16), k, 16] in its dtype: panel p, step t holds
+    weight[16 p : 16 p + 16, t] (zeros past n). Made once per layer; `small_linear` reads only these."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the CPU kernels are not available (no C compiler)")
+    if weight.dtype not in _DTYPES or weight.dim() != 2:
+        raise ValueError(f"pack_weight takes a 2-d float32, bfloat16 or float16 weight, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    weight = weight.detach().contiguous()
     n, k = weight.shape
-    if weight.dtype not in _DTYPES or x.dtype not in _DTYPES or not weight.is_contiguous():
-        raise ValueError(f"small_linear reads contiguous float32, bfloat16 or float16 tensors, got weights "
-                         f"{weight.dtype} and input {x.dtype}")
+    panels = torch.empty((n + PANEL - 1) // PANEL, k, PANEL, dtype=weight.dtype)
+    lib.pack_panels(weight.data_ptr(), _DTYPES[weight.dtype], n, k, panels.data_ptr())
+    return panels
+
+
+def packed_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., k] @ weight [n, k]^T (+ bias) from `pack_weight(weight)`, summed in float32 and returned in x's
+    dtype (engine/small_linear.c). `bias` is float32."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not available (no C compiler)")
+    count, k, width = panels.shape
+    if panels.dtype not in _DTYPES or x.dtype not in _DTYPES or width != PANEL or not panels.is_contiguous():
+        raise ValueError(f"packed_linear reads contiguous float32, bfloat16 or float16 panels [*, k, {PANEL}] "
+                         f"and input, got panels {panels.dtype} {tuple(panels.shape)} and input {x.dtype}")
+    if not (count - 1) * PANEL < n <= count * PANEL or x.shape[-1] != k:
+        raise ValueError(f"{count} panels of {k} cannot hold a [{n}, {k}] weight for input {tuple(x.shape)}")
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         raise ValueError(f"small_linear takes a contiguous float32 bias, got {bias.dtype}")
     rows = x.reshape(-1, k)
     if not rows.is_contiguous():
         rows = rows.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-    failed = lib.small_linear(rows.data_ptr(), _DTYPES[x.dtype], rows.shape[0], k, weight.data_ptr(),
-                              _DTYPES[weight.dtype], n, None if bias is None else bias.data_ptr(), out.data_ptr(),
+    failed = lib.small_linear(rows.data_ptr(), _DTYPES[x.dtype], rows.shape[0], k, panels.data_ptr(),
+                              _DTYPES[panels.dtype], n, None if bias is None else bias.data_ptr(), out.data_ptr(),
                               torch.get_num_threads())
     if failed:
-        raise MemoryError(f"small_linear could not allocate its buffers ({rows.shape[0]} x {k} -> {n})")
+        raise MemoryError(f"small_linear could not allocate its buffer ({rows.shape[0]} x {k} floats)")
     return out
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`packed_linear` with the weight packed for this call alone (a layer packs once: `route_linears`)."""
+    return packed_linear(x, pack_weight(weight), weight.shape[0], bias)
 
 
 # Most rows of x for which `small_linear` beats torch's GEMM, by weight dtype (measured on a 2-core AVX2 CPU:
@@ -159,6 +188,7 @@ def route_linears(model: torch.nn.Module) -> int:
             module.__class__ = KernelLinear
             bias32 = None if module.bias is None else module.bias.detach().to(torch.float32).contiguous()
             module.register_buffer("bias32", bias32, persistent=False)  # the kernel sums in float32
+            module.register_buffer("panels", pack_weight(module.weight), persistent=False)
             routed += 1
     return routed
 
@@ -168,21 +198,22 @@ class KernelLinear(torch.nn.Linear):
     model sees the same code in every layer)."""
 
     bias32: torch.Tensor | None
+    panels: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if x.numel() <= KERNEL_ROWS[weight.dtype] * x.shape[-1] and x.device.type == "cpu" and x.dtype in _DTYPES:
             if torch.compiler.is_compiling():  # an opaque operator in the graph (engine/compiled.py)
-                return torch.ops.vlmcap.small_linear(x, weight, self.bias32)
-            return small_linear(x, weight, self.bias32)
+                return torch.ops.vlmcap.packed_linear(x, self.panels, weight.shape[0], self.bias32)
+            return packed_linear(x, self.panels, weight.shape[0], self.bias32)
         return F.linear(x, weight, self.bias)
 
 
-@torch.library.custom_op("vlmcap::small_linear", mutates_args=())
-def _small_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return small_linear(x, weight, bias)
+@torch.library.custom_op("vlmcap::packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return packed_linear(x, panels, n, bias)
 
 
-@_small_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+@_packed_linear_op.register_fake
+def _(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], n)
