@@ -46,15 +46,20 @@ class RequestStream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     @staticmethod
-    def push_step(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    def push_step(items: list[tuple[RequestStream, RequestOutput]]) -> list[threading.Event]:
         """A step's outputs, from the step thread: one wake-up of each event loop for all of them (a wake-up
-        per output had the loop take the GIL from the step thread once per stream and step)."""
+        per output had the loop take the GIL from the step thread once per stream and step). Returns an event
+        per loop, set once that loop has run the streams these outputs woke up (see `AsyncEngine._run`)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for stream, output in items:
             stream.last = output
             by_loop.setdefault(stream.loop, []).append((stream.queue, output))
+        handled = []
         for loop, queued in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, queued)
+            event = threading.Event()
+            loop.call_soon_threadsafe(_put_all, loop, queued, event)
+            handled.append(event)
+        return handled
 
     def push_abort(self) -> None:
         last = self.last
@@ -94,13 +99,25 @@ class RequestStream:
         return last
 
 
-def _put_all(queued: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(loop: asyncio.AbstractEventLoop, queued: list[tuple[asyncio.Queue, RequestOutput]],
+             handled: threading.Event) -> None:
     for queue, output in queued:
         queue.put_nowait(output)
+    # The streams just woken run before callbacks scheduled after them: by the time this one runs, each has
+    # written its chunk and awaits the next output.
+    loop.call_soon(handled.set)
 
 
 class AsyncEngine:
-    """Runs `engine` on its own thread and serves its outputs to coroutines."""
+    """Runs `engine` on its own thread and serves its outputs to coroutines.
+
+    After each step the thread waits (at most `HANDOVER_S`) until the event loop has sent what the step
+    produced, and only then starts the next one: the loop's work for a step (events, JSON, socket writes)
+    then runs between steps instead of inside the next one, where it would take a core from the step's
+    threads and hold up all of them at their next barrier (measured: 8 streamed chats' gaps 1.12x the engine
+    alone without the wait)."""
+
+    HANDOVER_S = 0.02
 
     def __init__(self, engine: Engine, max_waiting_requests: int, metrics: Metrics | None = None) -> None:
         self.engine = engine
@@ -233,7 +250,8 @@ class AsyncEngine:
                 self.stats = self.engine.stats()
             if self.metrics is not None:
                 self.metrics.observe_step_tokens(self.stats.last_step_num_tokens)
-            self._deliver(outputs)
+            for handled in self._deliver(outputs):
+                handled.wait(self.HANDOVER_S)
         log.info("step loop stopped")
 
     def _safe_abort(self, request_id: str) -> None:
@@ -242,16 +260,17 @@ class AsyncEngine:
         except Exception:
             log.exception("aborting request %s failed", request_id)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput]) -> list[threading.Event]:
         with self._cond:
             streams = [(self._streams.get(o.request_id), o) for o in outputs]
             for output in outputs:
                 if output.finished:
                     self._streams.pop(output.request_id, None)
-        RequestStream.push_step([(stream, output) for stream, output in streams if stream is not None])
+        handled = RequestStream.push_step([(stream, output) for stream, output in streams if stream is not None])
         for stream, output in streams:
             if stream is None and not output.finished:  # its client left while it was being added
                 self._safe_abort(output.request_id)
+        return handled
 
     def _fail_all(self, exc: Exception) -> None:
         with self._cond:
