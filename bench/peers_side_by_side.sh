@@ -12,6 +12,7 @@
 #            chat tokens/s in that window
 #   text32   32 text requests at once, 64 tokens each: output tokens/s (vlmcap with budget 2048)
 #   mixed24  24 requests at 1/s, a quarter with a photo, 64 tokens each: TTFT p50, end-to-end p50
+# Each server first answers a warm-up (4 requests, half with a photo; 8 at once; 32 at once), not measured.
 # Settings: vlmcap --max-num-batched-tokens 64 --max-encoder-tokens-per-step 64 --encoder-slices-per-step 3
 # (budget 2048 for text32); vLLM --max-num-batched-tokens 256 (serve.sh's), 2 OpenMP threads on cores 0-1.
 set -euo pipefail
@@ -55,7 +56,7 @@ start_vllm() {
     "$PEERS_DIR/serve.sh" "$MODEL_DIR" "$PORT" > "$OUT/vllm-server.log" 2>&1 &
   SERVER_PID=$!
   wait_ready /health
-  warm_up
+  warm_up vllm
 }
 
 start_vlmcap() {  # $1: max_num_batched_tokens
@@ -65,12 +66,17 @@ start_vlmcap() {  # $1: max_num_batched_tokens
     > "$OUT/vlmcap-server-$1.log" 2>&1 &
   SERVER_PID=$!
   wait_ready /ready
-  warm_up
+  warm_up "vlmcap-$1"
 }
 
-warm_up() {  # not measured: first requests with an image and in a batch (vLLM compiles shapes on first use)
+warm_up() {  # $1: a name for its log. Not measured: requests with an image, then batches of 8 and of 32
+  # (the workloads' shapes: vLLM compiles a shape on its first use, for minutes on these 2 cores)
   $PY -m bench serve --url "$URL" --rate inf --num-requests 4 --image-fraction 0.5 --max-tokens 8 --seed 3 \
-    > "$OUT/warm-up.txt" 2>&1
+    > "$OUT/warm-up-$1.txt" 2>&1
+  $PY -m bench serve --url "$URL" --rate inf --num-requests 8 --image-fraction 0 --max-tokens 32 --seed 4 \
+    >> "$OUT/warm-up-$1.txt" 2>&1
+  $PY -m bench serve --url "$URL" --rate inf --num-requests 32 --image-fraction 0 --max-tokens 16 --seed 5 \
+    >> "$OUT/warm-up-$1.txt" 2>&1
 }
 
 bench() {  # $1: server name, $2: workload, then the bench command and its options

@@ -156,14 +156,20 @@ def packed_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Ten
         raise ValueError(f"{count} panels of {k} cannot hold a [{n}, {k}] weight for input {tuple(x.shape)}")
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         raise ValueError(f"small_linear takes a contiguous float32 bias, got {bias.dtype}")
+    return _run_packed(lib, x, panels, n, bias)
+
+
+def _run_packed(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """`packed_linear` on inputs already checked (a layer's own panels: checked once, at routing)."""
+    k = panels.shape[1]
     rows = x.reshape(-1, k)
     if not rows.is_contiguous():
         rows = rows.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-    failed = lib.small_linear(rows.data_ptr(), _DTYPES[x.dtype], rows.shape[0], k, panels.data_ptr(),
-                              _DTYPES[panels.dtype], n, None if bias is None else bias.data_ptr(), out.data_ptr(),
-                              torch.get_num_threads())
-    if failed:
+    if lib.small_linear(rows.data_ptr(), _DTYPES[x.dtype], rows.shape[0], k, panels.data_ptr(),
+                        _DTYPES[panels.dtype], n, None if bias is None else bias.data_ptr(), out.data_ptr(),
+                        torch.get_num_threads()):
         raise MemoryError(f"small_linear could not allocate its buffer ({rows.shape[0]} x {k} floats)")
     return out
 
@@ -189,24 +195,35 @@ def route_linears(model: torch.nn.Module) -> int:
             bias32 = None if module.bias is None else module.bias.detach().to(torch.float32).contiguous()
             module.register_buffer("bias32", bias32, persistent=False)  # the kernel sums in float32
             module.register_buffer("panels", pack_weight(module.weight), persistent=False)
+            module.packed_version = module.weight._version
+            module.max_rows = KERNEL_ROWS[module.weight.dtype]
             routed += 1
     return routed
 
 
 class KernelLinear(torch.nn.Linear):
     """A Linear layer whose few-row inputs go through `small_linear` (one class for all, so that a compiled
-    model sees the same code in every layer)."""
+    model sees the same code in every layer). Its panels are a copy of its weight: an in-place change of the
+    weight (one that bumps its version, as `weight[i] = ...` or `weight.copy_(...)` under `torch.no_grad()` do;
+    writes through `weight.data` bypass versions, by torch's design) repacks them at the next eager call."""
 
     bias32: torch.Tensor | None
     panels: torch.Tensor
+    packed_version: int  # the weight's version when the panels were packed
+    max_rows: int  # KERNEL_ROWS for its weights' dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if x.numel() <= KERNEL_ROWS[weight.dtype] * x.shape[-1] and x.device.type == "cpu" and x.dtype in _DTYPES:
+        # A decode step calls this some 200 times: only what the call needs (the panels were checked once).
+        width = x.shape[-1]  # a wrong width goes to F.linear, which says so
+        if (width == self.in_features and x.numel() <= self.max_rows * width and x.dtype in _DTYPES
+                and x.device.type == "cpu"):
             if torch.compiler.is_compiling():  # an opaque operator in the graph (engine/compiled.py)
-                return torch.ops.vlmcap.packed_linear(x, self.panels, weight.shape[0], self.bias32)
-            return packed_linear(x, self.panels, weight.shape[0], self.bias32)
-        return F.linear(x, weight, self.bias)
+                return torch.ops.vlmcap.packed_linear(x, self.panels, self.out_features, self.bias32)
+            if self.weight._version != self.packed_version:
+                self.panels = pack_weight(self.weight)
+                self.packed_version = self.weight._version
+            return _run_packed(_state["lib"], x, self.panels, self.out_features, self.bias32)
+        return F.linear(x, self.weight, self.bias)
 
 
 @torch.library.custom_op("vlmcap::packed_linear", mutates_args=())

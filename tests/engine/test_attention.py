@@ -159,3 +159,22 @@ def test_engine_routes_the_model_s_linears_through_the_kernel(make_engine):
     plain = make_engine(cpu_linear=False)
     assert not plain.cpu_linear
     assert not any(type(m) is KernelLinear for m in plain.adapter.model.modules())
+
+
+def test_kernel_linear_follows_in_place_changes_of_its_weight():
+    """The kernel reads a packed copy of the weight; changing the weight in place repacks it at the next call."""
+    from engine.cpu_kernel import KernelLinear, route_linears
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(40, 24).to(torch.bfloat16)
+    assert route_linears(layer) == 1 and type(layer) is KernelLinear
+    x = torch.randn(3, 40).to(torch.bfloat16)
+    with torch.inference_mode():
+        before = layer(x)
+    with torch.no_grad():
+        layer.weight[5] = 3.0
+    with torch.inference_mode():
+        after = layer(x)
+    expected = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float()).to(torch.bfloat16)
+    assert not torch.equal(before[:, 5], after[:, 5])
+    assert torch.allclose(after.float(), expected.float(), rtol=2e-2, atol=2e-2)

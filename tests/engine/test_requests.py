@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 
 import pytest
+import torch
 
 from engine import EngineConfig, SamplingParams
 from tests.engine.conftest import PROMPTS
@@ -159,7 +160,8 @@ def test_eos_ends_the_request_unless_ignored(make_engine, oracle):
     # Strengthen EOS's row of the output head so that greedy decoding reaches it within a few tokens.
     with_eos_bias = engine.adapter.lm_head.weight
     saved = with_eos_bias[eos].clone()
-    with_eos_bias.data[eos] = with_eos_bias.data.abs().max(dim=0).values * 50
+    with torch.no_grad():  # in place on the parameter: a layer that keeps packed weights sees the change
+        with_eos_bias[eos] = with_eos_bias.abs().max(dim=0).values * 50
     try:
         rid = engine.add_request(prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=8))
         stopped = drain(engine)[rid]
@@ -169,7 +171,8 @@ def test_eos_ends_the_request_unless_ignored(make_engine, oracle):
         assert ignored.finish_reason == "length" and len(ignored.token_ids) == 8
         assert ignored.token_ids[: len(stopped.token_ids)] == stopped.token_ids
     finally:
-        with_eos_bias.data[eos] = saved
+        with torch.no_grad():
+            with_eos_bias[eos] = saved
 
 
 def test_a_failing_step_ends_only_its_requests_and_the_engine_keeps_serving(make_engine, oracle, photos):
