@@ -47,9 +47,10 @@ class EngineConfig:
         decode with a small C kernel built at first use (the CPU, with a C compiler), prefill chunks as
         `reference`; `reference` gathers each context's blocks and runs SDPA (any device and dtype: the
         exactness reference); `auto` takes the kernel where it runs, else `cpu` where it runs, else `reference`.
-    cpu_linear: on the CPU, multiply a step's few rows by the weights with a small C kernel that reads each weight
-        once in its own dtype (engine/cpu_kernel.py; every row count for bfloat16 and float16 weights, up to 16
-        rows for float32); `None`: on where the kernel builds (the CPU, with a C compiler).
+    cpu_linear: on the CPU, multiply by the weights with a C kernel that reads them once in their own dtype from a
+        copy packed at load (engine/cpu_kernel.py; every row count for bfloat16 and float16 weights, up to 16
+        rows for float32; the copy doubles the Linear weights' memory); `None`: on where the kernel builds (the
+        CPU, with a C compiler).
     compile_model: compile the text model's decoder layers with torch.compile at start-up (engine/compiled.py;
         the CPU, where per-operator overhead is a large part of a decode step; needs a C compiler for
         inductor's kernels). Start-up takes longer by the compile time, which `stats().compile_seconds` reports.
