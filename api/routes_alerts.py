@@ -11,7 +11,6 @@ from typing import Any
 from fastapi import APIRouter, Depends, Header, Query
 
 from api.routes_captions import result_json
-from api.routes_dashboard import _redis
 from api.state import ServerState, server_state
 from api.streaming import SSEResponse, sse
 from jobqueue.contract import ALERTS_STREAM
@@ -25,7 +24,7 @@ async def list_alerts(limit: int = Query(50, ge=1, le=1000),
                       state: ServerState = Depends(server_state)) -> dict[str, Any]:
     """Fall alerts (the caption results of fall jobs: `fall` true, `classes` the class of each box),
     newest first."""
-    redis = _redis(state)
+    redis = state.redis
     results = await recent_captions(redis, limit=limit, feed=ALERTS_STREAM) if redis is not None else []
     return {"object": "list", "data": [result_json(r) for r in results]}
 
@@ -36,7 +35,7 @@ async def stream_alerts(last_event_id: str | None = Header(None, pattern=r"^[0-9
                         state: ServerState = Depends(server_state)) -> SSEResponse:
     """Fall alerts as server-sent events (`event: alert`) as they are finished; resumes after
     `Last-Event-ID`."""
-    redis = _redis(state)
+    redis = state.redis
 
     async def events() -> AsyncIterator[str]:
         yield ": connected\n\n"

@@ -17,7 +17,6 @@ from fastapi.staticfiles import StaticFiles
 from PIL import ImageDraw
 from starlette.types import Scope
 
-from api.caption_store import RedisCaptionStore
 from api.errors import APIError
 from api.images import decode_image
 from api.percentiles import percentiles_ms
@@ -64,11 +63,6 @@ class PageFiles(StaticFiles):
 static_files = PageFiles(directory=STATIC_DIR)
 
 
-def _redis(state: ServerState) -> aioredis.Redis | None:
-    """The server's Redis (camera frames and stats live there), or None when results are kept in memory."""
-    return state.captions.redis if isinstance(state.captions, RedisCaptionStore) else None
-
-
 @router.get("/", include_in_schema=False)
 async def dashboard_page() -> FileResponse:
     return FileResponse(STATIC_DIR / "index.html", headers=PAGE_HEADERS)
@@ -99,7 +93,7 @@ async def caption_image(caption_id: str, boxes: bool = Query(True, description="
                         state: ServerState = Depends(server_state)) -> Response:
     """The frame of a camera job's caption (kept for a few hours), with its person boxes drawn. REST
     captions keep no frame."""
-    redis = _redis(state)
+    redis = state.redis
     frame = await get_frame(redis, caption_id) if redis is not None else None
     if frame is None:
         raise APIError(404, f"no frame for caption {caption_id!r} (not a camera job's, or expired)",
@@ -130,7 +124,7 @@ async def published_cameras(redis: aioredis.Redis) -> list[CameraStats]:
 async def list_cameras(state: ServerState = Depends(server_state)) -> dict[str, Any]:
     """Cameras whose pipelines publish their counters (frames captured, skipped, dropped, detected and
     enqueued: totals and per second), each with the age of its stats in seconds and its last caption."""
-    redis = _redis(state)
+    redis = state.redis
     if redis is None:
         return {"object": "list", "data": []}
     cameras = []

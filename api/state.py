@@ -10,13 +10,15 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from api.bridge import AsyncEngine
-from api.caption_store import CaptionStore
+from api.caption_store import CaptionStore, RedisCaptionStore
 from api.captioner import EngineCaptioner
 from api.errors import APIError
 from api.metrics import Metrics
 from api.settings import ServerSettings
 
 if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
     from jobqueue.consumer import QueueWorker
 
 
@@ -30,6 +32,12 @@ class ServerState:
     started_at: float = field(default_factory=time.time)
     background: set[asyncio.Task] = field(default_factory=set)  # caption requests answered with 202
     worker: QueueWorker | None = None  # the in-process queue worker, when Redis is configured
+
+    @property
+    def redis(self) -> aioredis.Redis | None:
+        """The server's Redis (camera frames, stats, alerts live there), or None when results are kept in
+        memory."""
+        return self.captions.redis if isinstance(self.captions, RedisCaptionStore) else None
 
 
 def server_state(request: Request) -> ServerState:

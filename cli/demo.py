@@ -14,6 +14,7 @@ import threading
 import typer
 
 from bench.configs import SAMPLE_VIDEO
+from cli.options import PORT
 
 HUB_MODEL = "HuggingFaceTB/SmolVLM-256M-Instruct"
 CAMERA = "sample-cam"
@@ -101,7 +102,7 @@ async def _print_captions(redis_url: str, pipeline_done: threading.Event, timeou
 
 
 def run_demo(model: str | None, detector: str | None, source: str | None, timeout_s: float = 900.0,
-             once: bool = False, port: int = 8000) -> int:
+             once: bool = False, port: int = PORT) -> int:
     """Run the demo; return the number of captions printed. Without `once` it runs until Ctrl-C (the
     video in real time, looping); with it, one pass as fast as the detector goes, within `timeout_s`."""
     from api.background import BackgroundServer
@@ -164,7 +165,7 @@ def demo(
     once: bool = typer.Option(False, "--once", help="One pass over the video as fast as the detector goes, then "
                                                     "exit when every job has its caption (default: real time, "
                                                     "looping, until Ctrl-C)."),
-    port: int = typer.Option(8000, help="Port of the server and its dashboard on 127.0.0.1 (0: any free one)."),
+    port: int = typer.Option(PORT, help="Port of the server and its dashboard on 127.0.0.1 (0: any free one)."),
     timeout: float = typer.Option(900.0, help="With --once: give up when captions are still arriving after this "
                                               "many seconds."),
 ) -> None:

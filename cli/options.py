@@ -11,6 +11,7 @@ from typing import Any
 import typer
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+PORT = 8000  # the API server's TCP port: `vlmcap serve` and `vlmcap demo`
 
 
 def fail(message: str) -> typer.Exit:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import typer
 
 from api.settings import Limits, ServerSettings
-from cli.options import LOG_FORMAT, default
+from cli.options import LOG_FORMAT, PORT, default
 
 
 def serve(
@@ -17,7 +17,7 @@ def serve(
     served_model_name: str = typer.Option(None, envvar="VLMCAP_SERVED_MODEL_NAME",
                                           help="Model id clients send and /v1/models lists (default: --model)."),
     host: str = typer.Option("127.0.0.1", envvar="VLMCAP_HOST", help="Address to listen on (0.0.0.0: all)."),
-    port: int = typer.Option(8000, envvar="VLMCAP_PORT", help="TCP port."),
+    port: int = typer.Option(PORT, envvar="VLMCAP_PORT", help="TCP port."),
     api_key: str = typer.Option(None, envvar="VLMCAP_API_KEY",
                                 help="When set, every /v1 route and the API docs need 'Authorization: Bearer "
                                      "<key>'."),

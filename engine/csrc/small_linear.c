@@ -128,7 +128,7 @@ int small_linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *
 #pragma omp parallel num_threads(num_threads)
     for (int64_t i0 = 0; i0 < m; i0 += MC) {
         const int64_t chunk = MIN(MC, m - i0);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4)  /* a thread that loses its core to another process leaves its work */
         for (int64_t p = 0; p < count; p++) {
             const char *panel = (const char *)panels + p * k * NR * item;
             const int64_t j0 = p * NR, cols = MIN(NR, n - j0);
