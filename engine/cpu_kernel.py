@@ -1,4 +1,4 @@
-"""The CPU's two C kernels, for the steps a server spends most of its time in: decodes.
+"""The CPU's C kernels, for the steps a server spends most of its time in: decodes.
 
 - `paged_decode_attention` (engine/paged_decode.c): decode attention over the paged cache, read in place.
   The reference path gathers every context's blocks into a new tensor in every layer before SDPA reads it;
@@ -9,6 +9,9 @@
   general GEMMs torch calls do at a fraction of the memory's bandwidth here; bfloat16 ones also run several
   times slower on CPUs without bfloat16 instructions, at any row count. `route_linears` sends a model's Linear
   layers through it where it is faster (`KERNEL_ROWS`); each keeps its packed copy beside its weight.
+- `rms_norm` (engine/rms_norm.c): Llama's RMSNorm in one call instead of seven small operators, each of which
+  costs more to dispatch than to run on a decode step's few rows; `route_norms` swaps it in for every norm
+  whose forward is LlamaRMSNorm's own code.
 
 They are compiled once per source and machine with the system's C compiler (`CC`, else `cc`) into
 `<tmp>/vlmcap-kernels/` on first use, and share torch's OpenMP runtime; where no compiler is found,
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 FOLDER = Path(__file__).with_name("csrc")
-SOURCES = [FOLDER / "paged_decode.c", FOLDER / "small_linear.c"]
+SOURCES = [FOLDER / "paged_decode.c", FOLDER / "small_linear.c", FOLDER / "rms_norm.c"]
 HEADERS = [FOLDER / "dtypes.h"]
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -74,6 +77,9 @@ def _build() -> ctypes.CDLL | None:
                                  ctypes.c_int]
     lib.pack_panels.restype = None
     lib.pack_panels.argtypes = [pointer, ctypes.c_int, i64, i64, pointer]
+    lib.rms_norm.restype = ctypes.c_int
+    lib.rms_norm.argtypes = [pointer, ctypes.c_int, i64, i64, pointer, ctypes.c_int, ctypes.c_float, pointer,
+                             ctypes.c_int]
     return lib
 
 
@@ -234,3 +240,82 @@ def _packed_linear_op(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch
 @_packed_linear_op.register_fake
 def _(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], n)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm's forward (engine/rms_norm.c): x / sqrt(mean(x^2) + eps) in float32, rounded to x's dtype,
+    times `weight` (of x's dtype) and rounded again."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not available (no C compiler)")
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype or weight.shape != x.shape[-1:] or x.device.type != "cpu":
+        raise ValueError(f"rms_norm takes a CPU float32, bfloat16 or float16 input and a weight of its last "
+                         f"dimension and dtype, got {x.dtype} {tuple(x.shape)} and {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    return _run_norm(lib, x, weight, eps)
+
+
+def _run_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dim = x.shape[-1]
+    rows = x.reshape(-1, dim)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    code = _DTYPES[x.dtype]
+    if lib.rms_norm(rows.data_ptr(), code, rows.shape[0], dim, weight.data_ptr(), code, eps, out.data_ptr(),
+                    torch.get_num_threads()):
+        raise MemoryError(f"rms_norm could not allocate its buffer ({dim} floats a thread)")
+    return out
+
+
+def _llama_norm_code() -> str | None:
+    """The source of LlamaRMSNorm's forward, which `KernelRMSNorm` computes (None where it cannot be read)."""
+    import inspect
+
+    try:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        return inspect.getsource(LlamaRMSNorm.forward)
+    except (ImportError, OSError, TypeError):
+        return None
+
+
+def route_norms(model: torch.nn.Module) -> int:
+    """Make every norm of `model` whose forward is LlamaRMSNorm's own code (its copies in other models, such as
+    Qwen2's and Mistral's, included; anything else, such as Gemma's 1 + weight, is left alone) a
+    `KernelRMSNorm`. Returns how many."""
+    import inspect
+
+    reference = _llama_norm_code()
+    if reference is None or _library() is None:
+        return 0
+    routed = 0
+    same: dict[type, bool] = {}
+    for module in model.modules():
+        kind = type(module)
+        if kind not in same:
+            try:
+                same[kind] = (kind.__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+                              and inspect.getsource(kind.forward) == reference)
+            except (OSError, TypeError):
+                same[kind] = False
+        if same[kind]:
+            module.__class__ = KernelRMSNorm
+            routed += 1
+    return routed
+
+
+class KernelRMSNorm(torch.nn.Module):
+    """A LlamaRMSNorm (same parameters, same arithmetic) whose CPU forward is one C call."""
+
+    weight: torch.nn.Parameter
+    variance_epsilon: float
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight, dtype = self.weight, hidden_states.dtype
+        if (hidden_states.device.type == "cpu" and dtype is weight.dtype and dtype in _DTYPES
+                and not torch.compiler.is_compiling()):
+            return _run_norm(_state["lib"], hidden_states, weight, self.variance_epsilon)
+        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        normed = hidden_states.to(torch.float32) * torch.rsqrt(variance + self.variance_epsilon)
+        return weight * normed.to(hidden_states.dtype)

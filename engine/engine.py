@@ -91,6 +91,7 @@ class Engine:
             from engine import cpu_kernel
 
             cpu_kernel.route_linears(self.adapter.model)
+            cpu_kernel.route_norms(self.adapter.model)
         self.compile_seconds = 0.0
         if config.compile_model:
             if self.device.type != "cpu":

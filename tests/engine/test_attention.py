@@ -178,3 +178,35 @@ def test_kernel_linear_follows_in_place_changes_of_its_weight():
     expected = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float()).to(torch.bfloat16)
     assert not torch.equal(before[:, 5], after[:, 5])
     assert torch.allclose(after.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_rms_norm_kernel_equals_llama_rms_norm(dtype, rows):
+    """Llama's RMSNorm in one C call: the same arithmetic as transformers' own module, rounding included."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from engine.cpu_kernel import KernelRMSNorm, route_norms
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(100, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(100))
+    x = (torch.randn(2, rows, 100) * 3).to(dtype)
+    with torch.inference_mode():
+        expected = norm(x)
+        assert route_norms(norm) == 1 and type(norm) is KernelRMSNorm
+        got = norm(x)
+    assert got.dtype == dtype and got.shape == x.shape
+    close = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
+    assert torch.allclose(got.float(), expected.float(), rtol=close, atol=close)
+    if dtype != torch.float32:  # rounded as torch rounds: nearly every value identical
+        assert (got != expected).float().mean() < 0.02
+
+
+def test_norms_of_other_arithmetic_are_left_alone():
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from engine.cpu_kernel import route_norms
+
+    assert route_norms(torch.nn.Sequential(Gemma3RMSNorm(16), torch.nn.LayerNorm(16))) == 0

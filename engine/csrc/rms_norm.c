@@ -1,0 +1,54 @@
+/* RMSNorm as Llama's decoder layers compute it, in one call (engine/cpu_kernel.py builds and calls it).
+ *
+ * transformers' LlamaRMSNorm runs seven small operators on a decode step's few rows (widen, square, mean,
+ * add, rsqrt, multiply, narrow, then the weight); on a small CPU each costs more in dispatch than in work, and
+ * a model calls it twice a layer. Same arithmetic here: in float32, h = x / sqrt(mean(x^2) + eps), rounded to
+ * the input's dtype, then times the weight and rounded again (what `weight * h.to(dtype)` does in torch).
+ */
+#include <math.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "dtypes.h"
+
+#define PARALLEL_ROWS 32 /* fewer rows than this run on the calling thread */
+
+/* v rounded to `dtype` and widened back (float32: v). */
+static inline float rounded(float v, int dtype) {
+    if (dtype == F32) return v;
+    uint16_t half;
+    float back;
+    store_floats(&v, 1, &half, dtype, 0);
+    load_floats(&half, dtype, 0, 1, &back);
+    return back;
+}
+
+/* x and out [rows, dim] in `io_dtype`, weight [dim] in `w_dtype`. Returns 2 where memory runs out. */
+int rms_norm(const void *x, int io_dtype, int64_t rows, int64_t dim, const void *weight, int w_dtype, float eps,
+             void *out, int num_threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (rows >= PARALLEL_ROWS)
+    {
+        float *row = malloc((size_t)(2 * dim) * sizeof(float)), *w = row ? row + dim : NULL;
+        if (!row) {
+#pragma omp atomic write
+            failed = 2;
+        } else {
+            load_floats(weight, w_dtype, 0, dim, w);
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows; i++) {
+            if (!row) continue;
+            load_floats(x, io_dtype, i * dim, dim, row);
+            float sum = 0.0f;
+            for (int64_t j = 0; j < dim; j++) sum += row[j] * row[j];
+            const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
+            for (int64_t j = 0; j < dim; j++) row[j] = rounded(rounded(row[j] * scale, io_dtype) * w[j], io_dtype);
+            store_floats(row, dim, out, io_dtype, i * dim);
+        }
+        free(row);
+    }
+    return failed;
+}
