@@ -9,6 +9,9 @@
   general GEMMs torch calls do at a fraction of the memory's bandwidth here; bfloat16 ones also run several
   times slower on CPUs without bfloat16 instructions, at any row count. `route_linears` sends a model's Linear
   layers through it where it is faster (`KERNEL_ROWS`); each keeps its packed copy beside its weight.
+- Patch embeddings (a Conv2d whose stride is its kernel, as vision towers cut images into patches) are a Linear
+  over the image's patches: `route_linears` sends them through `small_linear` too (torch's bfloat16 conv2d
+  takes over a second for one 512 px tile on a 2-core AVX2 CPU; float32, 22 ms).
 - `rms_norm` (engine/rms_norm.c): Llama's RMSNorm in one call instead of seven small operators, each of which
   costs more to dispatch than to run on a decode step's few rows; `route_norms` swaps it in for every norm
   whose forward is LlamaRMSNorm's own code.
@@ -193,18 +196,31 @@ KERNEL_ROWS: dict[torch.dtype, int] = {torch.float32: 16, torch.bfloat16: 1 << 3
 
 def route_linears(model: torch.nn.Module) -> int:
     """Make every `nn.Linear` of `model` a `KernelLinear` (its weights untouched): inputs of at most
-    `KERNEL_ROWS` rows go through `small_linear`, the rest through F.linear as before. Returns how many."""
+    `KERNEL_ROWS` rows go through `small_linear`, the rest through F.linear as before; likewise every patch
+    embedding (`nn.Conv2d` whose stride is its kernel, no padding) a `KernelPatchConv`, one row a patch.
+    Returns how many."""
     routed = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.dtype in KERNEL_ROWS:
             module.__class__ = KernelLinear
-            bias32 = None if module.bias is None else module.bias.detach().to(torch.float32).contiguous()
-            module.register_buffer("bias32", bias32, persistent=False)  # the kernel sums in float32
-            module.register_buffer("panels", pack_weight(module.weight), persistent=False)
-            module.packed_version = module.weight._version
-            module.max_rows = KERNEL_ROWS[module.weight.dtype]
-            routed += 1
+        elif _is_patch_conv(module):
+            module.__class__ = KernelPatchConv
+        else:
+            continue
+        bias32 = None if module.bias is None else module.bias.detach().to(torch.float32).contiguous()
+        module.register_buffer("bias32", bias32, persistent=False)  # the kernel sums in float32
+        module.register_buffer("panels", pack_weight(module.weight.reshape(module.weight.shape[0], -1)),
+                               persistent=False)
+        module.packed_version = module.weight._version
+        module.max_rows = KERNEL_ROWS[module.weight.dtype]
+        routed += 1
     return routed
+
+
+def _is_patch_conv(module: torch.nn.Module) -> bool:
+    return (type(module) is torch.nn.Conv2d and module.weight.dtype in KERNEL_ROWS and module.groups == 1
+            and tuple(module.stride) == tuple(module.kernel_size) and tuple(module.dilation) == (1, 1)
+            and module.padding in ((0, 0), "valid") and module.padding_mode == "zeros")
 
 
 class KernelLinear(torch.nn.Linear):
@@ -225,11 +241,41 @@ class KernelLinear(torch.nn.Linear):
                 and x.device.type == "cpu"):
             if torch.compiler.is_compiling():  # an opaque operator in the graph (engine/compiled.py)
                 return torch.ops.vlmcap.packed_linear(x, self.panels, self.out_features, self.bias32)
-            if self.weight._version != self.packed_version:
-                self.panels = pack_weight(self.weight)
-                self.packed_version = self.weight._version
+            _repack_if_changed(self)
             return _run_packed(_state["lib"], x, self.panels, self.out_features, self.bias32)
         return F.linear(x, self.weight, self.bias)
+
+
+def _repack_if_changed(module: torch.nn.Module) -> None:
+    """Pack `module`'s weight again if it changed in place since it was packed."""
+    weight = module.weight
+    if weight._version != module.packed_version:
+        module.panels = pack_weight(weight.reshape(weight.shape[0], -1))
+        module.packed_version = weight._version
+
+
+class KernelPatchConv(torch.nn.Conv2d):
+    """A patch embedding (stride = kernel, no padding) as `small_linear` over the image's patches: each patch,
+    flattened as the weight is ([channels, kh, kw]), is a row. The same sums as the convolution, in float32."""
+
+    bias32: torch.Tensor | None
+    panels: torch.Tensor
+    packed_version: int
+    max_rows: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kh, kw = self.kernel_size
+        if x.dim() != 4 or x.shape[1] != self.in_channels or x.dtype not in _DTYPES or x.device.type != "cpu":
+            return super().forward(x)
+        batch, channels, height, width = x.shape
+        rows_h, rows_w = (height - kh) // kh + 1, (width - kw) // kw + 1
+        if batch * rows_h * rows_w > self.max_rows or torch.compiler.is_compiling():
+            return super().forward(x)
+        _repack_if_changed(self)
+        patches = (x[:, :, : rows_h * kh, : rows_w * kw].reshape(batch, channels, rows_h, kh, rows_w, kw)
+                   .permute(0, 2, 4, 1, 3, 5).reshape(batch, rows_h * rows_w, channels * kh * kw))
+        out = _run_packed(_state["lib"], patches, self.panels, self.out_channels, self.bias32)
+        return out.transpose(1, 2).reshape(batch, self.out_channels, rows_h, rows_w).contiguous()
 
 
 @torch.library.custom_op("vlmcap::packed_linear", mutates_args=())

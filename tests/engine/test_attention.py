@@ -210,3 +210,30 @@ def test_norms_of_other_arithmetic_are_left_alone():
     from engine.cpu_kernel import route_norms
 
     assert route_norms(torch.nn.Sequential(Gemma3RMSNorm(16), torch.nn.LayerNorm(16))) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("size", [(32, 32), (37, 45)])
+def test_patch_embedding_through_the_kernel_equals_the_convolution(dtype, size):
+    """A vision tower's patch embedding (stride = kernel) as rows of patches through the Linear kernel: the
+    convolution's result, sizes that do not divide by the patch included (the edge is dropped, as conv2d does)."""
+    from engine.cpu_kernel import KERNEL_ROWS, KernelPatchConv, route_linears
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 24, kernel_size=8, stride=8).to(dtype)
+    x = torch.randn(2, 3, *size).to(dtype)
+    with torch.inference_mode():
+        expected = torch.nn.functional.conv2d(x.float(), conv.weight.float(), conv.bias.float(), stride=8)
+        assert route_linears(conv) == 1 and type(conv) is KernelPatchConv
+        conv.max_rows = 1 << 30 if dtype == torch.float32 else KERNEL_ROWS[dtype]  # the kernel for float32 too
+        got = conv(x)
+    assert got.shape == expected.shape and got.dtype == dtype and got.is_contiguous()
+    close = {torch.float32: 1e-4, torch.bfloat16: 3e-2}[dtype]
+    assert torch.allclose(got.float(), expected, rtol=close, atol=close)
+
+
+def test_convolutions_that_are_not_patch_embeddings_are_left_alone():
+    from engine.cpu_kernel import route_linears
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(3, 8, 4, stride=2))
+    assert route_linears(model) == 0
