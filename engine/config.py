@@ -49,8 +49,9 @@ class EngineConfig:
         exactness reference); `auto` takes the kernel where it runs, else `cpu` where it runs, else `reference`.
     cpu_linear: on the CPU, multiply by the weights with a C kernel that reads them once in their own dtype from a
         copy packed at load (engine/cpu_kernel.py; every row count for bfloat16 and float16 weights, up to 16
-        rows for float32; the copy doubles the Linear weights' memory), and Llama-style RMSNorms with another
-        (one call instead of seven operators); `None`: on where the kernels build (the CPU, with a C compiler).
+        rows for float32; the copy doubles the Linear weights' memory; vision towers' patch embeddings too, as
+        rows of patches), and Llama-style RMSNorms with another (one call instead of seven operators); `None`:
+        on where the kernels build (the CPU, with a C compiler).
     compile_model: compile the text model's decoder layers with torch.compile at start-up (engine/compiled.py;
         the CPU, where per-operator overhead is a large part of a decode step; needs a C compiler for
         inductor's kernels). Start-up takes longer by the compile time, which `stats().compile_seconds` reports.
