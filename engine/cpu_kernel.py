@@ -172,9 +172,7 @@ def _run_packed(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """`packed_linear` on inputs already checked (a layer's own panels: checked once, at routing)."""
     k = panels.shape[1]
-    rows = x.reshape(-1, k)
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
+    rows = x.reshape(-1, k).contiguous()  # no copy when it already is
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
     if lib.small_linear(rows.data_ptr(), _DTYPES[x.dtype], rows.shape[0], k, panels.data_ptr(),
                         _DTYPES[panels.dtype], n, None if bias is None else bias.data_ptr(), out.data_ptr(),
@@ -188,9 +186,9 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return packed_linear(x, pack_weight(weight), weight.shape[0], bias)
 
 
-# Most rows of x for which `small_linear` beats torch's GEMM, by weight dtype (measured on a 2-core AVX2 CPU:
-# float32 weights to 16 rows, beyond which MKL's blocking wins; bfloat16 and float16 at any count, their
-# general GEMM lacking fast kernels there).
+# Most rows of x for which `small_linear` beats torch's GEMM, by weight dtype (measured on a 2-core AVX2 CPU
+# with the first, unpacked kernel: float32 weights to 16 rows, beyond which MKL's blocking won; bfloat16 and
+# float16 at any count, their general GEMM lacking fast kernels there; not remeasured for float32 panels).
 KERNEL_ROWS: dict[torch.dtype, int] = {torch.float32: 16, torch.bfloat16: 1 << 30, torch.float16: 1 << 30}
 
 
@@ -209,9 +207,8 @@ def route_linears(model: torch.nn.Module) -> int:
             continue
         bias32 = None if module.bias is None else module.bias.detach().to(torch.float32).contiguous()
         module.register_buffer("bias32", bias32, persistent=False)  # the kernel sums in float32
-        module.register_buffer("panels", pack_weight(module.weight.reshape(module.weight.shape[0], -1)),
-                               persistent=False)
-        module.packed_version = module.weight._version
+        module.register_buffer("panels", None, persistent=False)
+        _pack(module)
         module.max_rows = KERNEL_ROWS[module.weight.dtype]
         routed += 1
     return routed
@@ -246,12 +243,18 @@ class KernelLinear(torch.nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def _pack(module: torch.nn.Module) -> None:
+    """`module.panels` from its weight (one row per output: a convolution's filters flattened) and the weight's
+    version they were packed at."""
+    weight = module.weight
+    module.panels = pack_weight(weight.reshape(weight.shape[0], -1))
+    module.packed_version = weight._version
+
+
 def _repack_if_changed(module: torch.nn.Module) -> None:
     """Pack `module`'s weight again if it changed in place since it was packed."""
-    weight = module.weight
-    if weight._version != module.packed_version:
-        module.panels = pack_weight(weight.reshape(weight.shape[0], -1))
-        module.packed_version = weight._version
+    if module.weight._version != module.packed_version:
+        _pack(module)
 
 
 class KernelPatchConv(torch.nn.Conv2d):
@@ -303,9 +306,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _run_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dim = x.shape[-1]
-    rows = x.reshape(-1, dim)
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
+    rows = x.reshape(-1, dim).contiguous()
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     code = _DTYPES[x.dtype]
     if lib.rms_norm(rows.data_ptr(), code, rows.shape[0], dim, weight.data_ptr(), code, eps, out.data_ptr(),
