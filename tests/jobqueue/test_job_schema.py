@@ -18,7 +18,18 @@ from jobqueue.consumer import QueueWorker
 from jobqueue.contract import CAPTIONS_STREAM, JOBS_STREAM, CaptionResult, Job, result_key
 from pipeline.runner import CameraPipeline, PipelineConfig
 
-SCHEMA = json.loads(contract.JOB_SCHEMA_PATH.read_text())
+
+def _refuse_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    """An object_pairs_hook: json.loads keeps the last of repeated keys silently, a reader of the file would
+    not know which one holds."""
+    keys = [key for key, _ in pairs]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:
+        raise ValueError(f"repeated keys {repeated}")
+    return dict(pairs)
+
+
+SCHEMA = json.loads(contract.JOB_SCHEMA_PATH.read_text(), object_pairs_hook=_refuse_repeated_keys)
 Draft202012Validator.check_schema(SCHEMA)
 ENTRY = Draft202012Validator(SCHEMA)
 RESULT = Draft202012Validator({"$defs": SCHEMA["$defs"], "$ref": "#/$defs/result"})
@@ -38,6 +49,12 @@ def schema_errors(fields: dict) -> list[str]:
             except ValueError as err:
                 errors.append(f"{name}: {err}")
     return errors
+
+
+def test_schema_repeats_no_key():
+    with pytest.raises(ValueError, match="repeated keys"):
+        json.loads('{"a": {"b": 1, "b": 2}}', object_pairs_hook=_refuse_repeated_keys)
+    json.loads(contract.JOB_SCHEMA_PATH.read_text(), object_pairs_hook=_refuse_repeated_keys)
 
 
 def test_schema_names_the_contracts_keys_and_describes_every_field():
