@@ -122,7 +122,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        # Labels from fixed sets only (see api.server.method_label and its route templates).
+        # Labels from fixed sets only (see api.guard.method_label and its route templates).
         self.requests = Counter("vlmcap_http_requests", "HTTP requests by route and status",
                                 ["method", "route", "status"], registry=r)
         self.ttft = Histogram("vlmcap_time_to_first_token_seconds", "From request arrival to its first token",

@@ -52,7 +52,17 @@ class ServerSettings:
     engine: EngineConfig = field(default_factory=_engine_config)
     served_model_name: str | None = None
     api_key: str | None = None
-    # Without an API key, Host header names accepted besides loopback ones ("*": any); see GuardMiddleware.
+    # Named keys besides api_key, name -> key (`VLMCAP_API_KEYS`: `name:key` lines; see api.guard.parse_api_keys).
+    api_keys: dict[str, str] = field(default_factory=dict)
+    # Listen on a non-loopback address without a key (protected mode refuses to; see api.guard.check_exposure).
+    allow_unauthenticated: bool = False
+    # /metrics answers without the key (a scraper on a trusted network); with keys set it needs one otherwise.
+    public_metrics: bool = False
+    # Requests of different API keys share cached prefix blocks and image features (else salted by key).
+    share_prefix_cache: bool = False
+    # Server-sent event streams open at once (captions and alerts); one more answers 503 with Retry-After.
+    max_sse_subscribers: int = 256
+    # Without an API key, Host header names accepted besides loopback ones ("*": any); see api.guard.
     allowed_hosts: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
     # Captions: results go to Redis (shared with camera queue workers) when a URL is given, else memory.

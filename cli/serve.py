@@ -21,6 +21,23 @@ def serve(
     api_key: str = typer.Option(None, envvar="VLMCAP_API_KEY",
                                 help="When set, every /v1 route and the API docs need 'Authorization: Bearer "
                                      "<key>'."),
+    api_keys: str = typer.Option(None, envvar="VLMCAP_API_KEYS",
+                                 help="Named keys, one 'name:key' a line, or a file of such lines: each key's "
+                                      "requests share no cached prefix with another's (see --share-prefix-cache)."),
+    allow_unauthenticated: bool = typer.Option(default(ServerSettings, "allow_unauthenticated"),
+                                               "--allow-unauthenticated", envvar="VLMCAP_ALLOW_UNAUTHENTICATED",
+                                               help="Listen on a non-loopback --host without an API key (an open "
+                                                    "server; refused otherwise)."),
+    public_metrics: bool = typer.Option(default(ServerSettings, "public_metrics"), "--public-metrics",
+                                        envvar="VLMCAP_PUBLIC_METRICS",
+                                        help="Serve /metrics without the API key (it needs one when keys are set)."),
+    share_prefix_cache: bool = typer.Option(default(ServerSettings, "share_prefix_cache"), "--share-prefix-cache",
+                                            envvar="VLMCAP_SHARE_PREFIX_CACHE",
+                                            help="Let requests of different API keys share cached prefixes and "
+                                                 "image features."),
+    max_sse_subscribers: int = typer.Option(default(ServerSettings, "max_sse_subscribers"),
+                                            envvar="VLMCAP_MAX_SSE_SUBSCRIBERS",
+                                            help="Server-sent event streams open at once; beyond, 503."),
     allowed_host: list[str] = typer.Option([], envvar="VLMCAP_ALLOWED_HOSTS",
                                            help="Without --api-key: a Host name clients may use besides loopback "
                                                 "ones and --host (repeat; '*': any)."),
@@ -120,6 +137,7 @@ def serve(
 
     import uvicorn
 
+    from api.guard import check_exposure, parse_api_keys
     from api.server import create_app
     from engine import EngineConfig
     from jobqueue.alerts import validate_webhook_url
@@ -145,6 +163,9 @@ def serve(
         settings = ServerSettings(
             engine=EngineConfig(**engine_options),
             served_model_name=served_model_name, api_key=api_key or None, redis_url=redis_url or None,
+            api_keys=parse_api_keys(api_keys) if api_keys else {}, allow_unauthenticated=allow_unauthenticated,
+            public_metrics=public_metrics, share_prefix_cache=share_prefix_cache,
+            max_sse_subscribers=max_sse_subscribers,
             allowed_hosts=(*allowed_host, *([] if host in ("0.0.0.0", "::", "") else [host])),
             run_queue_worker=queue, consumer_name=consumer_name, claim_idle_s=claim_idle_seconds,
             max_deliveries=max_deliveries, queue_batch_size=batch_size, caption_priority=caption_priority,
@@ -159,7 +180,9 @@ def serve(
                 allow_private_remote_images=allow_private_remote_images,
             ),
         )
+        check_exposure(host, settings)
+        app = create_app(settings)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level.lower(),
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(),
                 timeout_graceful_shutdown=shutdown_grace)

@@ -288,6 +288,24 @@ def test_server_gets_a_gpu_and_every_healthcheck_asks_a_real_route(monkeypatch):
     assert exposed == [str(port)]
 
 
+def test_compose_requires_an_api_key_and_its_server_passes_protected_mode(monkeypatch):
+    from api.guard import check_exposure
+    from api.settings import ServerSettings
+
+    compose = yaml.safe_load(COMPOSE.read_text())
+    with pytest.raises(AssertionError, match="compose needs VLMCAP_API_KEY"):
+        interpolate(compose["services"], {**read_env_file(ENV_EXAMPLE), "VLMCAP_API_KEY": ""})
+    server, dockerfile = vlmcap_services()["server"]
+    params = service_params(server, dockerfile, monkeypatch)
+    assert params["api_key"] and params["host"] == "0.0.0.0" and not params["allow_unauthenticated"]
+    check_exposure(params["host"], ServerSettings(api_key=params["api_key"]))
+    # The image run bare (its own environment, no key) listens on all addresses: it refuses to start.
+    bare = parse_command(exec_form(dockerfile, "ENTRYPOINT") + exec_form(dockerfile, "CMD"),
+                         image_environment(dockerfile), monkeypatch)
+    with pytest.raises(ValueError, match="without an API key"):
+        check_exposure(bare["host"], ServerSettings(api_key=bare["api_key"]))
+
+
 def test_readme_table_of_environment_variables_matches_the_cli():
     readme = (REPO / "README.md").read_text()
     section = readme[readme.index("\n### Environment variables") + 1:]

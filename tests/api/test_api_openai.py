@@ -269,7 +269,8 @@ def test_disconnected_non_streamed_request_is_aborted(server):
 def test_metrics_count_requests_and_latencies(server, client):
     client.chat.completions.create(model="vlmcap-tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                    extra_body={"ignore_eos": True})
-    text = httpx.get(f"{server.url}/metrics").text
+    assert httpx.get(f"{server.url}/metrics").status_code == 401  # a server with a key keeps its metrics behind it
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert 'vlmcap_http_requests_total{method="POST",route="/v1/chat/completions",status="200"}' in text
     assert 'route="/v1/models",status="401"' in text
     for name in ("vlmcap_time_to_first_token_seconds_count", "vlmcap_inter_token_latency_seconds_count",
