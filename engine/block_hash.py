@@ -6,6 +6,11 @@ before), the block's token ids, and, for each encoder input (a tile or an image)
 the input's content hash and its first placeholder's position. Positions of every kind follow from these (M-RoPE
 positions from the tokens and the image grids, which the content hash covers). One engine serves one model, so
 the model needs no place in the hash.
+
+A request's `cache_salt` (vLLM's name and meaning) is folded into the first block's parent and into each of its
+encoder inputs' hashes: requests with different salts share no cached block and no vision features (the encoder
+output cache is keyed by those hashes), so a client cannot learn from `cached_tokens` or timings whether another
+sent the same prefix or image. Requests without a salt share the unsalted cache.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from array import array
 import torch
 
 from engine.request import MultimodalPrompt, Request
+
+PREFIX_ROOT = b"vlmcap-prefix"  # the first block's parent
+MAX_CACHE_SALT = 4096  # characters; a salt is an identity, not data
 
 
 def content_hash(encoder_input: dict[str, torch.Tensor]) -> bytes:
@@ -33,8 +41,18 @@ def content_hash(encoder_input: dict[str, torch.Tensor]) -> bytes:
     return digest.digest()
 
 
-def add_unit_hashes(mm: MultimodalPrompt) -> None:
-    mm.unit_hashes = [content_hash(inputs) for inputs in mm.encoder_inputs]
+def _salted(root: bytes, salt: str | None) -> bytes:
+    """`root` as is without a salt, else SHA-256 of `root`, the salt's length and the salt (length-prefixed, so
+    no two salts hash alike)."""
+    if salt is None:
+        return root
+    encoded = salt.encode()
+    return hashlib.sha256(root + len(encoded).to_bytes(8, "little") + encoded).digest()
+
+
+def add_unit_hashes(mm: MultimodalPrompt, cache_salt: str | None = None) -> None:
+    """Each encoder input's hash: its content's, salted by the request's `cache_salt`."""
+    mm.unit_hashes = [_salted(content_hash(inputs), cache_salt) for inputs in mm.encoder_inputs]
 
 
 def full_block_hashes(request: Request, block_size: int, num_tokens: int) -> list[bytes]:
@@ -43,10 +61,10 @@ def full_block_hashes(request: Request, block_size: int, num_tokens: int) -> lis
     hashes = request.block_hashes
     mm = request.mm
     if mm is not None and len(mm.unit_hashes) != mm.num_units:  # `Engine.add_request` computes them off the lock
-        add_unit_hashes(mm)
+        add_unit_hashes(mm, request.cache_salt)
     for index in range(len(hashes), num_tokens // block_size):
         start = index * block_size
-        digest = hashlib.sha256(hashes[-1] if hashes else b"vlmcap-prefix")
+        digest = hashlib.sha256(hashes[-1] if hashes else _salted(PREFIX_ROOT, request.cache_salt))
         digest.update(array("q", request.token_ids_between(start, start + block_size)).tobytes())
         if mm is not None:
             for unit in mm.units_in(start, start + block_size):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from engine.block_hash import add_unit_hashes
+from engine.block_hash import MAX_CACHE_SALT, add_unit_hashes
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.encoder_cache import EncoderOutputCache
@@ -188,8 +188,11 @@ class Engine:
         priority: int = 0,
         messages: list[dict[str, Any]] | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request and return its id. Raises ValueError for a request that can never run."""
+        """Queue a request and return its id. Raises ValueError for a request that can never run.
+        `cache_salt`: the request shares cached prefix blocks and image features only with requests of the same
+        salt (engine/block_hash.py)."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
         sampling = sampling or SamplingParams()
@@ -197,6 +200,9 @@ class Engine:
             raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if cache_salt is not None and not (isinstance(cache_salt, str) and 0 < len(cache_salt) <= MAX_CACHE_SALT):
+            raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters, got "
+                             f"{str(cache_salt)[:80]!r}")
         if messages is not None:
             try:
                 prompt = self.adapter.render_messages(messages)
@@ -219,7 +225,7 @@ class Engine:
             raise ValueError(f"the prompt and images could not be processed: {exc}") from exc
 
         if mm is not None and self.config.enable_prefix_caching:
-            add_unit_hashes(mm)
+            add_unit_hashes(mm, cache_salt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, at or above max_model_len {self.max_model_len}"
@@ -241,6 +247,7 @@ class Engine:
             generator=make_generator(sampling, self.device),
             detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop),
             matcher=matcher,
+            cache_salt=cache_salt,
         )
         with self._lock:
             if request_id in self.requests:
