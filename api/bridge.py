@@ -168,6 +168,7 @@ class AsyncEngine:
         messages: list[dict[str, Any]] | None = None,
         images: list[Any] | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream. Raises APIError: 400 for a request the engine refuses,
         429 when the waiting queue is full, 503 while shutting down."""
@@ -184,7 +185,7 @@ class AsyncEngine:
 
         def add() -> None:
             self.engine.add_request(prompt=prompt, messages=messages, images=images, sampling=sampling,
-                                    priority=priority, request_id=stream.request_id)
+                                    priority=priority, request_id=stream.request_id, cache_salt=cache_salt)
             with self._cond:
                 self._cond.notify()
 

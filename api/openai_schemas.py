@@ -11,6 +11,9 @@ from pydantic import BaseModel, Field
 MAX_SEED = 2**63 - 1
 Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1, description="vlmcap extension: lower runs first")]
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
+CacheSalt = Annotated[str | None, Field(min_length=1, max_length=256, description=(
+    "vLLM's extension: requests share cached prefixes and image features only with requests of the same salt "
+    "(and, on a server with several API keys, of the same key)"))]
 
 
 class ImageURL(BaseModel):
@@ -88,6 +91,7 @@ class SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     ignore_eos: bool = Field(False, description="vlmcap extension: generate max_tokens tokens, past EOS")
     priority: Priority = 0
+    cache_salt: CacheSalt = None
 
 
 class ChatCompletionRequest(SamplingFields):

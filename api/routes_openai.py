@@ -14,6 +14,7 @@ from PIL import Image
 
 from api.bridge import EngineFailure, RequestStream
 from api.errors import ENGINE_FAILED, APIError, error_body
+from api.guard import cache_salt
 from api.images import load_image_url
 from api.openai_schemas import (
     ChatCompletionRequest,
@@ -104,9 +105,11 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, stop: str | li
         raise APIError(400, str(exc)) from None
 
 
-async def submit(prompt: EnginePrompt, sampling: SamplingParams, priority: int, state: ServerState) -> RequestStream:
+async def submit(prompt: EnginePrompt, sampling: SamplingParams, body: SamplingFields, request: Request,
+                 state: ServerState) -> RequestStream:
     return await state.bridge.add(messages=prompt.messages, images=prompt.images, sampling=sampling,
-                                  priority=priority)
+                                  priority=body.priority,
+                                  cache_salt=cache_salt(request, state.settings, body.cache_salt))
 
 
 async def final_output(request: Request, stream: RequestStream, state: ServerState) -> RequestOutput:
@@ -185,7 +188,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     grammar = grammar_spec(body.response_format, "response_format")
     sampling = sampling_params(body, max_tokens, body.stop, state, param, grammar)
     prompt = await build_prompt(chat_turns(body), state)
-    stream = await submit(prompt, sampling, body.priority, state)
+    stream = await submit(prompt, sampling, body, request, state)
     completion_id, created = f"chatcmpl-{stream.request_id}", int(time.time())
     model = state.settings.model_name
     if body.stream:
@@ -313,7 +316,7 @@ async def responses(body: ResponsesRequest, request: Request, state: ServerState
     grammar = grammar_spec(body.text.format if body.text else None, "text.format")
     sampling = sampling_params(body, body.max_output_tokens, body.stop, state, "max_output_tokens", grammar)
     prompt = await build_prompt(responses_turns(body), state)
-    stream = await submit(prompt, sampling, body.priority, state)
+    stream = await submit(prompt, sampling, body, request, state)
     meta = ResponseMeta(f"resp_{stream.request_id}", f"msg_{stream.request_id}", time.time(), body,
                         state.settings.model_name)
     if body.stream:

@@ -230,10 +230,11 @@ class Engine:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, at or above max_model_len {self.max_model_len}"
             )
-        if self.pool.blocks_for(len(token_ids)) > self.scheduler.max_prompt_blocks():
+        max_prompt_blocks = self.scheduler.kv_cache_manager.max_prompt_blocks()
+        if self.pool.blocks_for(len(token_ids)) > max_prompt_blocks:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, more than the KV cache can ever hold "
-                f"({self.scheduler.max_prompt_blocks()} blocks of {self.pool.block_size})"
+                f"({max_prompt_blocks} blocks of {self.pool.block_size})"
             )
         request_id = request_id or uuid.uuid4().hex
         request = Request(
@@ -242,7 +243,7 @@ class Engine:
             sampling=sampling,
             priority=priority,
             arrival=next(self._arrivals),
-            max_total_tokens=min(self.max_model_len, self.scheduler.max_prompt_blocks() * self.pool.block_size),
+            max_total_tokens=min(self.max_model_len, max_prompt_blocks * self.pool.block_size),
             mm=mm,
             generator=make_generator(sampling, self.device),
             detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop),
@@ -352,11 +353,12 @@ class Engine:
 
     def stats(self) -> EngineStats:
         with self._lock:
+            kv = self.scheduler.kv_cache_manager.stats()
             return EngineStats(
                 num_running=len(self.scheduler.running),
                 num_waiting=len(self.scheduler.waiting),
-                kv_blocks_used=self.pool.num_used,
-                kv_blocks_total=self.pool.num_blocks,
+                kv_blocks_used=kv.blocks_used,
+                kv_blocks_total=kv.blocks_total,
                 num_preemptions=self.scheduler.num_preemptions,
                 last_step_num_tokens=self._last_step_num_tokens,
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
@@ -365,9 +367,9 @@ class Engine:
                 encoder_seconds=self.runner.encoder_seconds,
                 num_steps=self._steps,
                 num_generated_tokens=self._tokens_generated,
-                prefix_cache_queried_tokens=self.pool.queried_tokens,
-                prefix_cache_hit_tokens=self.pool.hit_tokens,
-                prefix_cache_blocks=self.pool.num_cached,
+                prefix_cache_queried_tokens=kv.queried_tokens,
+                prefix_cache_hit_tokens=kv.hit_tokens,
+                prefix_cache_blocks=kv.cached_blocks,
                 encoder_cache_hits=self.encoder_outputs.hits if self.encoder_outputs else 0,
                 num_step_failures=self.num_step_failures,
                 num_request_failures=self.num_request_failures,

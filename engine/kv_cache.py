@@ -1,15 +1,13 @@
 """The paged KV cache: fixed-size blocks, a pool that hands them out, and one key and one value tensor per layer.
 
 A token at position p of a request lives in slot `block_ids[p // block_size] * block_size + p % block_size`.
-Blocks are taken as a prefill grows chunk by chunk and given back when a request finishes, is aborted or
-is preempted, so no request reserves its maximum length up front.
+Which request holds which blocks is the KV cache manager's (engine/kv_cache_manager.py); the pool only counts.
 
-Prefix caching: a block whose every token has been computed is registered under its hash (engine/block_hash.py:
-chained from the previous block's, over its token ids and the content of any image whose placeholders it
-holds), so a later request whose prompt starts with the same blocks takes them instead of computing them.
-Blocks are reference-counted: several requests may read one; a block nobody holds keeps its content and stays
-findable until a new block is needed, when the least recently released such block is taken (its hash
-forgotten). Blocks without content are handed out first.
+Prefix caching: a computed block can be registered under its hash (engine/block_hash.py), so a later request
+whose prompt starts with the same blocks takes them instead of computing them. Blocks are reference-counted:
+several requests may read one; a block nobody holds keeps its content and stays findable until a new block is
+needed, when the least recently released such block is taken (its hash forgotten). Blocks without content are
+handed out first.
 """
 
 from __future__ import annotations
@@ -28,8 +26,6 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}  # block -> the hash it is registered under
         self._block_of: dict[bytes, int] = {}  # hash -> block
-        self.queried_tokens = 0  # prompt tokens looked up in the prefix cache
-        self.hit_tokens = 0  # of which found
 
     @property
     def num_free(self) -> int:

@@ -1,0 +1,140 @@
+"""The scheduler and the KV cache manager without a model: requests as token lists, a config, and the
+SchedulerOutput of each step (the runner's part played by `update`, sampling token 7 at each chunk's end)."""
+
+from __future__ import annotations
+
+from engine import EngineConfig, SamplingParams
+from engine.kv_cache import BlockPool
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request
+from engine.scheduler import Scheduler, SchedulerOutput
+
+BS = 4  # tokens a block
+
+
+def request(rid: str, num_tokens: int, priority: int = 0, arrival: int = 0, first_token: int = 100) -> Request:
+    return Request(request_id=rid, prompt_token_ids=list(range(first_token, first_token + num_tokens)),
+                   sampling=SamplingParams(), priority=priority, arrival=arrival, max_total_tokens=1000)
+
+
+def scheduler(num_blocks: int = 64, **config) -> Scheduler:
+    config = {"max_num_batched_tokens": 16, "max_num_seqs": 8, "block_size": BS, "watermark": 0.0} | config
+    return Scheduler(EngineConfig(**config), BlockPool(num_blocks, BS))
+
+
+def step(s: Scheduler) -> SchedulerOutput:
+    out = s.schedule()
+    s.update(out, {c.request.request_id: 7 for c in out.chunks if c.samples})
+    return out
+
+
+def chunks(out: SchedulerOutput) -> list[tuple[str, int, int]]:
+    return [(c.request.request_id, c.start, c.end) for c in out.chunks]
+
+
+def test_decodes_first_then_prefill_chunks_then_admissions_in_priority_order_under_the_budget():
+    s = scheduler()
+    s.add(request("a", 10, arrival=0, first_token=500))
+    s.add(request("urgent", 30, priority=-1, arrival=1))
+    assert chunks(step(s)) == [("urgent", 0, 16)]
+    assert chunks(step(s)) == [("urgent", 16, 30), ("a", 0, 2)]
+    assert chunks(step(s)) == [("urgent", 30, 31), ("a", 2, 10)]  # urgent decodes: one token, before any chunk
+    assert chunks(step(s)) == [("urgent", 31, 32), ("a", 10, 11)]
+
+
+def test_max_num_seqs_caps_the_running_requests():
+    s = scheduler(max_num_seqs=2)
+    for i in range(3):
+        s.add(request(f"r{i}", 3, arrival=i, first_token=100 * i))
+    assert [rid for rid, _, _ in chunks(step(s))] == ["r0", "r1"]
+    assert [r.request_id for r in s.waiting] == ["r2"]
+
+
+def test_a_request_that_needs_a_block_preempts_the_lowest_priority_newest_one():
+    s = scheduler(num_blocks=4)  # 16 tokens in all
+    s.add(request("old", 8, arrival=0))
+    s.add(request("new", 7, arrival=1, first_token=500))
+    step(s)
+    assert s.kv_cache_manager.pool.num_free == 0
+    out = step(s)  # both decode; "old" needs its third block and none is free
+    assert [r.request_id for r in out.preempted] == ["new"]
+    assert chunks(out) == [("old", 8, 9)]
+    new = out.preempted[0]
+    assert new.block_ids == [] and new.num_computed_tokens == 0 and new in s.waiting
+    assert s.num_preemptions == 1
+
+
+def test_a_second_request_with_the_same_prompt_starts_after_the_cached_blocks_leaving_its_last_token():
+    s = scheduler()
+    s.add(request("first", 12))
+    step(s)
+    s.add(request("second", 12, arrival=1))
+    out = step(s)
+    assert ("second", 8, 12) in chunks(out)  # blocks 0 and 1 found; block 2 holds the last token, recomputed
+    second = out.chunks[-1].request
+    assert second.block_ids[:2] == s.running[0].block_ids[:2]
+    assert second.num_cached_tokens == 8
+    stats = s.kv_cache_manager.stats()
+    assert (stats.queried_tokens, stats.hit_tokens) == (24, 8)
+
+
+def test_blocks_are_found_only_after_the_step_that_computed_them():
+    s = scheduler()
+    s.add(request("a", 12))
+    s.add(request("b", 12, arrival=1))
+    assert chunks(step(s)) == [("a", 0, 12), ("b", 0, 4)]  # admitted together: b cannot read what a writes
+    assert s.kv_cache_manager.stats().hit_tokens == 0
+
+
+def test_a_preempted_request_finds_its_own_blocks_when_readmitted():
+    s = scheduler(num_blocks=5)
+    old, new = request("old", 8, arrival=0), request("new", 11, arrival=1, first_token=500)
+    s.add(old)
+    s.add(new)
+    assert chunks(step(s)) == [("old", 0, 8), ("new", 0, 8)]
+    assert step(s).preempted == [new]  # "old" needs a third block: the last empty one goes to it
+    assert new.block_ids == []
+    s.finish(old, "stop")
+    assert chunks(step(s)) == [("new", 8, 11)]  # its two full blocks were still findable
+
+
+def test_without_prefix_caching_nothing_is_found():
+    s = scheduler(enable_prefix_caching=False)
+    s.add(request("first", 12))
+    step(s)
+    s.add(request("second", 12, arrival=1))
+    assert ("second", 0, 12) in chunks(step(s))
+    assert s.kv_cache_manager.stats().cached_blocks == 0
+
+
+# -- the manager alone ---------------------------------------------------------------------------------
+def manager(num_blocks: int = 4, watermark: float = 0.0) -> KVCacheManager:
+    return KVCacheManager(BlockPool(num_blocks, BS), EngineConfig(block_size=BS, watermark=watermark))
+
+
+def test_allocate_refuses_with_nothing_changed_when_too_few_blocks_are_free():
+    m = manager()
+    a, b = request("a", 12), request("b", 8)
+    assert m.allocate(a, 12)
+    assert not m.allocate(b, 8)
+    assert b.block_ids == [] and m.pool.num_free == 1
+    m.free(a)
+    assert a.block_ids == [] and m.pool.num_free == 4
+    assert m.allocate(b, 8)
+
+
+def test_admission_counts_the_whole_prompt_and_the_watermark():
+    m = manager(num_blocks=10, watermark=0.2)  # 2 blocks kept back
+    assert m.max_prompt_blocks() == 8
+    assert m.can_admit(request("fits", 32), [])
+    assert not m.can_admit(request("too long", 33), [])
+
+
+def test_allocate_grows_a_table_block_by_block():
+    m = manager(num_blocks=8)
+    r = request("r", 20)
+    for computed, added in [(0, 1), (1, 3), (4, 1), (5, 6)]:
+        r.num_computed_tokens = computed
+        assert m.allocate(r, added)
+        assert len(r.block_ids) == m.pool.blocks_for(computed + added)
+    assert len(set(r.block_ids)) == len(r.block_ids)
