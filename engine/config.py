@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from engine.grammar_limits import GrammarLimits
 
 ATTENTION_BACKENDS = ("auto", "kernel", "cpu", "reference")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,6 +60,8 @@ class EngineConfig:
     cuda_graphs: replay decode-only steps from CUDA graphs captured at start-up at padded batch sizes
         (1, 2, 4, 8, then multiples of 8 up to `max_num_seqs`); needs the kernel backend. `None`: on where
         the kernel runs on CUDA.
+    grammar_limits: what one grammar (structured output) may ask for, its compile deadline, the compiler's child
+        processes and the compiled-grammar cache's size (engine/grammar_limits.py).
     """
 
     model: str = "tiny"
@@ -81,6 +85,7 @@ class EngineConfig:
     compile_model: bool = False
     enable_prefix_caching: bool = True
     encoder_cache_tokens: int = 4096
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -316,15 +316,28 @@ class Engine:
             num_cached_tokens=request.num_cached_tokens,
         )
 
-    def _matcher(self, spec: GrammarSpec) -> Matcher:
-        """A new request's matcher; the compiler is built once, over the model's logits width."""
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The engine's grammar compiler (its child processes and cache), built at first use over the model's
+        logits width; ValueError when xgrammar is not installed. Callers may compile a spec ahead of
+        `add_request` (`grammars.compile`, from `grammars.executor`), which then finds it cached."""
         with self._grammars_lock:
             if self._grammars is None:
                 vocab_size = self.adapter.lm_head.weight.shape[0]
-                self._grammars = GrammarCompiler(
-                    self.tokenizer, vocab_size, sorted(self.eos_token_ids), max_threads=torch.get_num_threads()
-                )
-        return self._grammars.matcher(spec)
+                self._grammars = GrammarCompiler(self.tokenizer, vocab_size, sorted(self.eos_token_ids),
+                                                 self.config.grammar_limits)
+            return self._grammars
+
+    def _matcher(self, spec: GrammarSpec) -> Matcher:
+        """A new request's matcher."""
+        return self.grammars.matcher(spec)
+
+    def close(self) -> None:
+        """End the grammar compiler's child processes (the engine's other resources are freed with it)."""
+        with self._grammars_lock:
+            if self._grammars is not None:
+                self._grammars.close()
+                self._grammars = None
 
     def _advance(self, request: Request) -> RequestOutput:
         params = request.sampling

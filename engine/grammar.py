@@ -6,7 +6,8 @@ requests without a grammar when xgrammar is not installed, and only a request th
 
 - `GrammarSpec` says what the output must match; it is hashable, so compiled grammars are cached by it.
 - `GrammarCompiler` is built once per engine from the tokenizer, over the model's logits width (which may be
-  wider than the tokenizer), and compiles a spec into a `Matcher` per request.
+  wider than the tokenizer), and compiles a spec into a `Matcher` per request: its limits checked first
+  (engine/grammar_limits.py), compiled in a supervised child process (engine/grammar_pool.py).
 - `apply_token_masks` masks a batch of logits rows in place: one bitmask for the whole batch, filled by each
   row's matcher on the host, copied to the logits' device once and applied there by xgrammar's kernel.
 """
@@ -16,13 +17,15 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-# Compiled grammars kept per compiler (a schema compiles in milliseconds, but a server sees the same few).
-COMPILED_CACHE_SIZE = 256
+from engine.grammar_limits import GrammarLimits, check_regex, check_schema
+from engine.grammar_pool import GrammarCancelled, GrammarPool, GrammarTimeout
 
 
 @dataclass(frozen=True)
@@ -107,11 +110,13 @@ def _clean_error(exc: Exception) -> str:
 
 
 class Matcher:
-    """One request's position in its grammar: which tokens may come next, and whether it has ended."""
+    """One request's position in its grammar: which tokens may come next, and whether it has ended.
+    `filler` is its compiler's batch mask filler (see `apply_token_masks`)."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, filler: BatchFiller) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self.filler = filler
 
     def accept(self, token_id: int) -> bool:
         """Advance by one generated token; False if the grammar does not allow it (the state is unchanged)."""
@@ -123,48 +128,113 @@ class Matcher:
         return bool(self._matcher.is_terminated())
 
 
-class GrammarCompiler:
-    """Compiles grammar specs for one tokenizer and logits width, caching compiled grammars by spec."""
+class BatchFiller:
+    """xgrammar's batch mask filler, with as many threads as torch uses (one per thread count, built once)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_threads: int = 1) -> None:
+    def __init__(self) -> None:
+        self._fillers: dict[int, Any] = {}
+
+    def fill(self, xgr: Any, matchers: list[Any], bitmask: torch.Tensor, indices: list[int]) -> None:
+        threads = torch.get_num_threads()
+        if threads not in self._fillers:
+            self._fillers[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
+        self._fillers[threads].batch_fill_next_token_bitmask(matchers, bitmask, indices)
+
+
+def _compile_in_child(xgr: Any, compiler: Any, kind: str, text: str) -> Any:
+    """What a compiler child runs (engine/grammar_pool.py): one spec's grammar."""
+    if kind == "regex":
+        return compiler.compile_regex(text)
+    return _compile_json_schema(xgr, compiler, text)
+
+
+class CompiledCache:
+    """Compiled grammars by spec, least recently used dropped first, bounded by their size in memory (a grammar
+    larger than the whole bound is used, not kept)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[GrammarSpec, tuple[Any, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, spec: GrammarSpec) -> Any | None:
+        with self._lock:
+            entry = self._entries.get(spec)
+            if entry is None:
+                return None
+            self._entries.move_to_end(spec)
+            return entry[0]
+
+    def put(self, spec: GrammarSpec, compiled: Any, size: int) -> None:
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if spec in self._entries:
+                return
+            while self.bytes + size > self.max_bytes:
+                _, (_, dropped) = self._entries.popitem(last=False)
+                self.bytes -= dropped
+            self._entries[spec] = (compiled, size)
+            self.bytes += size
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class GrammarCompiler:
+    """Compiles grammar specs for one tokenizer and logits width: limits checked first (engine/grammar_limits.py),
+    then compiled in a supervised child process (engine/grammar_pool.py) under a deadline, kept in a cache
+    bounded in bytes. Owned by one engine (`Engine.grammars`); `close` ends its children."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+                 limits: GrammarLimits | None = None) -> None:
         xgr = _xgrammar()
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
-        self._info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids
-        )
-        self._compiler = xgr.GrammarCompiler(self._info, max_threads=max_threads, cache_enabled=False)
-        self._compiled: dict[GrammarSpec, Any] = {}
-        self._lock = threading.Lock()
+        self.limits = limits or GrammarLimits()
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids)
+        self.pool = GrammarPool(info, self.limits, _compile_in_child)
+        self.cache = CompiledCache(self.limits.max_cache_bytes)
+        self.filler = BatchFiller()
 
-    def compile(self, spec: GrammarSpec) -> Any:
-        """The compiled grammar of `spec` (cached); ValueError naming the problem if it cannot compile."""
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """Threads of this compiler's own, for callers that must not block theirs while a grammar compiles."""
+        return self.pool.executor
+
+    def compile(self, spec: GrammarSpec, cancelled: threading.Event | None = None) -> Any:
+        """The compiled grammar of `spec` (cached). ValueError naming the problem if it cannot compile:
+        `GrammarLimitError` over a limit, `GrammarTimeout` past the deadline, `GrammarCancelled` once `cancelled`
+        is set."""
         if not isinstance(spec, GrammarSpec):
             raise ValueError(f"grammar must be a GrammarSpec, got {type(spec).__name__}")
-        with self._lock:
-            compiled = self._compiled.get(spec)
+        compiled = self.cache.get(spec)
         if compiled is not None:
             return compiled
-        xgr = _xgrammar()
+        if spec.regex is not None:
+            check_regex(spec.regex, self.limits)
+            kind, text = "regex", spec.regex
+        else:
+            text = '{"type": "object"}' if spec.json_object else spec.json_schema
+            check_schema(text, self.limits)
+            kind = "json_schema"
         try:
-            if spec.json_schema is not None:
-                compiled = _compile_json_schema(xgr, self._compiler, spec.json_schema)
-            elif spec.json_object:
-                compiled = _compile_json_schema(xgr, self._compiler, '{"type": "object"}')
-            else:
-                compiled = self._compiler.compile_regex(spec.regex)
-        except Exception as exc:  # xgrammar raises RuntimeError (and others) from its C++ core
-            raise ValueError(f"the {spec.describe()} grammar could not be compiled: {_clean_error(exc)}") from exc
-        with self._lock:
-            if len(self._compiled) >= COMPILED_CACHE_SIZE:
-                self._compiled.pop(next(iter(self._compiled)))
-            self._compiled[spec] = compiled
+            compiled = self.pool.compile(kind, text, cancelled)
+        except (GrammarTimeout, GrammarCancelled):
+            raise
+        except ValueError as exc:
+            raise ValueError(f"the {spec.describe()} grammar could not be compiled: {_clean_error(exc)}") from None
+        self.cache.put(spec, compiled, int(compiled.memory_size_bytes))
         return compiled
 
     def matcher(self, spec: GrammarSpec) -> Matcher:
         """A fresh matcher for one request under `spec`."""
         xgr = _xgrammar()
-        return Matcher(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size)
+        return Matcher(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, self.filler)
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 def apply_token_masks(logits: torch.Tensor, matchers: list[Matcher | None]) -> None:
@@ -177,11 +247,12 @@ def apply_token_masks(logits: torch.Tensor, matchers: list[Matcher | None]) -> N
     if not indices:
         return
     xgr = _xgrammar()
-    vocab_size = matchers[indices[0]].vocab_size
+    first = matchers[indices[0]]
+    vocab_size = first.vocab_size
     # All bits set: every token allowed, so rows without a matcher could be masked too and stay untouched.
     on_cuda = logits.device.type == "cuda"
     bitmask = torch.full(xgr.get_bitmask_shape(len(matchers), vocab_size), -1, dtype=torch.int32, pin_memory=on_cuda)
-    _batch_matcher(xgr).batch_fill_next_token_bitmask([matchers[i]._matcher for i in indices], bitmask, indices)
+    first.filler.fill(xgr, [matchers[i]._matcher for i in indices], bitmask, indices)
     if logits.device != bitmask.device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(
@@ -190,14 +261,3 @@ def apply_token_masks(logits: torch.Tensor, matchers: list[Matcher | None]) -> N
         vocab_size=min(vocab_size, logits.shape[-1]),
         indices=None if len(indices) == len(matchers) else indices,
     )
-
-
-_batch_matchers: dict[int, Any] = {}
-
-
-def _batch_matcher(xgr: Any) -> Any:
-    """xgrammar's batch filler with as many threads as torch uses (one per thread count, built once)."""
-    threads = torch.get_num_threads()
-    if threads not in _batch_matchers:
-        _batch_matchers[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
-    return _batch_matchers[threads]

@@ -1,0 +1,163 @@
+"""Grammar compiling in supervised child processes: a grammar that crashes the compiler (SIGSEGV), or takes
+past its deadline, ends its child, never the server.
+
+Each worker is a child forked from the engine's process (so it starts at once, with xgrammar and the tokenizer
+already loaded) that compiles one spec at a time and sends the compiled grammar back serialized. A compile
+waits for an idle worker, then for its answer until `GrammarLimits.compile_timeout_s`; one past its deadline,
+or cancelled by its caller (a client that left), has its child killed, and a dead child is replaced by a new
+one before the next compile. Callers block in the thread they call from: the server calls from a thread pool
+of this pool's own (`executor`), never from the one that admits requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from engine.grammar_limits import GrammarLimits
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05  # how often a waiting compile looks at its cancel event
+
+
+class GrammarTimeout(ValueError):
+    """A compile ran past `GrammarLimits.compile_timeout_s` (its child was killed)."""
+
+    limit = "compile_timeout_s"
+
+
+class GrammarCancelled(ValueError):
+    """The caller gave up on the compile (its child was killed)."""
+
+
+def _serve(conn: Any, info: Any, compile_one: Any) -> None:
+    """A worker's loop: (kind, text) in, ("ok", serialized) or ("error", message) out, until the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; the child ends when its pipe does
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    import xgrammar
+
+    compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    conn.send(("ready", ""))
+    while True:
+        try:
+            kind, text = conn.recv()
+        except (EOFError, OSError):
+            os._exit(0)
+        try:
+            conn.send(("ok", compile_one(xgrammar, compiler, kind, text).serialize_json()))
+        except Exception as exc:  # xgrammar raises RuntimeError (and others) from its C++ core
+            conn.send(("error", str(exc)))
+
+
+class _Worker:
+    def __init__(self, context: Any, info: Any, compile_one: Any) -> None:
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(child, info, compile_one), daemon=True,
+                                       name="vlmcap-grammar")
+        self.process.start()
+        child.close()
+        self.ready = False
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
+        self.conn.close()
+
+
+class GrammarPool:
+    """`limits.workers` supervised children that compile grammars for one tokenizer (`info`, an xgrammar
+    TokenizerInfo). `compile_one(xgrammar, compiler, kind, text)` runs in the child and returns a compiled
+    grammar; `compile` returns it deserialized in the caller's process."""
+
+    START_TIMEOUT_S = 60.0
+
+    def __init__(self, info: Any, limits: GrammarLimits, compile_one: Any) -> None:
+        self.info = info
+        self.limits = limits
+        self.compile_one = compile_one
+        self._context = multiprocessing.get_context("fork")
+        self._idle: queue.Queue[_Worker | None] = queue.Queue()
+        for _ in range(limits.workers):
+            self._idle.put(None)  # a slot: its worker is started at first use
+        self.executor = ThreadPoolExecutor(max_workers=limits.workers + 2, thread_name_prefix="vlmcap-grammar")
+        self.restarts = 0  # children killed (deadline, cancel) or found dead (crash)
+        self.started = 0  # children started
+
+    def compile(self, kind: str, text: str, cancelled: threading.Event | None = None) -> Any:
+        """The compiled grammar of (kind, text); ValueError for one that does not compile, GrammarTimeout past the
+        deadline, GrammarCancelled when `cancelled` is set first, ValueError when the compiler crashed."""
+        slot = self._take(cancelled)
+        worker = None
+        try:
+            worker = self._started(slot)
+            worker.conn.send((kind, text))
+            status, payload = self._answer(worker, cancelled)
+        except BaseException:
+            if worker is not None:
+                worker.kill()
+                self.restarts += 1
+            self._idle.put(None)
+            raise
+        self._idle.put(worker)
+        if status != "ok":
+            raise ValueError(payload)
+        import xgrammar
+
+        return xgrammar.CompiledGrammar.deserialize_json(payload, self.info)
+
+    def _take(self, cancelled: threading.Event | None) -> _Worker | None:
+        while True:
+            if cancelled is not None and cancelled.is_set():
+                raise GrammarCancelled("the grammar's compile was cancelled")
+            try:
+                return self._idle.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+
+    def _started(self, worker: _Worker | None) -> _Worker:
+        if worker is not None and worker.process.is_alive():
+            return worker
+        if worker is not None:
+            worker.kill()
+        worker = _Worker(self._context, self.info, self.compile_one)
+        self.started += 1
+        if not worker.conn.poll(self.START_TIMEOUT_S):
+            raise RuntimeError("a grammar compiler process did not start")
+        worker.conn.recv()
+        return worker
+
+    def _answer(self, worker: _Worker, cancelled: threading.Event | None) -> tuple[str, str]:
+        deadline = time.monotonic() + self.limits.compile_timeout_s
+        while not worker.conn.poll(POLL_S):
+            if cancelled is not None and cancelled.is_set():
+                raise GrammarCancelled("the grammar's compile was cancelled")
+            if time.monotonic() > deadline:
+                raise GrammarTimeout(f"the grammar took longer than {self.limits.compile_timeout_s:g} s to compile "
+                                     "(compile_timeout_s)")
+        try:
+            return worker.conn.recv()
+        except (EOFError, OSError):
+            worker.process.join(1)
+            code = worker.process.exitcode
+            why = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+            log.error("a grammar compiler process died (%s); it is replaced", why)
+            raise ValueError(f"the grammar crashed the compiler ({why}); it cannot be used") from None
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        while True:
+            try:
+                worker = self._idle.get_nowait()
+            except queue.Empty:
+                return
+            if worker is not None:
+                worker.kill()
