@@ -86,8 +86,8 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
                     metrics.watch_alert_webhook(lambda: webhook.stats)
                 worker = QueueWorker(
                     connect(settings.redis_url), state.captioner, consumer_name=settings.consumer_name,
-                    claim_idle_seconds=settings.claim_idle_s, max_deliveries=settings.max_deliveries,
-                    priority=settings.caption_priority, batch_size=settings.queue_batch_size,
+                    claim_idle_seconds=settings.claim_idle_seconds, max_deliveries=settings.max_deliveries,
+                    priority=settings.caption_priority, batch_size=settings.batch_size,
                     fall_priority=settings.fall_priority, on_alert=webhook.notify if webhook else None,
                 )
                 worker.start()

@@ -21,16 +21,28 @@ def _engine_config() -> EngineConfig:
 
 @dataclass
 class Limits:
-    """What one client may ask for. Each limit answers with a clear 4xx when passed."""
+    """What one client may ask for. Each limit answers with a clear 4xx when passed.
+
+    max_body_bytes: largest request body.
+    max_image_bytes: largest encoded image.
+    max_image_pixels: largest image in pixels, checked before decoding.
+    max_images_per_request: most images in one request.
+    max_tokens_cap: most new tokens one request may ask for.
+    default_max_tokens: new tokens of a request that sets no max_tokens.
+    max_waiting_requests: requests waiting in the engine beyond which new ones get 429.
+    allow_remote_images: fetch http(s) image URLs (only from the allowed remote image hosts).
+    remote_image_hosts: a host allowed for remote images (repeat; '*.example.com').
+    allow_private_remote_images: allow remote image hosts that resolve to private or loopback addresses.
+    remote_image_timeout_s: seconds one remote image may take to arrive.
+    """
 
     max_body_bytes: int = 32 * 1024 * 1024
     max_image_bytes: int = 16 * 1024 * 1024
     max_image_pixels: int = 40_000_000
     max_images_per_request: int = 8
-    max_tokens_cap: int = 4096  # the most new tokens one request may ask for
+    max_tokens_cap: int = 4096
     default_max_tokens: int = 256
-    max_waiting_requests: int = 256  # requests queued in the engine beyond which new ones get 429
-    # Remote images (http/https URLs): off unless enabled, only to allowlisted hosts.
+    max_waiting_requests: int = 256
     allow_remote_images: bool = False
     remote_image_hosts: tuple[str, ...] = ()
     allow_private_remote_images: bool = False
@@ -49,36 +61,53 @@ class Limits:
 
 @dataclass
 class ServerSettings:
+    """The server around the engine: who may call it, the caption queue, shutdown.
+
+    served_model_name: model id clients send and /v1/models lists (default: the engine's model).
+    api_key: when set, every /v1 route and the API docs need 'Authorization: Bearer <key>'.
+    api_keys: named keys besides api_key, name -> key (`VLMCAP_API_KEYS`: 'name:key' lines; api.guard).
+    allow_unauthenticated: listen on a non-loopback address without an API key (an open server; refused otherwise).
+    public_metrics: serve /metrics without the API key (it needs one when keys are set).
+    share_prefix_cache: let requests of different API keys share cached prefixes and image features.
+    max_sse_subscribers: server-sent event streams open at once; one more answers 503 with Retry-After.
+    allowed_hosts: without an API key, a Host name clients may use besides loopback ones (repeat; '*': any).
+    redis_url: Redis for caption results shared with camera queue workers (default: results in memory, no queue).
+    run_queue_worker: with a Redis URL, caption camera jobs from the Redis queue in-process.
+    consumer_name: the queue worker's name in the consumer group (default: host-pid).
+    claim_idle_seconds: take over jobs pending this long at another consumer.
+    max_deliveries: attempts before a camera job goes to the dead-letter stream.
+    batch_size: camera jobs read at once and captioned concurrently.
+    caption_prompt: prompt of captions that give none.
+    caption_max_tokens: new tokens of a caption.
+    structured_caption_max_tokens: new tokens of a caption under a JSON schema (a job's or a request's `schema`).
+    caption_priority: engine priority of captions (lower first; chat is 0).
+    fall_priority: engine priority of fall alerts' captions (lower first; chat is 0).
+    alert_webhook: POST each fall alert's result as JSON to this URL (retried with backoff, never delaying captions).
+    shutdown_grace_s: seconds in-flight requests get to finish at shutdown.
+    """
+
     engine: EngineConfig = field(default_factory=_engine_config)
     served_model_name: str | None = None
     api_key: str | None = None
-    # Named keys besides api_key, name -> key (`VLMCAP_API_KEYS`: `name:key` lines; see api.guard.parse_api_keys).
     api_keys: dict[str, str] = field(default_factory=dict)
-    # Listen on a non-loopback address without a key (protected mode refuses to; see api.guard.check_exposure).
     allow_unauthenticated: bool = False
-    # /metrics answers without the key (a scraper on a trusted network); with keys set it needs one otherwise.
     public_metrics: bool = False
-    # Requests of different API keys share cached prefix blocks and image features (else salted by key).
     share_prefix_cache: bool = False
-    # Server-sent event streams open at once (captions and alerts); one more answers 503 with Retry-After.
     max_sse_subscribers: int = 256
-    # Without an API key, Host header names accepted besides loopback ones ("*": any); see api.guard.
     allowed_hosts: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
-    # Captions: results go to Redis (shared with camera queue workers) when a URL is given, else memory.
     redis_url: str | None = None
     run_queue_worker: bool = True
-    # The in-process queue worker (see jobqueue.consumer.QueueWorker); consumer name None: host-pid.
     consumer_name: str | None = None
-    claim_idle_s: float = 60.0
+    claim_idle_seconds: float = 60.0
     max_deliveries: int = 3
-    queue_batch_size: int = 8
+    batch_size: int = 8
     caption_prompt: str = "Describe the people in this image in one sentence."
     caption_max_tokens: int = 64
-    structured_caption_max_tokens: int = 512  # captions under a JSON schema (`schema` of a job or request)
-    caption_priority: int = DEFAULT_CAPTION_PRIORITY  # chats (priority 0) go first
-    fall_priority: int = DEFAULT_FALL_PRIORITY  # fall alerts: before other camera jobs, after chats
-    alert_webhook: str | None = None  # URL each fall alert's result is POSTed to (see jobqueue.alerts)
+    structured_caption_max_tokens: int = 512
+    caption_priority: int = DEFAULT_CAPTION_PRIORITY
+    fall_priority: int = DEFAULT_FALL_PRIORITY
+    alert_webhook: str | None = None
     shutdown_grace_s: float = 10.0
 
     @property

@@ -14,52 +14,60 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class EngineConfig:
-    """How the engine loads its model and schedules work.
+    """How the engine loads its model and schedules work. Each entry's first sentence is its option's help in
+    `vlmcap serve --help` (cli/declared.py reads them); docs/configuration.md lists them all.
 
-    model: a local Hugging Face checkpoint directory, a hub id, `tiny` / `tiny-<family>` (small random offline
-        models: `tiny-qwen2-vl`, `tiny-qwen2.5-vl`, `tiny-llava`, `tiny-llava-onevision`) or `dummy:<preset>`
-        (a real architecture at real size with random weights).
-    max_num_batched_tokens: the token budget of one step (decode tokens plus prefill chunk tokens).
+    model: the model to load. A local Hugging Face checkpoint directory, a hub id, `tiny` / `tiny-<family>`
+        (small random offline models: `tiny-qwen2-vl`, `tiny-qwen2.5-vl`, `tiny-llava`, `tiny-llava-onevision`)
+        or `dummy:<preset>` (a real architecture at real size with random weights).
+    device: the torch device (cpu, cuda, cuda:1, ...).
+    dtype: the weights' and KV cache's dtype (float32, bfloat16 or float16).
+    max_num_batched_tokens: the step budget, in tokens (decode tokens plus prefill chunk tokens).
     max_num_seqs: the most requests that run (hold KV blocks) at once.
-    enable_chunked_prefill: split prompts into chunks that fit the budget; off, a prompt is prefilled
+    enable_chunked_prefill: split prompts into chunks that fit the step budget. Off, a prompt is prefilled
         whole in one step however long it is (for comparison).
-    max_encoder_tokens_per_step: vision encoder work of one step, counted in the encoder's output tokens
-        (the image placeholders it fills: 64 a SmolVLM-256M tile, one per 2x2 patch group of a Qwen2-VL
-        image), so that the budget follows the encoder's cost in any family. Encoder inputs (a tile for
-        SmolVLM, an image for Qwen2-VL and LLaVA, whose towers attend across a whole image) run whole or
-        not at all; one runs each step even if it alone is over the budget. `None`: every input a chunk
-        needs runs in the step that needs it.
-    encoder_slices_per_step: run an encoder input's vision tower over several steps, this many slices of
-        it a step, so that one tile never costs a step much more than a decode (families that support it:
+    max_encoder_tokens_per_step: the encoder budget of one step, in the encoder's output tokens. Those are the
+        image placeholders it fills (64 a SmolVLM-256M tile, one per 2x2 patch group of a Qwen2-VL image), so
+        that the budget follows the encoder's cost in any family. Encoder inputs (a tile for SmolVLM, an image
+        for Qwen2-VL and LLaVA, whose towers attend across a whole image) run whole or not at all; one runs each
+        step even if it alone is over the budget. `None`: every input a chunk needs runs in the step that needs
+        it.
+    encoder_slices_per_step: slices of an encoder input's vision tower run a step (`None`: the whole tower). A
+        tower run over several steps never costs a step much more than a decode (families that support it:
         SmolVLM, where a slice is one of five of a SigLIP layer: its QKV projections, half its heads' attention,
-        the other half with the output projection, the MLP's first or its second linear layer); `None` runs
-        each input's tower whole. What a step leaves of the encoder budget starts the next input's tower
-        before the chunk reaches it.
+        the other half with the output projection, the MLP's first or its second linear layer). What a step
+        leaves of the encoder budget starts the next input's tower before the chunk reaches it.
     block_size: tokens per KV cache block.
-    num_kv_blocks: KV cache size in blocks; `None` sizes it from `kv_cache_memory_fraction` of the
-        device memory that is free after the model is loaded (capped at what `max_num_seqs` requests of
-        `max_model_len` tokens can use).
-    max_model_len: prompt plus output tokens of one request; `None` takes the model's own limit.
-    enable_prefix_caching: keep computed KV blocks findable by a hash of their tokens and images, so a request
-        whose prompt starts like an earlier one (a chat's next turn, a camera's fixed prompt) skips that prefix;
-        and keep recent vision features by image content, so an image sent again is not encoded again.
-    encoder_cache_tokens: the vision features kept for reuse, in the encoder's output tokens (0: none).
-    attention_backend: `kernel` reads the paged cache in place with one Triton launch per layer (CUDA, bfloat16 or
-        float16, a block size that is a power of two of at least 16); `cpu` reads the cache in place for every
-        decode with a small C kernel built at first use (the CPU, with a C compiler), prefill chunks as
-        `reference`; `reference` gathers each context's blocks and runs SDPA (any device and dtype: the
-        exactness reference); `auto` takes the kernel where it runs, else `cpu` where it runs, else `reference`.
-    cpu_linear: on the CPU, multiply by the weights with a C kernel that reads them once in their own dtype from a
-        copy packed at load (engine/cpu_kernel.py; every row count for bfloat16 and float16 weights, up to 16
-        rows for float32; the copy doubles the Linear weights' memory; vision towers' patch embeddings too, as
-        rows of patches), and Llama-style RMSNorms with another (one call instead of seven operators); `None`:
-        on where the kernels build (the CPU, with a C compiler).
-    compile_model: compile the text model's decoder layers with torch.compile at start-up (engine/compiled.py;
-        the CPU, where per-operator overhead is a large part of a decode step; needs a C compiler for
+    num_kv_blocks: the KV cache's size in blocks (`None`: from free memory). `None` sizes it from
+        `kv_cache_memory_fraction` of the device memory that is free after the model is loaded (capped at what
+        `max_num_seqs` requests of `max_model_len` tokens can use).
+    kv_cache_memory_fraction: the share of free device memory the KV cache takes when `num_kv_blocks` is None.
+    max_model_len: prompt plus output tokens of one request (`None`: the model's own limit).
+    watermark: the share of KV blocks kept free when a request is admitted (so it is not preempted at once).
+    seed: the seed of torch's default generator (requests with a seed of their own use their own).
+    num_threads: torch's CPU threads (`None`: torch's choice).
+    enable_prefix_caching: reuse the KV blocks of a prompt's prefix computed for an earlier request. Computed
+        blocks stay findable by a hash of their tokens and images, so a request whose prompt starts like an
+        earlier one (a chat's next turn, a camera's fixed prompt) skips that prefix; and recent vision features
+        are kept by image content, so an image sent again is not encoded again.
+    encoder_cache_tokens: vision features kept for images sent again, in the encoder's output tokens (0: none).
+    attention_backend: how attention reads the paged KV cache: auto, kernel, cpu or reference. `kernel` reads the
+        cache in place with one Triton launch per layer (CUDA, bfloat16 or float16, a block size that is a power
+        of two of at least 16); `cpu` reads the cache in place for every decode with a small C kernel built at
+        first use (the CPU, with a C compiler), prefill chunks as `reference`; `reference` gathers each
+        context's blocks and runs SDPA (any device and dtype: the exactness reference); `auto` takes the kernel
+        where it runs, else `cpu` where it runs, else `reference`.
+    cpu_linear: on the CPU, run Linear layers and RMSNorms through the engine's C kernels (`None`: where they
+        build). The Linear kernel reads the weights once in their own dtype from a copy packed at load
+        (engine/cpu_kernel.py; every row count for bfloat16 and float16 weights, up to 16 rows for float32; the
+        copy doubles the Linear weights' memory; vision towers' patch embeddings too, as rows of patches), and
+        Llama-style RMSNorms run in one call instead of seven operators.
+    compile_model: compile the text model's decoder layers with torch.compile at start-up (the CPU). On the CPU
+        per-operator overhead is a large part of a decode step (engine/compiled.py; needs a C compiler for
         inductor's kernels). Start-up takes longer by the compile time, which `stats().compile_seconds` reports.
-    cuda_graphs: replay decode-only steps from CUDA graphs captured at start-up at padded batch sizes
-        (1, 2, 4, 8, then multiples of 8 up to `max_num_seqs`); needs the kernel backend. `None`: on where
-        the kernel runs on CUDA.
+    cuda_graphs: replay decode-only steps from CUDA graphs captured at start-up (`None`: where the kernel runs on
+        CUDA). Graphs are captured at padded batch sizes (1, 2, 4, 8, then multiples of 8 up to `max_num_seqs`);
+        they need the kernel backend.
     grammar_limits: what one grammar (structured output) may ask for, its compile deadline, the compiler's child
         processes and the compiled-grammar cache's size (engine/grammar_limits.py).
     """

@@ -33,7 +33,7 @@ SAMPLE_SCHEMA = json.loads(SAMPLE_SCHEMA_PATH.read_text())
 @pytest.fixture(scope="module")
 def server(module_redis_url):
     settings = ServerSettings(engine=EngineConfig(model="tiny"), redis_url=module_redis_url, caption_max_tokens=6,
-                              max_deliveries=1, claim_idle_s=0.5)
+                              max_deliveries=1, claim_idle_seconds=0.5)
     with BackgroundServer(create_app(settings)) as running:
         yield running
 

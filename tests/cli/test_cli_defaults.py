@@ -104,3 +104,73 @@ def test_worker_without_options_uses_the_workers_defaults(monkeypatch, clean_env
         assert seen["captioner"][name] == default(OpenAICaptioner, name)
     for name in ("claim_idle_seconds", "max_deliveries", "priority", "batch_size", "fall_priority"):
         assert seen["worker"][name] == default(QueueWorker, name)
+
+
+# -- options built from the declarations -------------------------------------------------------------------
+def command_params(name: str) -> dict[str, object]:
+    """The click parameters of `vlmcap <name>`, by Python name."""
+    import typer.main
+
+    return {p.name: p for p in typer.main.get_command(app).commands[name].params}
+
+
+def test_every_engine_field_is_read_from_the_source_as_the_class_declares_it():
+    import dataclasses
+
+    from cli.declared import TYPES, engine_fields
+
+    read = {s.name: s.default for s in engine_fields()}
+    literal = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.type in TYPES}
+    assert read == literal
+    assert set(literal) >= {"attention_backend", "cpu_linear", "cuda_graphs", "seed", "watermark"}
+
+
+@pytest.mark.parametrize("command", ["serve"])
+def test_each_option_has_its_fields_default_environment_variable_and_help(command):
+    from cli.declared import envvar
+    from cli.serve import ENGINE, LIMITS, RENAMES, SERVER
+
+    params = command_params(command)
+    for setting in ENGINE + SERVER + LIMITS:
+        param = params[setting.name]
+        default = list(setting.default) if isinstance(setting.default, tuple) else setting.default
+        assert param.default == default, setting.name
+        assert param.envvar == envvar(setting, RENAMES), setting.name
+        assert setting.help, f"{setting.owner}.{setting.name} has no `name: help` entry in its docstring"
+
+
+def test_existing_option_names_and_environment_variables_keep_working(monkeypatch, clean_env):
+    built: list[ServerSettings] = []
+    monkeypatch.setattr(api.server, "create_app", lambda settings: built.append(settings))
+    monkeypatch.setattr("uvicorn.run", lambda *args, **kwargs: None)
+    monkeypatch.setenv("VLMCAP_PREFIX_CACHING", "false")
+    monkeypatch.setenv("VLMCAP_BATCH_SIZE", "3")
+    argv = ["serve", "--no-chunked-prefill", "--claim-idle-seconds", "5", "--attention-backend", "reference",
+            "--no-cpu-linear", "--seed", "7", "--remote-image-host", "a.example", "--shutdown-grace", "2"]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    settings = built[0]
+    engine = settings.engine
+    assert (engine.enable_chunked_prefill, engine.enable_prefix_caching) == (False, False)
+    assert (engine.attention_backend, engine.cpu_linear, engine.seed) == ("reference", False, 7)
+    assert (settings.batch_size, settings.claim_idle_seconds, settings.shutdown_grace_s) == (3, 5.0, 2.0)
+    assert settings.limits.remote_image_hosts == ("a.example",)
+
+
+def test_help_does_not_load_torch():
+    import subprocess
+    import sys
+
+    code = "import sys; from typer.testing import CliRunner; from cli.main import app; " \
+           "r = CliRunner().invoke(app, ['serve', '--help']); assert r.exit_code == 0, r.output; " \
+           "assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_configuration_reference_is_up_to_date():
+    from pathlib import Path
+
+    from cli.reference import markdown
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    assert page.read_text() == markdown(), "run: python -m cli.reference > docs/configuration.md"

@@ -1,0 +1,166 @@
+"""Command-line options built from the settings they set, so that each setting is declared once: its name, type
+and default in its dataclass, its help in the dataclass's docstring (`name: what it does.`, one entry a field),
+its environment variable `VLMCAP_<NAME>`. Where an option's public name or variable differs (kept so that
+existing command lines and deployments keep working), `Rename` says so.
+
+`EngineConfig` is read from its source file (engine/config.py) rather than imported, so that `--help` and the
+defaults never load torch; tests/cli/test_cli_defaults.py checks what is read against the imported class."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+
+ENGINE_CONFIG_SOURCE = Path(__file__).resolve().parent.parent / "engine" / "config.py"
+
+# Field types an option can take, as written in the dataclasses (the `X | None` forms: not given means None).
+TYPES: dict[str, Any] = {
+    "int": int, "float": float, "str": str, "bool": bool,
+    "int | None": int | None, "float | None": float | None, "str | None": str | None, "bool | None": bool | None,
+    "tuple[str, ...]": list[str],
+}
+NONE_BY_ZERO = {"int | None", "float | None"}  # 0 on the command line gives None (a limit off, a size automatic)
+
+
+@dataclass(frozen=True)
+class Declared:
+    """One setting: a field of `owner` (a dataclass's name)."""
+
+    owner: str
+    name: str
+    type: str
+    default: Any
+    help: str
+
+
+@dataclass(frozen=True)
+class Rename:
+    """Where an option's public name differs from its field's: `flag` as typer takes it (`--a/--no-a`), `envvar`."""
+
+    flag: str | None = None
+    envvar: str | None = None
+
+
+def docstring_entries(doc: str | None) -> dict[str, str]:
+    """`name: text` entries of a docstring (continuation lines indented deeper), each reduced to its first
+    sentence."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in inspect.cleandoc(doc or "").splitlines():
+        match = re.match(r"^(\w+): (.*)$", line)
+        if match:
+            current = match.group(1)
+            entries[current] = match.group(2)
+        elif current is not None and line.startswith(" ") and line.strip():
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return {name: first_sentence(text) for name, text in entries.items()}
+
+
+def first_sentence(text: str) -> str:
+    match = re.search(r"(?<!e\.g)(?<!i\.e)\.(\s|$)", text)
+    return text[: match.start() + 1] if match else text
+
+
+def from_dataclass(cls: type) -> list[Declared]:
+    """The fields of a torch-free settings dataclass that have a literal type, with their help."""
+    helps = docstring_entries(cls.__doc__)
+    declared = []
+    for f in dataclasses.fields(cls):
+        if f.type not in TYPES:
+            continue
+        value = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else ...)
+        declared.append(Declared(cls.__name__, f.name, f.type, value, helps.get(f.name, "")))
+    return declared
+
+
+def from_source(path: Path, class_name: str) -> list[Declared]:
+    """The fields of dataclass `class_name` in `path` with a literal type and default, read without importing."""
+    tree = ast.parse(path.read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    helps = docstring_entries(ast.get_docstring(node, clean=False))
+    declared = []
+    for item in node.body:
+        if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.value is not None):
+            continue
+        type_text = ast.unparse(item.annotation)
+        if type_text not in TYPES:
+            continue
+        name = item.target.id
+        declared.append(Declared(class_name, name, type_text, ast.literal_eval(item.value), helps.get(name, "")))
+    return declared
+
+
+def engine_fields() -> list[Declared]:
+    return from_source(ENGINE_CONFIG_SOURCE, "EngineConfig")
+
+
+def option_name(setting: Declared, renames: dict[str, Rename]) -> str:
+    """The option's flag as typer takes it."""
+    rename = renames.get(setting.name, Rename())
+    if rename.flag:
+        return rename.flag
+    dashed = "--" + setting.name.replace("_", "-")
+    return f"{dashed}/--no-{dashed[2:]}" if setting.type in ("bool", "bool | None") else dashed
+
+
+def envvar(setting: Declared, renames: dict[str, Rename]) -> str:
+    rename = renames.get(setting.name, Rename())
+    return rename.envvar or "VLMCAP_" + setting.name.upper()
+
+
+def parameter(setting: Declared, renames: dict[str, Rename]) -> inspect.Parameter:
+    """The typer parameter of one setting; its Python name is the field's."""
+    help_text = setting.help[:1].upper() + setting.help[1:] + (" 0: None." if setting.type in NONE_BY_ZERO else "")
+    default = list(setting.default) if setting.type == "tuple[str, ...]" else setting.default
+    option = typer.Option(default, option_name(setting, renames), envvar=envvar(setting, renames), help=help_text,
+                          show_default=default is not None and default != [])
+    return inspect.Parameter(setting.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                             annotation=TYPES[setting.type])
+
+
+def values_for(settings: Iterable[Declared], given: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of the settings' owner from what the command was given: lists back to tuples,
+    0 to None where the field takes None."""
+    values = {}
+    for setting in settings:
+        value = given[setting.name]
+        if setting.type in NONE_BY_ZERO and value == 0:
+            value = None
+        elif setting.type == "tuple[str, ...]":
+            value = tuple(value)
+        values[setting.name] = value
+    return values
+
+
+def command(func: Callable, extra: list[inspect.Parameter], settings: list[Declared],
+            renames: dict[str, Rename]) -> Callable:
+    """`func(**options)` as a typer command whose options are `extra` (declared by hand) then `settings`."""
+    names = [p.name for p in extra] + [s.name for s in settings]
+    if len(set(names)) != len(names):
+        raise ValueError(f"an option is declared twice: {sorted(n for n in names if names.count(n) > 1)}")
+    parameters = extra + [parameter(s, renames) for s in settings]
+
+    def run(**options: Any) -> None:
+        func(**options)
+
+    run.__name__, run.__doc__ = func.__name__, func.__doc__
+    run.__signature__ = inspect.Signature(parameters)
+    run.__annotations__ = {p.name: p.annotation for p in parameters}
+    return run
+
+
+def hand_option(name: str, annotation: Any, default: Any, *flags: str, **option: Any) -> inspect.Parameter:
+    """An option that sets no settings field (a listening address, a log level)."""
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                             default=typer.Option(default, *flags, **option))
