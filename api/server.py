@@ -91,7 +91,7 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
                     fall_priority=settings.fall_priority, on_alert=webhook.notify if webhook else None,
                 )
                 worker.start()
-                state.worker = worker
+                state.worker, state.webhook = worker, webhook
             app.state.vlmcap = state
             log.info("ready: serving %s as %r", settings.engine.model, settings.model_name)
 
@@ -144,10 +144,12 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
                 await asyncio.wait_for(state.captions.ping(), READY_PING_TIMEOUT_S)
             except Exception as exc:  # any failure to answer is "not ready", with its reason
                 reason = f"the caption store (Redis) is unreachable: {type(exc).__name__}: {exc}"
+        # The webhook is not a reason to refuse traffic (it restarts itself): its state is shown, not judged.
+        webhook = {"alert_webhook": state.webhook.health()} if state is not None and state.webhook else {}
         if reason is not None:
-            return JSONResponse({"status": "not ready", "reason": reason}, status_code=503,
+            return JSONResponse({"status": "not ready", "reason": reason, **webhook}, status_code=503,
                                 headers={"Retry-After": str(RETRY_AFTER_S)})
-        return JSONResponse({"status": "ready", "model": settings.model_name})
+        return JSONResponse({"status": "ready", "model": settings.model_name, **webhook})
 
     @app.get("/metrics", response_class=Response)
     async def metrics_route() -> Response:

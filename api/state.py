@@ -19,6 +19,7 @@ from api.settings import ServerSettings
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
+    from jobqueue.alerts import AlertWebhook
     from jobqueue.consumer import QueueWorker
 
 
@@ -32,6 +33,7 @@ class ServerState:
     started_at: float = field(default_factory=time.time)
     background: set[asyncio.Task] = field(default_factory=set)  # caption requests answered with 202
     worker: QueueWorker | None = None  # the in-process queue worker, when Redis is configured
+    webhook: AlertWebhook | None = None  # the worker's fall-alert webhook, when one is configured
 
     @property
     def redis(self) -> aioredis.Redis | None:
