@@ -14,6 +14,7 @@ from api.images import decode_image
 from api.settings import Limits
 from engine import SamplingParams
 from engine.grammar import GrammarSpec
+from jobqueue.consumer import frame_parts
 
 
 class EngineCaptioner:
@@ -33,16 +34,30 @@ class EngineCaptioner:
         image = await asyncio.to_thread(decode_image, image_jpeg, self.limits, "image")
         return await self.collect(await self.submit(image, prompt, priority, schema=schema))
 
+    async def caption_frames(self, images: list[bytes], notes: list[str], prompt: str, priority: int,
+                             schema: dict | None = None) -> str:
+        """The caption of several encoded frames as one prompt (`jobqueue.consumer.frame_parts`)."""
+        decoded = [await asyncio.to_thread(decode_image, data, self.limits, f"frame {index}")
+                   for index, data in enumerate(images)]
+        content = frame_parts(notes, prompt, lambda _: {"type": "image"})
+        return await self.collect(await self.submit_content(content, decoded, priority, schema=schema))
+
     async def submit(self, image: Image.Image, prompt: str, priority: int,
                      max_tokens: int | None = None, schema: dict | None = None) -> RequestStream:
+        content = [{"type": "image"}, {"type": "text", "text": prompt}]
+        return await self.submit_content(content, [image], priority, max_tokens, schema)
+
+    async def submit_content(self, content: list[dict], images: list[Image.Image], priority: int,
+                             max_tokens: int | None = None, schema: dict | None = None) -> RequestStream:
+        """One user message of `content` parts (an `{"type": "image"}` part per image, in order)."""
         try:
             grammar = None if schema is None else GrammarSpec.from_schema(schema)
         except ValueError as exc:
             raise APIError(400, f"schema: {exc}", "schema", "invalid_json_schema") from None
         default = self.max_tokens if grammar is None else self.structured_max_tokens
         return await self.bridge.add(
-            messages=[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}],
-            images=[image],
+            messages=[{"role": "user", "content": content}],
+            images=images,
             sampling=SamplingParams(max_tokens=max_tokens or default, temperature=0.0, grammar=grammar),
             priority=priority,
         )

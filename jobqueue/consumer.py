@@ -70,6 +70,40 @@ class Captioner(Protocol):
         ...
 
 
+class FramesCaptioner(Captioner, Protocol):
+    async def caption_frames(self, images: list[bytes], notes: list[str], prompt: str, priority: int,
+                             schema: dict | None = None) -> str:
+        """The caption of a job with several frames (`Job.frames`), as one multi-image prompt: each note (when
+        not empty) then its image, in order, then `prompt`. Captioners without it take one-image jobs only."""
+        ...
+
+
+def frame_parts(notes: list[str], prompt: str, image_part: Callable[[int], dict]) -> list[dict]:
+    """The content parts of a prompt of several frames: each note that is not empty as a text part, then frame
+    i's part (`image_part(i)`), in order, then `prompt`."""
+    parts: list[dict] = []
+    for index, note in enumerate(notes):
+        if note:
+            parts.append({"type": "text", "text": note})
+        parts.append(image_part(index))
+    parts.append({"type": "text", "text": prompt})
+    return parts
+
+
+async def caption_job(captioner: Captioner, job: Job, priority: int) -> str:
+    """A job's caption: one image through `caption` (as for every producer before several-frame jobs), a job
+    with frames through `caption_frames`."""
+    schema = {} if job.schema is None else {"schema": job.schema}
+    if not job.frames:
+        return await captioner.caption(job.image, job.prompt, priority, **schema)
+    caption_frames = getattr(captioner, "caption_frames", None)
+    if caption_frames is None:
+        raise ValueError(f"{type(captioner).__name__} takes one image per job; this {job.job_kind} job has "
+                         f"{len(job.frames)} frames")
+    return await caption_frames([f.image for f in job.frames], [f.note for f in job.frames], job.prompt,
+                                priority, **schema)
+
+
 def structured_caption(text: str, schema: dict) -> dict:
     """A structured caption parsed and checked against its job's schema; ValueError saying why not."""
     import jsonschema_rs
@@ -370,9 +404,7 @@ class QueueWorker:
             return
         structured = None
         try:
-            schema = {} if job.schema is None else {"schema": job.schema}
-            caption = await self.captioner.caption(job.image, job.prompt,
-                                                   self.fall_priority if job.fall else self.priority, **schema)
+            caption = await caption_job(self.captioner, job, self.fall_priority if job.fall else self.priority)
             if job.schema is not None:
                 structured = structured_caption(caption, job.schema)
         except Exception as err:  # any captioner failure is the job's error, recorded and retried
@@ -421,12 +453,13 @@ class QueueWorker:
                 self.on_alert(stored)
 
     async def _keep_frame(self, job: Job) -> None:
-        """The job's image and boxes for viewers, written before its result so a viewer that sees the
-        caption finds the frame."""
-        key = frame_key(job.job_id)
+        """The job's images and boxes for viewers (every frame of a job with several), written before its
+        result so a viewer that sees the caption finds the frames."""
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping=job.frame().to_fields())
-            pipe.expire(key, FRAME_TTL_SECONDS)
+            for index, frame in enumerate(job.frame_views()):
+                key = frame_key(job.job_id, index)
+                pipe.hset(key, mapping=frame.to_fields())
+                pipe.expire(key, FRAME_TTL_SECONDS)
             await pipe.execute()
 
     async def _acknowledge(self, entry_id: str, dead_fields: dict | None = None) -> None:

@@ -57,6 +57,14 @@ CAMERAS_INDEX = "vlmcap:cameras"
 CAMERA_STATS_KEY_PREFIX = "vlmcap:camera:"
 CAMERA_STATS_TTL_SECONDS = 60
 CAMERA_RATE_COUNTERS = ("captured", "skipped", "dropped", "detected", "enqueued")
+# What a job is: a first sighting of people (one frame), an event (a tracked person's frames over its life)
+# or a fall alert (the frames that led up to a person seen on the ground).
+JOB_KINDS = ("sighting", "event", "fall")
+# A job with several frames: at most this many, of at most this many bytes together (JPEGs), each frame's
+# note (the tracker's text before it) at most MAX_NOTE_CHARS characters.
+MAX_FRAMES_PER_JOB = 16
+MAX_JOB_IMAGE_BYTES = 16 * 1024 * 1024
+MAX_NOTE_CHARS = 2_000
 # The job entry's fields as a JSON Schema, for producers written in other languages (README: "Sending jobs
 # from your own system"); `Job.from_fields` is the check that decides, the schema documents it.
 JOB_SCHEMA_PATH = Path(__file__).with_name("job.schema.json")
@@ -70,8 +78,19 @@ def camera_captions_stream(camera_id: str) -> str:
     return f"{CAPTIONS_STREAM}:{camera_id}"
 
 
-def frame_key(job_id: str) -> str:
-    return f"{FRAME_KEY_PREFIX}{job_id}"
+def frame_key(job_id: str, index: int = 0) -> str:
+    """Where a finished job's frame `index` is kept for viewers (frame 0 of every job, the others of a job with
+    several frames)."""
+    return f"{FRAME_KEY_PREFIX}{job_id}" if index == 0 else f"{FRAME_KEY_PREFIX}{job_id}:{index}"
+
+
+def image_field(index: int) -> str:
+    """The stream field of a job's frame `index`: `image` for the first (or only) one, `image_<index>` after."""
+    return "image" if index == 0 else f"image_{index}"
+
+
+def is_image_field(name: str) -> bool:
+    return name == "image" or (name.startswith("image_") and name[6:].isdigit())
 
 
 def camera_stats_key(camera_id: str) -> str:
@@ -105,11 +124,11 @@ def as_text(value: bytes | str) -> str:
 
 
 def _decoded_fields(fields: dict) -> dict[str, bytes | str]:
-    """Field names as str; values of the `image` field stay bytes, all others become str."""
+    """Field names as str; values of the image fields (`image`, `image_<n>`) stay bytes, all others become str."""
     out: dict[str, bytes | str] = {}
     for key, value in fields.items():
         name = as_text(key)
-        out[name] = value if name == "image" else as_text(value)
+        out[name] = value if is_image_field(name) else as_text(value)
     return out
 
 
@@ -302,6 +321,83 @@ def image_origin_from_json(value: str) -> tuple[int, int]:
     return origin[0], origin[1]
 
 
+def numbers_from_json(name: str, value: str, count: int) -> list[float]:
+    """A stream field holding a JSON list of `count` finite numbers in non-decreasing order."""
+    numbers = json_field(name, value)
+    if not isinstance(numbers, list) or len(numbers) != count:
+        raise ValueError(f"{name} must be a JSON list of {count} numbers (one per frame), got {_shown(numbers)}")
+    checked = [_json_number(finite_number)(f"{name}[{i}]", v) for i, v in enumerate(numbers)]
+    if any(later < earlier for earlier, later in zip(checked, checked[1:])):
+        raise ValueError(f"{name} must be in time order (non-decreasing), got {_shown(numbers)}")
+    return checked
+
+
+def notes_from_json(value: str, count: int) -> list[str]:
+    """The `notes` field: a JSON list of `count` strings (empty ones allowed), each at most MAX_NOTE_CHARS."""
+    notes = json_field("notes", value)
+    if not isinstance(notes, list) or len(notes) != count:
+        raise ValueError(f"notes must be a JSON list of {count} strings (one per frame), got {_shown(notes)}")
+    for i, note in enumerate(notes):
+        if not isinstance(note, str):
+            raise ValueError(f"notes[{i}] must be a string, got {_shown(note)}")
+        if len(note) > MAX_NOTE_CHARS:
+            raise ValueError(f"notes[{i}] is {len(note)} characters, over the limit of {MAX_NOTE_CHARS}")
+    return notes
+
+
+def check_job_size(images: list[bytes]) -> None:
+    """The limits of one job's frames: MAX_FRAMES_PER_JOB frames, MAX_JOB_IMAGE_BYTES bytes together."""
+    if len(images) > MAX_FRAMES_PER_JOB:
+        raise ValueError(f"the job has {len(images)} frames, over the limit of {MAX_FRAMES_PER_JOB} frames per job")
+    total = sum(len(image) for image in images)
+    if total > MAX_JOB_IMAGE_BYTES:
+        raise ValueError(f"the job's {len(images)} frame(s) are {total} bytes, over the limit of "
+                         f"{MAX_JOB_IMAGE_BYTES} bytes per job")
+
+
+@dataclass
+class JobImage:
+    """One frame of a job with several: its encoded image, its time (seconds, as `Job.frame_ts`), the text
+    placed before it in the prompt (the tracker's note) and its person boxes in this image's own pixels."""
+
+    image: bytes
+    ts: float
+    note: str = ""
+    detections: list[Detection] = field(default_factory=list)
+
+
+def _frames_from_fields(values: dict) -> list[JobImage]:
+    """The frames of an entry with `frame_count`: `image`, `image_1`, ... with `frame_times`, `notes` and
+    (optional) `frame_detections`, each checked; the limits of `check_job_size` apply."""
+    count = integer("frame_count", values["frame_count"])
+    if count < 1:
+        raise ValueError(f"frame_count must be at least 1, got {count}")
+    if count > MAX_FRAMES_PER_JOB:
+        raise ValueError(f"frame_count is {count}, over the limit of {MAX_FRAMES_PER_JOB} frames per job")
+    images = []
+    for index in range(count):
+        name = image_field(index)
+        if not values.get(name):
+            raise ValueError(f"frame_count is {count} but the field {name!r} is missing or empty")
+        image = values[name]
+        images.append(image if isinstance(image, bytes) else image.encode())
+    check_job_size(images)
+    times = numbers_from_json("frame_times", str(values["frame_times"]), count)
+    notes = notes_from_json(str(values["notes"]), count)
+    boxes: list[list[Detection]] = [[] for _ in range(count)]
+    if "frame_detections" in values:
+        per_frame = json_field("frame_detections", str(values["frame_detections"]))
+        if not isinstance(per_frame, list) or len(per_frame) != count:
+            raise ValueError(f"frame_detections must be a JSON list of {count} lists of boxes, got "
+                             f"{_shown(per_frame)}")
+        for i, items in enumerate(per_frame):
+            if not isinstance(items, list):
+                raise ValueError(f"frame_detections[{i}] must be a JSON list, got {_shown(items)}")
+            boxes[i] = [Detection.from_json(item, f"frame_detections[{i}][{j}]") for j, item in enumerate(items)]
+    return [JobImage(image, ts, note, detections)
+            for image, ts, note, detections in zip(images, times, notes, boxes, strict=True)]
+
+
 @dataclass
 class Job:
     """One frame with people, to be captioned. `frame_ts` is seconds: the frame's position for file
@@ -310,7 +406,12 @@ class Job:
     alert: the gate saw a tracked person on the ground (a box of class FALL_CLASS) not alerted within its
     cooldown; such a job is captioned before other camera jobs and its result goes to `ALERTS_STREAM`.
     `schema` (a JSON Schema) asks for a structured caption: the worker decodes under it and stores the parsed
-    object as the result's `structured`, or dead-letters the job saying why."""
+    object as the result's `structured`, or dead-letters the job saying why.
+
+    `kind` is one of JOB_KINDS (`job_kind`: "fall" for a fall job, else "sighting" by default); `track_id`
+    the tracked person the job is about, if one. `frames` (empty for a one-image job) are the frames of an
+    event or of a fall's lead-up, in time order, captioned as one prompt: each frame's note, then the frame,
+    ..., then `prompt`; `image`, `detections` and `frame_ts` are then the first frame's (`Job.of_frames`)."""
 
     camera_id: str
     frame_ts: float
@@ -322,6 +423,41 @@ class Job:
     image_origin: tuple[int, int] = (0, 0)
     fall: bool = False
     schema: dict | None = None
+    kind: str | None = None
+    track_id: int | None = None
+    frames: list[JobImage] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.kind is not None and self.kind not in JOB_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(JOB_KINDS)}, got {_shown(self.kind)}")
+        self.fall = self.fall or self.kind == "fall"
+        check_job_size([frame.image for frame in self.frames] or [self.image])
+
+    @classmethod
+    def of_frames(cls, camera_id: str, prompt: str, frames: list[JobImage], **fields: object) -> Job:
+        """A job with several frames: its image, boxes and frame_ts are the first frame's."""
+        if not frames:
+            raise ValueError("a job of frames needs at least one frame")
+        first = frames[0]
+        return cls(camera_id=camera_id, frame_ts=first.ts, prompt=prompt, image=first.image,
+                   detections=first.detections, frames=frames, **fields)
+
+    @property
+    def job_kind(self) -> str:
+        """The kind: "fall" for every fall job, else `kind` as given, "sighting" by default."""
+        return "fall" if self.fall else self.kind or "sighting"
+
+    @property
+    def frame_count(self) -> int:
+        return len(self.frames) or 1
+
+    @property
+    def start_ts(self) -> float:
+        return self.frames[0].ts if self.frames else self.frame_ts
+
+    @property
+    def end_ts(self) -> float:
+        return self.frames[-1].ts if self.frames else self.frame_ts
 
     @property
     def person_count(self) -> int:
@@ -347,6 +483,16 @@ class Job:
         }
         if self.schema is not None:  # absent otherwise, so older workers see the jobs they know
             fields["schema"] = json.dumps(self.schema)
+        fields["kind"] = self.job_kind
+        if self.track_id is not None:
+            fields["track_id"] = str(self.track_id)
+        if self.frames:
+            fields["frame_count"] = str(len(self.frames))
+            for index, frame in enumerate(self.frames[1:], start=1):
+                fields[image_field(index)] = frame.image
+            fields["frame_times"] = json.dumps([frame.ts for frame in self.frames])
+            fields["notes"] = json.dumps([frame.note for frame in self.frames])
+            fields["frame_detections"] = json.dumps([[asdict(d) for d in frame.detections] for frame in self.frames])
         return fields
 
     @classmethod
@@ -365,6 +511,7 @@ class Job:
             detections = detections_from_json("detections", str(values["detections"]))
             if "person_count" in values:
                 integer("person_count", values["person_count"])
+            frames = _frames_from_fields(values) if "frame_count" in values else []
             return cls(
                 job_id=text("job_id", values["job_id"], 256),
                 camera_id=text("camera_id", values["camera_id"], 256),
@@ -377,6 +524,9 @@ class Job:
                 image_origin=image_origin_from_json(str(values.get("image_origin", "[0, 0]"))),
                 fall=flag("fall", values.get("fall", "false")),
                 schema=caption_schema_from_json(str(values["schema"])) if "schema" in values else None,
+                kind=text("kind", values["kind"], 32) if "kind" in values else None,
+                track_id=integer("track_id", values["track_id"]) if "track_id" in values else None,
+                frames=frames,
             )
         except KeyError as missing:
             raise ValueError(f"job entry lacks field {missing}") from None
@@ -388,6 +538,12 @@ class Job:
                  for d in self.detections]
         return JobFrame(image=self.image, detections=boxes)
 
+    def frame_views(self) -> list[JobFrame]:
+        """Every frame of the job with its boxes in that frame's pixels, for viewers (`frame_key(id, i)`)."""
+        if not self.frames:
+            return [self.frame()]
+        return [JobFrame(image=frame.image, detections=frame.detections) for frame in self.frames]
+
     def queued_result(self) -> CaptionResult:
         return CaptionResult(
             id=self.job_id,
@@ -398,6 +554,11 @@ class Job:
             person_count=self.person_count,
             fall=self.fall,
             classes=self.classes,
+            kind=self.job_kind,
+            track_id=self.track_id,
+            start_ts=self.start_ts,
+            end_ts=self.end_ts,
+            frame_count=self.frame_count,
         )
 
 
@@ -419,6 +580,15 @@ class CaptionResult:
     fall: bool = False  # a fall alert (see Job.fall)
     classes: list[str] = field(default_factory=list)  # the class of each person box
     structured: dict | None = None  # the caption parsed, for a job with a schema
+    kind: str | None = None  # the job's kind (JOB_KINDS); None for a REST caption
+    track_id: int | None = None  # the tracked person a sighting, event or fall job is about
+    start_ts: float | None = None  # the first and last frame's times (seconds, as frame_ts); frame_ts if unset
+    end_ts: float | None = None
+    frame_count: int = 1
+
+    def __post_init__(self) -> None:
+        self.start_ts = self.frame_ts if self.start_ts is None else self.start_ts
+        self.end_ts = self.frame_ts if self.end_ts is None else self.end_ts
 
     def to_fields(self) -> dict[str, str]:
         fields = {name: str(value) for name, value in asdict(self).items() if value is not None}
@@ -447,6 +617,11 @@ class CaptionResult:
                 fall=flag("fall", values.get("fall", "false")),
                 classes=labels_from_json("classes", values.get("classes", "[]")),
                 structured=structured_from_json(values["structured"]) if "structured" in values else None,
+                kind=values.get("kind"),
+                track_id=integer("track_id", values["track_id"]) if "track_id" in values else None,
+                start_ts=finite_number("start_ts", values["start_ts"]) if "start_ts" in values else None,
+                end_ts=finite_number("end_ts", values["end_ts"]) if "end_ts" in values else None,
+                frame_count=integer("frame_count", values.get("frame_count", "1")),
             )
         except KeyError as missing:
             raise ValueError(f"caption result lacks field {missing}") from None

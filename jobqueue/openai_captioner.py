@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 
+from jobqueue.consumer import frame_parts
+
 
 class OpenAICaptioner:
     """Captions through any OpenAI-compatible `/v1/chat/completions` (this project's server, vLLM, ...),
@@ -27,15 +29,20 @@ class OpenAICaptioner:
         self.max_tokens = max_tokens
 
     async def caption(self, image_jpeg: bytes, prompt: str, priority: int, schema: dict | None = None) -> str:
-        data_url = "data:image/jpeg;base64," + base64.b64encode(image_jpeg).decode()
+        return await self.caption_frames([image_jpeg], [""], prompt, priority, schema)
+
+    async def caption_frames(self, images: list[bytes], notes: list[str], prompt: str, priority: int,
+                             schema: dict | None = None) -> str:
+        """Several frames as one message (`jobqueue.consumer.frame_parts`), each image inline as a data URL."""
+        def image_part(index: int) -> dict:
+            url = "data:image/jpeg;base64," + base64.b64encode(images[index]).decode()
+            return {"type": "image_url", "image_url": {"url": url}}
+
         response_format = None if schema is None else {
             "type": "json_schema", "json_schema": {"name": "caption", "schema": schema, "strict": True}}
         response = await self.client.chat.completions.create(
             model=self.model,
-            messages=[{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": data_url}},
-                {"type": "text", "text": prompt},
-            ]}],
+            messages=[{"role": "user", "content": frame_parts(notes, prompt, image_part)}],
             max_tokens=self.max_tokens,
             extra_body={"priority": priority} if priority else None,
             **({"response_format": response_format} if response_format else {}),

@@ -17,6 +17,14 @@ from jobqueue.producer import Backpressure, JobProducer
 from pipeline.camera_stats import CameraStatsPublisher
 from pipeline.capture import open_source
 from pipeline.detector import load_detector
+from pipeline.events import (
+    DEFAULT_EVENT_PROMPT,
+    EVENT_PROMPT_PLACEHOLDERS,
+    Clip,
+    EventRecorder,
+    Sighting,
+    clip_frames,
+)
 from pipeline.gate import DEFAULT_FALL_COOLDOWN_SECONDS, Gate, GatedFrame
 from pipeline.tracker import tracking_function
 
@@ -36,16 +44,17 @@ class Annotate(str, Enum):
     CROP = "crop"
 
 
-def validate_prompt_template(template: str) -> None:
-    """Raise ValueError naming any placeholder other than {camera} and {count}."""
+def validate_prompt_template(template: str, allowed: set[str] = PROMPT_PLACEHOLDERS) -> None:
+    """Raise ValueError naming any placeholder outside `allowed` ({camera} and {count} for a frame's prompt)."""
     try:
         names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
     except ValueError as err:
         raise ValueError(f"prompt template {template!r} is malformed: {err}") from None
-    unknown = names - PROMPT_PLACEHOLDERS
+    unknown = names - allowed
     if unknown:
         raise ValueError(f"prompt template {template!r} has unknown placeholder(s) "
-                         f"{', '.join(sorted('{' + n + '}' for n in unknown))}; use {{camera}} and {{count}}")
+                         f"{', '.join(sorted('{' + n + '}' for n in unknown))}; use "
+                         f"{', '.join(sorted('{' + n + '}' for n in allowed))}")
 
 
 def crop_region(image: np.ndarray, detections: list[Detection]) -> tuple[int, int, int, int]:
@@ -101,11 +110,24 @@ class PipelineConfig:
     stats_interval_seconds: float = 30.0  # how often the counters are logged
     publish_stats_seconds: float = 2.0  # how often they are published to Redis (for the dashboard)
     caption_schema: dict | None = None  # a JSON Schema sent with each job: structured captions (Job.schema)
+    # Events (pipeline.events): one job of several frames per tracked person, when the track ends or has lasted
+    # event_max_seconds; fall jobs then carry the frames that led up to the fall. The gate still sends each
+    # track's first sighting (the quick alert), but no repeat every track_cooldown_seconds. Off: one-frame jobs
+    # only, the first sighting and one per cooldown.
+    events: bool = True
+    event_frames: int = 6
+    event_frame_size: int = 512  # longer side of an event's frames in pixels: SmolVLM's tile size
+    event_end_seconds: float = 2.0  # a track not seen for this long has ended
+    event_max_seconds: float = 60.0  # a longer track is told as several events
+    event_prompt: str = DEFAULT_EVENT_PROMPT
 
     def __post_init__(self) -> None:
         if not self.camera_id.strip():
             raise ValueError("camera id must not be empty")
         validate_prompt_template(self.prompt)
+        validate_prompt_template(self.event_prompt, EVENT_PROMPT_PLACEHOLDERS)
+        if self.event_frame_size < 16:
+            raise ValueError(f"event_frame_size must be at least 16 pixels, got {self.event_frame_size}")
         if not 1 <= self.jpeg_quality <= 100:
             raise ValueError(f"jpeg_quality must be between 1 and 100, got {self.jpeg_quality}")
 
@@ -121,14 +143,18 @@ class CameraPipeline:
         )
         self.detector = load_detector(config.detector, config.conf, config.imgsz, config.min_box_area)
         self._track = tracking_function(self.detector)
-        self.gate = Gate(config.track_cooldown_seconds, config.best_frame_window_seconds,
+        cooldown = float("inf") if config.events else config.track_cooldown_seconds
+        self.gate = Gate(cooldown, config.best_frame_window_seconds,
                          config.max_jobs_per_minute, fall_cooldown_seconds=config.fall_cooldown_seconds)
+        self.events = (EventRecorder(config.event_frames, config.event_end_seconds, config.event_max_seconds)
+                       if config.events else None)
         self.producer = JobProducer(config.redis_url, config.stream_maxlen, config.backpressure,
                                     max_backoff_seconds=config.max_backoff_seconds)
         self.stats_publisher = CameraStatsPublisher(config.redis_url, config.camera_id, self.detector.name,
                                                     self.stats, config.publish_stats_seconds)
         self.detected = 0  # frames with at least one person
         self.jobs = 0  # jobs handed to the producer
+        self.event_jobs = 0  # of which events
         # Seconds spent in each stage since the start: where a camera's frame rate goes.
         self.stage_seconds = {"capture": 0.0, "detect": 0.0, "gate": 0.0, "enqueue": 0.0}
 
@@ -139,10 +165,27 @@ class CameraPipeline:
             "jobs": self.jobs,
             "rate_limited": self.gate.rate_limited,
             "falls": self.gate.falls,
+            "events": self.event_jobs,
             **asdict(self.producer.stats),
         }
 
     def _submit(self, gated: GatedFrame) -> None:
+        config = self.config
+        if gated.fall and self.events is not None:
+            job = self._fall_job(gated)
+        else:
+            job = self._frame_job(gated)
+        if job.fall:
+            log.warning("camera %s: fall seen at %.1f s (tracks %s); fall job %s", config.camera_id, job.end_ts,
+                        gated.track_ids, job.job_id)
+        self._send(job)
+
+    def _send(self, job: Job) -> None:
+        self.producer.submit(job)
+        self.jobs += 1
+
+    def _frame_job(self, gated: GatedFrame) -> Job:
+        """One frame: a first sighting (or, with events off, a cooldown's repeat or a fall)."""
         config = self.config
         job = Job(
             camera_id=config.camera_id,
@@ -152,14 +195,34 @@ class CameraPipeline:
             detections=gated.detections,
             fall=gated.fall,
             schema=config.caption_schema,
+            track_id=gated.track_ids[0] if len(gated.track_ids) == 1 else None,
         )
         if config.annotate is Annotate.CROP and gated.detections:
             job.image_origin = crop_region(gated.frame.image, gated.detections)[:2]
-        if job.fall:
-            log.warning("camera %s: fall seen at %.1f s (tracks %s); fall job %s", config.camera_id, job.frame_ts,
-                        gated.track_ids, job.job_id)
-        self.producer.submit(job)
-        self.jobs += 1
+        return job
+
+    def _fall_job(self, gated: GatedFrame) -> Job:
+        """A fall with the frames that led up to it: the first fallen track's earlier sightings, then the fall."""
+        config = self.config
+        track_id = gated.track_ids[0]
+        fallen = next(d for d in gated.detections if d.track_id == track_id)
+        clip = self.events.lead_up(Sighting(gated.frame, fallen, len(gated.detections) - 1))
+        return Job.of_frames(
+            config.camera_id, config.prompt.format(camera=config.camera_id, count=len(gated.detections)),
+            clip_frames(clip, config.event_frame_size, config.jpeg_quality), kind="fall",
+            schema=config.caption_schema, track_id=track_id)
+
+    def _submit_event(self, clip: Clip) -> None:
+        config = self.config
+        prompt = config.event_prompt.format(camera=config.camera_id, track=clip.track_id,
+                                            frames=len(clip.sightings), seconds=f"{clip.end_ts - clip.start_ts:.1f}")
+        job = Job.of_frames(config.camera_id, prompt,
+                            clip_frames(clip, config.event_frame_size, config.jpeg_quality),
+                            kind="event", schema=config.caption_schema, track_id=clip.track_id)
+        log.info("camera %s: event of person %d, %.1f-%.1f s, %d frames; job %s", config.camera_id, clip.track_id,
+                 clip.start_ts, clip.end_ts, len(clip.sightings), job.job_id)
+        self._send(job)
+        self.event_jobs += 1
 
     def run(self, stop: threading.Event | None = None) -> dict[str, int]:
         stop = stop or threading.Event()
@@ -181,8 +244,10 @@ class CameraPipeline:
                 detected = clock()
                 gated_frames = self.gate.update(frame, detections)
                 gated = clock()
-                for job in gated_frames:
+                for job in gated_frames:  # before the events' update, so a fall's lead-up has its track
                     self._submit(job)
+                for clip in self.events.update(frame, detections) if self.events is not None else []:
+                    self._submit_event(clip)
                 seconds["capture"] += captured - began
                 seconds["detect"] += detected - captured
                 seconds["gate"] += gated - detected
@@ -194,6 +259,8 @@ class CameraPipeline:
                     last_report = time.monotonic()
             for gated in self.gate.flush():
                 self._submit(gated)
+            for clip in self.events.flush() if self.events is not None else []:
+                self._submit_event(clip)
         finally:
             self.source.close()
             self.producer.close()

@@ -67,6 +67,68 @@ def scenes() -> dict[str, np.ndarray]:
             "fallen": lying_person(bus, blurred)}
 
 
+# A second video (the tests make it): two people of bus.jpg cross the street in opposite directions, one in
+# the upper band walking right (WALKER), one in the lower band walking left (FALLER), who then lies on the
+# ground in the middle; empty street before and after. Times in seconds at FPS.
+WALKER_BOX = (46, 384, 216, 907)  # in bus.jpg's pixels, the person at the left
+FALLER_BOX = FALLEN_BOX
+PERSON_HEIGHT = 200
+CROSSING = {"empty_before": 0.6, "crossing": 4.0, "lying": 2.0, "empty_after": 1.4}
+WALKER_X = (20, 540)  # left edge of the walker's cut-out at the start and the end of the crossing
+FALLER_X = (540, 300)
+WALKER_TOP, FALLER_TOP = 20, 260
+
+
+def _person(bus: np.ndarray, box: tuple[int, int, int, int]) -> np.ndarray:
+    x1, y1, x2, y2 = box
+    mx, my = (x2 - x1) // 10, (y2 - y1) // 10
+    cut = bus[max(0, y1 - my):y2 + my, max(0, x1 - mx):x2 + mx]
+    return cv2.resize(cut, (round(cut.shape[1] * PERSON_HEIGHT / cut.shape[0]), PERSON_HEIGHT),
+                      interpolation=cv2.INTER_AREA)
+
+
+def crossing_frames() -> list[tuple[float, np.ndarray, dict[str, tuple[int, int]]]]:
+    """The second video's frames: (time, image, {person: (left, top) of their cut-out}) for "walker",
+    "faller" (standing) and "lying"."""
+    from ultralytics.utils import ASSETS
+
+    bus = cv2.imread(str(ASSETS / "bus.jpg"))
+    street = scenes()["empty-blur"]
+    walker, faller = _person(bus, WALKER_BOX), _person(bus, FALLER_BOX)
+    lying = lying_person(bus, street)
+    counts = {name: round(seconds * FPS) for name, seconds in CROSSING.items()}
+    frames = []
+    for _ in range(counts["empty_before"]):
+        frames.append((street, {}))
+    steps = counts["crossing"]
+    for step in range(steps):
+        image = street.copy()
+        at = {}
+        for name, cut, (x0, x1), top in (("walker", walker, WALKER_X, WALKER_TOP),
+                                         ("faller", faller, FALLER_X, FALLER_TOP)):
+            left = round(x0 + (x1 - x0) * step / (steps - 1))
+            image[top:top + cut.shape[0], left:left + cut.shape[1]] = cut
+            at[name] = (left, top)
+        frames.append((image, at))
+    for _ in range(counts["lying"]):
+        frames.append((lying, {"lying": (0, 0)}))
+    for _ in range(counts["empty_after"]):
+        frames.append((street, {}))
+    return [(index / FPS, image, at) for index, (image, at) in enumerate(frames)]
+
+
+def write_crossing_video(out: Path) -> Path:
+    """The second video as an mp4 at `out`."""
+    frames = crossing_frames()
+    writer = cv2.VideoWriter(str(out), cv2.VideoWriter_fourcc(*"mp4v"), FPS, (WIDTH, HEIGHT))
+    if not writer.isOpened():
+        raise RuntimeError(f"cannot write {out}")
+    for _, image, _ in frames:
+        writer.write(image)
+    writer.release()
+    return out
+
+
 def segment_at(ts: float) -> str:
     return SEGMENTS[min(len(SEGMENTS) - 1, int(ts // SEGMENT_SECONDS))]
 

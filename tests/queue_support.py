@@ -44,6 +44,11 @@ class DecodingCaptioner:
         self.calls += 1
         return describe(image_jpeg, prompt)
 
+    async def caption_frames(self, images: list[bytes], notes: list[str], prompt: str, priority: int) -> str:
+        """A job of several frames: each frame described after its note, then the prompt."""
+        self.calls += 1
+        return " | ".join(describe(image, note) for image, note in zip(images, notes, strict=True)) + f" | {prompt}"
+
 
 def make_job(camera_id: str = "cam", width: int = 64, height: int = 48, image: bytes | None = None,
              frame_ts: float = 1.5) -> Job:

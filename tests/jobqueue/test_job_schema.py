@@ -40,7 +40,8 @@ CONTENT = {name: Draft202012Validator({"$defs": SCHEMA["$defs"], **spec["content
 
 def schema_errors(fields: dict) -> list[str]:
     """The entry's errors against the schema, its JSON fields checked against their content schemas."""
-    entry = {k.decode(): v.decode("latin-1") if k == b"image" else v.decode() for k, v in fields.items()}
+    entry = {k.decode(): v.decode("latin-1") if contract.is_image_field(k.decode()) else v.decode()
+             for k, v in fields.items()}
     errors = [e.message for e in ENTRY.iter_errors(entry)]
     for name, validator in CONTENT.items():
         if name in entry:
