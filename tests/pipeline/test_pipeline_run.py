@@ -27,10 +27,10 @@ def _stream_jobs(url: str) -> list[Job]:
 def test_only_frames_with_people_are_enqueued(redis_url, sample_video, sample_maker, people_fall_weights):
     """The trained detector finds the people of every scene the sample was built with (the bus street,
     the close-ups, the person lying on the ground) and nobody in the empty scenes; the one lying down is
-    one fall job."""
+    one fall job. (One-frame jobs: events are tests/pipeline/test_pipeline_events.py's.)"""
     config = PipelineConfig(source=str(sample_video), camera_id="gate-1", redis_url=redis_url,
                             detector=PEOPLE_FALL, fps=2.5, track_cooldown_seconds=60.0,
-                            prompt="Camera {camera}: {count} people. What are they doing?")
+                            prompt="Camera {camera}: {count} people. What are they doing?", events=False)
     pipeline = CameraPipeline(config)
     assert pipeline.detector.name == PEOPLE_FALL
     stats = pipeline.run()
@@ -78,7 +78,7 @@ def test_hog_pipeline_enqueues_only_frames_with_people(redis_url, sample_video, 
 @pytest.mark.parametrize("annotate", [Annotate.CROP, Annotate.BOXES])
 def test_job_image_can_be_cropped_or_boxed(redis_url, sample_video, annotate):
     config = PipelineConfig(source=str(sample_video), camera_id="c", redis_url=redis_url, detector="hog",
-                            annotate=annotate, fps=2.0)
+                            annotate=annotate, fps=2.0, events=False)
     CameraPipeline(config).run()
     jobs = _stream_jobs(redis_url)
     assert jobs
@@ -104,7 +104,7 @@ def untrained_yolo_weights(tmp_path_factory) -> str:
 @pytest.mark.timeout(120)
 def test_yolo_path_runs_through_ultralytics(redis_url, sample_video, untrained_yolo_weights):
     config = PipelineConfig(source=str(sample_video), camera_id="yolo-cam", redis_url=redis_url,
-                            detector=untrained_yolo_weights, fps=1.0, imgsz=320, conf=0.01)
+                            detector=untrained_yolo_weights, fps=1.0, imgsz=320, conf=0.01, events=False)
     pipeline = CameraPipeline(config)
     assert isinstance(pipeline.detector, YoloDetector)
     assert pipeline.detector.name == "yolo:yolo26n-untrained.pt"
