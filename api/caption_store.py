@@ -14,13 +14,11 @@ from typing import Protocol
 import redis.asyncio as aioredis
 
 from jobqueue.contract import (
-    CAPTIONS_STREAM,
-    CAPTIONS_STREAM_MAXLEN,
     RESULT_TTL_SECONDS,
     CaptionResult,
-    camera_captions_stream,
     result_key,
 )
+from jobqueue.finish import finish_result
 from jobqueue.results import get_result, recent_captions, tail_captions
 
 
@@ -111,15 +109,7 @@ class RedisCaptionStore:
             await pipe.execute()
 
     async def finish(self, result: CaptionResult) -> None:
-        key, fields = result_key(result.id), result.to_fields()
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(key)
-            pipe.hset(key, mapping=fields)
-            pipe.expire(key, RESULT_TTL_SECONDS)
-            feeds = [CAPTIONS_STREAM] + ([camera_captions_stream(result.camera_id)] if result.camera_id else [])
-            for feed in feeds:
-                pipe.xadd(feed, fields, maxlen=CAPTIONS_STREAM_MAXLEN, approximate=True)
-            await pipe.execute()
+        await finish_result(self.redis, result)
 
     async def get(self, caption_id: str) -> CaptionResult | None:
         return await get_result(self.redis, caption_id)

@@ -35,25 +35,21 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from jobqueue.connection import connect
 from jobqueue.contract import (
-    ALERTS_STREAM,
-    CAPTIONS_STREAM,
-    CAPTIONS_STREAM_MAXLEN,
     CONSUMER_GROUP,
     DEAD_STREAM,
     DEAD_STREAM_MAXLEN,
     FRAME_TTL_SECONDS,
     JOBS_STREAM,
-    RESULT_TTL_SECONDS,
     CaptionResult,
     Job,
     JobStatus,
     as_text,
-    camera_captions_stream,
     dead_letter_fields,
     flat,
     frame_key,
     result_key,
 )
+from jobqueue.finish import FAIL_SCRIPT, FINISH_RESULT_LUA
 from jobqueue.results import get_result
 
 log = logging.getLogger(__name__)
@@ -125,35 +121,17 @@ def structured_caption(text: str, schema: dict) -> dict:
     return value
 
 
-# First-writer-wins finish, atomic with the XACK/XDEL of the stream entry. The result's finished_at is
-# Redis's clock when the result is written, so that the feed's order (newest first) is the order of
-# finished_at, whichever worker or coroutine wrote it.
-# A fall job's result (field fall = 'true') also goes to the alerts feed.
-# KEYS: result key, jobs stream, captions feed, camera captions feed, dead-letter stream, alerts feed.
-# ARGV: group, entry id, result ttl, feed maxlen, dead maxlen, number of result fields,
-#       result fields (with a finished_at to overwrite)..., dead-letter fields (none when the job is done).
-FINISH_SCRIPT = """
-local status = redis.call('HGET', KEYS[1], 'status')
-local first = status ~= 'done' and status ~= 'failed'
+# First-writer-wins finish (jobqueue/finish.py), atomic with the XACK/XDEL of the stream entry.
+# KEYS: result key, jobs stream, dead-letter stream.
+# ARGV: group, entry id, dead maxlen, number of result fields, result fields..., dead-letter fields (none when the
+#       job is done).
+FINISH_SCRIPT = FINISH_RESULT_LUA + """
+local first = not is_finished(KEYS[1])
 if first then
-  local nresult = tonumber(ARGV[6]) * 2
-  local result = {unpack(ARGV, 7, 6 + nresult)}
-  local now = redis.call('TIME')
-  for i = 1, nresult, 2 do
-    if result[i] == 'finished_at' then result[i + 1] = now[1] .. '.' .. string.format('%06d', now[2]) end
-  end
-  redis.call('DEL', KEYS[1])
-  redis.call('HSET', KEYS[1], unpack(result))
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', unpack(result))
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', unpack(result))
-  for i = 1, nresult, 2 do
-    if result[i] == 'fall' and result[i + 1] == 'true' then
-      redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[4], '*', unpack(result))
-    end
-  end
-  if #ARGV > 6 + nresult then
-    redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', unpack(ARGV, 7 + nresult, #ARGV))
+  local nresult = tonumber(ARGV[4]) * 2
+  finish_result(KEYS[1], {unpack(ARGV, 5, 4 + nresult)})
+  if #ARGV > 4 + nresult then
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 5 + nresult, #ARGV))
   end
 end
 redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
@@ -164,9 +142,8 @@ return 0
 
 # Marks an attempt in the result unless the job is already finished (then returns 0).
 # KEYS: result key. ARGV: field/value pairs.
-ATTEMPT_SCRIPT = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status == 'done' or status == 'failed' then return 0 end
+ATTEMPT_SCRIPT = FINISH_RESULT_LUA + """
+if is_finished(KEYS[1]) then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 """
@@ -225,6 +202,7 @@ class QueueWorker:
         self.stats = WorkerStats()
         self._finish = self.redis.register_script(FINISH_SCRIPT)
         self._attempt = self.redis.register_script(ATTEMPT_SCRIPT)
+        self._fail = self.redis.register_script(FAIL_SCRIPT)
         self._group_ready = False
         self._claim_cursor = "0-0"
         self._stop_event: asyncio.Event | None = None
@@ -423,7 +401,7 @@ class QueueWorker:
         result = job.queued_result()
         result.status = JobStatus.FAILED.value if error is not None else JobStatus.DONE.value
         result.caption, result.error, result.structured = caption, error, structured
-        # finished_at is set by FINISH_SCRIPT from Redis's clock; this value only holds the field's place.
+        # finished_at is set from Redis's clock (jobqueue/finish.py); this value only holds the field's place.
         result.finished_at, result.deliveries, result.consumer = time.time(), deliveries, self.consumer_name
         result_fields = result.to_fields()
         dead = dead_letter_fields(job.to_fields(), error, deliveries) if error is not None else {}
@@ -435,10 +413,8 @@ class QueueWorker:
             self.stats.errors += 1
             log.exception("job %s: keeping its frame for viewers failed", job.job_id)
         first = await self._finish(
-            keys=[result_key(job.job_id), JOBS_STREAM, CAPTIONS_STREAM, camera_captions_stream(job.camera_id),
-                  DEAD_STREAM, ALERTS_STREAM],
-            args=[CONSUMER_GROUP, entry_id, RESULT_TTL_SECONDS, CAPTIONS_STREAM_MAXLEN, DEAD_STREAM_MAXLEN,
-                  len(result_fields), *flat(result_fields), *flat(dead)],
+            keys=[result_key(job.job_id), JOBS_STREAM, DEAD_STREAM],
+            args=[CONSUMER_GROUP, entry_id, DEAD_STREAM_MAXLEN, len(result_fields), *flat(result_fields), *flat(dead)],
         )
         if not first:
             self.stats.duplicates += 1
@@ -478,9 +454,9 @@ class QueueWorker:
         job_id = fields.get(b"job_id", fields.get("job_id"))
         if isinstance(job_id, bytes):
             job_id = job_id.decode(errors="replace")
-        if job_id and await self.redis.exists(result_key(job_id)):
-            await self._attempt(keys=[result_key(job_id)], args=[
-                "status", JobStatus.FAILED.value, "error", error, "finished_at", repr(time.time()),
-                "deliveries", deliveries, "consumer", self.consumer_name])
+        if job_id:
+            await self._fail(keys=[result_key(job_id)], args=[
+                "status", JobStatus.FAILED.value, "error", error, "deliveries", deliveries,
+                "consumer", self.consumer_name])
         self.stats.dead += 1
         log.error("stream entry %s is not a valid job (%s); dead-lettered", entry_id, error)

@@ -28,6 +28,7 @@ from jobqueue.contract import (
     flat,
     result_key,
 )
+from jobqueue.finish import FINISH_RESULT_LUA
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +43,15 @@ class Backpressure(str, Enum):
 # Atomic enqueue with backpressure. The stream holds only outstanding jobs (workers delete finished
 # ones), so XLEN is the backlog. drop-oldest removes only jobs no worker has read yet (ids after the
 # group's last-delivered-id), so a job being captioned is never pulled away; each removed job is
-# finished as failed and dead-lettered, keeping the rule that every queued job ends in exactly one
-# caption or one dead-letter entry. A job_id already known is not enqueued twice (a retried call
-# whose first reply was lost). MAXLEN ~ on XADD is a safety net for producers that skip this script.
-# Every field it writes comes from the contract, flattened by the caller.
+# finished as failed (jobqueue/finish.py: its feeds too) and dead-lettered, keeping the rule that every
+# queued job ends in exactly one caption or one dead-letter entry. A job_id already known is not enqueued
+# twice (a retried call whose first reply was lost). MAXLEN ~ on XADD is a safety net for producers that
+# skip this script. Every field it writes comes from the contract, flattened by the caller.
 # KEYS: jobs stream, result key of the new job, dead-letter stream.
 # ARGV: maxlen, policy, group, result ttl, dead maxlen, result key prefix, then the numbers of field pairs
 #       of: the job, a dropped job's failed result, a dropped job's dead-letter additions; then those fields,
 #       then the new job's queued result fields.
-ENQUEUE_SCRIPT = """
+ENQUEUE_SCRIPT = FINISH_RESULT_LUA + """
 local maxlen = tonumber(ARGV[1])
 if redis.call('EXISTS', KEYS[2]) == 1 then return {2, 0} end
 local njob, nfailed, ndead = tonumber(ARGV[7]) * 2, tonumber(ARGV[8]) * 2, tonumber(ARGV[9]) * 2
@@ -86,11 +87,7 @@ if backlog >= maxlen then
       if fields[i] == 'job_id' then job_id = fields[i + 1] end
     end
     redis.call('XDEL', KEYS[1], entry[1])
-    if job_id then
-      local key = ARGV[6] .. job_id
-      redis.call('HSET', key, unpack(failed_fields))
-      redis.call('EXPIRE', key, ARGV[4])
-    end
+    if job_id then fail_result(ARGV[6] .. job_id, failed_fields) end
     for _, item in ipairs(dead_fields) do table.insert(fields, item) end
     redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', unpack(fields))
     dropped = dropped + 1
@@ -192,9 +189,8 @@ class JobProducer:
                     self._buffer.popleft()
 
     def _send(self, job: Job) -> None:
-        now = time.time()
         job_fields = job.to_fields()
-        failed = {"status": JobStatus.FAILED.value, "error": DROPPED_ERROR, "finished_at": repr(now)}
+        failed = {"status": JobStatus.FAILED.value, "error": DROPPED_ERROR}
         dead = dead_letter_fields({}, DROPPED_ERROR, 0)
         outcome, dropped = self._enqueue(
             keys=[JOBS_STREAM, result_key(job.job_id), DEAD_STREAM],
