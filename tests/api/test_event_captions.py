@@ -1,0 +1,66 @@
+"""A job of several frames is captioned token for token as transformers' `generate` captions the same
+multi-image prompt (each frame's note, the frame, ..., the question), on the tiny SmolVLM and the tiny Qwen2-VL,
+float32, greedy, with a step budget that cuts the image spans: through the server's own captioner, the one its
+queue worker uses."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import cv2
+import pytest
+from PIL import Image
+
+from api.bridge import AsyncEngine
+from api.captioner import EngineCaptioner
+from api.settings import Limits
+from engine import Engine, EngineConfig
+from engine.presets import PRESETS, build_checkpoint
+from jobqueue.consumer import frame_parts
+from tests.engine.conftest import DEVICE, oracle_for
+
+NOTES = ["t=+0.0 s: person 3 enters at the left", "", "t=+2.4 s: person 3 is at the right, on the ground"]
+PROMPT = "Camera c: these 3 frames follow person 3 over 2.4 s. Describe what the person did, in order."
+MAX_TOKENS = 8
+
+
+def frames(sample_maker) -> list[bytes]:
+    """Three small frames of the crossing video, as the pipeline sends them (JPEG)."""
+    chosen = [image for _, image, at in sample_maker.crossing_frames() if at][::9][:3]
+    return [cv2.imencode(".jpg", cv2.resize(image, (64, 48)))[1].tobytes() for image in chosen]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2-vl"])
+def test_frames_are_captioned_as_generate_captions_the_multi_image_prompt(name, tmp_path, sample_maker):
+    checkpoint = str(build_checkpoint(PRESETS[name], tmp_path))
+    jpegs = frames(sample_maker)
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    content = frame_parts(NOTES, PROMPT, lambda _: {"type": "image"})
+    assert [part["type"] for part in content] == ["text", "image", "image", "text", "image", "text"]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                           tokenize=False)
+    images = [Image.open(io.BytesIO(data)).convert("RGB") for data in jpegs]
+    expected = oracle_for(checkpoint)(prompt, images, MAX_TOKENS)
+
+    engine = Engine(EngineConfig(model=checkpoint, device=DEVICE, dtype="float32", max_num_batched_tokens=24,
+                                 max_num_seqs=4))
+
+    async def caption() -> tuple[list[int], str]:
+        bridge = AsyncEngine(engine, 16)
+        bridge.start()
+        captioner = EngineCaptioner(bridge, Limits(), MAX_TOKENS)
+        try:
+            stream = await captioner.submit_content(content, images, priority=10)
+            tokens = [output.token_ids async for output in stream][-1]
+            text = await captioner.caption_frames(jpegs, NOTES, PROMPT, priority=10)
+        finally:
+            await bridge.shutdown(5.0)
+        return list(tokens), text
+
+    tokens, text = asyncio.run(caption())
+    assert tokens == expected
+    assert text == processor.decode(expected, skip_special_tokens=True).strip()
