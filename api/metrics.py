@@ -105,7 +105,8 @@ class AlertWebhookCollector(Collector):
     """The fall-alert webhook's counters (`jobqueue.alerts.WebhookStats`), read at each scrape."""
 
     HELP = {"sent": "Fall alerts the webhook accepted", "failed": "Fall alerts given up after every retry",
-            "failed_attempts": "Webhook attempts that failed", "dropped": "Fall alerts dropped: too many waiting"}
+            "failed_attempts": "Webhook attempts that failed", "dropped": "Fall alerts dropped: too many waiting",
+            "restarts": "Times the webhook's delivery task ended and was started again"}
 
     def __init__(self, stats: Callable[[], Any]) -> None:
         self.stats = stats

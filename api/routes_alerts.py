@@ -14,7 +14,7 @@ from api.routes_captions import result_json
 from api.state import ServerState, server_state
 from api.streaming import SSEResponse, sse
 from jobqueue.contract import ALERTS_STREAM
-from jobqueue.results import recent_captions, tail_captions
+from jobqueue.results import recent_captions
 
 router = APIRouter(prefix="/v1")
 
@@ -34,14 +34,14 @@ async def list_alerts(limit: int = Query(50, ge=1, le=1000),
 async def stream_alerts(last_event_id: str | None = Header(None, pattern=r"^[0-9]{1,20}(-[0-9]{1,20})?$"),
                         state: ServerState = Depends(server_state)) -> SSEResponse:
     """Fall alerts as server-sent events (`event: alert`) as they are finished; resumes after
-    `Last-Event-ID`."""
+    `Last-Event-ID`. 503 when the server's event streams are all taken."""
     redis = state.redis
 
     async def events() -> AsyncIterator[str]:
         yield ": connected\n\n"
         if redis is None:
             await asyncio.Event().wait()  # no Redis, no alerts: keep the stream open until the client leaves
-        async for position, result in tail_captions(redis, after=last_event_id or "$", feed=ALERTS_STREAM):
+        async for position, result in state.feeds.tail(ALERTS_STREAM, last_event_id):
             yield sse(result_json(result), event="alert", event_id=position)
 
-    return SSEResponse(events())
+    return state.feeds.response(events)

@@ -26,6 +26,7 @@ from api.state import ServerState, server_state
 from api.streaming import ClientDisconnected, SSEResponse, sse, until_disconnect
 from jobqueue.consumer import structured_caption
 from jobqueue.contract import CaptionResult, JobStatus
+from jobqueue.results import captions_feed
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
@@ -191,15 +192,18 @@ async def stream_captions(camera: CameraId | None = None,
                           last_event_id: str | None = Header(None, pattern=r"^[0-9]{1,20}(-[0-9]{1,20})?$"),
                           state: ServerState = Depends(server_state)) -> SSEResponse:
     """Finished captions as server-sent events (`event: caption`); resumes after `Last-Event-ID`. 503 when the
-    store (Redis) does not answer, before the stream starts."""
+    store (Redis) does not answer, or when the server's event streams are all taken, before the stream starts."""
     await state.captions.ping()
+    redis = state.redis
 
     async def events() -> AsyncIterator[str]:
         yield ": connected\n\n"
-        async for position, result in state.captions.tail(camera, last_event_id):
+        tail = state.feeds.tail(captions_feed(camera), last_event_id) if redis is not None else \
+            state.captions.tail(camera, last_event_id)
+        async for position, result in tail:
             yield sse(result_json(result), event="caption", event_id=position)
 
-    return SSEResponse(events())
+    return state.feeds.response(events)
 
 
 @router.get("/captions/{caption_id}")

@@ -22,6 +22,7 @@ from api.bridge import AsyncEngine
 from api.caption_store import CaptionStore, MemoryCaptionStore, RedisCaptionStore
 from api.captioner import EngineCaptioner
 from api.errors import RETRY_AFTER_S, install_error_handlers
+from api.feeds import FeedHub
 from api.guard import GuardMiddleware, configured_keys
 from api.metrics import Metrics
 from api.settings import ServerSettings
@@ -50,7 +51,10 @@ async def _build_state(settings: ServerSettings, metrics: Metrics, engine: Any |
         captions = MemoryCaptionStore()
     captioner = EngineCaptioner(bridge, settings.limits, settings.caption_max_tokens,
                                 settings.structured_caption_max_tokens)
-    return ServerState(settings=settings, bridge=bridge, metrics=metrics, captions=captions, captioner=captioner)
+    feeds = FeedHub(captions.redis if isinstance(captions, RedisCaptionStore) else None,
+                    settings.max_sse_subscribers)
+    return ServerState(settings=settings, bridge=bridge, metrics=metrics, captions=captions, captioner=captioner,
+                       feeds=feeds)
 
 
 def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
@@ -109,6 +113,7 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
                     await webhook.stop(settings.shutdown_grace_s)
                 await state.bridge.shutdown(settings.shutdown_grace_s)
                 await asyncio.gather(*state.background, return_exceptions=True)
+                await state.feeds.close()
                 await state.captions.close()
 
     app = FastAPI(title="vlmcap", version="0.1.0", lifespan=lifespan,

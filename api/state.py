@@ -13,6 +13,7 @@ from api.bridge import AsyncEngine
 from api.caption_store import CaptionStore, RedisCaptionStore
 from api.captioner import EngineCaptioner
 from api.errors import APIError
+from api.feeds import FeedHub
 from api.metrics import Metrics
 from api.settings import ServerSettings
 
@@ -30,6 +31,7 @@ class ServerState:
     metrics: Metrics
     captions: CaptionStore
     captioner: EngineCaptioner
+    feeds: FeedHub  # the event streams' Redis readers, fanned out in memory
     started_at: float = field(default_factory=time.time)
     background: set[asyncio.Task] = field(default_factory=set)  # caption requests answered with 202
     worker: QueueWorker | None = None  # the in-process queue worker, when Redis is configured

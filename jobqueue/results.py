@@ -51,7 +51,8 @@ async def get_frame(redis_client: aioredis.Redis, job_id: str) -> JobFrame | Non
     return readable(JobFrame.from_fields, fields, frame_key(job_id)) if fields else None
 
 
-def _feed(camera: str | None) -> str:
+def captions_feed(camera: str | None) -> str:
+    """The feed of one camera's captions, or of all cameras'."""
     return camera_captions_stream(camera) if camera else CAPTIONS_STREAM
 
 
@@ -61,7 +62,7 @@ async def recent_captions(redis_client: aioredis.Redis, camera: str | None = Non
     alerts feed)."""
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
-    feed = feed or _feed(camera)
+    feed = feed or captions_feed(camera)
     entries = await redis_client.xrevrange(feed, count=limit)
     results = [readable(CaptionResult.from_fields, fields, f"{feed} {as_text(entry_id)}")
                for entry_id, fields in entries]
@@ -74,7 +75,7 @@ async def tail_captions(redis_client: aioredis.Redis, camera: str | None = None,
     """Finished results as they arrive, as (feed entry id, result); `after` is a feed entry id to resume
     after (e.g. an SSE Last-Event-ID), or "$" for only new ones; `feed` another feed than the camera's or
     all captions (the alerts feed). Runs until the consumer stops iterating."""
-    feed = feed or _feed(camera)
+    feed = feed or captions_feed(camera)
     if after == "$":
         newest = await redis_client.xrevrange(feed, count=1)
         after = as_text(newest[0][0]) if newest else "0-0"
