@@ -123,7 +123,7 @@ class DecodeGraphs:
         for chunk in chunks:
             request, position = chunk.request, chunk.start
             ids.append(request.token_ids_between(position, position + 1)[0])
-            for stream, values in zip(positions, runner._positions(request, position, position + 1)):
+            for stream, values in zip(positions, runner.adapter.rope_positions(request, position, position + 1)):
                 stream.extend(values)
             slots.extend(cache_slots(request.block_ids, position, position + 1, bs))
             seq_lens.append(chunk.end)

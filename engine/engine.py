@@ -32,6 +32,7 @@ from engine.outputs import EngineStats, RequestOutput, StepTimings
 from engine.request import Request
 from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler
+from engine.video import VideoInput, VideoSampling, as_video
 
 log = logging.getLogger(__name__)
 
@@ -189,10 +190,13 @@ class Engine:
         messages: list[dict[str, Any]] | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        videos: list[VideoInput] | None = None,
     ) -> str:
         """Queue a request and return its id. Raises ValueError for a request that can never run.
         `cache_salt`: the request shares cached prefix blocks and image features only with requests of the same
-        salt (engine/block_hash.py)."""
+        salt (engine/block_hash.py).
+        `videos`: each a `engine.video.Video`, a list of frames (PIL images or arrays) or a file path (read with
+        OpenCV, frames sampled by `VideoSampling()`), one for each video marker of the prompt."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
         sampling = sampling or SamplingParams()
@@ -217,8 +221,10 @@ class Engine:
             raise ValueError(
                 f"the prompt has {markers} {self.adapter.image_marker} marker(s) but {len(loaded)} image(s) were given"
             )
+        clips = [as_video(video, f"video {i}", VideoSampling()) for i, video in enumerate(videos or [])]
+        self._check_video_markers(prompt, clips)
         try:
-            token_ids, mm = self.adapter.process(prompt, loaded)
+            token_ids, mm = self.adapter.process(prompt, loaded, clips)
         except ValueError:
             raise
         except Exception as exc:
@@ -256,6 +262,13 @@ class Engine:
             self.requests[request_id] = request
             self.scheduler.add(request)
         return request_id
+
+    def _check_video_markers(self, prompt: str, clips: list) -> None:
+        """As many video markers as videos (a family without video refuses videos in `adapter.process`)."""
+        marker = self.adapter.video_marker
+        if marker is not None and prompt.count(marker) != len(clips):
+            raise ValueError(f"the prompt has {prompt.count(marker)} {marker} marker(s) but {len(clips)} video(s) "
+                             "were given")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks now. False if it was not running or waiting."""

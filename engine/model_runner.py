@@ -157,7 +157,7 @@ class ModelRunner:
             request, start, end = chunk.request, chunk.start, chunk.end
             query_start = len(token_ids)
             token_ids.extend(request.token_ids_between(start, end))
-            for stream, values in zip(positions, self._positions(request, start, end)):
+            for stream, values in zip(positions, self.adapter.rope_positions(request, start, end)):
                 stream.extend(values)
             slots.extend(cache_slots(request.block_ids, start, end, bs))
             blocks = request.block_ids[: -(-end // bs)]
@@ -225,18 +225,6 @@ class ModelRunner:
         """A prefill chunk whose image tokens attend both ways needs the reference path's explicit masks."""
         mm = chunk.request.mm
         return chunk.num_tokens > 1 and mm is not None and mm.atomic_units and bool(mm.units_in(chunk.start, chunk.end))
-
-    def _positions(self, request, start: int, end: int) -> list[list[int]]:
-        """Rotary positions of tokens start..end-1, one list per position stream (see
-        `VLMAdapter.rope_positions`): the token index, except in a multimodal prompt's precomputed span."""
-        mm = request.mm
-        streams = self.adapter.rope_streams or 1
-        if mm is None or mm.rope_positions is None:
-            return [range(start, end)] * streams
-        prompt_len = request.num_prompt_tokens
-        if start >= prompt_len:
-            return [range(start + mm.rope_position_delta, end + mm.rope_position_delta)] * streams
-        return self.adapter.rope_positions(request, start, end).tolist()
 
     def _features(
         self, chunk: ScheduledChunk, query_start: int, where: list[int], features: list[torch.Tensor]

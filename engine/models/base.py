@@ -1,8 +1,10 @@
-"""What the engine needs from a model family: turn a prompt and images into tokens and encoder inputs,
-run the vision encoder on some of those inputs, and run the stock text model on a packed batch."""
+"""What the engine needs from a model family: turn a prompt, images and videos into tokens and encoder
+inputs, run the vision encoder on some of those inputs, and run the stock text model on a packed batch."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -10,6 +12,7 @@ from PIL import Image
 
 from engine.attention import ATTN_IMPLEMENTATION, AttentionBatch
 from engine.request import MultimodalPrompt, Request
+from engine.video import Video
 
 # Model types whose image tokens attend to each other both ways in transformers (Gemma 3 puts a bidirectional
 # block over each image's tokens; PaliGemma over its whole image-and-prompt prefix). A causal chunk boundary
@@ -21,11 +24,57 @@ def image_tokens_attend_bidirectionally(config: Any) -> bool:
     return getattr(config, "model_type", None) in BIDIRECTIONAL_IMAGE_MODEL_TYPES
 
 
+@dataclass
+class EncoderUnit:
+    """One encoder input (a tile, an image, a video's frame or temporal patch) and how many placeholder
+    tokens its features fill."""
+
+    rows: int
+    inputs: dict[str, torch.Tensor]
+
+
+def place_units(ids: list[int], units: dict[int, list[EncoderUnit]]) -> MultimodalPrompt:
+    """The prompt's placeholders matched to encoder inputs: `units[token]` are the inputs whose features fill
+    the placeholders of that token id (an image token, a video token), in the prompt's order, `rows`
+    placeholders each. The processor puts every input's placeholders in one run of its token (other tokens
+    may lie between them, never another input's placeholders), so inputs follow one another in the prompt."""
+    positions: list[int] = []
+    row_starts: list[int] = []
+    rows: list[int] = []
+    inputs: list[dict[str, torch.Tensor]] = []
+    queues = {token: iter(listed) for token, listed in units.items()}
+    open_token, left = None, 0
+    for position, token in enumerate(ids):
+        if token not in queues:
+            continue
+        if left == 0:
+            unit = next(queues[token], None)
+            if unit is None:
+                break
+            row_starts.append(len(positions))
+            rows.append(unit.rows)
+            inputs.append(unit.inputs)
+            open_token, left = token, unit.rows
+        elif token != open_token:
+            break
+        positions.append(position)
+        left -= 1
+    expected = sum(unit.rows for listed in units.values() for unit in listed)
+    if len(positions) != expected or sum(1 for t in ids if t in queues) != expected:
+        found = sum(1 for t in ids if t in queues)
+        raise ValueError(f"the prompt expands to {found} image and video tokens, but its images and videos give "
+                         f"{expected} rows of features")
+    return MultimodalPrompt(placeholder_positions=positions, unit_row_starts=row_starts, unit_rows=rows,
+                            encoder_inputs=inputs)
+
+
 class VLMAdapter:
     """Wraps one transformers vision-language model; subclasses describe a family."""
 
     architectures: ClassVar[tuple[str, ...]] = ()
     image_marker: ClassVar[str] = "<image>"
+    # What a video is in a prompt; None for families without a video path (they refuse videos by name).
+    video_marker: ClassVar[str | None] = None
     # Position streams of multimodal RoPE (3 for Qwen2-VL's time, height and width); None for plain RoPE.
     rope_streams: ClassVar[int | None] = None
 
@@ -50,6 +99,7 @@ class VLMAdapter:
             text_config.sliding_window if "sliding_attention" in layer_types else None
         )
         self.atomic_units = image_tokens_attend_bidirectionally(model.config)
+        self.lean: Any = None  # engine/lean_layers.LeanTextModel where the engine runs the text model lean
 
     # -- family-specific ------------------------------------------------------------------------
     @property
@@ -60,8 +110,10 @@ class VLMAdapter:
     def lm_head(self) -> torch.nn.Module:
         return self.model.lm_head
 
-    def expand_prompt(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], MultimodalPrompt | None]:
-        """The prompt's token ids as the model's processor expands them, and where its images go."""
+    def expand_prompt(
+        self, prompt: str, images: list[Image.Image], videos: list[Video]
+    ) -> tuple[list[int], MultimodalPrompt | None]:
+        """The prompt's token ids as the model's processor expands them, and where its images and videos go."""
         raise NotImplementedError
 
     def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -81,26 +133,36 @@ class VLMAdapter:
         raise NotImplementedError(f"{type(self).__name__} runs its vision tower whole")
 
     # -- shared ---------------------------------------------------------------------------------
-    def process(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], MultimodalPrompt | None]:
-        token_ids, mm = self.expand_prompt(prompt, images)
+    @property
+    def family(self) -> str:
+        return type(self.model).__name__
+
+    def process(
+        self, prompt: str, images: list[Image.Image], videos: Sequence[Video] = ()
+    ) -> tuple[list[int], MultimodalPrompt | None]:
+        if videos and self.video_marker is None:
+            raise ValueError(f"{self.family} has no video input; send the frames as images instead")
+        token_ids, mm = self.expand_prompt(prompt, images, list(videos))
         if mm is not None:
             mm.atomic_units = self.atomic_units
             mm.encoder_slices = self.encoder_slices
         return token_ids, mm
 
-    def rope_positions(self, request: Request, start: int, end: int) -> torch.Tensor:
-        """Rotary positions of the request's tokens start..end-1: [n] for ordinary RoPE, [streams, n] for
-        multimodal RoPE. A prompt's multimodal positions were computed once (`MultimodalPrompt.rope_positions`)
-        and are sliced here; later tokens (generated, or replayed after preemption) continue the model's rule,
-        token index plus the prompt's delta, and text-only prompts have the same position in every stream."""
+    def rope_positions(self, request: Request, start: int, end: int) -> list[Sequence[int]]:
+        """Rotary positions of the request's tokens start..end-1, one sequence per position stream (one for
+        ordinary RoPE, `rope_streams` for multimodal RoPE). A prompt's multimodal positions were computed once
+        by the model's own rule (`MultimodalPrompt.rope_positions`) and are sliced here; later tokens
+        (generated, or replayed after preemption) continue that rule, token index plus the prompt's delta;
+        text-only prompts have the token index in every stream."""
         mm = request.mm
+        streams = self.rope_streams or 1
         if mm is None or mm.rope_positions is None:
-            positions = torch.arange(start, end)
-            return positions if self.rope_streams is None else positions.expand(self.rope_streams, -1)
-        prompt_len = request.num_prompt_tokens
-        in_prompt = mm.rope_positions[:, start : min(end, prompt_len)]
-        after = torch.arange(max(start, prompt_len), max(end, prompt_len)) + mm.rope_position_delta
-        return torch.cat([in_prompt, after.expand(in_prompt.shape[0], -1)], dim=1)
+            return [range(start, end)] * streams
+        delta, prompt_len = mm.rope_position_delta, request.num_prompt_tokens
+        after = range(max(start, prompt_len) + delta, max(end, prompt_len) + delta)
+        if start >= prompt_len:
+            return [after] * streams
+        return [row + list(after) for row in mm.rope_positions[:, start : min(end, prompt_len)].tolist()]
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -121,6 +183,8 @@ class VLMAdapter:
     def forward_text(
         self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
+        if self.lean is not None:  # engine/lean_layers.py, set by the engine
+            return self.lean.forward(inputs_embeds, position_ids, batch)
         out = self.text_model(
             inputs_embeds=inputs_embeds.unsqueeze(0),
             position_ids=position_ids.unsqueeze(-2),  # [T] -> [1, T]; [streams, T] -> [streams, 1, T]

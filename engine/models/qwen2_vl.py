@@ -1,10 +1,13 @@
 """Qwen2-VL and Qwen2.5-VL: dynamic resolution and multimodal rotary positions.
 
 The processor resizes each image to a multiple of 28 px (patch 14, 2x2 merge) within its pixel limits and
-expands its `<|image_pad|>` into one token per merged 2x2 patch group (`image_grid_thw` gives the grid). The
-vision tower attends across all patches of an image (Qwen2.5-VL within windows, and fully in a few
-blocks), never across images, so the encoder input is one image. Text positions follow M-RoPE: three
-streams (time, height, width), from the model's own `get_rope_index`, computed once per prompt.
+expands its `<|image_pad|>` into one token per merged 2x2 patch group (`image_grid_thw` gives the grid). A
+video is the same with time: its frames, two by two, make temporal patches (`video_grid_thw`), each of
+which expands `<|video_pad|>` into as many tokens as one image of that size. The vision tower attends
+across the patches of one image or one temporal patch of a video (Qwen2.5-VL within windows, and fully in
+a few blocks), never further, so the encoder input is one image or one temporal patch, encoded alike.
+Text positions follow M-RoPE: three streams (time, height, width), from the model's own `get_rope_index`
+over all of the prompt's grids (Qwen2.5-VL spaces a video's time by its frame rate), computed once.
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
-from engine.models.base import VLMAdapter
+from engine.models.base import EncoderUnit, VLMAdapter, place_units
 from engine.request import MultimodalPrompt
+from engine.video import Video
 
 
 class Qwen2VLAdapter(VLMAdapter):
     architectures = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
     image_marker = "<|image_pad|>"
+    video_marker = "<|video_pad|>"
     rope_streams = 3
 
     @property
@@ -30,42 +35,51 @@ class Qwen2VLAdapter(VLMAdapter):
     def visual(self) -> torch.nn.Module:
         return getattr(self.model.model, "visual", None) or self.model.visual
 
-    def expand_prompt(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], MultimodalPrompt | None]:
-        batch = self.processor(text=[prompt], images=images or None, return_tensors="pt")
+    def expand_prompt(
+        self, prompt: str, images: list[Image.Image], videos: list[Video]
+    ) -> tuple[list[int], MultimodalPrompt | None]:
+        video_kwargs = {}
+        if videos:
+            video_kwargs = {"videos": [v.frames for v in videos], "video_metadata": [v.metadata() for v in videos],
+                            "do_sample_frames": False}
+        batch = self.processor(text=[prompt], images=images or None, return_tensors="pt", **video_kwargs)
         input_ids = batch["input_ids"]
         ids = input_ids[0].tolist()
-        if not images:
+        if not images and not videos:
             return ids, None
-        grids = batch["image_grid_thw"]
-        merge = self.visual.spatial_merge_size
-        rows = (grids.prod(-1) // merge**2).tolist()
-        image_token_id = self.model.config.image_token_id
-        positions = [i for i, t in enumerate(ids) if t == image_token_id]
-        if len(positions) != sum(rows):
-            raise ValueError(
-                f"the prompt expands to {len(positions)} image tokens but its {len(images)} image(s) give {sum(rows)}"
-            )
-        patch_starts = [0] + grids.prod(-1).cumsum(0).tolist()  # pixel_values has one row per patch
-        inputs = [
-            {"pixel_values": batch["pixel_values"][start:end], "image_grid_thw": grids[i : i + 1]}
-            for i, (start, end) in enumerate(zip(patch_starts, patch_starts[1:]))
-        ]
+        config = self.model.config
+        units = {config.image_token_id: self._units(batch.get("pixel_values"), batch.get("image_grid_thw")),
+                 config.video_token_id: self._units(batch.get("pixel_values_videos"), batch.get("video_grid_thw"))}
+        mm = place_units(ids, units)
         # transformers 5 finds the vision spans by `mm_token_type_ids`; 4.x by the token ids themselves.
-        type_ids = {"mm_token_type_ids": batch["mm_token_type_ids"]} if "mm_token_type_ids" in batch else {}
-        rope_positions, delta = self.model.model.get_rope_index(input_ids, image_grid_thw=grids, **type_ids)
-        return ids, MultimodalPrompt(
-            placeholder_positions=positions,
-            unit_row_starts=[sum(rows[:i]) for i in range(len(rows))],
-            unit_rows=rows,
-            encoder_inputs=inputs,
-            rope_positions=rope_positions[:, 0],  # [3, batch=1, L] -> [3, L]
-            rope_position_delta=int(delta.reshape(-1)[0]),
-        )
+        grids = {name: batch[name] for name in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts",
+                                                "mm_token_type_ids") if name in batch}
+        if "second_per_grid_ts" in grids:
+            grids["second_per_grid_ts"] = torch.as_tensor(grids["second_per_grid_ts"])
+        rope_positions, delta = self.model.model.get_rope_index(input_ids, **grids)
+        mm.rope_positions = rope_positions[:, 0]  # [3, batch=1, L] -> [3, L]
+        mm.rope_position_delta = int(delta.reshape(-1)[0])
+        return ids, mm
+
+    def _units(self, pixel_values: torch.Tensor | None, grids: torch.Tensor | None) -> list[EncoderUnit]:
+        """One encoder input per image, or per temporal patch of a video: `pixel_values` has one row per
+        patch, grid by grid, time first."""
+        if grids is None:
+            return []
+        merge = self.visual.spatial_merge_size
+        units = []
+        row = 0
+        for t, h, w in grids.tolist():
+            for _ in range(t):
+                units.append(EncoderUnit(h * w // merge**2, {
+                    "pixel_values": pixel_values[row : row + h * w], "image_grid_thw": torch.tensor([[1, h, w]])}))
+                row += h * w
+        return units
 
     @torch.inference_mode()
     def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        # Several images go through the tower in one call, as transformers does for a prompt's images:
-        # attention never crosses an image's patches.
+        # Several inputs go through the tower in one call, as transformers does for a prompt's images:
+        # attention never crosses an input's patches.
         pixel_values = torch.cat([i["pixel_values"] for i in inputs]).to(self.device, self.dtype)
         grids = torch.cat([i["image_grid_thw"] for i in inputs]).to(self.device)
         out = self.model.model.get_image_features(pixel_values, grids)

@@ -1,7 +1,8 @@
 """SmolVLM and Idefics3: a SigLIP tower encodes each 512 px tile (plus a global view) on its own; a pixel
 shuffle connector turns a tile into `image_seq_len` rows that replace that many `<image>` tokens in order.
 The encoder input is therefore one tile: encoding tiles one at a time gives the same features as
-encoding the whole image at once."""
+encoding the whole image at once. A video (SmolVLM2's processor) is its frames, each one global view with its
+timestamp written before it ("Frame from 00:03:"), so its encoder inputs are frames, encoded as tiles are."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from typing import Any
 import torch
 from PIL import Image
 
-from engine.models.base import VLMAdapter
+from engine.models.base import EncoderUnit, VLMAdapter, place_units
 from engine.request import MultimodalPrompt
+from engine.video import Video
 
 # A SigLIP encoder layer runs in five slices of similar work (on a CPU, some 10-20 ms each for a 512 px
 # tile of SmolVLM-256M), so that a step carries only one slice of a layer: (0) the normed input's query, key
@@ -81,6 +83,12 @@ def _split(carried: Any, count: int) -> list[Any]:
 class SmolVLMAdapter(VLMAdapter):
     architectures = ("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration")
     image_marker = "<image>"
+    video_marker = "<video>"
+
+    def __init__(self, model: Any, processor: Any, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(model, processor, device, dtype)
+        if getattr(processor, "video_processor", None) is None:  # Idefics3's processor has no video path
+            self.video_marker = None
 
     @property
     def text_model(self) -> torch.nn.Module:
@@ -92,35 +100,29 @@ class SmolVLMAdapter(VLMAdapter):
         final norm and the connector with the last."""
         return SLICES_PER_LAYER * len(self.model.model.vision_model.encoder.layers)
 
-    def expand_prompt(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], MultimodalPrompt | None]:
-        if not images:  # tokenized exactly as the processor does for transformers' own generate
+    def expand_prompt(
+        self, prompt: str, images: list[Image.Image], videos: list[Video]
+    ) -> tuple[list[int], MultimodalPrompt | None]:
+        if not images and not videos:  # tokenized exactly as the processor does for transformers' own generate
             return self.processor(text=[prompt], return_tensors="pt")["input_ids"][0].tolist(), None
-        batch = self.processor(text=[prompt], images=[images], return_tensors="pt")
+        if images and videos:
+            raise ValueError(f"{self.family}'s processor takes images or videos in one prompt, not both "
+                             f"(got {len(images)} image(s) and {len(videos)} video(s))")
+        if videos:
+            batch = self.processor(text=[prompt], videos=[v.frames for v in videos], return_tensors="pt",
+                                   video_metadata=[v.metadata() for v in videos], do_sample_frames=False)
+        else:
+            batch = self.processor(text=[prompt], images=[images], return_tensors="pt")
         ids = batch["input_ids"][0].tolist()
-        pixel_values = batch["pixel_values"][0]  # [tiles, 3, H, W]
+        pixel_values = batch["pixel_values"][0]  # [tiles or frames, 3, H, W]
         pixel_mask = batch.get("pixel_attention_mask")
-        image_token_id = self.model.config.image_token_id
-        positions = [i for i, t in enumerate(ids) if t == image_token_id]
-        rows_per_tile = self.model.model.image_seq_len
-        num_tiles = pixel_values.shape[0]
-        if len(positions) != num_tiles * rows_per_tile:
-            raise ValueError(
-                f"the prompt expands to {len(positions)} image tokens but its {len(images)} image(s) give "
-                f"{num_tiles} tiles of {rows_per_tile} tokens"
-            )
-        inputs = []
-        for tile in range(num_tiles):
+        units = []
+        for tile in range(pixel_values.shape[0]):
             item = {"pixel_values": pixel_values[tile : tile + 1]}
             if pixel_mask is not None:
                 item["pixel_attention_mask"] = pixel_mask[0, tile : tile + 1]
-            inputs.append(item)
-        mm = MultimodalPrompt(
-            placeholder_positions=positions,
-            unit_row_starts=[tile * rows_per_tile for tile in range(num_tiles)],
-            unit_rows=[rows_per_tile] * num_tiles,
-            encoder_inputs=inputs,
-        )
-        return ids, mm
+            units.append(EncoderUnit(self.model.model.image_seq_len, item))
+        return ids, place_units(ids, {self.model.config.image_token_id: units})
 
     @torch.inference_mode()
     def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:

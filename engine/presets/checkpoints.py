@@ -152,7 +152,10 @@ def qwen2_vl_parts(preset: Qwen2VLPreset) -> FamilyParts:
     processor = getattr(transformers, f"{prefix}Processor")(
         image_processor=Qwen2VLImageProcessor(min_pixels=preset.min_pixels, max_pixels=preset.max_pixels, **sizes),
         tokenizer=tokenizer,
-        video_processor=Qwen2VLVideoProcessor(**sizes),
+        # Frames within the images' pixel limits; `cap_pixels_per_frame` False keeps transformers' resizing rule
+        # (and its warning quiet).
+        video_processor=Qwen2VLVideoProcessor(min_pixels=preset.min_pixels, max_pixels=preset.max_pixels,
+                                              cap_pixels_per_frame=False, **sizes),
         chat_template=QWEN2_VL_CHAT_TEMPLATE,
     )
     return getattr(transformers, f"{prefix}ForConditionalGeneration"), config, processor
@@ -299,7 +302,9 @@ def preset_checkpoint(name: str, cache_dir: str | os.PathLike | None = None) -> 
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
     preset = PRESETS[name]
-    described = {"family": type(preset).__name__, **asdict(preset)}
+    # The chat templates are part of what is built: a template that changes builds the checkpoint anew.
+    templates = (QWEN2_VL_CHAT_TEMPLATE, LLAVA_CHAT_TEMPLATE, LLAVA_ONEVISION_CHAT_TEMPLATE, GEMMA3_CHAT_TEMPLATE)
+    described = {"family": type(preset).__name__, **asdict(preset), "templates": templates}
     key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cache_dir or os.environ.get("VLMCAP_CACHE", Path(tempfile.gettempdir()) / "vlmcap-presets"))
     path = root / f"{name}-{key}"

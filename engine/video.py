@@ -1,0 +1,202 @@
+"""Videos as the engine takes them: sampled frames with where they lie in the clip.
+
+A `Video` is a few frames (RGB, one size) and the source's frame rate, so that each frame's time is known:
+SmolVLM writes it into the prompt, Qwen2.5-VL spaces its temporal rotary positions by it. A file is read
+with OpenCV through a file object (never a name FFmpeg could take for a URL or a protocol), frame by frame:
+frames between the sampled ones are grabbed (demuxed and decoded, never converted or kept), so a clip's
+decoded frames in memory are at most `max_frames` frames of at most `max_frame_pixels` pixels whatever its
+length. Limits a file passes raise `VideoLimitError` naming the limit; a file that cannot be read, ValueError.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+from PIL import Image
+
+# The frame rate given to frames that come without one (a list of frames): one a second.
+UNTIMED_FPS = 1.0
+
+
+class VideoLimitError(ValueError):
+    """A video over one of the limits it was read under; `limit` names the limit."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+@dataclass(frozen=True)
+class VideoSampling:
+    """Which frames of a video file are kept: `num_frames` spread evenly from the first to the last, or, when
+    `fps` is set, one every 1/`fps` seconds; never more than `max_frames`. Limits on the file: its duration
+    (`max_seconds`) and each frame's pixels (`max_frame_pixels`); None for none."""
+
+    num_frames: int = 8
+    fps: float | None = None
+    max_frames: int = 32
+    max_seconds: float | None = None
+    max_frame_pixels: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_frames, bool) or not isinstance(self.max_frames, int) or self.max_frames < 1:
+            raise ValueError(f"max_frames must be a positive integer, got {self.max_frames!r}")
+        if isinstance(self.num_frames, bool) or not isinstance(self.num_frames, int) or self.num_frames < 1:
+            raise ValueError(f"num_frames must be a positive integer, got {self.num_frames!r}")
+        if self.num_frames > self.max_frames:
+            raise VideoLimitError("max_frames", f"num_frames {self.num_frames} is over the limit of "
+                                                f"{self.max_frames} frames a video")
+        if self.fps is not None and not (isinstance(self.fps, int | float) and 0 < self.fps <= 1000):
+            raise ValueError(f"fps must be a number in (0, 1000], got {self.fps!r}")
+
+    def indices(self, total_frames: int, source_fps: float) -> list[int]:
+        """The frame indices to keep of a clip of `total_frames` frames at `source_fps`."""
+        count = min(self.num_frames, total_frames)
+        if self.fps is not None:
+            step = max(source_fps / self.fps, 1.0)
+            count = math.ceil(total_frames / step)
+            if count <= self.max_frames:
+                return sorted({min(round(i * step), total_frames - 1) for i in range(count)})
+            count = self.max_frames  # more than max_frames at that rate: max_frames spread over the clip
+        return sorted({int(round(i)) for i in np.linspace(0, total_frames - 1, count)})
+
+
+@dataclass
+class Video:
+    """Frames [T, H, W, 3] (uint8 RGB) taken at `frames_indices` of a source of `total_num_frames` frames at
+    `fps` frames a second."""
+
+    frames: np.ndarray
+    fps: float
+    frames_indices: list[int] = field(default_factory=list)
+    total_num_frames: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.frames_indices:
+            self.frames_indices = list(range(len(self.frames)))
+        self.total_num_frames = max(self.total_num_frames, self.frames_indices[-1] + 1 if len(self.frames) else 0)
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.frames)
+
+    @property
+    def duration(self) -> float:
+        return self.total_num_frames / self.fps
+
+    @property
+    def timestamps(self) -> list[float]:
+        return [index / self.fps for index in self.frames_indices]
+
+    def metadata(self) -> Any:
+        """transformers' `VideoMetadata` of the frames, as its video processors read it."""
+        from transformers.video_utils import VideoMetadata
+
+        height, width = self.frames.shape[1:3]
+        return VideoMetadata(total_num_frames=self.total_num_frames, fps=self.fps, width=width, height=height,
+                             duration=self.duration, video_backend="opencv", frames_indices=list(self.frames_indices))
+
+
+VideoInput = Video | list | tuple | np.ndarray | bytes | bytearray | str | os.PathLike
+
+
+def _frame_array(frame: Any, where: str) -> np.ndarray:
+    if isinstance(frame, Image.Image):
+        return np.asarray(frame.convert("RGB"))
+    array = np.asarray(frame)
+    if array.ndim == 2:
+        array = np.repeat(array[:, :, None], 3, axis=2)
+    if array.ndim != 3 or array.shape[2] not in (3, 4) or array.shape[0] < 1 or array.shape[1] < 1:
+        raise ValueError(f"{where} must be an RGB image (H x W x 3), got an array of shape {array.shape}")
+    if array.dtype != np.uint8:
+        raise ValueError(f"{where} must hold uint8 pixels, got {array.dtype}")
+    return array[:, :, :3]
+
+
+def frames_video(frames: Any, where: str, fps: float = UNTIMED_FPS) -> Video:
+    """A video of frames given as PIL images or arrays (a list, or one [T, H, W, 3] array), all one size."""
+    items = list(frames)
+    if not items:
+        raise ValueError(f"{where} has no frames")
+    arrays = [_frame_array(frame, f"{where} frame {i}") for i, frame in enumerate(items)]
+    sizes = {a.shape for a in arrays}
+    if len(sizes) > 1:
+        raise ValueError(f"{where} has frames of different sizes: {sorted(sizes)}")
+    return Video(np.stack(arrays), fps)
+
+
+def as_video(value: VideoInput, where: str, sampling: VideoSampling) -> Video:
+    """A request's video: a `Video`, frames, encoded bytes or a file path (read under `sampling`)."""
+    if isinstance(value, Video):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return read_video(io.BytesIO(bytes(value)), sampling, where)
+    if isinstance(value, (str, os.PathLike)):
+        try:
+            with open(Path(value), "rb") as file:
+                return read_video(file, sampling, where)
+        except OSError as exc:
+            raise ValueError(f"{where} could not be opened: {exc}") from exc
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return frames_video(value, where)
+    raise ValueError(f"{where} has unsupported type {type(value).__name__}")
+
+
+def read_video(file: BinaryIO, sampling: VideoSampling, where: str = "video") -> Video:
+    """The frames `sampling` picks from an encoded video read from `file` (seekable), checked against its
+    limits before any frame is decoded."""
+    import cv2
+
+    capture = cv2.VideoCapture(file, cv2.CAP_FFMPEG, [])
+    try:
+        if not capture.isOpened():
+            raise ValueError(f"{where} is not a readable video (corrupt, truncated, or a format FFmpeg cannot open)")
+        total = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
+        fps = float(capture.get(cv2.CAP_PROP_FPS))
+        width, height = int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)), int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
+        if total < 1 or not np.isfinite(fps) or fps <= 0 or width < 1 or height < 1:
+            raise ValueError(f"{where} is not a readable video: {total} frames at {fps} fps, {width}x{height}")
+        _check_limits(sampling, total / fps, width * height, f"{width}x{height}", where)
+        wanted = sampling.indices(total, fps)
+        frames, kept = _sampled_frames(capture, wanted, (height, width))
+    finally:
+        capture.release()
+    if not frames:
+        raise ValueError(f"{where} is not a readable video: no frame could be decoded")
+    return Video(np.stack(frames), fps, kept, total)
+
+
+def _check_limits(sampling: VideoSampling, seconds: float, pixels: int, size: str, where: str) -> None:
+    if sampling.max_seconds is not None and seconds > sampling.max_seconds:
+        raise VideoLimitError("max_video_seconds", f"{where} lasts {seconds:.1f} s, over the limit of "
+                                                   f"{sampling.max_seconds:g} s")
+    if sampling.max_frame_pixels is not None and pixels > sampling.max_frame_pixels:
+        raise VideoLimitError("max_video_frame_pixels", f"{where} has frames of {size} = {pixels} pixels, over "
+                                                        f"the limit of {sampling.max_frame_pixels}")
+
+
+def _sampled_frames(capture: Any, wanted: list[int], size: tuple[int, int]) -> tuple[list[np.ndarray], list[int]]:
+    """Frames at the `wanted` indices (ascending): each frame up to the last is grabbed, only the wanted ones
+    converted and kept. A stream that ends early gives the frames read until then."""
+    import cv2
+
+    frames: list[np.ndarray] = []
+    kept: list[int] = []
+    targets = iter(wanted)
+    target = next(targets, None)
+    index = 0
+    while target is not None and capture.grab():
+        if index == target:
+            ok, frame = capture.retrieve()
+            if ok and frame is not None and frame.shape[:2] == size:
+                frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+                kept.append(index)
+            target = next(targets, None)
+        index += 1
+    return frames, kept

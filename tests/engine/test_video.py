@@ -1,0 +1,225 @@
+"""Videos through the engine: greedy tokens equal transformers' `generate` on the same processor output for
+Qwen2-VL's native video path (temporal patches, M-RoPE over time) and SmolVLM's timestamped frames, at
+budgets that cut the video's span at odd offsets; a second turn over the same video reuses its cached
+blocks without running the encoder again; files are sampled with OpenCV under their limits; a family
+without a video path refuses videos by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.presets import PRESETS, build_checkpoint
+from engine.video import Video, VideoLimitError, VideoSampling, frames_video, read_video
+from tests.engine.conftest import DEVICE
+
+VIDEO_FAMILIES = ["tiny", "tiny-qwen2-vl"]
+
+
+def clip_frames(photo, count: int = 5, size: tuple[int, int] = (64, 48)) -> list[np.ndarray]:
+    """Frames of a camera panning across `photo`: crops a little further right each frame, resized."""
+    image = np.asarray(photo)
+    height, width = image.shape[:2]
+    side = min(height, width) * 3 // 4
+    steps = np.linspace(0, width - side, count).astype(int)
+    return [cv2.resize(image[:side, x : x + side], size, interpolation=cv2.INTER_AREA) for x in steps]
+
+
+def write_mp4(path, frames: list[np.ndarray], fps: float) -> str:
+    height, width = frames[0].shape[:2]
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+    for frame in frames:
+        writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
+    writer.release()
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def video_checkpoints(tmp_path_factory) -> Callable[[str], str]:
+    built: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            built[name] = str(build_checkpoint(PRESETS[name], tmp_path_factory.mktemp(f"video-{name}")))
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def clip(photos) -> Video:
+    """8 frames of 96x64 px at 2 fps: 4 temporal patches of 24 tokens for tiny-qwen2-vl, 8 frames of 16
+    tokens for tiny SmolVLM; a clip whose positions and timestamps decide tokens (see the last test)."""
+    return Video(np.stack(clip_frames(photos[0], count=8, size=(96, 64))), fps=2.0)
+
+
+def video_oracle(checkpoint: str) -> Callable[[str, Video, int], list[int]]:
+    """transformers' `generate` on the processor's own output for a prompt with one video."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).to(DEVICE).eval()
+
+    def generate(prompt: str, video: Video, max_tokens: int) -> list[int]:
+        inputs = processor(text=[prompt], videos=[video.frames], video_metadata=[video.metadata()],
+                           do_sample_frames=False, return_tensors="pt").to(DEVICE)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+        return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+    return generate
+
+
+def user_turn(text: str, video: bool = True) -> dict:
+    return {"role": "user", "content": [{"type": "video"}] * video + [{"type": "text", "text": text}]}
+
+
+def engine_for(checkpoint: str, **settings) -> Engine:
+    return Engine(EngineConfig(model=checkpoint, device=DEVICE, dtype="float32", **settings))
+
+
+def run(engine: Engine, requests: list[dict]) -> dict[str, list[int]]:
+    """Add the requests (keyword arguments of `add_request`), the second one step after the first, and step
+    until all finish; returns each one's tokens and the prompt positions computed after each step."""
+    ids = []
+    tokens: dict[str, list[int]] = {}
+    pending = list(requests)
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            ids.append(engine.add_request(**pending.pop(0)))
+        for out in engine.step():
+            tokens[out.request_id] = out.token_ids
+    return {rid: tokens[rid] for rid in ids}
+
+
+@pytest.mark.parametrize("budget", [7, 13, 64])
+@pytest.mark.parametrize("name", VIDEO_FAMILIES)
+def test_video_tokens_equal_generate_at_budgets_that_cut_the_video(video_checkpoints, clip, name, budget):
+    checkpoint = video_checkpoints(name)
+    engine = engine_for(checkpoint, max_num_batched_tokens=budget, max_num_seqs=4)
+    video_turn = [user_turn("What happens in the clip?")]
+    prompt = engine.adapter.render_messages(video_turn)
+    rid = engine.add_request(messages=video_turn, videos=[clip], sampling=SamplingParams(max_tokens=10))
+    chat = engine.add_request(messages=[user_turn("Say something short.", video=False)],
+                              sampling=SamplingParams(max_tokens=6))
+    request = engine.requests[rid]
+    mm = request.mm
+    placeholders = set(mm.placeholder_positions)
+    cuts, tokens = [], {}
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        tokens.update({o.request_id: o.token_ids for o in outputs})
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            cuts.append(request.num_computed_tokens)
+        assert engine.stats().last_step_num_tokens <= budget
+    assert tokens[rid] == video_oracle(checkpoint)(prompt, clip, 10), f"{name} at budget {budget}"
+    assert len(tokens[chat]) == 6
+    # The video's span was cut inside an encoder input's rows (odd budgets) or between two of them.
+    inside = [c for c in cuts if c in placeholders and c - 1 in placeholders]
+    assert inside or budget == 64
+    frames_per_unit = 2 if name == "tiny-qwen2-vl" else 1  # a temporal patch, or one frame
+    assert mm.num_units == -(-clip.num_frames // frames_per_unit)
+    assert engine.stats().encoder_inputs_encoded == mm.num_units
+    assert engine.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("name", VIDEO_FAMILIES)
+def test_a_second_turn_over_the_same_video_reuses_its_blocks_without_encoding_again(video_checkpoints, clip, name):
+    checkpoint = video_checkpoints(name)
+    engine = engine_for(checkpoint, max_num_batched_tokens=32, max_num_seqs=4, block_size=16)
+    first = [user_turn("What happens in the clip?")]
+    answer = run(engine, [dict(messages=first, videos=[clip], sampling=SamplingParams(max_tokens=6))])
+    encoded = engine.stats().encoder_inputs_encoded
+    reply = engine.tokenizer.decode(next(iter(answer.values())), skip_special_tokens=True)
+    second = [*first, {"role": "assistant", "content": [{"type": "text", "text": reply}]},
+              user_turn("And then?", video=False)]
+    rid = engine.add_request(messages=second, videos=[clip], sampling=SamplingParams(max_tokens=6))
+    request = engine.requests[rid]
+    last_placeholder = request.mm.placeholder_positions[-1]
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step()})
+    assert engine.stats().encoder_inputs_encoded == encoded  # nothing of the video was encoded again
+    # Every full block up to the video's last placeholder came from the prefix cache.
+    assert outputs[rid].num_cached_tokens >= (last_placeholder // 16) * 16 > 0
+    prompt = engine.adapter.render_messages(second)
+    assert outputs[rid].token_ids == video_oracle(checkpoint)(prompt, clip, 6)
+
+
+@pytest.mark.parametrize("name", VIDEO_FAMILIES)
+def test_the_comparison_can_fail_positions_and_timestamps_decide_tokens(video_checkpoints, clip, name, monkeypatch):
+    """With token-index positions instead of M-RoPE over time (Qwen2-VL), or the frames' timestamps of
+    another frame rate (SmolVLM), the tokens differ from those the tests above compare with `generate`."""
+    checkpoint = video_checkpoints(name)
+    engine = engine_for(checkpoint, enable_prefix_caching=False)
+    turn = [user_turn("What happens in the clip?")]
+    expected = video_oracle(checkpoint)(engine.adapter.render_messages(turn), clip, 10)
+    sampling = SamplingParams(max_tokens=10)
+    assert list(run(engine, [dict(messages=turn, videos=[clip], sampling=sampling)]).values()) == [expected]
+    if name == "tiny-qwen2-vl":
+        monkeypatch.setattr(engine.adapter, "rope_positions", lambda request, start, end: [range(start, end)] * 3)
+        changed = clip
+    else:
+        changed = Video(clip.frames, fps=1.0)
+    assert list(run(engine, [dict(messages=turn, videos=[changed], sampling=sampling)]).values()) != [expected]
+
+
+def test_a_file_is_sampled_evenly_with_opencv_and_gives_the_frames_tokens(video_checkpoints, photos, tmp_path):
+    frames = clip_frames(photos[1], count=12)
+    path = write_mp4(tmp_path / "clip.mp4", frames, fps=4.0)
+    video = read_video(open(path, "rb"), VideoSampling(num_frames=4))
+    assert video.frames_indices == [0, 4, 7, 11] and video.fps == pytest.approx(4.0)
+    assert video.frames.shape == (4, 48, 64, 3) and video.timestamps == [0.0, 1.0, 1.75, 2.75]
+    by_fps = read_video(open(path, "rb"), VideoSampling(fps=1.0))
+    assert by_fps.frames_indices == [0, 4, 8]
+    capped = read_video(open(path, "rb"), VideoSampling(num_frames=6, fps=4.0, max_frames=6))
+    assert capped.num_frames == 6 and capped.frames_indices[-1] == 11
+
+    engine = engine_for(video_checkpoints("tiny-qwen2-vl"))
+    turn = [user_turn("Describe.")]
+    sampling = SamplingParams(max_tokens=6)
+    from_path = run(engine, [dict(messages=turn, videos=[path], sampling=sampling)])
+    decoded = read_video(open(path, "rb"), VideoSampling())
+    from_frames = run(engine, [dict(messages=turn, videos=[decoded], sampling=sampling)])
+    assert list(from_path.values()) == list(from_frames.values())
+    assert decoded.num_frames == VideoSampling().num_frames
+
+
+def test_files_over_their_limits_or_unreadable_are_refused_naming_why(photos, tmp_path):
+    path = write_mp4(tmp_path / "clip.mp4", clip_frames(photos[0], count=10), fps=2.0)
+    with pytest.raises(VideoLimitError, match="lasts 5.0 s, over the limit of 3 s") as too_long:
+        read_video(open(path, "rb"), VideoSampling(max_seconds=3))
+    assert too_long.value.limit == "max_video_seconds"
+    with pytest.raises(VideoLimitError, match="64x48 = 3072 pixels, over the limit of 3000") as too_big:
+        read_video(open(path, "rb"), VideoSampling(max_frame_pixels=3000))
+    assert too_big.value.limit == "max_video_frame_pixels"
+    with pytest.raises(VideoLimitError, match="num_frames 40 is over the limit of 32"):
+        VideoSampling(num_frames=40)
+    data = open(path, "rb").read()
+    for broken in (b"not a video at all" * 50, data[: len(data) // 2]):
+        with pytest.raises(ValueError, match="not a readable video"):
+            import io
+
+            read_video(io.BytesIO(broken), VideoSampling())
+
+
+def test_families_without_video_or_mismatched_prompts_are_refused(video_checkpoints, clip):
+    llava = engine_for(video_checkpoints("tiny-llava"))
+    with pytest.raises(ValueError, match="LlavaForConditionalGeneration has no video input"):
+        llava.add_request(prompt="USER: Describe the clip. ASSISTANT:", videos=[clip])
+    smolvlm = engine_for(video_checkpoints("tiny"))
+    with pytest.raises(ValueError, match="1 <video> marker.*but 2 video"):
+        smolvlm.add_request(messages=[user_turn("Describe.")], videos=[clip, clip])
+    both = [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "Compare."}]}]
+    from PIL import Image
+
+    with pytest.raises(ValueError, match="images or videos in one prompt, not both"):
+        smolvlm.add_request(messages=both, images=[Image.fromarray(clip.frames[0])], videos=[clip])
+    with pytest.raises(ValueError, match="frames of different sizes"):
+        frames_video([clip.frames[0], clip.frames[0][:20]], "video 0")
+    assert not smolvlm.has_unfinished_requests()
