@@ -14,7 +14,7 @@ import threading
 import typer
 
 from bench.configs import SAMPLE_VIDEO
-from cli.options import PORT
+from cli.options import PORT, stop_on_sigterm
 
 HUB_MODEL = "HuggingFaceTB/SmolVLM-256M-Instruct"
 CAMERA = "sample-cam"
@@ -171,5 +171,6 @@ def demo(
 ) -> None:
     """Play the sample video through the whole product: print each caption and fall alert as it arrives."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    stop_on_sigterm()
     if run_demo(model, detector, source, timeout, once=once, port=port) == 0 and once:
         raise typer.Exit(1)

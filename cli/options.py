@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,12 @@ import typer
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 PORT = 8000  # the API server's TCP port: `vlmcap serve` and `vlmcap demo`
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (docker stop, systemd, `timeout`) ends the command as Ctrl-C does: a KeyboardInterrupt in the main
+    thread, so the command's cleanup runs (an embedded Redis stopped, a camera released)."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 def fail(message: str) -> typer.Exit:

