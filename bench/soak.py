@@ -4,10 +4,13 @@ The soak starts its own embedded Redis and its own `vlmcap serve` (a subprocess 
 then for `duration` seconds keeps `chats` streaming chats going, sends REST captions and camera jobs at
 steady rates, and replaces a share `hostile_fraction` of each with a hostile one (the cases of issue 13 and
 more: extreme sampling values, deep or NaN JSON, decompression bombs, truncated images, oversized chunked
-bodies, unknown methods, foreign Host headers, cross-site posts; camera jobs with malformed fields). Then it
+bodies, unknown methods, foreign Host headers, cross-site posts, bad `cache_salt`s, one event stream more than
+the server's cap; camera jobs with malformed fields). Every fifth good job is a fall, whose alert goes to a
+webhook receiver that answers with an SSH banner: the webhook must stay alive, counting failures. Then it
 waits for every camera job to end and reports: requests by kind and status, jobs done, dead and lost,
 jobs captioned twice, the server's resident memory over time (start = after `warmup`), and the inter-token
-latency of the good chats. What must hold: no 5xx, good requests 2xx, hostile ones 4xx (or served
+latency of the good chats. What must hold: no 5xx (but the 503 with Retry-After that refuses a stream past
+the cap), good requests 2xx, hostile ones 4xx (or served
 normally where the input is merely odd), good jobs done, bad jobs dead once, none lost or captioned twice,
 memory flat after warm-up.
 """
@@ -86,6 +89,7 @@ class Client:
         self.photos = photos
         self.model = model
         self.bomb = bomb_png()
+        self.flooding = asyncio.Lock()  # one stream flood at a time, so that each one alone meets the cap
 
     def chat_body(self, content: Any, **extra: Any) -> dict[str, Any]:
         return {"model": self.model, "messages": [{"role": "user", "content": content}],
@@ -170,7 +174,64 @@ HOSTILE_REQUESTS: dict[str, Any] = {
     "remote_image_url": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
         [{"type": "image_url", "image_url": {"url": "http://[::127.0.0.1]/x.jpg"}}])),
     "reversed_box_frame": lambda c: c.http.get("/v1/captions/no-such-id/image"),
+    "cache_salt_empty": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("Hi", cache_salt="")),
+    "cache_salt_huge": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("Hi", cache_salt="s" * 10_000)),
+    "sse_flood": lambda c: _sse_flood(c),
 }
+# Hostile cases whose right answer is a 5xx: one event stream past the cap is refused with 503 and Retry-After.
+EXPECTED_5XX = {"hostile:sse_flood": 503}
+SSE_CAP = 8  # the soak server's --max-sse-subscribers
+FALL_EVERY = 5  # every fifth good camera job is a fall: its alert goes to the soak's misbehaving webhook
+
+
+class _Answer:
+    def __init__(self, status_code: int) -> None:
+        self.status_code = status_code
+
+
+async def _sse_flood(client: Client) -> _Answer:
+    """Open one event stream more than the server's cap (one flood at a time); the answer of the last one (503
+    with Retry-After is right; a 503 without it counts as 500). The others are closed again."""
+    async with client.flooding:
+        streams = []
+        try:
+            for _ in range(SSE_CAP + 1):
+                streams.append(await client.http.send(client.http.build_request("GET", "/v1/alerts/stream"),
+                                                      stream=True))
+            last = streams[-1]
+            return _Answer(500 if last.status_code == 503 and not last.headers.get("retry-after")
+                           else last.status_code)
+        finally:
+            for stream in streams:
+                await stream.aclose()
+
+
+class SSHReceiver:
+    """A webhook receiver that is not HTTP: it answers every connection with an SSH banner."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/alerts"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.recv(65536)
+                    conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.listener.close()
 
 # Camera job fields that make a job malformed; each such job must be dead-lettered once.
 HOSTILE_JOB_FIELDS: list[dict[str, str]] = [
@@ -235,7 +296,8 @@ async def _load(cfg: SoakConfig, url: str, redis_url: str, server_pid: int, tall
 
         async def job() -> None:
             good = Job(camera_id="soak-cam", frame_ts=time.time(), prompt="Who is there?", image=rng.choice(photos),
-                       detections=[Detection(10.0, 20.0, 110.0, 220.0, 0.9, 1)])
+                       detections=[Detection(10.0, 20.0, 110.0, 220.0, 0.9, 1)],
+                       fall=len(tally.good_jobs) % FALL_EVERY == FALL_EVERY - 1)
             if rng.random() >= cfg.hostile_fraction:
                 tally.good_jobs.append(good.job_id)
                 producer.submit(good)
@@ -304,7 +366,7 @@ async def _job_outcomes(cfg: SoakConfig, redis_url: str, tally: Tally) -> dict[s
     }
 
 
-def _start_server(cfg: SoakConfig, redis_url: str) -> tuple[subprocess.Popen, str]:
+def _start_server(cfg: SoakConfig, redis_url: str, webhook_url: str) -> tuple[subprocess.Popen, str]:
     from jobqueue.connection import free_tcp_port
 
     port = free_tcp_port()
@@ -312,7 +374,8 @@ def _start_server(cfg: SoakConfig, redis_url: str) -> tuple[subprocess.Popen, st
         [sys.executable, "-c", "from cli.main import app; app()", "serve", "--model", cfg.model,
          "--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url,
          "--caption-max-tokens", str(cfg.max_tokens), "--max-body-bytes", str(cfg.max_body_bytes),
-         "--max-deliveries", "2", "--claim-idle-seconds", "10", "--log-level", "warning"],
+         "--max-deliveries", "2", "--claim-idle-seconds", "10", "--max-sse-subscribers", str(SSE_CAP),
+         "--alert-webhook", webhook_url, "--log-level", "warning"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -339,13 +402,15 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     from jobqueue.connection import EmbeddedRedis
 
     redis_server = EmbeddedRedis()
-    server, url = _start_server(cfg, redis_server.url)
+    receiver = SSHReceiver()
+    server, url = _start_server(cfg, redis_server.url, receiver.url)
     tally = Tally()
     try:
         load_s = asyncio.run(_load(cfg, url, redis_server.url, server.pid, tally))
         jobs = asyncio.run(_job_outcomes(cfg, redis_server.url, tally))
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
-        ready = httpx.get(f"{url}/ready", timeout=30).status_code
+        ready_reply = httpx.get(f"{url}/ready", timeout=30)
+        ready, webhook = ready_reply.status_code, ready_reply.json().get("alert_webhook")
     finally:
         server.terminate()
         try:
@@ -354,6 +419,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
             server.kill()
         server_log = server.stderr.read()[-4000:] if server.stderr else ""
         redis_server.close()
+        receiver.close()
     good = [o for o in tally.outcomes if not o.kind.startswith("hostile:")]
     hostile = [o for o in tally.outcomes if o.kind.startswith("hostile:")]
     after_warmup = [rss for t, rss in tally.memory if t >= cfg.warmup]
@@ -369,7 +435,8 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
         "good_requests": len(good),
         "good_not_2xx": sum(o.status is None or not 200 <= o.status < 300 for o in good),
         "hostile_requests": len(hostile),
-        "hostile_5xx": sum(o.status is not None and o.status >= 500 for o in hostile),
+        "hostile_5xx": sum(o.status is not None and o.status >= 500 and o.status != EXPECTED_5XX.get(o.kind)
+                           for o in hostile),
         "no_answer": sum(o.status is None for o in tally.outcomes),
         "errors": sorted({o.error for o in tally.outcomes if o.error})[:20],
         "jobs": jobs,
@@ -381,6 +448,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
         "chat_tokens": len(tally.itl) + len(tally.ttft),
         "engine_step_failures": float(step_failures[0].split()[-1]) if step_failures else None,
         "ready_after": ready,
+        "alert_webhook": webhook,  # /ready's view of the webhook whose receiver is not HTTP: alive, failures counted
         "server_log_tail": server_log,
     }
 
@@ -402,6 +470,7 @@ def summary(result: dict[str, Any]) -> str:
         f"good chats: {result['chat_tokens']} tokens, ITL p50 {itl['p50']:.1f} ms, p99 {itl['p99']:.1f} ms, "
         f"max {itl['max']:.1f} ms; engine step failures {result['engine_step_failures']}; /ready "
         f"{result['ready_after']} after",
+        f"alert webhook (a receiver that is not HTTP): {result['alert_webhook']}",
     ]
     return "\n".join(lines)
 
