@@ -116,14 +116,16 @@ def _pick(item: PrefillSpan | DecodeGroup, sliding: bool) -> torch.Tensor | None
 
 def reference_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: AttentionBatch, window: int | None,
-    scaling: float | None,
+    scaling: float | None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[heads, T, d] queries -> [T, heads, d]: gathered keys and values, SDPA per decode group and per chunk
-    (a group with context lengths through the CPU's decode kernel instead)."""
+    """[heads, T, d] queries -> [T, heads, d] (into `out` when given: contiguous, q's dtype): gathered keys and
+    values, SDPA per decode group and per chunk (a group with context lengths through the CPU's decode kernel
+    instead)."""
     sliding = window is not None
     block_size = batch.kv_cache.block_size
     num_heads, kv_heads = q.shape[0], key_cache.shape[1]
-    out = torch.empty(q.shape[1], num_heads, q.shape[2], dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape[1], num_heads, q.shape[2], dtype=q.dtype, device=q.device)
     for group in batch.decodes:
         if group.context_lens is not None:  # straight from q into out, reading the cache in place
             paged_decode_attention(q, group.query_index, key_cache, value_cache, group.block_tables,

@@ -91,6 +91,8 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     cpu_linear: bool | None = None
     compile_model: bool = False
+    lean_layers: bool | None = None
+    cpu_linear_rows: int | None = None
     enable_prefix_caching: bool = True
     encoder_cache_tokens: int = 4096
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)

@@ -1,29 +1,28 @@
-"""The CPU's C kernels, for the steps a server spends most of its time in: decodes.
+"""The CPU's C kernels (engine/csrc/), built for the instruction set of the CPU they run on.
 
-- `paged_decode_attention` (engine/paged_decode.c): decode attention over the paged cache, read in place.
-  The reference path gathers every context's blocks into a new tensor in every layer before SDPA reads it;
-  on the CPU that copy costs as much as the attention itself, and grows with context.
-- `small_linear` (engine/small_linear.c): a Linear layer reading its weights in their own dtype from panels
-  packed once (`pack_weight`), six rows of x against sixteen weight rows at a time. A decode step's matrix
-  products are a few rows times every weight of the model: their cost is reading the weights, which the
-  general GEMMs torch calls do at a fraction of the memory's bandwidth here; bfloat16 ones also run several
-  times slower on CPUs without bfloat16 instructions, at any row count. `route_linears` sends a model's Linear
-  layers through it where it is faster (`KERNEL_ROWS`); each keeps its packed copy beside its weight.
-- Patch embeddings (a Conv2d whose stride is its kernel, as vision towers cut images into patches) are a Linear
-  over the image's patches: `route_linears` sends them through `small_linear` too (torch's bfloat16 conv2d
-  takes over a second for one 512 px tile on a 2-core AVX2 CPU; float32, 22 ms).
-- `rms_norm` (engine/rms_norm.c): Llama's RMSNorm in one call instead of seven small operators, each of which
-  costs more to dispatch than to run on a decode step's few rows; `route_norms` swaps it in for every norm
-  whose forward is LlamaRMSNorm's own code.
+- `paged_decode_attention` (paged_decode.c): decode attention over the paged cache, read in place. The
+  reference path gathers every context's blocks into a new tensor in every layer before SDPA reads it; on the
+  CPU that copy costs as much as the attention itself, and grows with context.
+- `linear` (linear.c): a Linear layer reading its weight where transformers keeps it (row-major, its own
+  dtype: no second copy), four weight rows against six rows of x at a time. A decode step's matrix products
+  are a few rows times every weight of the model: their cost is reading the weights. `route_linears` sends a
+  model's Linear layers and patch embeddings (a Conv2d whose stride is its kernel: a Linear over the image's
+  patches) through it for the row counts where it beats torch's own GEMM on this machine (`measure_row_limits`).
+  Its `glu` mode computes a Llama MLP's SiLU(gate) * up from one matrix of both (engine/lean_layers.py).
+- `rms_norm` / `add_rms_norm` (rms_norm.c): Llama's RMSNorm in one call instead of seven small operators, and
+  the residual add before it; `route_norms` swaps it in for every norm whose forward is LlamaRMSNorm's code.
+- `rope_store` (rope_store.c): a layer's rotary embedding and KV cache write in one call.
 
-They are compiled once per source and machine with the system's C compiler (`CC`, else `cc`) into
-`<tmp>/vlmcap-kernels/` on first use, and share torch's OpenMP runtime; where no compiler is found,
-`available()` is False and the engine keeps torch's own operations.
+Each source is compiled once per machine and instruction set with the system's C compiler (`CC`, else `cc`)
+into `<tmp>/vlmcap-kernels/`, one library per entry of `VARIANTS` (AVX-512 with BF16 dot products, AVX-512F,
+AVX2, plain C); the best one the CPU's flags allow is loaded (`variant()`), and shares torch's OpenMP runtime.
+Where no compiler is found, `available()` is False and the engine keeps torch's own operations.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -31,7 +30,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import threading
+import time
 from pathlib import Path
 
 import torch
@@ -40,61 +39,113 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 FOLDER = Path(__file__).with_name("csrc")
-SOURCES = [FOLDER / "paged_decode.c", FOLDER / "small_linear.c", FOLDER / "rms_norm.c"]
+SOURCES = [FOLDER / "paged_decode.c", FOLDER / "linear.c", FOLDER / "rms_norm.c", FOLDER / "rope_store.c"]
 HEADERS = [FOLDER / "dtypes.h"]
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+# name -> (compiler flags, the CPU flags of /proc/cpuinfo it needs), best first.
+VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "avx512_bf16": ((*_AVX512, "-mavx512bf16"),
+                    frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})),
+    "avx512": (_AVX512, frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"})),
+    "avx2": (_AVX2, frozenset({"avx2", "fma", "f16c"})),
+    "generic": ((), frozenset()),
+}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_state: dict[str, object] = {}
-_lock = threading.Lock()
+_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {  # function -> argument types (every one returns an int: 0, or why it refused)
+    "paged_decode_attention": [_P, _INT, _I64, _I64, _P, _P, _P, _INT, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
+                               _F, _I64, _P, _INT],
+    "linear": [_P, _INT, _I64, _I64, _P, _INT, _I64, _I64, _P, _INT, _P, _INT],
+    "rms_norm": [_P, _INT, _I64, _I64, _P, _INT, _F, _P, _INT],
+    "add_rms_norm": [_P, _P, _INT, _I64, _I64, _P, _INT, _F, _P, _INT],
+    "rope_store": [_P, _INT, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _INT, _INT],
+}
 
 
-def _build() -> ctypes.CDLL | None:
-    """The compiled library, built at the first call (None, with the reason logged, where it cannot be)."""
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags the kernel reports (/proc/cpuinfo; empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def runnable_variants() -> list[str]:
+    """The builds this CPU can run, best first (on other architectures than x86-64, plain C only)."""
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    flags = cpu_flags()
+    return [name for name, (_, needs) in VARIANTS.items() if (x86 or not needs) and needs <= flags]
+
+
+def compile_variant(name: str) -> Path | None:
+    """The shared library of build `name`, compiled at the first call (None, with the reason logged, where it
+    cannot be)."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.info("no C compiler (CC=%r): the CPU decode kernel is off", os.environ.get("CC", "cc"))
+        log.info("no C compiler (CC=%r): the CPU kernels are off", os.environ.get("CC", "cc"))
         return None
+    flags = (*FLAGS, *VARIANTS[name][0])
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + platform.machine().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(flags).encode() + platform.machine().encode()).hexdigest()[:16]
     folder = Path(tempfile.gettempdir()) / "vlmcap-kernels"
-    library = folder / f"vlmcap-cpu-{key}.so"
+    library = folder / f"vlmcap-cpu-{name}-{key}.so"
     if not library.exists():
         folder.mkdir(parents=True, exist_ok=True)
         partial = folder / f".{library.name}.{os.getpid()}"
-        done = subprocess.run([compiler, *FLAGS, f"-I{FOLDER}", *map(str, SOURCES), "-o", str(partial), "-lm"],
+        done = subprocess.run([compiler, *flags, f"-I{FOLDER}", *map(str, SOURCES), "-o", str(partial), "-lm"],
                               capture_output=True, text=True)
         if done.returncode != 0:
-            log.warning("the CPU decode kernel did not compile (%s): %s", compiler, done.stderr[-2000:])
+            log.warning("the CPU kernels (%s) did not compile (%s): %s", name, compiler, done.stderr[-2000:])
             partial.unlink(missing_ok=True)
             return None
         os.replace(partial, library)  # atomic: a concurrent build of the same source leaves the same file
-    lib = ctypes.CDLL(str(library))
-    lib.paged_decode_attention.restype = ctypes.c_int
-    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.paged_decode_attention.argtypes = [
-        pointer, ctypes.c_int, i64, i64, pointer, pointer, pointer, ctypes.c_int, pointer, pointer, i64, i64, i64,
-        i64, i64, i64, ctypes.c_float, i64, pointer, ctypes.c_int,
-    ]
-    lib.small_linear.restype = ctypes.c_int
-    lib.small_linear.argtypes = [pointer, ctypes.c_int, i64, i64, pointer, ctypes.c_int, i64, pointer, pointer,
-                                 ctypes.c_int]
-    lib.pack_panels.restype = None
-    lib.pack_panels.argtypes = [pointer, ctypes.c_int, i64, i64, pointer]
-    lib.rms_norm.restype = ctypes.c_int
-    lib.rms_norm.argtypes = [pointer, ctypes.c_int, i64, i64, pointer, ctypes.c_int, ctypes.c_float, pointer,
-                             ctypes.c_int]
+    return library
+
+
+@functools.cache
+def load_variant(name: str) -> ctypes.CDLL | None:
+    """Build `name` loaded, its functions typed (None where it does not compile)."""
+    path = compile_variant(name)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    for function, argtypes in _SIGNATURES.items():
+        getattr(lib, function).argtypes = argtypes
+        getattr(lib, function).restype = ctypes.c_int
+    lib.linear_isa.restype = ctypes.c_char_p
+    lib.linear_isa.argtypes = []
     return lib
 
 
+@functools.cache
+def variant() -> str | None:
+    """The build the engine uses: the best this CPU runs that compiles (None: no compiler)."""
+    for name in runnable_variants():
+        if load_variant(name) is not None:
+            log.info("CPU kernels: the %s build", name)
+            return name
+    return None
+
+
 def _library() -> ctypes.CDLL | None:
-    with _lock:
-        if "lib" not in _state:
-            _state["lib"] = _build()
-        return _state["lib"]  # type: ignore[return-value]
+    name = variant()
+    return None if name is None else load_variant(name)
+
+
+def _lib() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not available (no C compiler); use torch's operations")
+    return lib
 
 
 def available(device: torch.device) -> bool:
-    """Whether the kernel runs on `device` (the CPU, with a C compiler to build it)."""
+    """Whether the kernels run on `device` (the CPU, with a C compiler to build them)."""
     return device.type == "cpu" and _library() is not None
 
 
@@ -107,9 +158,7 @@ def paged_decode_attention(
     `context_lens[i]` positions (the last `window` of them in a sliding-window layer), which lie in the cache
     blocks `block_tables[i]` of the [slots, kv_heads, d] caches, and its output goes to out[query_index[i]]
     ([tokens, heads, d], contiguous, q's dtype). Integer tensors are int64 and contiguous."""
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the CPU kernels are not available (no C compiler); use the reference path")
+    lib = _lib()
     if key_cache.dtype not in _DTYPES or key_cache.dtype != value_cache.dtype or q.dtype not in _DTYPES:
         raise ValueError(f"the CPU decode kernel reads float32, bfloat16 or float16 tensors, got cache "
                          f"{key_cache.dtype} and queries {q.dtype}")
@@ -132,71 +181,115 @@ def paged_decode_attention(
                          "(the block tables' reach)")
 
 
-PANEL = 16  # weight rows per packed panel (NR in engine/csrc/small_linear.c)
+def _check_weight(weight: torch.Tensor) -> None:
+    if weight.dtype not in _DTYPES or weight.dim() != 2 or weight.stride(1) != 1 or weight.device.type != "cpu":
+        raise ValueError(f"the Linear kernel reads a 2-d CPU float32, bfloat16 or float16 weight with contiguous "
+                         f"rows, got {weight.dtype} {tuple(weight.shape)} strides {weight.stride()} on "
+                         f"{weight.device}")
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [n, k] as the kernel's panels, [ceil(n / 16), k, 16] in its dtype: panel p, step t holds
-    weight[16 p : 16 p + 16, t] (zeros past n). Made once per layer; `small_linear` reads only these."""
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the CPU kernels are not available (no C compiler)")
-    if weight.dtype not in _DTYPES or weight.dim() != 2:
-        raise ValueError(f"pack_weight takes a 2-d float32, bfloat16 or float16 weight, got {weight.dtype} "
-                         f"{tuple(weight.shape)}")
-    weight = weight.detach().contiguous()
-    n, k = weight.shape
-    panels = torch.empty((n + PANEL - 1) // PANEL, k, PANEL, dtype=weight.dtype)
-    lib.pack_panels(weight.data_ptr(), _DTYPES[weight.dtype], n, k, panels.data_ptr())
-    return panels
-
-
-def packed_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., k] @ weight [n, k]^T (+ bias) from `pack_weight(weight)`, summed in float32 and returned in x's
-    dtype (engine/small_linear.c). `bias` is float32."""
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the CPU kernels are not available (no C compiler)")
-    count, k, width = panels.shape
-    if panels.dtype not in _DTYPES or x.dtype not in _DTYPES or width != PANEL or not panels.is_contiguous():
-        raise ValueError(f"packed_linear reads contiguous float32, bfloat16 or float16 panels [*, k, {PANEL}] "
-                         f"and input, got panels {panels.dtype} {tuple(panels.shape)} and input {x.dtype}")
-    if not (count - 1) * PANEL < n <= count * PANEL or x.shape[-1] != k:
-        raise ValueError(f"{count} panels of {k} cannot hold a [{n}, {k}] weight for input {tuple(x.shape)}")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., k] @ weight [n, k]^T (+ bias, float32), summed in float32 and returned in x's dtype
+    (engine/csrc/linear.c). With `glu`, weight is [gate; up] and the result SiLU(x gate^T) * (x up^T), [..., n/2].
+    `out`, when given, receives the result (contiguous, x's dtype)."""
+    _check_weight(weight)
+    if x.dtype not in _DTYPES or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input {x.dtype} {tuple(x.shape)} does not fit a [{weight.shape[0]}, {weight.shape[1]}] "
+                         "weight")
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        raise ValueError(f"small_linear takes a contiguous float32 bias, got {bias.dtype}")
-    return _run_packed(lib, x, panels, n, bias)
+        raise ValueError(f"the Linear kernel takes a contiguous float32 bias, got {bias.dtype}")
+    if glu and weight.shape[0] % 2:
+        raise ValueError(f"a glu weight stacks gate and up rows: an even count, got {weight.shape[0]}")
+    return _run_linear(_lib(), x, weight, bias, glu, out)
 
 
-def _run_packed(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """`packed_linear` on inputs already checked (a layer's own panels: checked once, at routing)."""
-    k = panels.shape[1]
-    rows = x.reshape(-1, k).contiguous()  # no copy when it already is
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-    if lib.small_linear(rows.data_ptr(), _DTYPES[x.dtype], rows.shape[0], k, panels.data_ptr(),
-                        _DTYPES[panels.dtype], n, None if bias is None else bias.data_ptr(), out.data_ptr(),
-                        torch.get_num_threads()):
-        raise MemoryError(f"small_linear could not allocate its buffer ({rows.shape[0]} x {k} floats)")
+def _run_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` on inputs already checked (a layer's own weight: checked once, at routing)."""
+    n, k = weight.shape
+    rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
+    width = n // 2 if glu else n
+    if out is None:
+        out = torch.empty(*x.shape[:-1], width, dtype=x.dtype)
+    if lib.linear(rows.data_ptr(), _DTYPES[x.dtype], rows.shape[0], k, weight.data_ptr(), _DTYPES[weight.dtype],
+                  weight.stride(0), n, None if bias is None else bias.data_ptr(), int(glu), out.data_ptr(),
+                  torch.get_num_threads()):
+        raise MemoryError(f"the Linear kernel could not allocate its buffer ({rows.shape[0]} x {k} floats)")
     return out
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`packed_linear` with the weight packed for this call alone (a layer packs once: `route_linears`)."""
-    return packed_linear(x, pack_weight(weight), weight.shape[0], bias)
+    """`linear` (the name the kernel had when it served few-row inputs only)."""
+    return linear(x, weight, bias)
 
 
-# Most rows of x for which `small_linear` beats torch's GEMM, by weight dtype (measured on a 2-core AVX2 CPU
-# with the first, unpacked kernel: float32 weights to 16 rows, beyond which MKL's blocking won; bfloat16 and
-# float16 at any count, their general GEMM lacking fast kernels there; not remeasured for float32 panels).
+# Row buckets `measure_row_limits` times each Linear shape at, and the work past which a bucket is not timed
+# (multiply-adds: the lm head at 512 rows would take a second to time).
+ROW_BUCKETS = (1, 8, 32, 128, 512)
+MEASURE_MACS = 3e8
+
+
+def _median_seconds(fn, repeats: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.inference_mode()
+def measure_row_limit(weight: torch.Tensor) -> int:
+    """The most rows of x for which the kernel was faster than torch's F.linear with this weight here: the
+    largest bucket up to which it won at every bucket timed (beyond the last bucket timed, the kernel keeps
+    what it won there)."""
+    lib = _lib()
+    n, k = weight.shape
+    limit = 0
+    for rows in ROW_BUCKETS:
+        if rows * n * k > MEASURE_MACS and limit:
+            return 1 << 30
+        x = torch.randn(rows, k).to(weight.dtype)
+        own = _median_seconds(lambda x=x: _run_linear(lib, x, weight, None, False))
+        theirs = _median_seconds(lambda x=x: F.linear(x, weight))
+        if own > theirs:
+            return limit
+        limit = rows
+    return 1 << 30
+
+
+def measure_row_limits(model: torch.nn.Module) -> dict[str, int]:
+    """Sets each routed layer's `max_rows` from `measure_row_limit`, one measurement per weight shape and
+    dtype; returns them by shape ("n x k dtype")."""
+    limits: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, (KernelLinear, KernelPatchConv)):
+            weight = module.weight.reshape(module.weight.shape[0], -1)
+            key = f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).removeprefix('torch.')}"
+            if key not in limits:
+                limits[key] = measure_row_limit(weight)
+            module.max_rows = limits[key]
+    return limits
+
+
+def set_row_limits(model: torch.nn.Module, rows: int) -> None:
+    """Every routed layer of `model` takes the kernel up to `rows` rows (instead of `measure_row_limits`)."""
+    for module in model.modules():
+        if isinstance(module, (KernelLinear, KernelPatchConv)):
+            module.max_rows = rows
+
+
+# Most rows for which `linear` is used before any measurement: every row count (bfloat16 and float16 GEMMs lack
+# fast kernels on CPUs without their instructions), float32 up to 16 rows, beyond which MKL's blocking wins.
 KERNEL_ROWS: dict[torch.dtype, int] = {torch.float32: 16, torch.bfloat16: 1 << 30, torch.float16: 1 << 30}
 
 
 def route_linears(model: torch.nn.Module) -> int:
-    """Make every `nn.Linear` of `model` a `KernelLinear` (its weights untouched): inputs of at most
-    `KERNEL_ROWS` rows go through `small_linear`, the rest through F.linear as before; likewise every patch
-    embedding (`nn.Conv2d` whose stride is its kernel, no padding) a `KernelPatchConv`, one row a patch.
-    Returns how many."""
+    """Make every `nn.Linear` of `model` a `KernelLinear` (its weights untouched): inputs of at most `max_rows`
+    rows go through `linear`, the rest through F.linear as before; likewise every patch embedding (`nn.Conv2d`
+    whose stride is its kernel, no padding) a `KernelPatchConv`, one row a patch. Returns how many."""
     routed = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.dtype in KERNEL_ROWS:
@@ -205,10 +298,9 @@ def route_linears(model: torch.nn.Module) -> int:
             module.__class__ = KernelPatchConv
         else:
             continue
+        _check_weight(module.weight.reshape(module.weight.shape[0], -1))
         bias32 = None if module.bias is None else module.bias.detach().to(torch.float32).contiguous()
         module.register_buffer("bias32", bias32, persistent=False)  # the kernel sums in float32
-        module.register_buffer("panels", None, persistent=False)
-        _pack(module)
         module.max_rows = KERNEL_ROWS[module.weight.dtype]
         routed += 1
     return routed
@@ -217,53 +309,33 @@ def route_linears(model: torch.nn.Module) -> int:
 def _is_patch_conv(module: torch.nn.Module) -> bool:
     return (type(module) is torch.nn.Conv2d and module.weight.dtype in KERNEL_ROWS and module.groups == 1
             and tuple(module.stride) == tuple(module.kernel_size) and tuple(module.dilation) == (1, 1)
-            and module.padding in ((0, 0), "valid") and module.padding_mode == "zeros")
+            and module.padding in ((0, 0), "valid") and module.padding_mode == "zeros"
+            and module.weight.is_contiguous())
 
 
 class KernelLinear(torch.nn.Linear):
-    """A Linear layer whose few-row inputs go through `small_linear` (one class for all, so that a compiled
-    model sees the same code in every layer). Its panels are a copy of its weight: an in-place change of the
-    weight (one that bumps its version, as `weight[i] = ...` or `weight.copy_(...)` under `torch.no_grad()` do;
-    writes through `weight.data` bypass versions, by torch's design) repacks them at the next eager call."""
+    """A Linear layer whose inputs of up to `max_rows` rows go through `linear`, reading the layer's own weight
+    (one class for all, so that a compiled model sees the same code in every layer)."""
 
     bias32: torch.Tensor | None
-    panels: torch.Tensor
-    packed_version: int  # the weight's version when the panels were packed
-    max_rows: int  # KERNEL_ROWS for its weights' dtype
+    max_rows: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A decode step calls this some 200 times: only what the call needs (the panels were checked once).
+        # A decode step calls this some 200 times: only what the call needs (the weight was checked once).
         width = x.shape[-1]  # a wrong width goes to F.linear, which says so
         if (width == self.in_features and x.numel() <= self.max_rows * width and x.dtype in _DTYPES
-                and x.device.type == "cpu"):
+                and x.device.type == "cpu" and self.weight.dtype in _DTYPES):
             if torch.compiler.is_compiling():  # an opaque operator in the graph (engine/compiled.py)
-                return torch.ops.vlmcap.packed_linear(x, self.panels, self.out_features, self.bias32)
-            _repack_if_changed(self)
-            return _run_packed(_state["lib"], x, self.panels, self.out_features, self.bias32)
+                return torch.ops.vlmcap.linear(x, self.weight, self.bias32)
+            return _run_linear(load_variant(variant()), x, self.weight, self.bias32, False)
         return F.linear(x, self.weight, self.bias)
 
 
-def _pack(module: torch.nn.Module) -> None:
-    """`module.panels` from its weight (one row per output: a convolution's filters flattened) and the weight's
-    version they were packed at."""
-    weight = module.weight
-    module.panels = pack_weight(weight.reshape(weight.shape[0], -1))
-    module.packed_version = weight._version
-
-
-def _repack_if_changed(module: torch.nn.Module) -> None:
-    """Pack `module`'s weight again if it changed in place since it was packed."""
-    if module.weight._version != module.packed_version:
-        _pack(module)
-
-
 class KernelPatchConv(torch.nn.Conv2d):
-    """A patch embedding (stride = kernel, no padding) as `small_linear` over the image's patches: each patch,
+    """A patch embedding (stride = kernel, no padding) as `linear` over the image's patches: each patch,
     flattened as the weight is ([channels, kh, kw]), is a row. The same sums as the convolution, in float32."""
 
     bias32: torch.Tensor | None
-    panels: torch.Tensor
-    packed_version: int
     max_rows: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -274,29 +346,27 @@ class KernelPatchConv(torch.nn.Conv2d):
         rows_h, rows_w = (height - kh) // kh + 1, (width - kw) // kw + 1
         if batch * rows_h * rows_w > self.max_rows or torch.compiler.is_compiling():
             return super().forward(x)
-        _repack_if_changed(self)
         patches = (x[:, :, : rows_h * kh, : rows_w * kw].reshape(batch, channels, rows_h, kh, rows_w, kw)
                    .permute(0, 2, 4, 1, 3, 5).reshape(batch, rows_h * rows_w, channels * kh * kw))
-        out = _run_packed(_state["lib"], patches, self.panels, self.out_channels, self.bias32)
+        weight = self.weight.view(self.out_channels, -1)
+        out = _run_linear(load_variant(variant()), patches, weight, self.bias32, False)
         return out.transpose(1, 2).reshape(batch, self.out_channels, rows_h, rows_w).contiguous()
 
 
-@torch.library.custom_op("vlmcap::packed_linear", mutates_args=())
-def _packed_linear_op(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    return packed_linear(x, panels, n, bias)
+@torch.library.custom_op("vlmcap::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return linear(x, weight, bias)
 
 
-@_packed_linear_op.register_fake
-def _(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], n)
+@_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm's forward (engine/rms_norm.c): x / sqrt(mean(x^2) + eps) in float32, rounded to x's dtype,
-    times `weight` (of x's dtype) and rounded again."""
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the CPU kernels are not available (no C compiler)")
+    """LlamaRMSNorm's forward (engine/csrc/rms_norm.c): x / sqrt(mean(x^2) + eps) in float32, rounded to x's
+    dtype, times `weight` (of x's dtype) and rounded again."""
+    lib = _lib()
     if x.dtype not in _DTYPES or weight.dtype != x.dtype or weight.shape != x.shape[-1:] or x.device.type != "cpu":
         raise ValueError(f"rms_norm takes a CPU float32, bfloat16 or float16 input and a weight of its last "
                          f"dimension and dtype, got {x.dtype} {tuple(x.shape)} and {weight.dtype} "
@@ -315,6 +385,45 @@ def _run_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: floa
     return out
 
 
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor) -> None:
+    """h += delta (rounded to h's dtype, as torch's add), then out = rms_norm(h) (engine/csrc/rms_norm.c); all
+    [rows, dim], contiguous, one dtype."""
+    lib = _lib()
+    rows, dim = h.shape
+    if not (h.is_contiguous() and out.is_contiguous() and weight.shape == (dim,) and weight.dtype == h.dtype
+            and out.dtype == h.dtype and (delta is None or (delta.is_contiguous() and delta.shape == h.shape
+                                                             and delta.dtype == h.dtype))):
+        raise ValueError(f"add_rms_norm takes contiguous [rows, {dim}] tensors and weight of one dtype, got "
+                         f"{h.dtype} {tuple(h.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
+    code = _DTYPES[h.dtype]
+    if lib.add_rms_norm(h.data_ptr(), None if delta is None else delta.data_ptr(), code, rows, dim,
+                        weight.data_ptr(), code, eps, out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"add_rms_norm could not allocate its buffer ({dim} floats a thread)")
+
+
+def rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
+               sin: torch.Tensor, slots: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """Rotary embedding of the queries (in place) and keys of qkv [T, (q_heads + 2 kv_heads) head_dim], keys and
+    values written to the cache rows `slots` (int64 [T]) of [slots, kv_heads, head_dim] caches
+    (engine/csrc/rope_store.c); cos and sin [T, head_dim] in qkv's dtype."""
+    lib = _lib()
+    tokens, width = qkv.shape
+    if not (width == (q_heads + 2 * kv_heads) * head_dim and qkv.is_contiguous() and cos.shape == (tokens, head_dim)
+            and sin.shape == cos.shape and cos.is_contiguous() and sin.is_contiguous() and cos.dtype == qkv.dtype
+            and sin.dtype == qkv.dtype and slots.dtype == torch.int64 and slots.is_contiguous()
+            and slots.shape == (tokens,) and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and key_cache.dtype == value_cache.dtype and key_cache.dtype in _DTYPES
+            and key_cache.shape[1:] == (kv_heads, head_dim)):
+        raise ValueError(f"rope_store got qkv {tuple(qkv.shape)} {qkv.dtype}, cos {tuple(cos.shape)} {cos.dtype}, "
+                         f"slots {tuple(slots.shape)} {slots.dtype}, cache {tuple(key_cache.shape)} "
+                         f"{key_cache.dtype} for {q_heads}/{kv_heads} heads of {head_dim}")
+    if lib.rope_store(qkv.data_ptr(), _DTYPES[qkv.dtype], tokens, width, q_heads, kv_heads, head_dim,
+                      cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                      _DTYPES[key_cache.dtype], torch.get_num_threads()):
+        raise MemoryError(f"rope_store could not allocate its buffer ({4 * head_dim} floats a thread)")
+
+
 def _llama_norm_code() -> str | None:
     """The source of LlamaRMSNorm's forward, which `KernelRMSNorm` computes (None where it cannot be read)."""
     import inspect
@@ -327,26 +436,30 @@ def _llama_norm_code() -> str | None:
         return None
 
 
+@functools.cache
+def is_llama_norm(kind: type) -> bool:
+    """Whether modules of class `kind` compute LlamaRMSNorm's forward (its copies in Qwen2, Mistral, ...)."""
+    import inspect
+
+    if kind is KernelRMSNorm:
+        return True
+    reference = _llama_norm_code()
+    try:
+        return (reference is not None and kind.__name__.endswith("RMSNorm")
+                and inspect.getsource(kind.forward) == reference)
+    except (OSError, TypeError):
+        return False
+
+
 def route_norms(model: torch.nn.Module) -> int:
     """Make every norm of `model` whose forward is LlamaRMSNorm's own code (its copies in other models, such as
     Qwen2's and Mistral's, included; anything else, such as Gemma's 1 + weight, is left alone) a
     `KernelRMSNorm`. Returns how many."""
-    import inspect
-
-    reference = _llama_norm_code()
-    if reference is None or _library() is None:
+    if _library() is None:
         return 0
     routed = 0
-    same: dict[type, bool] = {}
     for module in model.modules():
-        kind = type(module)
-        if kind not in same:
-            try:
-                same[kind] = (kind.__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
-                              and inspect.getsource(kind.forward) == reference)
-            except (OSError, TypeError):
-                same[kind] = False
-        if same[kind]:
+        if type(module) is not KernelRMSNorm and hasattr(module, "variance_epsilon") and is_llama_norm(type(module)):
             module.__class__ = KernelRMSNorm
             routed += 1
     return routed
@@ -362,7 +475,7 @@ class KernelRMSNorm(torch.nn.Module):
         weight, dtype = self.weight, hidden_states.dtype
         if (hidden_states.device.type == "cpu" and dtype is weight.dtype and dtype in _DTYPES
                 and not torch.compiler.is_compiling()):
-            return _run_norm(_state["lib"], hidden_states, weight, self.variance_epsilon)
+            return _run_norm(load_variant(variant()), hidden_states, weight, self.variance_epsilon)
         variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
         normed = hidden_states.to(torch.float32) * torch.rsqrt(variance + self.variance_epsilon)
         return weight * normed.to(hidden_states.dtype)

@@ -88,11 +88,10 @@ class Engine:
         self.scheduler = Scheduler(config, self.pool, self.encoder_outputs)
         self.attention_backend = self._attention_backend()
         self.cpu_linear = self._use_cpu_linear()
+        self.cpu_kernels: str | None = None
+        self.linear_row_limits: dict[str, int] = {}
         if self.cpu_linear:
-            from engine import cpu_kernel
-
-            cpu_kernel.route_linears(self.adapter.model)
-            cpu_kernel.route_norms(self.adapter.model)
+            self._route_cpu_kernels()
         self.compile_seconds = 0.0
         if config.compile_model:
             if self.device.type != "cpu":
@@ -152,6 +151,35 @@ class Engine:
             raise ValueError(f"cpu_linear needs the CPU and a C compiler to build its kernel (device "
                              f"{self.config.device!r}, CC={os.environ.get('CC', 'cc')!r})")
         return possible if wanted is None else wanted
+
+    def _route_cpu_kernels(self) -> None:
+        """The text model's fitting layers lean (engine/lean_layers.py, before routing: it fuses their weights),
+        every other Linear and Llama-style norm through the CPU kernels, and each weight shape's row limit
+        measured (`EngineConfig.cpu_linear_rows` fixes it instead)."""
+        from engine import cpu_kernel
+        from engine.lean_layers import LeanTextModel
+
+        adapter, rows = self.adapter, self.config.cpu_linear_rows
+        if self.config.lean_layers is not False and LeanTextModel.applies(adapter.text_model):
+            adapter.lean = LeanTextModel(adapter.text_model, adapter.num_heads, adapter.num_kv_heads,
+                                         adapter.head_dim)
+        elif self.config.lean_layers:
+            raise ValueError(f"lean_layers: no decoder layer of {type(adapter.text_model).__name__} is Llama-style "
+                             "(engine/lean_layers.py `fits`)")
+        cpu_kernel.route_linears(adapter.model)
+        cpu_kernel.route_norms(adapter.model)
+        self.cpu_kernels = cpu_kernel.variant()
+        if rows is None:
+            self.linear_row_limits = cpu_kernel.measure_row_limits(adapter.model)
+            if adapter.lean is not None:
+                self.linear_row_limits.update(adapter.lean.measure())
+        else:
+            cpu_kernel.set_row_limits(adapter.model, rows)
+            if adapter.lean is not None:
+                for projection in adapter.lean.projections():
+                    projection.max_rows = rows
+        log.info("CPU kernels: %s build, %d lean decoder layers, kernel row limits %s", self.cpu_kernels,
+                 adapter.lean.count if adapter.lean is not None else 0, self.linear_row_limits or rows)
 
     def _use_cuda_graphs(self) -> bool:
         wanted = self.config.cuda_graphs
@@ -401,3 +429,6 @@ class Engine:
                 num_request_failures=self.num_request_failures,
                 compile_seconds=self.compile_seconds,
             )
+                cpu_kernels=self.cpu_kernels,
+                lean_layers=self.adapter.lean.count if self.adapter.lean is not None else 0,
+                linear_row_limits=dict(self.linear_row_limits),

@@ -3,8 +3,11 @@ and the engine's counters (`Engine.stats`)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.sampling import TokenLogprobs
 
 
 @dataclass
@@ -62,6 +65,10 @@ class EngineStats:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
+    cpu_kernels: str | None = None  # the CPU kernels' build (engine/cpu_kernel.py VARIANTS); None: not used
+    lean_layers: int = 0  # decoder layers run by engine/lean_layers.py
+    # Most rows a Linear shape ("n x k dtype") goes through the CPU kernel for, measured at start-up.
+    linear_row_limits: dict[str, int] = field(default_factory=dict)
         return self.prefix_cache_hit_tokens / max(self.prefix_cache_queried_tokens, 1)
 
     def __getitem__(self, name: str) -> Any:

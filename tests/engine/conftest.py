@@ -102,3 +102,44 @@ def run_jobs(engine: Engine, jobs: list[Job], sampling_extra: dict | None = None
         step += 1
         assert step < 5000, "the engine made no progress"
     return tokens, trace
+
+
+@dataclass
+class Family:
+    name: str
+    checkpoint: str
+    oracle: Callable[[str, list[Image.Image], int], list[int]]
+
+    def prompt(self, num_images: int, text: str) -> str:
+        """A user turn with `num_images` images then `text`, in the family's own chat template."""
+        from transformers import AutoProcessor
+
+        content = [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
+        processor = AutoProcessor.from_pretrained(self.checkpoint)
+        return processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+
+    def engine(self, **settings) -> Engine:
+        return Engine(EngineConfig(model=self.checkpoint, device=DEVICE, dtype="float32", **settings))
+
+
+@pytest.fixture(scope="session")
+def families(tmp_path_factory) -> Callable[[str], Family]:
+    """Each family's tiny checkpoint, saved once to a temporary directory and loaded by path."""
+    built: dict[str, Family] = {}
+
+    def get(name: str) -> Family:
+        if name not in built:
+            checkpoint = str(build_checkpoint(PRESETS[name], tmp_path_factory.mktemp(name)))
+            built[name] = Family(name, checkpoint, oracle_for(checkpoint))
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def images(photos) -> dict[str, Image.Image]:
+    """Three resolutions: portrait, landscape and square (Qwen2-VL gives each its own token grid)."""
+    bus, zidane = photos
+    return {"bus": bus, "zidane": zidane, "square": bus.crop((0, 200, 600, 800))}

@@ -1,0 +1,70 @@
+/* Rotary embedding and the KV cache write of one decoder layer, in one call (engine/lean_layers.py calls it
+ * through engine/cpu_kernel.py).
+ *
+ * The packed projections of a step's T tokens, qkv [T, width] = [queries | keys | values] (nq, nkv and nkv
+ * heads of d values), in the model's dtype: each query and key head is rotated as transformers' rotate-half
+ * RoPE does, `x * cos + rotate_half(x) * sin` with each product and the sum rounded to the dtype as torch rounds
+ * them; queries in place, keys into the cache row of their token's slot, values copied there as they are.
+ * cos and sin [T, d] are the model's own (its rotary embedding module made them, M-RoPE's sections included).
+ */
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "dtypes.h"
+
+static inline float rounded(float v, int dtype) {
+    if (dtype == F32) return v;
+    uint16_t half;
+    float back;
+    store_floats(&v, 1, &half, dtype, 0);
+    load_floats(&half, dtype, 0, 1, &back);
+    return back;
+}
+
+/* One head's d values x (float32), rotated into `out`. */
+static inline void rotate(const float *x, const float *c, const float *s, int64_t d, int dtype, float *out) {
+    const int64_t half = d / 2;
+    for (int64_t j = 0; j < d; j++) {
+        const float other = j < half ? -x[j + half] : x[j - half];
+        out[j] = rounded(rounded(x[j] * c[j], dtype) + rounded(other * s[j], dtype), dtype);
+    }
+}
+
+int rope_store(void *qkv, int dtype, int64_t tokens, int64_t width, int64_t nq, int64_t nkv, int64_t d,
+               const void *cos, const void *sin, const int64_t *slots, void *key_cache, void *value_cache,
+               int cache_dtype, int num_threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (tokens >= 16)
+    {
+        float *buffer = malloc((size_t)(4 * d) * sizeof(float));
+        float *c = buffer, *s = buffer ? buffer + d : NULL, *x = s ? s + d : NULL, *y = x ? x + d : NULL;
+        if (!buffer) {
+#pragma omp atomic write
+            failed = 2;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; t++) {
+            if (!buffer) continue;
+            load_floats(cos, dtype, t * d, d, c);
+            load_floats(sin, dtype, t * d, d, s);
+            const int64_t row = t * width;
+            for (int64_t h = 0; h < nq; h++) {
+                load_floats(qkv, dtype, row + h * d, d, x);
+                rotate(x, c, s, d, dtype, y);
+                store_floats(y, d, qkv, dtype, row + h * d);
+            }
+            const int64_t slot = slots[t] * nkv * d;
+            for (int64_t h = 0; h < nkv; h++) {
+                load_floats(qkv, dtype, row + (nq + h) * d, d, x);
+                rotate(x, c, s, d, dtype, y);
+                store_floats(y, d, key_cache, cache_dtype, slot + h * d);
+                load_floats(qkv, dtype, row + (nq + nkv + h) * d, d, x);
+                store_floats(x, d, value_cache, cache_dtype, slot + h * d);
+            }
+        }
+        free(buffer);
+    }
+    return failed;
+}

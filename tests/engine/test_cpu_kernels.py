@@ -1,0 +1,130 @@
+"""The CPU kernels' builds (one per instruction set): every build this CPU runs gives torch's results; every
+build compiles; the engine picks the best one the CPU's flags allow and says which."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_kernel
+
+RUNNABLE = cpu_kernel.runnable_variants()
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+@pytest.mark.parametrize("name", list(cpu_kernel.VARIANTS))
+def test_every_build_compiles(name):
+    """Builds this CPU cannot run are compiled too, so that an instruction set's code never rots unseen."""
+    path = cpu_kernel.compile_variant(name)
+    assert path is not None and path.exists(), f"the {name} build did not compile"
+
+
+def test_the_engine_uses_the_best_build_this_cpu_runs():
+    flags = cpu_kernel.cpu_flags()
+    assert RUNNABLE[-1] == "generic"
+    assert cpu_kernel.variant() == RUNNABLE[0]
+    assert cpu_kernel.load_variant(RUNNABLE[0]).linear_isa().decode() == RUNNABLE[0]
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= flags:
+        assert cpu_kernel.variant() == "avx512_bf16"
+    print(f"CPU kernels: running {RUNNABLE} of {list(cpu_kernel.VARIANTS)}")
+
+
+def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool) -> torch.Tensor:
+    return cpu_kernel._run_linear(cpu_kernel.load_variant(name), x, weight, bias, glu)
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 7, 50])
+def test_linear_of_each_build_equals_torch(name, dtype, rows):
+    """Widths that are not multiples of any vector (k = 100 and 33), output counts that are not multiples of the
+    four-row blocks (n = 37), a bias, row counts around the six-row blocks and past a 48-row pass."""
+    torch.manual_seed(0)
+    for n, k in ((37, 100), (64, 576), (10, 33)):
+        x = torch.randn(rows, k).to(dtype)
+        weight = (torch.randn(n, k) * 0.1).to(dtype)
+        bias = torch.randn(n)
+        expected = F.linear(x.float(), weight.float(), bias)
+        got = _run(name, x, weight, bias, False)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        scale = expected.abs().max().item()
+        assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype] * scale, (name, dtype, n, k)
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_glu_of_each_build_equals_llama_s_mlp_activation(name, dtype):
+    """`glu`: SiLU(x gate^T) * (x up^T) from one stacked matrix, an odd number of outputs included."""
+    torch.manual_seed(1)
+    for half, k in ((7, 64), (48, 100)):
+        x = torch.randn(9, k).to(dtype)
+        weight = (torch.randn(2 * half, k) * 0.2).to(dtype)
+        expected = (F.silu(F.linear(x, weight[:half])) * F.linear(x, weight[half:])).float()
+        got = _run(name, x, weight, None, True)
+        assert got.shape == (9, half)
+        assert (got.float() - expected).abs().max().item() <= 2 * TOLERANCE[dtype] * expected.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_residual_add_then_llama_s_norm(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(2)
+    norm = LlamaRMSNorm(96, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96))
+    h, delta = torch.randn(5, 96).to(dtype), torch.randn(5, 96).to(dtype)
+    expected_h = h + delta
+    expected = norm(expected_h)
+    out = torch.empty_like(h)
+    cpu_kernel.add_rms_norm(h, delta, norm.weight.detach(), 1e-6, out)
+    assert torch.equal(h, expected_h)  # the add rounds as torch's does
+    assert (out.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_rotates_as_transformers_and_writes_the_cache(dtype):
+    """Queries rotated in place and keys rotated into their slots, as `apply_rotary_pos_emb` rotates them;
+    values copied to the same slots."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(3)
+    tokens, q_heads, kv_heads, d = 6, 4, 2, 16
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * d).to(dtype)
+    angles = torch.rand(tokens, d // 2) * 6
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+    q = qkv[:, : q_heads * d].view(1, tokens, q_heads, d).transpose(1, 2)
+    k = qkv[:, q_heads * d : (q_heads + kv_heads) * d].view(1, tokens, kv_heads, d).transpose(1, 2)
+    v = qkv[:, (q_heads + kv_heads) * d :].reshape(tokens, kv_heads, d).clone()
+    expected_q, expected_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
+    expected_q, expected_k = expected_q[0].transpose(0, 1).clone(), expected_k[0].transpose(0, 1).clone()
+    slots = torch.tensor([9, 2, 14, 0, 5, 7])
+    keys, values = torch.zeros(16, kv_heads, d, dtype=dtype), torch.zeros(16, kv_heads, d, dtype=dtype)
+    cpu_kernel.rope_store(qkv, q_heads, kv_heads, d, cos, sin, slots, keys, values)
+    close = TOLERANCE[dtype] * 8
+    assert torch.allclose(qkv[:, : q_heads * d].view(tokens, q_heads, d).float(), expected_q.float(), atol=close)
+    assert torch.allclose(keys[slots].float(), expected_k.float(), atol=close)
+    assert torch.equal(values[slots], v)
+    assert not keys[[1, 3]].any()
+
+
+def test_refuses_inputs_that_do_not_fit_naming_them():
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_kernel.linear(torch.zeros(2, 5), torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="even count"):
+        cpu_kernel.linear(torch.zeros(2, 4), torch.zeros(3, 4), glu=True)
+    with pytest.raises(ValueError, match="rope_store got"):
+        cpu_kernel.rope_store(torch.zeros(2, 10), 1, 1, 4, torch.zeros(2, 4), torch.zeros(2, 4),
+                              torch.zeros(2, dtype=torch.long), torch.zeros(4, 1, 4), torch.zeros(4, 1, 4))
+
+
+def test_row_limits_are_measured_per_weight_shape():
+    """Each shape gets the row count up to which the kernel beat torch here (0: torch from the first row)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 64), torch.nn.Linear(64, 32))
+    assert cpu_kernel.route_linears(model) == 3
+    limits = cpu_kernel.measure_row_limits(model)
+    assert set(limits) == {"32x64 float32", "64x32 float32"}
+    assert all(limit == 0 or limit in cpu_kernel.ROW_BUCKETS or limit == 1 << 30 for limit in limits.values())
+    assert model[0].max_rows == model[2].max_rows == limits["32x64 float32"]
