@@ -28,27 +28,32 @@ class EngineCaptioner:
         self.max_tokens = max_tokens
         self.structured_max_tokens = structured_max_tokens or max_tokens
 
-    async def caption(self, image_jpeg: bytes, prompt: str, priority: int, schema: dict | None = None) -> str:
-        """The caption of one encoded image (JSON text under `schema` when one is given). Raises APIError for
-        an image, prompt or schema the server refuses (its message says why)."""
+    async def caption(self, image_jpeg: bytes, prompt: str, priority: int, schema: dict | None = None,
+                      cache_salt: str | None = None) -> str:
+        """The caption of one encoded image (JSON text under `schema` when one is given; sharing cached prefixes
+        and image features only with requests of the same `cache_salt`). Raises APIError for an image, prompt or
+        schema the server refuses (its message says why)."""
         image = await asyncio.to_thread(decode_image, image_jpeg, self.limits, "image")
-        return await self.collect(await self.submit(image, prompt, priority, schema=schema))
+        return await self.collect(await self.submit(image, prompt, priority, schema=schema, cache_salt=cache_salt))
 
     async def caption_frames(self, images: list[bytes], notes: list[str], prompt: str, priority: int,
-                             schema: dict | None = None) -> str:
+                             schema: dict | None = None, cache_salt: str | None = None) -> str:
         """The caption of several encoded frames as one prompt (`jobqueue.consumer.frame_parts`)."""
         decoded = [await asyncio.to_thread(decode_image, data, self.limits, f"frame {index}")
                    for index, data in enumerate(images)]
         content = frame_parts(notes, prompt, lambda _: {"type": "image"})
-        return await self.collect(await self.submit_content(content, decoded, priority, schema=schema))
+        return await self.collect(await self.submit_content(content, decoded, priority, schema=schema,
+                                                            cache_salt=cache_salt))
 
     async def submit(self, image: Image.Image, prompt: str, priority: int,
-                     max_tokens: int | None = None, schema: dict | None = None) -> RequestStream:
+                     max_tokens: int | None = None, schema: dict | None = None,
+                     cache_salt: str | None = None) -> RequestStream:
         content = [{"type": "image"}, {"type": "text", "text": prompt}]
-        return await self.submit_content(content, [image], priority, max_tokens, schema)
+        return await self.submit_content(content, [image], priority, max_tokens, schema, cache_salt)
 
     async def submit_content(self, content: list[dict], images: list[Image.Image], priority: int,
-                             max_tokens: int | None = None, schema: dict | None = None) -> RequestStream:
+                             max_tokens: int | None = None, schema: dict | None = None,
+                             cache_salt: str | None = None) -> RequestStream:
         """One user message of `content` parts (an `{"type": "image"}` part per image, in order)."""
         try:
             grammar = None if schema is None else GrammarSpec.from_schema(schema)
@@ -60,6 +65,7 @@ class EngineCaptioner:
             images=images,
             sampling=SamplingParams(max_tokens=max_tokens or default, temperature=0.0, grammar=grammar),
             priority=priority,
+            cache_salt=cache_salt,
         )
 
     async def collect(self, stream: RequestStream, on_running: Callable[[], Awaitable[None]] | None = None) -> str:

@@ -20,8 +20,9 @@ from starlette.datastructures import UploadFile
 
 from api.bridge import EngineFailure, RequestStream
 from api.errors import APIError
+from api.guard import cache_salt
 from api.images import decode_base64, decode_image
-from api.openai_schemas import Priority
+from api.openai_schemas import CacheSalt, Priority
 from api.state import ServerState, server_state
 from api.streaming import ClientDisconnected, SSEResponse, sse, until_disconnect
 from jobqueue.consumer import structured_caption
@@ -38,6 +39,7 @@ class CaptionFields(BaseModel):
     prompt: str | None = Field(None, min_length=1, max_length=20_000)
     camera_id: CameraId | None = None
     priority: Priority | None = None
+    cache_salt: CacheSalt = None
     max_tokens: int | None = Field(None, ge=1)
     schema_: dict[str, Any] | None = Field(
         None, alias="schema",
@@ -157,7 +159,7 @@ async def create_caption(request: Request, wait: bool = Query(False, description
     stream = await state.captioner.submit(
         image, fields.prompt or settings.caption_prompt,
         settings.caption_priority if fields.priority is None else fields.priority, fields.max_tokens,
-        schema=fields.schema_,
+        schema=fields.schema_, cache_salt=cache_salt(request, settings, fields.cache_salt),
     )
     now = time.time()
     result = CaptionResult(id=uuid.uuid4().hex, status=JobStatus.QUEUED.value, camera_id=fields.camera_id or "",

@@ -63,13 +63,14 @@ class Captioner(Protocol):
     async def caption(self, image_jpeg: bytes, prompt: str, priority: int) -> str:
         """The caption of one JPEG image; raises for an image it cannot use (undecodable, too large).
         Captioners that take a job's JSON schema (structured captions) also accept `schema=` (a dict) and
-        return JSON text under it; the worker passes it only for jobs that have one."""
+        return JSON text under it, and those that isolate cached prefixes accept `cache_salt=` (a string); the
+        worker passes each only for jobs that have one."""
         ...
 
 
 class FramesCaptioner(Captioner, Protocol):
     async def caption_frames(self, images: list[bytes], notes: list[str], prompt: str, priority: int,
-                             schema: dict | None = None) -> str:
+                             schema: dict | None = None, cache_salt: str | None = None) -> str:
         """The caption of a job with several frames (`Job.frames`), as one multi-image prompt: each note (when
         not empty) then its image, in order, then `prompt`. Captioners without it take one-image jobs only."""
         ...
@@ -90,15 +91,17 @@ def frame_parts(notes: list[str], prompt: str, image_part: Callable[[int], dict]
 async def caption_job(captioner: Captioner, job: Job, priority: int) -> str:
     """A job's caption: one image through `caption` (as for every producer before several-frame jobs), a job
     with frames through `caption_frames`."""
-    schema = {} if job.schema is None else {"schema": job.schema}
+    options = {} if job.schema is None else {"schema": job.schema}
+    if job.cache_salt is not None:
+        options["cache_salt"] = job.cache_salt
     if not job.frames:
-        return await captioner.caption(job.image, job.prompt, priority, **schema)
+        return await captioner.caption(job.image, job.prompt, priority, **options)
     caption_frames = getattr(captioner, "caption_frames", None)
     if caption_frames is None:
         raise ValueError(f"{type(captioner).__name__} takes one image per job; this {job.job_kind} job has "
                          f"{len(job.frames)} frames")
     return await caption_frames([f.image for f in job.frames], [f.note for f in job.frames], job.prompt,
-                                priority, **schema)
+                                priority, **options)
 
 
 def structured_caption(text: str, schema: dict) -> dict:

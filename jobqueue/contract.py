@@ -291,6 +291,8 @@ def detections_from_json(name: str, value: str) -> list[Detection]:
     return [Detection.from_json(item, f"{name}[{i}]") for i, item in enumerate(items)]
 
 
+# A job's or request's cache salt (`Job.cache_salt`): an identity such as a tenant's name, not data.
+MAX_CACHE_SALT_CHARS = 256
 # A caption schema travels with every job that has one: kept to a size a JSON schema needs.
 MAX_CAPTION_SCHEMA_CHARS = 64_000
 
@@ -406,7 +408,8 @@ class Job:
     alert: the gate saw a tracked person on the ground (a box of class FALL_CLASS) not alerted within its
     cooldown; such a job is captioned before other camera jobs and its result goes to `ALERTS_STREAM`.
     `schema` (a JSON Schema) asks for a structured caption: the worker decodes under it and stores the parsed
-    object as the result's `structured`, or dead-letters the job saying why.
+    object as the result's `structured`, or dead-letters the job saying why. `cache_salt` (vLLM's name and
+    meaning): the caption shares cached prefixes and image features only with requests of the same salt.
 
     `kind` is one of JOB_KINDS (`job_kind`: "fall" for a fall job, else "sighting" by default); `track_id`
     the tracked person the job is about, if one. `frames` (empty for a one-image job) are the frames of an
@@ -426,6 +429,7 @@ class Job:
     kind: str | None = None
     track_id: int | None = None
     frames: list[JobImage] = field(default_factory=list)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind is not None and self.kind not in JOB_KINDS:
@@ -483,6 +487,8 @@ class Job:
         }
         if self.schema is not None:  # absent otherwise, so older workers see the jobs they know
             fields["schema"] = json.dumps(self.schema)
+        if self.cache_salt is not None:
+            fields["cache_salt"] = self.cache_salt
         fields["kind"] = self.job_kind
         if self.track_id is not None:
             fields["track_id"] = str(self.track_id)
@@ -524,6 +530,8 @@ class Job:
                 image_origin=image_origin_from_json(str(values.get("image_origin", "[0, 0]"))),
                 fall=flag("fall", values.get("fall", "false")),
                 schema=caption_schema_from_json(str(values["schema"])) if "schema" in values else None,
+                cache_salt=text("cache_salt", values["cache_salt"], MAX_CACHE_SALT_CHARS)
+                if "cache_salt" in values else None,
                 kind=text("kind", values["kind"], 32) if "kind" in values else None,
                 track_id=integer("track_id", values["track_id"]) if "track_id" in values else None,
                 frames=frames,

@@ -28,12 +28,14 @@ class OpenAICaptioner:
         self.model = model
         self.max_tokens = max_tokens
 
-    async def caption(self, image_jpeg: bytes, prompt: str, priority: int, schema: dict | None = None) -> str:
-        return await self.caption_frames([image_jpeg], [""], prompt, priority, schema)
+    async def caption(self, image_jpeg: bytes, prompt: str, priority: int, schema: dict | None = None,
+                      cache_salt: str | None = None) -> str:
+        return await self.caption_frames([image_jpeg], [""], prompt, priority, schema, cache_salt)
 
     async def caption_frames(self, images: list[bytes], notes: list[str], prompt: str, priority: int,
-                             schema: dict | None = None) -> str:
-        """Several frames as one message (`jobqueue.consumer.frame_parts`), each image inline as a data URL."""
+                             schema: dict | None = None, cache_salt: str | None = None) -> str:
+        """Several frames as one message (`jobqueue.consumer.frame_parts`), each image inline as a data URL;
+        `cache_salt` is sent as the request's (vLLM's and this server's name for it)."""
         def image_part(index: int) -> dict:
             url = "data:image/jpeg;base64," + base64.b64encode(images[index]).decode()
             return {"type": "image_url", "image_url": {"url": url}}
@@ -44,7 +46,8 @@ class OpenAICaptioner:
             model=self.model,
             messages=[{"role": "user", "content": frame_parts(notes, prompt, image_part)}],
             max_tokens=self.max_tokens,
-            extra_body={"priority": priority} if priority else None,
+            extra_body={**({"priority": priority} if priority else {}),
+                        **({"cache_salt": cache_salt} if cache_salt else {})} or None,
             **({"response_format": response_format} if response_format else {}),
         )
         text = response.choices[0].message.content if response.choices else None

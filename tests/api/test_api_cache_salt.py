@@ -5,6 +5,8 @@ Chat completions, Responses and captions all take `cache_salt`."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import openai
 import pytest
@@ -111,3 +113,25 @@ def test_the_operator_can_share_the_cache_between_keys():
     assert cache_salt(connection("alice"), shared, None) is None
     assert cache_salt(connection("alice"), shared, "s") == cache_salt(connection("bob"), shared, "s") == "s"
     assert cache_salt(connection(None), ServerSettings(), "s") == "s"
+
+
+def test_a_jobs_cache_salt_travels_from_its_entry_to_the_engine(server):
+    """A job's `cache_salt` survives the stream entry and reaches the engine through the worker's captioner."""
+    from jobqueue.consumer import caption_job
+    from jobqueue.contract import Job
+
+    bus = (ASSETS / "bus.jpg").read_bytes()
+    job = Job(camera_id="cam", frame_ts=1.0, prompt="Who?", image=bus, detections=[], cache_salt="tenant-j")
+    fields = {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in job.to_fields().items()}
+    decoded = Job.from_fields(fields)
+    assert decoded.cache_salt == "tenant-j"
+    engine = server.state.bridge.engine
+
+    def encoded_after(salted_job: Job) -> int:
+        asyncio.run(caption_job(server.state.captioner, salted_job, 0))
+        return engine.stats()["encoder_inputs_encoded"]
+
+    first = encoded_after(decoded)
+    assert encoded_after(decoded) == first  # the same salt: the photo's features were reused
+    decoded.cache_salt = "tenant-k"
+    assert encoded_after(decoded) > first  # another tenant's salt: encoded again

@@ -66,7 +66,7 @@ def test_schema_names_the_contracts_keys_and_describes_every_field():
         "alerts_feed": contract.ALERTS_STREAM,
     }
     job = make_job()
-    job.fall, job.schema = True, {"type": "object"}
+    job.fall, job.schema, job.cache_salt = True, {"type": "object"}, "tenant-1"
     assert set(job.to_fields()) <= set(SCHEMA["properties"]), "document new job fields in job.schema.json"
     result = job.queued_result()
     result.caption, result.error, result.finished_at, result.consumer = "c", "e", 1.0, "w"
@@ -112,6 +112,8 @@ BAD = [
     {"fall": "maybe"},
     {"job_id": ""},
     {"schema": "[1, 2]"},
+    {"cache_salt": ""},
+    {"cache_salt": "s" * 257},
 ]
 
 
