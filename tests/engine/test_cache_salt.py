@@ -6,20 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
 from engine.block_hash import MAX_CACHE_SALT
 from tests.engine.conftest import PROMPTS
+from tests.engine.test_prefix_cache import _finish
 
 
-def finish(engine, prompt, images, cache_salt=None, max_tokens=6):
-    rid = engine.add_request(prompt=prompt, images=images, sampling=SamplingParams(max_tokens=max_tokens),
-                             cache_salt=cache_salt)
-    out = None
-    while engine.has_unfinished_requests():
-        for item in engine.step():
-            if item.request_id == rid:
-                out = item
-    return out
+def finish(engine, prompt, images, cache_salt=None):
+    return _finish(engine, prompt, images, max_tokens=6, cache_salt=cache_salt)
 
 
 def test_different_salts_share_no_block_and_no_image_features(make_engine, oracle, photos):

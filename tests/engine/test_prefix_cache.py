@@ -10,8 +10,10 @@ from engine.presets import PRESETS, build_checkpoint
 from tests.engine.conftest import DEVICE, PROMPTS, Job, oracle_for, run_jobs
 
 
-def _finish(engine, prompt, images, max_tokens=10):
-    rid = engine.add_request(prompt=prompt, images=images, sampling=SamplingParams(max_tokens=max_tokens))
+def _finish(engine, prompt, images, max_tokens=10, **options):
+    """Run one request (`options`: more add_request arguments) to its end, alone; its last output."""
+    rid = engine.add_request(prompt=prompt, images=images, sampling=SamplingParams(max_tokens=max_tokens),
+                             **options)
     out = None
     while engine.has_unfinished_requests():
         for item in engine.step():
