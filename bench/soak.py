@@ -25,12 +25,13 @@ import random
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import zlib
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
@@ -366,7 +367,9 @@ async def _job_outcomes(cfg: SoakConfig, redis_url: str, tally: Tally) -> dict[s
     }
 
 
-def _start_server(cfg: SoakConfig, redis_url: str, webhook_url: str) -> tuple[subprocess.Popen, str]:
+def _start_server(cfg: SoakConfig, redis_url: str, webhook_url: str, log: IO[str]) -> tuple[subprocess.Popen, str]:
+    """The soak's server, ready; its log goes to `log` (a file: a pipe read only at the end would fill and
+    block the server). Killed again if it does not become ready, or if the soak is interrupted meanwhile."""
     from jobqueue.connection import free_tcp_port
 
     port = free_tcp_port()
@@ -376,19 +379,38 @@ def _start_server(cfg: SoakConfig, redis_url: str, webhook_url: str) -> tuple[su
          "--caption-max-tokens", str(cfg.max_tokens), "--max-body-bytes", str(cfg.max_body_bytes),
          "--max-deliveries", "2", "--claim-idle-seconds", "10", "--max-sse-subscribers", str(SSE_CAP),
          "--alert-webhook", webhook_url, "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL, stderr=log, text=True,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + cfg.startup_timeout
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                return server, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    server.kill()
-    raise RuntimeError(f"the server did not become ready: {server.stderr.read()[-2000:] if server.stderr else ''}")
+    try:
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                    return server, url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+    except BaseException:  # interrupted (Ctrl-C, SIGTERM): the server goes with the soak
+        _stop(server)
+        raise
+    _stop(server)
+    raise RuntimeError(f"the server did not become ready: {_tail(log, 2000)}")
+
+
+def _stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+def _tail(log: IO[str], chars: int) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-chars:]
 
 
 def _requests_by_kind(outcomes: list[Outcome]) -> dict[str, dict[str, int]]:
@@ -403,21 +425,21 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
 
     redis_server = EmbeddedRedis()
     receiver = SSHReceiver()
-    server, url = _start_server(cfg, redis_server.url, receiver.url)
+    log = tempfile.TemporaryFile("w+")
+    server = None
     tally = Tally()
     try:
+        server, url = _start_server(cfg, redis_server.url, receiver.url, log)
         load_s = asyncio.run(_load(cfg, url, redis_server.url, server.pid, tally))
         jobs = asyncio.run(_job_outcomes(cfg, redis_server.url, tally))
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
         ready_reply = httpx.get(f"{url}/ready", timeout=30)
         ready, webhook = ready_reply.status_code, ready_reply.json().get("alert_webhook")
     finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        server_log = server.stderr.read()[-4000:] if server.stderr else ""
+        if server is not None:
+            _stop(server)
+        server_log = _tail(log, 4000)
+        log.close()
         redis_server.close()
         receiver.close()
     good = [o for o in tally.outcomes if not o.kind.startswith("hostile:")]

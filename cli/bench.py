@@ -20,9 +20,14 @@ from bench.configs import (
     SoakConfig,
     StallConfig,
 )
-from cli.options import default
+from cli.options import default, stop_on_sigterm
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks, side by side in one run (see BENCHMARKS.md).")
+
+
+@bench_app.callback()
+def _before_each_benchmark() -> None:
+    stop_on_sigterm()  # a benchmark stopped by SIGTERM stops the servers and Redis it started, as on Ctrl-C
 
 # The options the benchmarks share; each command gives the default of its own settings.
 Model = Annotated[str, typer.Option(help="Model: checkpoint dir, hub id, tiny or dummy:<preset>.")]

@@ -121,3 +121,28 @@ def test_sigterm_ends_the_demo_and_its_redis(people_fall_weights):
         time.sleep(0.1)
     assert not running(redis_server)
     assert not [child for child in children if running(child)]
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_ends_a_soak_with_its_server_and_redis(tmp_path):
+    soak = start(["bench", "soak", "--duration", "300", "--warmup", "1", "--chats", "1", "--caption-rate", "0",
+                  "--job-rate", "0.5", "--json", str(tmp_path / "soak.json")])
+    found: dict[str, psutil.Process] = {}
+
+    def serving() -> bool:
+        """The soak's server listens and its Redis (named by its reaper's command line) runs."""
+        for child in psutil.Process(soak.pid).children(recursive=True):
+            command = " ".join(child.cmdline())
+            if "reap(" in command:
+                found["redis"] = psutil.Process(int(re.search(r"reap\((\d+)", command).group(1)))
+            elif " serve " in command and any(c.status == psutil.CONN_LISTEN for c in child.net_connections("tcp")):
+                found["server"] = child
+        return len(found) == 2
+
+    try:
+        wait_for(serving, "the soak's server and Redis", timeout=180)
+    finally:
+        soak.send_signal(signal.SIGTERM)
+    stopped(soak, [], timeout=120)
+    wait_for(lambda: not running(found["server"]) and not running(found["redis"]),
+             "the soak's server and Redis to stop", timeout=60)
