@@ -40,7 +40,7 @@ class RequestStream:
         self.last: RequestOutput | None = None
 
     def push(self, item: RequestOutput | EngineFailure) -> None:
-        """Called from the step thread (or from `AsyncEngine.abort`)."""
+        """Called from the step thread (or from `EngineBridge.abort`)."""
         if isinstance(item, RequestOutput):
             self.last = item
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -49,7 +49,7 @@ class RequestStream:
     def push_step(items: list[tuple[RequestStream, RequestOutput]]) -> list[threading.Event]:
         """A step's outputs, from the step thread: one wake-up of each event loop for all of them (a wake-up
         per output had the loop take the GIL from the step thread once per stream and step). Returns an event
-        per loop, set once that loop has run the streams these outputs woke up (see `AsyncEngine._run`)."""
+        per loop, set once that loop has run the streams these outputs woke up (see `EngineBridge._run`)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for stream, output in items:
             stream.last = output
@@ -108,7 +108,7 @@ def _put_all(loop: asyncio.AbstractEventLoop, queued: list[tuple[asyncio.Queue, 
     loop.call_soon(handled.set)
 
 
-class AsyncEngine:
+class EngineBridge:
     """Runs `engine` on its own thread and serves its outputs to coroutines.
 
     After each step the thread waits (at most `HANDOVER_S`) until the event loop has sent what the step

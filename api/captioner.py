@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 from PIL import Image
 
-from api.bridge import AsyncEngine, RequestStream
+from api.bridge import EngineBridge, RequestStream
 from api.errors import ENGINE_FAILED, APIError
 from api.images import decode_image
 from api.settings import Limits
@@ -20,7 +20,7 @@ from jobqueue.consumer import frame_parts
 class EngineCaptioner:
     """Implements `jobqueue.consumer.Captioner`. Greedy, so a frame gets the same caption on every run."""
 
-    def __init__(self, bridge: AsyncEngine, limits: Limits, max_tokens: int,
+    def __init__(self, bridge: EngineBridge, limits: Limits, max_tokens: int,
                  structured_max_tokens: int | None = None) -> None:
         """`structured_max_tokens`: the default for captions under a JSON schema (longer than a sentence)."""
         self.bridge = bridge

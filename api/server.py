@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from api import routes_alerts, routes_captions, routes_dashboard, routes_openai
-from api.bridge import AsyncEngine
+from api.bridge import EngineBridge
 from api.caption_store import CaptionStore, MemoryCaptionStore, RedisCaptionStore
 from api.captioner import EngineCaptioner
 from api.errors import RETRY_AFTER_S, install_error_handlers
@@ -39,7 +39,7 @@ async def _build_state(settings: ServerSettings, metrics: Metrics, engine: Any |
 
         log.info("loading model %s", settings.engine.model)
         engine = await asyncio.to_thread(Engine, settings.engine)
-    bridge = AsyncEngine(engine, settings.limits.max_waiting_requests, metrics)
+    bridge = EngineBridge(engine, settings.limits.max_waiting_requests, metrics)
     bridge.start()
     metrics.watch_engine(lambda: bridge.stats)
     captions: CaptionStore

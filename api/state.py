@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
-from api.bridge import AsyncEngine
+from api.bridge import EngineBridge
 from api.caption_store import CaptionStore, RedisCaptionStore
 from api.captioner import EngineCaptioner
 from api.errors import APIError
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 @dataclass
 class ServerState:
     settings: ServerSettings
-    bridge: AsyncEngine
+    bridge: EngineBridge
     metrics: Metrics
     captions: CaptionStore
     captioner: EngineCaptioner

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from api.bridge import AsyncEngine
+from api.bridge import EngineBridge
 from api.errors import APIError
 from engine import Engine, EngineConfig, SamplingParams
 
@@ -31,7 +31,7 @@ def test_shutdown_finishes_short_work_aborts_long_work_and_says_so(caplog):
         return real_step()
 
     engine.step = held_step
-    bridge = AsyncEngine(engine, max_waiting_requests=8)
+    bridge = EngineBridge(engine, max_waiting_requests=8)
     bridge.start()
 
     async def scenario() -> tuple[str | None, str | None]:

@@ -1,6 +1,6 @@
 """The step thread hands each step's outputs to the event loop and starts the next step once the loop has run
 the streams they woke (so the loop's work falls between steps, not inside them), but never waits on a loop
-that is busy elsewhere for longer than `AsyncEngine.HANDOVER_S`."""
+that is busy elsewhere for longer than `EngineBridge.HANDOVER_S`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from api.bridge import AsyncEngine
+from api.bridge import EngineBridge
 from engine import Engine, EngineConfig, SamplingParams
 
 PROMPT = "User: Tell me a story.<end_of_utterance>\nAssistant:"
@@ -30,7 +30,7 @@ def _engine_with_log(events: list) -> Engine:
 @pytest.mark.timeout(120)
 def test_each_step_starts_after_the_stream_got_the_last_one_s_output():
     events: list = []
-    bridge = AsyncEngine(_engine_with_log(events), max_waiting_requests=8)
+    bridge = EngineBridge(_engine_with_log(events), max_waiting_requests=8)
     bridge.HANDOVER_S = 30.0  # no timeout on a slow machine: the order below is the handover's, not luck's
     bridge.start()
 
@@ -52,7 +52,7 @@ def test_each_step_starts_after_the_stream_got_the_last_one_s_output():
 @pytest.mark.timeout(120)
 def test_a_busy_event_loop_does_not_stop_the_steps():
     events: list = []
-    bridge = AsyncEngine(_engine_with_log(events), max_waiting_requests=8)
+    bridge = EngineBridge(_engine_with_log(events), max_waiting_requests=8)
     bridge.start()
 
     async def scenario() -> int:

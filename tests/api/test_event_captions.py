@@ -12,7 +12,7 @@ import cv2
 import pytest
 from PIL import Image
 
-from api.bridge import AsyncEngine
+from api.bridge import EngineBridge
 from api.captioner import EngineCaptioner
 from api.settings import Limits
 from engine import Engine, EngineConfig
@@ -50,7 +50,7 @@ def test_frames_are_captioned_as_generate_captions_the_multi_image_prompt(name, 
                                  max_num_seqs=4))
 
     async def caption() -> tuple[list[int], str]:
-        bridge = AsyncEngine(engine, 16)
+        bridge = EngineBridge(engine, 16)
         bridge.start()
         captioner = EngineCaptioner(bridge, Limits(), MAX_TOKENS)
         try:
