@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from api import routes_alerts, routes_captions, routes_dashboard, routes_openai
+from api import routes_alerts, routes_captions, routes_dashboard, routes_openai, routes_summaries
 from api.bridge import EngineBridge
 from api.caption_store import CaptionStore, MemoryCaptionStore, RedisCaptionStore
 from api.captioner import EngineCaptioner
@@ -69,9 +69,10 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
         app.state.load_error = None
         worker = None
         webhook = None
+        summaries = None
 
         async def load() -> None:
-            nonlocal worker, webhook
+            nonlocal worker, webhook, summaries
             try:
                 state = await _build_state(settings, metrics, engine)
             except Exception as exc:
@@ -91,11 +92,14 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
                 worker = QueueWorker(
                     connect(settings.redis_url), state.captioner, consumer_name=settings.consumer_name,
                     claim_idle_seconds=settings.claim_idle_seconds, max_deliveries=settings.max_deliveries,
-                    priority=settings.caption_priority, batch_size=settings.batch_size,
+                    caption_priority=settings.caption_priority, batch_size=settings.batch_size,
                     fall_priority=settings.fall_priority, on_alert=webhook.notify if webhook else None,
                 )
                 worker.start()
                 state.worker, state.webhook = worker, webhook
+            if settings.summary_every_s is not None and settings.redis_url:
+                summaries = asyncio.create_task(routes_summaries.summarize_every(
+                    state, settings.summary_every_s, routes_summaries.summary_cache(app.state)))
             app.state.vlmcap = state
             log.info("ready: serving %s as %r", settings.engine.model, settings.model_name)
 
@@ -105,6 +109,8 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
         finally:
             if not loading.done():
                 loading.cancel()
+            if summaries is not None:
+                summaries.cancel()
             state: ServerState | None = app.state.vlmcap
             if state is not None:
                 if worker is not None:
@@ -124,6 +130,7 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
     app.include_router(routes_captions.router)
     app.include_router(routes_dashboard.router)
     app.include_router(routes_alerts.router)
+    app.include_router(routes_summaries.router)
     app.mount("/static", routes_dashboard.static_files, name="static")
 
     @app.get("/health")

@@ -46,7 +46,7 @@ def run_worker(**options: Any) -> None:
         webhook = AlertWebhook(queue.alert_webhook) if queue.alert_webhook else None
         queue_worker = QueueWorker(url, captioner, consumer_name=queue.consumer_name,
                                    claim_idle_seconds=queue.claim_idle_seconds, max_deliveries=queue.max_deliveries,
-                                   priority=queue.caption_priority, batch_size=queue.batch_size,
+                                   caption_priority=queue.caption_priority, batch_size=queue.batch_size,
                                    fall_priority=queue.fall_priority, on_alert=webhook.notify if webhook else None)
         if webhook is not None:
             webhook.start()

@@ -176,7 +176,7 @@ class QueueWorker:
         consumer_name: str | None = QueueSettings.consumer_name,
         claim_idle_seconds: float = QueueSettings.claim_idle_seconds,
         max_deliveries: int = QueueSettings.max_deliveries,
-        priority: int = QueueSettings.caption_priority,
+        caption_priority: int = QueueSettings.caption_priority,
         batch_size: int = QueueSettings.batch_size,
         block_seconds: float = 1.0,
         max_backoff_seconds: float = 10.0,
@@ -197,7 +197,7 @@ class QueueWorker:
         self.consumer_name = consumer_name or default_consumer_name()
         self.claim_idle_ms = int(claim_idle_seconds * 1000)
         self.max_deliveries = max_deliveries
-        self.priority = priority
+        self.caption_priority = caption_priority
         self.fall_priority = fall_priority
         self.on_alert = on_alert
         self.batch_size = batch_size
@@ -386,7 +386,7 @@ class QueueWorker:
             return
         structured = None
         try:
-            caption = await caption_job(self.captioner, job, self.fall_priority if job.fall else self.priority)
+            caption = await caption_job(self.captioner, job, self.fall_priority if job.fall else self.caption_priority)
             if job.schema is not None:
                 structured = structured_caption(caption, job.schema)
         except Exception as err:  # any captioner failure is the job's error, recorded and retried

@@ -65,6 +65,8 @@ JOB_KINDS = ("sighting", "event", "fall")
 MAX_FRAMES_PER_JOB = 16
 MAX_JOB_IMAGE_BYTES = 16 * 1024 * 1024
 MAX_NOTE_CHARS = 2_000
+# Camera summaries over time windows (api/routes_summaries.py): one stream per camera.
+SUMMARIES_STREAM_PREFIX = "vlmcap:summaries:"
 # The job entry's fields as a JSON Schema, for producers written in other languages (README: "Sending jobs
 # from your own system"); `Job.from_fields` is the check that decides, the schema documents it.
 JOB_SCHEMA_PATH = Path(__file__).with_name("job.schema.json")
@@ -95,6 +97,11 @@ def is_image_field(name: str) -> bool:
 
 def camera_stats_key(camera_id: str) -> str:
     return f"{CAMERA_STATS_KEY_PREFIX}{camera_id}"
+
+
+def summaries_stream(camera_id: str) -> str:
+    """The periodic summaries of one camera (`vlmcap serve --summary-every`), capped like the caption feeds."""
+    return f"{SUMMARIES_STREAM_PREFIX}{camera_id}"
 
 
 def dead_letter_fields(job_fields: dict, error: str, deliveries: int) -> dict:

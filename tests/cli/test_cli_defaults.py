@@ -101,7 +101,7 @@ def test_worker_without_options_uses_the_workers_defaults(monkeypatch, clean_env
     assert result.exit_code == 0, result.output
     for name in ("model", "max_tokens"):
         assert seen["captioner"][name] == default(OpenAICaptioner, name)
-    for name in ("claim_idle_seconds", "max_deliveries", "priority", "batch_size", "fall_priority"):
+    for name in ("claim_idle_seconds", "max_deliveries", "caption_priority", "batch_size", "fall_priority"):
         assert seen["worker"][name] == default(QueueWorker, name)
 
 

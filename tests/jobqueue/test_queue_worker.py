@@ -192,7 +192,7 @@ def test_openai_captioner_over_http_with_priority(redis_url):
 
         async def scenario() -> None:
             captioner = OpenAICaptioner(server.url.removesuffix("/v1"), model="m")
-            worker = QueueWorker(redis_url, captioner, claim_idle_seconds=0, max_deliveries=1, priority=7,
+            worker = QueueWorker(redis_url, captioner, claim_idle_seconds=0, max_deliveries=1, caption_priority=7,
                                  block_seconds=0.1)
             await work_until_idle(worker)
             done, dead = sorted(await recent_captions(worker.redis), key=lambda r: r.status)

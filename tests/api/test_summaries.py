@@ -1,0 +1,95 @@
+"""Camera summaries on a real server (tiny random model, real Redis): a window's captions and events become one
+text prompt, decoded under the summary schema (grammar-constrained, so even random weights answer valid JSON),
+cached per window; a window without captions answers an empty summary; with `summary_every` one summary per
+camera and interval lands on `vlmcap:summaries:<camera>`."""
+
+from __future__ import annotations
+
+import time
+
+import cv2
+import httpx
+import jsonschema_rs
+import numpy as np
+import pytest
+import redis
+
+from api.background import BackgroundServer
+from api.routes_summaries import SUMMARY_SCHEMA, caption_line, summary_prompt
+from api.server import create_app
+from api.settings import ServerSettings, parse_duration
+from engine import EngineConfig
+from jobqueue.contract import CaptionResult, Detection, Job, JobImage, summaries_stream
+from jobqueue.producer import JobProducer
+
+
+def _jpeg(shade: int) -> bytes:
+    return cv2.imencode(".jpg", np.full((48, 64, 3), shade, np.uint8))[1].tobytes()
+
+
+@pytest.fixture(scope="module")
+def server(module_redis_url):
+    settings = ServerSettings(engine=EngineConfig(model="tiny"), caption_max_tokens=6, redis_url=module_redis_url,
+                              summary_every="1s")
+    with BackgroundServer(create_app(settings)) as running:
+        yield running
+
+
+@pytest.mark.timeout(300)
+def test_summary_of_a_window_validates_is_cached_and_appended_periodically(server, module_redis_url):
+    producer = JobProducer(module_redis_url)
+    box = [Detection(1, 2, 30, 40, 0.9, 7, "person")]
+    producer.submit(Job("yard", 1.0, "Who is there?", _jpeg(90), box, track_id=7))
+    producer.submit(Job.of_frames("yard", "What did person 7 do?",
+                                  [JobImage(_jpeg(90 + 20 * i), 1.0 + i, f"t=+{i}.0 s: person 7", box)
+                                   for i in range(3)], kind="event", track_id=7))
+    producer.close()
+    with httpx.Client(base_url=server.url, timeout=240) as http:
+        deadline = time.monotonic() + 240
+        while len(http.get("/v1/captions", params={"camera": "yard"}).json()["data"]) < 2:
+            assert time.monotonic() < deadline, "captions did not arrive"
+            time.sleep(0.2)
+        captions = http.get("/v1/captions", params={"camera": "yard"}).json()["data"]
+        assert sorted(c["kind"] for c in captions) == ["event", "sighting"]
+        event = next(c for c in captions if c["kind"] == "event")
+        assert (event["track_id"], event["start_ts"], event["end_ts"], event["frame_count"]) == (7, 1.0, 3.0, 3)
+
+        first = http.post("/v1/cameras/yard/summary", json={"window_s": 600})
+        assert first.status_code == 200, first.text
+        answer = first.json()
+        assert (answer["captions"], answer["empty"], answer["cached"]) == (2, False, False)
+        jsonschema_rs.validate(SUMMARY_SCHEMA, answer["summary"])
+        window = {"start": answer["start"], "end": answer["end"]}
+        again = http.post("/v1/cameras/yard/summary", json=window).json()
+        assert again["cached"] and again["summary"] == answer["summary"]
+
+        empty = http.post("/v1/cameras/nobody/summary").json()
+        assert empty["empty"] and empty["captions"] == 0 and empty["summary"]["notable_events"] == []
+        jsonschema_rs.validate(SUMMARY_SCHEMA, empty["summary"])
+        bad = http.post("/v1/cameras/yard/summary", json={"start": 10.0, "end": 5.0})
+        assert bad.status_code == 400 and "before it starts" in bad.json()["error"]["message"]
+
+        client = redis.Redis.from_url(module_redis_url)
+        while client.xlen(summaries_stream("yard")) == 0:
+            assert time.monotonic() < deadline, "no periodic summary"
+            time.sleep(0.2)
+        client.close()
+        periodic = http.get("/v1/cameras/yard/summaries", params={"limit": 1}).json()["data"]
+        assert len(periodic) == 1 and periodic[0]["camera_id"] == "yard"
+        jsonschema_rs.validate(SUMMARY_SCHEMA, periodic[0]["summary"])
+
+
+def test_summary_prompt_lists_captions_oldest_first_with_kind_person_and_span():
+    results = [CaptionResult("a", "done", "yard", 3600.0, 1.0, 1, caption="a person walks", kind="event",
+                             track_id=3, start_ts=1.0, end_ts=5.2, frame_count=6),
+               CaptionResult("b", "done", "yard", 3605.0, 9.0, 1, structured={"title": "x"}, kind="fall")]
+    assert caption_line(results[0]) == "01:00:00 event person 3 (4.2 s, 6 frames): a person walks"
+    assert caption_line(results[1]) == '01:00:05 fall: {"title": "x"}'
+    prompt = summary_prompt("yard", 3600.0, 7200.0, results)
+    assert prompt.startswith("Camera yard, 01:00:00 to 02:00:00 UTC.") and prompt.index("walks") < prompt.index("x")
+
+
+def test_durations_and_bad_settings_are_named():
+    assert [parse_duration(t) for t in ("90", "90s", "15m", "2h", "1d")] == [90, 90, 900, 7200, 86400]
+    with pytest.raises(ValueError, match="got '15 minutes'"):
+        ServerSettings(engine=EngineConfig(model="tiny"), summary_every="15 minutes")
