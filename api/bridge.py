@@ -169,6 +169,7 @@ class EngineBridge:
         images: list[Any] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        videos: list[Any] | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream. Raises APIError: 400 for a request the engine refuses,
         429 when the waiting queue is full, 503 while shutting down."""
@@ -185,7 +186,8 @@ class EngineBridge:
 
         def add() -> None:
             self.engine.add_request(prompt=prompt, messages=messages, images=images, sampling=sampling,
-                                    priority=priority, request_id=stream.request_id, cache_salt=cache_salt)
+                                    priority=priority, request_id=stream.request_id, cache_salt=cache_salt,
+                                    videos=videos)
             with self._cond:
                 self._cond.notify()
 

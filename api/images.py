@@ -15,6 +15,7 @@ import socket
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
@@ -25,6 +26,30 @@ from api.settings import Limits
 
 FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+@dataclass(frozen=True)
+class Media:
+    """What a URL is fetched or decoded as: its name in answers and error codes, and its byte limit."""
+
+    name: str
+    max_bytes: int
+
+    @property
+    def article(self) -> str:
+        return f"{'an' if self.name[0] in 'aeiou' else 'a'} {self.name}"
+
+    @property
+    def url_code(self) -> str:
+        return f"invalid_{self.name}_url"
+
+    @property
+    def too_large_code(self) -> str:
+        return f"{self.name}_too_large"
+
+
+def image_media(limits: Limits) -> Media:
+    return Media("image", limits.max_image_bytes)
 
 
 def _pil_open() -> Callable[..., Image.Image]:
@@ -72,28 +97,35 @@ def decode_image(data: bytes, limits: Limits, param: str) -> Image.Image:
             return image.convert("RGB")
 
 
-def decode_base64(text: str, limits: Limits, param: str) -> bytes:
+def decode_base64(text: str, limits: Limits, param: str, media: Media | None = None) -> bytes:
+    media = media or image_media(limits)
     # base64 is 4 characters for 3 bytes: refuse an oversized payload before decoding it.
-    if len(text) * 3 // 4 > limits.max_image_bytes + 3:
-        raise APIError(413, f"{param}: the image is over the limit of {limits.max_image_bytes} bytes",
-                       param, "image_too_large")
+    if len(text) * 3 // 4 > media.max_bytes + 3:
+        raise APIError(413, f"{param}: the {media.name} is over the limit of {media.max_bytes} bytes",
+                       param, media.too_large_code)
     try:
         return base64.b64decode("".join(text.split()), validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise APIError(400, f"{param}: invalid base64 data: {exc}", param, "invalid_image") from None
+        raise APIError(400, f"{param}: invalid base64 data: {exc}", param, f"invalid_{media.name}") from None
+
+
+def data_url_bytes(url: str, limits: Limits, param: str, media: Media | None = None) -> bytes:
+    """The payload of a `data:<media>/<type>;base64,<data>` URL, under the media's byte limit."""
+    media = media or image_media(limits)
+    header, sep, payload = url.partition(",")
+    declared = header.removeprefix("data:")
+    if not sep or not declared.endswith(";base64"):
+        raise APIError(400, f"{param}: a data URL must look like data:{media.name}/<type>;base64,<data>", param,
+                       media.url_code)
+    media_type = declared.removesuffix(";base64").split(";")[0].strip().lower()
+    if media_type and not media_type.startswith(f"{media.name}/"):
+        raise APIError(400, f"{param}: the data URL has media type {media_type!r}, not {media.article}", param,
+                       media.url_code)
+    return decode_base64(payload, limits, param, media)
 
 
 def decode_data_url(url: str, limits: Limits, param: str) -> Image.Image:
-    header, sep, payload = url.partition(",")
-    media = header.removeprefix("data:")
-    if not sep or not media.endswith(";base64"):
-        raise APIError(400, f"{param}: a data URL must look like data:image/<type>;base64,<data>", param,
-                       "invalid_image_url")
-    media_type = media.removesuffix(";base64").split(";")[0].strip().lower()
-    if media_type and not media_type.startswith("image/"):
-        raise APIError(400, f"{param}: the data URL has media type {media_type!r}, not an image", param,
-                       "invalid_image_url")
-    return decode_image(decode_base64(payload, limits, param), limits, param)
+    return decode_image(data_url_bytes(url, limits, param), limits, param)
 
 
 def _host_allowed(host: str, allowlist: tuple[str, ...]) -> bool:
@@ -105,7 +137,7 @@ def _host_allowed(host: str, allowlist: tuple[str, ...]) -> bool:
     return False
 
 
-async def _resolve(host: str, port: int, check_public: bool, param: str) -> str:
+async def _resolve(host: str, port: int, check_public: bool, param: str, code: str = "invalid_image_url") -> str:
     """The address to download from: the host's first address, after checking every one it resolves to
     (when `check_public`). The download connects to this very address instead of resolving the name again,
     so that a DNS answer that changes between the check and the connection (DNS rebinding) cannot point
@@ -114,13 +146,13 @@ async def _resolve(host: str, port: int, check_public: bool, param: str) -> str:
     try:
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
-        raise APIError(400, f"{param}: cannot resolve {host!r}: {exc}", param, "invalid_image_url") from None
+        raise APIError(400, f"{param}: cannot resolve {host!r}: {exc}", param, code) from None
     if check_public:
         for info in infos:
             address = embedded_ipv4(ipaddress.ip_address(info[4][0].split("%")[0]))
             if not address.is_global:
                 raise APIError(400, f"{param}: {host!r} resolves to the non-public address {address}, which is "
-                                    "not allowed", param, "invalid_image_url")
+                                    "not allowed", param, code)
     return infos[0][4][0]
 
 
@@ -147,19 +179,21 @@ def _bracketed(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-async def fetch_remote(url: str, limits: Limits, param: str) -> bytes:
-    """The bytes at an http(s) URL under the remote-image policy of `limits`."""
+async def fetch_remote(url: str, limits: Limits, param: str, media: Media | None = None) -> bytes:
+    """The bytes at an http(s) URL under the remote-image policy of `limits` (videos follow it too)."""
+    media = media or image_media(limits)
+    code = media.url_code
     if not limits.allow_remote_images:
-        raise APIError(400, f"{param}: remote image URLs are disabled on this server; send a data URL "
-                            "(data:image/jpeg;base64,...)", param, "invalid_image_url")
+        raise APIError(400, f"{param}: remote {media.name} URLs are disabled on this server; send a data URL "
+                            f"(data:{media.name}/...;base64,...)", param, code)
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise APIError(400, f"{param}: unsupported image URL {url[:100]!r}", param, "invalid_image_url")
+        raise APIError(400, f"{param}: unsupported {media.name} URL {url[:100]!r}", param, code)
     if not _host_allowed(parts.hostname, limits.remote_image_hosts):
         raise APIError(400, f"{param}: host {parts.hostname!r} is not on this server's image host allowlist",
-                       param, "invalid_image_url")
+                       param, code)
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    address = await _resolve(parts.hostname, port, not limits.allow_private_remote_images, param)
+    address = await _resolve(parts.hostname, port, not limits.allow_private_remote_images, param, code)
     # The request goes to the checked address; the Host header and TLS (SNI and the certificate's name)
     # still use the URL's host name.
     userinfo = parts.netloc.rpartition("@")[0]
@@ -171,21 +205,21 @@ async def fetch_remote(url: str, limits: Limits, param: str) -> bytes:
         async with httpx.AsyncClient(follow_redirects=False, timeout=limits.remote_image_timeout_s) as client:
             async with client.stream("GET", pinned, headers={"Host": host_header}, extensions=extensions) as response:
                 if response.status_code != 200:
-                    raise APIError(400, f"{param}: fetching the image gave HTTP {response.status_code}", param,
-                                   "invalid_image_url")
+                    raise APIError(400, f"{param}: fetching the {media.name} gave HTTP {response.status_code}",
+                                   param, code)
                 body = bytearray()
                 async for chunk in response.aiter_bytes():
                     body += chunk
-                    if len(body) > limits.max_image_bytes:
-                        raise APIError(413, f"{param}: the remote image is over the limit of "
-                                            f"{limits.max_image_bytes} bytes", param, "image_too_large")
+                    if len(body) > media.max_bytes:
+                        raise APIError(413, f"{param}: the remote {media.name} is over the limit of "
+                                            f"{media.max_bytes} bytes", param, media.too_large_code)
                 return bytes(body)
 
     try:
         return await asyncio.wait_for(download(), limits.remote_image_timeout_s)
     except (httpx.HTTPError, TimeoutError) as exc:
-        raise APIError(400, f"{param}: fetching the image failed: {type(exc).__name__} {exc}", param,
-                       "invalid_image_url") from None
+        raise APIError(400, f"{param}: fetching the {media.name} failed: {type(exc).__name__} {exc}", param,
+                       code) from None
 
 
 async def load_image_url(url: str, limits: Limits, param: str) -> Image.Image:

@@ -31,7 +31,26 @@ class ChatImagePart(BaseModel):
     image_url: ImageURL | str
 
 
-ChatPart = Annotated[ChatTextPart | ChatImagePart, Field(discriminator="type")]
+class VideoURL(BaseModel):
+    url: str
+
+
+class ChatVideoPart(BaseModel):
+    """vLLM's extension: a video by URL (`data:video/mp4;base64,...`, or http(s) where remote media are allowed)."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL | str
+
+
+class VideoOptions(BaseModel):
+    """vlmcap extension: how frames are taken from the request's videos (within the server's limits)."""
+
+    num_frames: int | None = Field(None, ge=1, description="frames spread evenly over each video")
+    fps: float | None = Field(None, gt=0, le=1000, allow_inf_nan=False,
+                              description="frames a second instead (up to the server's max_video_frames)")
+
+
+ChatPart = Annotated[ChatTextPart | ChatImagePart | ChatVideoPart, Field(discriminator="type")]
 
 
 class ChatMessage(BaseModel):
@@ -92,6 +111,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = Field(False, description="vlmcap extension: generate max_tokens tokens, past EOS")
     priority: Priority = 0
     cache_salt: CacheSalt = None
+    video_options: VideoOptions | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -119,7 +139,14 @@ class InputImage(BaseModel):
     detail: str | None = None
 
 
-InputPart = Annotated[InputText | InputImage, Field(discriminator="type")]
+class InputVideo(BaseModel):
+    """A video in a Responses input (no such part in OpenAI's API yet; as vLLM's `video_url` is in chat)."""
+
+    type: Literal["input_video"]
+    video_url: str
+
+
+InputPart = Annotated[InputText | InputImage | InputVideo | ChatVideoPart, Field(discriminator="type")]
 
 
 class InputMessage(BaseModel):

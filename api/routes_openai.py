@@ -18,6 +18,7 @@ from api.guard import cache_salt
 from api.images import load_image_url
 from api.openai_schemas import (
     ChatCompletionRequest,
+    ChatVideoPart,
     JSONSchemaFormat,
     ResponseFormat,
     ResponsesRequest,
@@ -26,8 +27,14 @@ from api.openai_schemas import (
 )
 from api.state import ServerState, server_state
 from api.streaming import ClientDisconnected, SSEResponse, sse, until_disconnect
+from api.videos import load_video_url, video_sampling
 from engine import RequestOutput, SamplingParams
 from engine.grammar import GrammarSpec
+from engine.sampling import TokenLogprobs
+from engine.video import Video
+
+# OpenAI's log-probability for a token the distribution cannot produce (JSON has no -Infinity).
+IMPOSSIBLE_LOGPROB = -9999.0
 
 router = APIRouter(prefix="/v1")
 
@@ -36,22 +43,35 @@ router = APIRouter(prefix="/v1")
 
 @dataclass
 class EnginePrompt:
-    """Messages in the engine's form (`{"type": "image"}` / `{"type": "text"}` parts), images in order."""
+    """Messages in the engine's form (`{"type": "image"}` / `{"type": "video"}` / `{"type": "text"}` parts),
+    images and videos in order."""
 
     messages: list[dict[str, Any]]
     images: list[Image.Image]
+    videos: list[Video]
 
 
-async def build_prompt(turns: list[tuple[str, list[tuple[str, str, str]]]], state: ServerState) -> EnginePrompt:
-    """`turns` is (role, [(kind, value, param)]) with kind "text" or "image" (value: the image URL)."""
+async def build_prompt(turns: list[tuple[str, list[tuple[str, str, str]]]], state: ServerState,
+                       body: SamplingFields) -> EnginePrompt:
+    """`turns` is (role, [(kind, value, param)]) with kind "text", "image" or "video" (value: the URL)."""
     limits = state.settings.limits
     messages: list[dict[str, Any]] = []
     images: list[Image.Image] = []
+    videos: list[Video] = []
+    options = body.video_options
+    sampling = video_sampling(limits, options and options.num_frames, options and options.fps, "video_options")
     for role, parts in turns:
         content: list[dict[str, str]] = []
         for kind, value, param in parts:
             if kind == "text":
                 content.append({"type": "text", "text": value})
+                continue
+            if kind == "video":
+                if len(videos) >= limits.max_videos_per_request:
+                    raise APIError(400, f"{param}: more than max_videos_per_request = {limits.max_videos_per_request} "
+                                        "videos in one request", param, "too_many_videos")
+                videos.append(await load_video_url(value, sampling, limits, param))
+                content.append({"type": "video"})
                 continue
             if len(images) >= limits.max_images_per_request:
                 raise APIError(400, f"{param}: more than {limits.max_images_per_request} images in one request",
@@ -59,7 +79,7 @@ async def build_prompt(turns: list[tuple[str, list[tuple[str, str, str]]]], stat
             images.append(await load_image_url(value, limits, param))
             content.append({"type": "image"})
         messages.append({"role": "system" if role == "developer" else role, "content": content})
-    return EnginePrompt(messages, images)
+    return EnginePrompt(messages, images, videos)
 
 
 def check_model(model: str, state: ServerState) -> None:
@@ -105,9 +125,20 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, stop: str | li
         raise APIError(400, str(exc)) from None
 
 
+async def admitted(body: SamplingFields, grammar: GrammarSpec | None, grammar_param: str, request: Request,
+                   state: ServerState) -> None:
+    """The checks a request passes before it reaches the engine: every parameter honoured (400 naming one that is
+    not), its priority not below the server's floor, its grammar compiled (cancelled if the client leaves:
+    ClientDisconnected)."""
+    refuse_unsupported(body)
+    client_priority(body.priority, 0, state.settings.limits.min_client_priority)
+    await compile_ahead(state.bridge.engine, grammar, grammar_param, request)
+
+
 async def submit(prompt: EnginePrompt, sampling: SamplingParams, body: SamplingFields, request: Request,
                  state: ServerState) -> RequestStream:
-    return await state.bridge.add(messages=prompt.messages, images=prompt.images, sampling=sampling,
+    return await state.bridge.add(messages=prompt.messages, images=prompt.images, videos=prompt.videos,
+                                  sampling=sampling,
                                   priority=body.priority,
                                   cache_salt=cache_salt(request, state.settings, body.cache_salt))
 
@@ -160,12 +191,17 @@ def chat_turns(body: ChatCompletionRequest) -> list[tuple[str, list[tuple[str, s
         else:
             parts = [
                 ("text", part.text, f"messages[{i}].content[{j}]") if part.type == "text"
+                else video_turn_part(part, f"messages[{i}].content[{j}]") if isinstance(part, ChatVideoPart)
                 else ("image", part.image_url if isinstance(part.image_url, str) else part.image_url.url,
                       f"messages[{i}].content[{j}].image_url")
                 for j, part in enumerate(content)
             ]
         turns.append((message.role, parts))
     return turns
+
+
+def video_turn_part(part: ChatVideoPart, param: str) -> tuple[str, str, str]:
+    return ("video", part.video_url if isinstance(part.video_url, str) else part.video_url.url, f"{param}.video_url")
 
 
 def chat_usage(output: RequestOutput) -> dict[str, Any]:
@@ -260,6 +296,10 @@ def responses_turns(body: ResponsesRequest) -> list[tuple[str, list[tuple[str, s
                     raise APIError(400, f"{param}: only input_image parts with an image_url (a data URL) are "
                                         "supported, not file_id", param, "unsupported_value")
                 parts.append(("image", part.image_url, f"{param}.image_url"))
+            elif part.type == "input_video":
+                parts.append(("video", part.video_url, f"{param}.video_url"))
+            elif isinstance(part, ChatVideoPart):
+                parts.append(video_turn_part(part, param))
             else:
                 parts.append(("text", part.text, param))
         turns.append((message.role, parts))

@@ -31,6 +31,15 @@ class Limits:
     max_tokens_cap: most new tokens one request may ask for.
     default_max_tokens: new tokens of a request that sets no max_tokens.
     max_waiting_requests: requests waiting in the engine beyond which new ones get 429.
+    max_videos_per_request: most videos in one request.
+    max_video_bytes: largest encoded video (a data URL or a remote file).
+    max_video_seconds: longest video, by its container's frame count and rate, checked before decoding.
+    max_video_frame_pixels: largest video frame in pixels, checked before decoding; a video's decoded frames take
+        at most max_video_frames x this x 3 bytes.
+    video_frames: frames taken from a video, spread evenly from its first to its last (a request's
+        video_options.num_frames overrides it).
+    max_video_frames: most frames one video may give (a request's num_frames, or frames at video_fps).
+    video_fps: take frames at this rate instead of video_frames, up to max_video_frames spread over the clip.
     allow_remote_images: fetch http(s) image URLs (only from the allowed remote image hosts).
     remote_image_hosts: a host allowed for remote images (repeat; '*.example.com').
     allow_private_remote_images: allow remote image hosts that resolve to private or loopback addresses.
@@ -44,6 +53,13 @@ class Limits:
     max_tokens_cap: int = 4096
     default_max_tokens: int = 256
     max_waiting_requests: int = 256
+    max_videos_per_request: int = 2
+    max_video_bytes: int = 16 * 1024 * 1024
+    max_video_seconds: float = 600.0
+    max_video_frame_pixels: int = 1920 * 1080
+    video_frames: int = 8
+    max_video_frames: int = 32
+    video_fps: float | None = None
     allow_remote_images: bool = False
     remote_image_hosts: tuple[str, ...] = ()
     allow_private_remote_images: bool = False
@@ -51,9 +67,15 @@ class Limits:
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_image_bytes", "max_image_pixels", "max_images_per_request",
-                     "max_tokens_cap", "default_max_tokens", "max_waiting_requests"):
+                     "max_tokens_cap", "default_max_tokens", "max_waiting_requests", "max_videos_per_request",
+                     "max_video_bytes", "max_video_seconds", "max_video_frame_pixels", "video_frames",
+                     "max_video_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.video_frames > self.max_video_frames:
+            raise ValueError(f"video_frames {self.video_frames} is over max_video_frames {self.max_video_frames}")
+        if self.video_fps is not None and self.video_fps <= 0:
+            raise ValueError(f"video_fps must be positive, got {self.video_fps!r}")
         if self.default_max_tokens > self.max_tokens_cap:
             raise ValueError(
                 f"default_max_tokens {self.default_max_tokens} is over max_tokens_cap {self.max_tokens_cap}"
