@@ -223,7 +223,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     grammar = grammar_spec(body.response_format, "response_format")
     sampling = sampling_params(body, max_tokens, body.stop, state, param, grammar)
-    prompt = await build_prompt(chat_turns(body), state)
+    prompt = await build_prompt(chat_turns(body), state, body)
     stream = await submit(prompt, sampling, body, request, state)
     completion_id, created = f"chatcmpl-{stream.request_id}", int(time.time())
     model = state.settings.model_name
@@ -355,7 +355,7 @@ async def responses(body: ResponsesRequest, request: Request, state: ServerState
     check_model(body.model, state)
     grammar = grammar_spec(body.text.format if body.text else None, "text.format")
     sampling = sampling_params(body, body.max_output_tokens, body.stop, state, "max_output_tokens", grammar)
-    prompt = await build_prompt(responses_turns(body), state)
+    prompt = await build_prompt(responses_turns(body), state, body)
     stream = await submit(prompt, sampling, body, request, state)
     meta = ResponseMeta(f"resp_{stream.request_id}", f"msg_{stream.request_id}", time.time(), body,
                         state.settings.model_name)

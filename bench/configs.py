@@ -70,6 +70,8 @@ class StallConfig:
     encoder_slices_per_step: slices (five a layer) of a tile's vision tower per step in the 'chunked' run.
     warmup_steps: steps every chat decodes before the image prompt is added.
     after_steps: steps measured after the image prompt's first token (over HTTP: tokens each chat streams after it).
+    event_frames: instead of --images photos, an event prompt of this many frames (scaled to 512 px, the tracker's
+        notes between them) as the pipeline sends it (0: off).
     """
 
     model: str = "dummy:smolvlm-256m"
@@ -84,6 +86,7 @@ class StallConfig:
     after_steps: int = 16
     threads: int | None = None
     prefix_caching: bool | None = None
+    event_frames: int = 0
 
 
 @dataclass

@@ -22,6 +22,7 @@ from api.percentiles import percentiles_ms
 from bench.configs import HttpStallConfig, StallConfig
 from bench.report import machine, prefix_caching_option, pyplot, sample_images, save_figure
 from engine import Engine, EngineConfig, SamplingParams
+from jobqueue.contract import MAX_FRAMES_PER_JOB
 
 CHAT_PROMPT = "User: Tell me a long story about a bus driver in a rainy city.<end_of_utterance>\nAssistant:"
 IMAGE_PROMPT = "User:{markers}Describe each person you see and what they are doing.<end_of_utterance>\nAssistant:"
@@ -79,9 +80,9 @@ def _run(cfg: StallConfig, chunked: bool, encoder_budget: bool, images: list) ->
     arrival_step = len(steps)
     # As in the server, the image prompt is preprocessed on another thread while the chats go on stepping
     # (so the step that takes it up may begin before the thread has returned its id).
-    prompt = IMAGE_PROMPT.format(markers="<image>" * cfg.images)
+    prompt = event_prompt(len(images)) if cfg.event_frames else IMAGE_PROMPT.format(markers="<image>" * cfg.images)
     with ThreadPoolExecutor(1) as pool:
-        adding = pool.submit(engine.add_request, prompt=prompt, images=images[: cfg.images],
+        adding = pool.submit(engine.add_request, prompt=prompt, images=images,
                              sampling=SamplingParams(max_tokens=4))
         while not adding.done():
             step()
@@ -124,11 +125,31 @@ def _run(cfg: StallConfig, chunked: bool, encoder_budget: bool, images: list) ->
     }
 
 
+def event_prompt(frames: int) -> str:
+    """An event's prompt as the queue worker renders it for SmolVLM: each frame after a tracker's note."""
+    notes = "".join(f"t=+{0.8 * i:.1f} s: person 3 is in the middle<image>" for i in range(frames))
+    return (f"User:{notes}These {frames} frames follow person 3, boxed and labelled. Describe what the person did, "
+            "in order.<end_of_utterance>\nAssistant:")
+
+
+def event_images(photos: list, frames: int, size: int = 512) -> list:
+    """`frames` photos scaled so that their longer side is `size` px, as the pipeline sizes an event's frames."""
+    scaled = []
+    for i in range(frames):
+        photo = photos[i % len(photos)]
+        ratio = size / max(photo.size)
+        scaled.append(photo.resize((max(1, round(photo.width * ratio)), max(1, round(photo.height * ratio)))))
+    return scaled
+
+
 def run_stall(cfg: StallConfig) -> dict[str, Any]:
     if not 1 <= cfg.images <= 8:
         raise ValueError(f"images must be between 1 and 8, got {cfg.images}")
+    if not 0 <= cfg.event_frames <= MAX_FRAMES_PER_JOB:
+        raise ValueError(f"event_frames must be between 0 and {MAX_FRAMES_PER_JOB}, got {cfg.event_frames}")
     photos = sample_images()
-    images = [photos[i % len(photos)] for i in range(cfg.images)]
+    images = (event_images(photos, cfg.event_frames) if cfg.event_frames
+              else [photos[i % len(photos)] for i in range(cfg.images)])
     runs = {name: _run(cfg, chunked, encoder_budget, images) for name, (chunked, encoder_budget) in RUNS.items()}
     return {"config": asdict(cfg), "machine": machine(), "runs": runs}
 

@@ -195,7 +195,7 @@ class QueueWorker:
         self.redis = connect(redis_client, block_seconds) if isinstance(redis_client, str) else redis_client
         self.captioner = captioner
         self.consumer_name = consumer_name or default_consumer_name()
-        self.claim_idle_ms = int(claim_idle_seconds * 1000)
+        self.claim_idle_seconds = claim_idle_seconds
         self.max_deliveries = max_deliveries
         self.caption_priority = caption_priority
         self.fall_priority = fall_priority
@@ -321,8 +321,8 @@ class QueueWorker:
 
     async def _claim_stale(self) -> list[tuple[str, dict, int]]:
         reply = await self.redis.xautoclaim(JOBS_STREAM, CONSUMER_GROUP, self.consumer_name,
-                                            min_idle_time=self.claim_idle_ms, start_id=self._claim_cursor,
-                                            count=self.batch_size)
+                                            min_idle_time=int(self.claim_idle_seconds * 1000),
+                                            start_id=self._claim_cursor, count=self.batch_size)
         self._claim_cursor = as_text(reply[0])
         claimed = [(as_text(entry_id), fields) for entry_id, fields in reply[1] if entry_id is not None]
         if len(claimed) < len(reply[1]):
