@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import cv2
 import numpy as np
 import pytest
 import torch
@@ -17,26 +16,9 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.presets import PRESETS, build_checkpoint
 from engine.video import Video, VideoLimitError, VideoSampling, frames_video, read_video
 from tests.engine.conftest import DEVICE
+from tests.video_support import clip_frames, write_mp4
 
 VIDEO_FAMILIES = ["tiny", "tiny-qwen2-vl"]
-
-
-def clip_frames(photo, count: int = 5, size: tuple[int, int] = (64, 48)) -> list[np.ndarray]:
-    """Frames of a camera panning across `photo`: crops a little further right each frame, resized."""
-    image = np.asarray(photo)
-    height, width = image.shape[:2]
-    side = min(height, width) * 3 // 4
-    steps = np.linspace(0, width - side, count).astype(int)
-    return [cv2.resize(image[:side, x : x + side], size, interpolation=cv2.INTER_AREA) for x in steps]
-
-
-def write_mp4(path, frames: list[np.ndarray], fps: float) -> str:
-    height, width = frames[0].shape[:2]
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
-    for frame in frames:
-        writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
-    writer.release()
-    return str(path)
 
 
 @pytest.fixture(scope="session")
