@@ -114,8 +114,8 @@ class EngineBridge:
     After each step the thread waits (at most `HANDOVER_S`) until the event loop has sent what the step
     produced, and only then starts the next one: the loop's work for a step (events, JSON, socket writes)
     then runs between steps instead of inside the next one, where it would take a core from the step's
-    threads and hold up all of them at their next barrier (measured: 8 streamed chats' gaps 1.12x the engine
-    alone without the wait)."""
+    threads and hold up all of them at their next barrier (what it costs without the wait: `vlmcap bench
+    overhead`, BENCHMARKS.md)."""
 
     HANDOVER_S = 0.02
 

@@ -1,7 +1,8 @@
 """`vlmcap demo`: the whole product on one machine. An embedded Redis, the server with its in-process
 queue worker and its dashboard, and a camera pipeline playing the bundled sample video in real time, looping,
 with the trained people-fall detector (HOG when it cannot be fetched); one line per caption as it arrives,
-and a line per fall alert, until Ctrl-C. With `once`, one pass, not paced: it ends when the video has ended
+a line per event (a tracked person's frames captioned as one prompt, also on the dashboard as a strip of
+frames) and a line per fall alert, until Ctrl-C. With `once`, one pass, not paced: it ends when the video has ended
 and every job it queued has its caption."""
 
 from __future__ import annotations
@@ -91,8 +92,12 @@ async def _print_captions(redis_url: str, pipeline_done: threading.Event, timeou
             if result.fall:
                 print(f"ALERT fall camera={result.camera_id} t={result.frame_ts:.1f}s: a person on the ground "
                       f"(on the dashboard, /v1/alerts and /v1/alerts/stream)", flush=True)
-            print(f"caption camera={result.camera_id} t={result.frame_ts:.1f}s persons={result.person_count}"
-                  f"{' fall' if result.fall else ''}: {(text or '').strip()!r}", flush=True)
+            if result.kind == "event":
+                print(f"event camera={result.camera_id} person={result.track_id} t={result.start_ts:.1f}-"
+                      f"{result.end_ts:.1f}s frames={result.frame_count}: {(text or '').strip()!r}", flush=True)
+            else:
+                print(f"caption camera={result.camera_id} t={result.frame_ts:.1f}s persons={result.person_count}"
+                      f"{' fall' if result.fall else ''}: {(text or '').strip()!r}", flush=True)
             printed[0] += 1
         raise TimeoutError(f"captions were still arriving after {timeout_s:.0f} s")
     finally:
@@ -136,7 +141,7 @@ def run_demo(model: str | None, detector: str | None, source: str | None, timeou
                 try:
                     stats = camera.run(stop)
                     print(f"demo: video ended: {stats['captured']} frames, {stats['detected']} with people, "
-                          f"{stats['jobs']} jobs, {stats['falls']} falls", flush=True)
+                          f"{stats['jobs']} jobs, {stats['falls']} falls, {stats['events']} events", flush=True)
                 finally:
                     done.set()
 

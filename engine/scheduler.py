@@ -61,7 +61,7 @@ class EncoderWork:
     unit: int
     first: int
     end: int
-    from_cache: bool = False  # the features are taken from the shared encoder cache; no tower runs
+    from_cache: bool = False  # the features are taken from the encoder output cache; no tower runs
 
     @property
     def finishes(self) -> bool:
@@ -120,7 +120,7 @@ class StepBudget:
 
 
 def encoder_tokens_after(left: int | None, work: list[EncoderWork]) -> int | None:
-    """The encoder budget left after `work` (inputs taken from the shared encoder cache cost nothing)."""
+    """The encoder budget left after `work` (inputs taken from the encoder output cache cost nothing)."""
     if left is None:
         return None
     spent = sum(item.request.mm.unit_rows[item.unit] for item in work if not item.from_cache)
@@ -239,7 +239,7 @@ class Scheduler:
 
     # -- chunks and encoder work ----------------------------------------------------------------
     def _held(self, request: Request, unit: int) -> bool:
-        """The input's features are in the shared encoder cache and its tower has not started."""
+        """The input's features are in the encoder output cache and its tower has not started."""
         cache = self.encoder_outputs
         return (cache is not None and bool(request.mm.unit_hashes) and request.mm.unit_hashes[unit] in cache
                 and self.encoder_progress.get(request.request_id, {}).get(unit, 0) == 0)

@@ -30,8 +30,11 @@ def test_demo_once_prints_a_caption_line_per_job_and_the_fall_alert(people_fall_
     captions = [line for line in lines if line.startswith("caption ")]
     assert captions and all(re.match(r"caption camera=sample-cam t=\d+\.\ds persons=\d+( fall)?: ", c)
                             for c in captions)
-    jobs, falls = map(int, re.search(r"(\d+) jobs, (\d+) falls", run.stdout).groups())
-    assert len(captions) == jobs >= 3
+    jobs, falls, events = map(int, re.search(r"(\d+) jobs, (\d+) falls, (\d+) events", run.stdout).groups())
+    event_lines = [line for line in lines if line.startswith("event ")]
+    assert events >= 3 and len(event_lines) == events
+    assert all(re.match(r"event camera=sample-cam person=\d+ t=\d+\.\d-\d+\.\ds frames=\d+: ", e) for e in event_lines)
+    assert len(captions) + len(event_lines) == jobs >= 6
     alerts = [line for line in lines if line.startswith("ALERT fall camera=sample-cam")]
     assert len(alerts) == falls == sum(c.split(":")[0].endswith(" fall") for c in captions) == 1
     # The person lies on the ground from 8 s to 10 s of the sample video.
