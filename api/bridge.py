@@ -156,6 +156,7 @@ class EngineBridge:
             self._cond.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        self.engine.close()  # the grammar compiler's child processes
         log.info("engine stopped: %d request(s) in flight at shutdown, %d finished, %d aborted",
                  in_flight, in_flight - len(left), len(left))
 

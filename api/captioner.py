@@ -10,6 +10,7 @@ from PIL import Image
 
 from api.bridge import EngineBridge, RequestStream
 from api.errors import ENGINE_FAILED, APIError
+from api.grammars import GrammarRefused, compile_ahead
 from api.images import decode_image
 from api.settings import Limits
 from engine import SamplingParams
@@ -58,7 +59,8 @@ class EngineCaptioner:
         try:
             grammar = None if schema is None else GrammarSpec.from_schema(schema)
         except ValueError as exc:
-            raise APIError(400, f"schema: {exc}", "schema", "invalid_json_schema") from None
+            raise GrammarRefused(400, f"schema: {exc}", "schema", "invalid_json_schema") from None
+        await compile_ahead(self.bridge.engine, grammar, "schema")  # GrammarRefused: a job is dead-lettered at once
         default = self.max_tokens if grammar is None else self.structured_max_tokens
         return await self.bridge.add(
             messages=[{"role": "user", "content": content}],

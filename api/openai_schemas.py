@@ -1,12 +1,21 @@
 """Request bodies of the OpenAI-compatible routes (the subset this server serves). Types and value
 ranges live here, so FastAPI answers 422 for a body that does not fit and the OpenAPI schema documents
-them; the handlers check what depends on the server (model name, caps, `n`) and answer 400 or 404."""
+them; the handlers check what depends on the server (model name, caps, priority floor, parameters this server
+does not support) and answer 400 or 404.
+
+Numeric sampling fields take their bounds from the engine's table (`engine.sampling.SAMPLING_RANGES`: what the
+sampler can compute; floats finite), so a value the engine would refuse never passes the schema. A body's fields
+that this server does not know are kept (`extra="allow"`) so that the handler can refuse them by name
+(`refuse_unsupported`): a parameter is honoured or refused, never ignored."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.errors import APIError
+from engine.sampling import INT64_MAX, MAX_LOGPROBS, SAMPLING_RANGES
 
 MAX_SEED = 2**63 - 1
 Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1, description="vlmcap extension: lower runs first")]
@@ -103,10 +112,21 @@ class ResponsesText(BaseModel):
     verbosity: str | None = None
 
 
+def ranged(name: str, **extra: Any) -> Any:
+    """A field bounded as the engine's sampler bounds it (`SAMPLING_RANGES[name]`), None by default."""
+    allowed = SAMPLING_RANGES[name]
+    bounds: dict[str, Any] = {"gt" if allowed.low_open else "ge": allowed.low, "le": allowed.high}
+    if not allowed.integer:
+        bounds["allow_inf_nan"] = False
+    return Field(None, **bounds, **extra)
+
+
 class SamplingFields(BaseModel):
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, description="vlmcap extension: 0 disables it")
+    model_config = ConfigDict(extra="allow")
+
+    temperature: float | None = ranged("temperature")
+    top_p: float | None = ranged("top_p")
+    top_k: int | None = ranged("top_k", description="vlmcap extension: -1 or 0 disables it")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     ignore_eos: bool = Field(False, description="vlmcap extension: generate max_tokens tokens, past EOS")
     priority: Priority = 0
@@ -117,10 +137,15 @@ class SamplingFields(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = ranged("max_tokens")
+    max_completion_tokens: int | None = ranged("max_tokens")
     stop: Stop = None
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=INT64_MAX)
+    presence_penalty: float | None = ranged("presence_penalty")
+    frequency_penalty: float | None = ranged("frequency_penalty")
+    repetition_penalty: float | None = ranged("repetition_penalty", description="vLLM's extension: 1 is off")
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = Field(False, description="vlmcap extension: add the generated token ids to choices")
@@ -159,7 +184,37 @@ class ResponsesRequest(SamplingFields):
     model: str
     input: str | list[InputMessage]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = ranged("max_tokens")
     stream: bool | None = False
     stop: Stop = None
     text: ResponsesText | None = None
+
+
+# Parameters a client may send that need nothing of this server in the value given (None: any value). Any other
+# field the body has, or one of these with another value, is refused with a 400 naming it.
+NEUTRAL_VALUES: dict[str, tuple[Any, ...] | None] = {
+    "user": None, "metadata": None, "store": (False, None), "parallel_tool_calls": None, "service_tier": ("auto",
+    "default", None), "tools": ([], None), "tool_choice": ("none", None), "functions": ([], None),
+    "function_call": ("none", None), "logit_bias": ({}, None), "modalities": (["text"], None),
+    "truncation": ("disabled", None), "reasoning": (None,), "include": ([], None),
+}
+
+
+def refuse_unsupported(body: BaseModel) -> None:
+    """APIError 400 for the first field of `body` this server does not honour (see NEUTRAL_VALUES)."""
+    for name, value in (body.model_extra or {}).items():
+        neutral = NEUTRAL_VALUES.get(name, ())
+        if neutral is None or any(value == allowed and type(value) is type(allowed) for allowed in neutral):
+            continue
+        raise APIError(400, f"{name} is not supported by this server (given {str(value)[:80]!r}); send it only "
+                            "with its default, or not at all", name, "unsupported_parameter")
+
+
+def client_priority(priority: int | None, default: int, min_client_priority: int) -> int:
+    """A request's priority: `default` when it sets none; APIError 400 below the server's floor."""
+    if priority is None:
+        return default
+    if priority < min_client_priority:
+        raise APIError(400, f"priority {priority} is below this server's floor of {min_client_priority} (lower runs "
+                            "first; min_client_priority)", "priority", "priority_too_low")
+    return priority

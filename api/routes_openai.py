@@ -14,6 +14,7 @@ from PIL import Image
 
 from api.bridge import EngineFailure, RequestStream
 from api.errors import ENGINE_FAILED, APIError, error_body
+from api.grammars import compile_ahead
 from api.guard import cache_salt
 from api.images import load_image_url
 from api.openai_schemas import (
@@ -24,6 +25,8 @@ from api.openai_schemas import (
     ResponsesRequest,
     ResponsesTextFormat,
     SamplingFields,
+    client_priority,
+    refuse_unsupported,
 )
 from api.state import ServerState, server_state
 from api.streaming import ClientDisconnected, SSEResponse, sse, until_disconnect
@@ -105,7 +108,9 @@ def grammar_spec(fmt: ResponseFormat | ResponsesTextFormat | None, param: str) -
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, stop: str | list[str] | None,
-                    state: ServerState, param: str, grammar: GrammarSpec | None = None) -> SamplingParams:
+                    state: ServerState, param: str, grammar: GrammarSpec | None = None,
+                    **chat_only: Any) -> SamplingParams:
+    """The engine's parameters of a request; `chat_only`: SamplingParams fields that only chat completions take."""
     limits = state.settings.limits
     if max_tokens is not None and max_tokens > limits.max_tokens_cap:
         raise APIError(400, f"{param} is {max_tokens}, over this server's cap of {limits.max_tokens_cap}",
@@ -120,6 +125,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, stop: str | li
             stop=[stop] if isinstance(stop, str) else list(stop or []),
             ignore_eos=body.ignore_eos,
             grammar=grammar,
+            **{name: value for name, value in chat_only.items() if value is not None},
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
@@ -143,17 +149,41 @@ async def submit(prompt: EnginePrompt, sampling: SamplingParams, body: SamplingF
                                   cache_salt=cache_salt(request, state.settings, body.cache_salt))
 
 
-async def final_output(request: Request, stream: RequestStream, state: ServerState) -> RequestOutput:
-    """Wait for the request to finish; abort it if the client leaves first."""
+async def final_output(request: Request, stream: RequestStream,
+                       state: ServerState) -> tuple[RequestOutput, list[TokenLogprobs]]:
+    """Wait for the request to finish (its last output, and its tokens' log-probabilities if it asked for them);
+    abort it if the client leaves first."""
+    logprobs: list[TokenLogprobs] = []
+
+    async def collect() -> RequestOutput:
+        last = None
+        async for last in stream:
+            logprobs.extend(last.new_logprobs or [])
+        assert last is not None
+        return last
+
     try:
-        output = await until_disconnect(request, stream.final())
+        output = await until_disconnect(request, collect())
     except EngineFailure as exc:
         raise APIError(500, str(exc), code="engine_error") from None
     finally:
         state.bridge.abort(stream.request_id)  # a no-op once finished
     if output.finish_reason == "error":
         raise APIError(500, ENGINE_FAILED, code="engine_error")
-    return output
+    return output, logprobs
+
+
+def chat_logprobs(logprobs: list[TokenLogprobs], state: ServerState) -> dict[str, Any]:
+    """OpenAI's `choices[].logprobs` of these tokens: each token's text, log-probability and UTF-8 bytes, with its
+    likeliest alternatives."""
+    tokenizer = state.bridge.engine.tokenizer
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": max(logprob, IMPOSSIBLE_LOGPROB), "bytes": list(text.encode())}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs], "refusal": None}
 
 
 async def text_deltas(stream: RequestStream, state: ServerState) -> AsyncIterator[tuple[str, RequestOutput]]:
@@ -219,10 +249,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     if body.n not in (None, 1):
         raise APIError(400, f"n={body.n} is not supported: this server returns exactly one choice (n=1)", "n",
                        "unsupported_value")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     max_tokens = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     grammar = grammar_spec(body.response_format, "response_format")
-    sampling = sampling_params(body, max_tokens, body.stop, state, param, grammar)
+    sampling = sampling_params(body, max_tokens, body.stop, state, param, grammar,
+                               presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                               repetition_penalty=body.repetition_penalty,
+                               logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    try:
+        await admitted(body, grammar, "response_format", request, state)
+    except ClientDisconnected:
+        return Response(status_code=499)
     prompt = await build_prompt(chat_turns(body), state, body)
     stream = await submit(prompt, sampling, body, request, state)
     completion_id, created = f"chatcmpl-{stream.request_id}", int(time.time())
@@ -232,12 +271,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
         return SSEResponse(chat_events(stream, state, completion_id, created, model, include_usage,
                                        body.return_token_ids))
     try:
-        output = await final_output(request, stream, state)
+        output, logprobs = await final_output(request, stream, state)
     except ClientDisconnected:
         return Response(status_code=499)
     choice: dict[str, Any] = {
         "index": 0, "message": {"role": "assistant", "content": output.text},
-        "finish_reason": output.finish_reason, "logprobs": None,
+        "finish_reason": output.finish_reason, "logprobs": chat_logprobs(logprobs, state) if body.logprobs else None,
     }
     if body.return_token_ids:
         choice["token_ids"] = output.token_ids
@@ -250,8 +289,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
 async def chat_events(stream: RequestStream, state: ServerState, completion_id: str, created: int, model: str,
                       include_usage: bool, return_token_ids: bool) -> AsyncIterator[str]:
     def chunk(delta: dict[str, Any], finish_reason: str | None = None, token_ids: list[int] | None = None,
-              usage: dict[str, Any] | None = None, choices: bool = True) -> str:
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+              usage: dict[str, Any] | None = None, choices: bool = True,
+              logprobs: list[TokenLogprobs] | None = None) -> str:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason,
+                                  "logprobs": None if logprobs is None else chat_logprobs(logprobs, state)}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         body: dict[str, Any] = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
@@ -260,15 +301,18 @@ async def chat_events(stream: RequestStream, state: ServerState, completion_id: 
             body["usage"] = usage
         return sse(body)
 
-    yield chunk({"role": "assistant", "content": ""})
     num_tokens = 0
     try:
         async for delta, output in text_deltas(stream, state):
             new_ids = output.token_ids[num_tokens:]
+            first = num_tokens == 0
             num_tokens = len(output.token_ids)
-            if delta or output.finished or return_token_ids:
+            if first:  # the role goes with the first token, as OpenAI and vLLM send it (clients time TTFT by it)
+                yield chunk({"role": "assistant", "content": delta}, output.finish_reason,
+                            new_ids if return_token_ids else None, logprobs=output.new_logprobs)
+            elif delta or output.finished or return_token_ids or output.new_logprobs:
                 yield chunk({"content": delta} if delta else {}, output.finish_reason,
-                            new_ids if return_token_ids else None)
+                            new_ids if return_token_ids else None, logprobs=output.new_logprobs)
             if output.finished and include_usage:
                 yield chunk({}, usage=chat_usage(output), choices=False)
     except EngineFailure as exc:
@@ -355,6 +399,10 @@ async def responses(body: ResponsesRequest, request: Request, state: ServerState
     check_model(body.model, state)
     grammar = grammar_spec(body.text.format if body.text else None, "text.format")
     sampling = sampling_params(body, body.max_output_tokens, body.stop, state, "max_output_tokens", grammar)
+    try:
+        await admitted(body, grammar, "text.format", request, state)
+    except ClientDisconnected:
+        return Response(status_code=499)
     prompt = await build_prompt(responses_turns(body), state, body)
     stream = await submit(prompt, sampling, body, request, state)
     meta = ResponseMeta(f"resp_{stream.request_id}", f"msg_{stream.request_id}", time.time(), body,
@@ -362,7 +410,7 @@ async def responses(body: ResponsesRequest, request: Request, state: ServerState
     if body.stream:
         return SSEResponse(response_events(stream, state, meta))
     try:
-        output = await final_output(request, stream, state)
+        output, _ = await final_output(request, stream, state)
     except ClientDisconnected:
         return Response(status_code=499)
     return JSONResponse(meta.final(output))

@@ -44,6 +44,8 @@ class Limits:
     remote_image_hosts: a host allowed for remote images (repeat; '*.example.com').
     allow_private_remote_images: allow remote image hosts that resolve to private or loopback addresses.
     remote_image_timeout_s: seconds one remote image may take to arrive.
+    min_client_priority: the most urgent priority a client may ask for (lower runs first; chat's own by default;
+        fall alerts and camera captions are the server's own priorities); below it answers 400.
     """
 
     max_body_bytes: int = 32 * 1024 * 1024
@@ -64,6 +66,7 @@ class Limits:
     remote_image_hosts: tuple[str, ...] = ()
     allow_private_remote_images: bool = False
     remote_image_timeout_s: float = 10.0
+    min_client_priority: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_image_bytes", "max_image_pixels", "max_images_per_request",

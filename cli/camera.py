@@ -18,8 +18,9 @@ from pipeline.runner import PipelineConfig
 
 
 def read_caption_schema(path: Path) -> dict:
-    """A caption schema file: a JSON Schema object that is valid as a schema; ValueError saying why not."""
-    import jsonschema_rs
+    """A caption schema file: a JSON Schema object that is valid as a schema (and refers only within itself:
+    nothing is fetched); ValueError saying why not."""
+    from jobqueue.structured import caption_validator
 
     try:
         schema = json.loads(path.read_text())
@@ -30,9 +31,9 @@ def read_caption_schema(path: Path) -> dict:
     if not isinstance(schema, dict):
         raise ValueError(f"the caption schema {str(path)!r} must be a JSON object (a JSON Schema)")
     try:
-        jsonschema_rs.validator_for(schema)
-    except Exception as err:  # jsonschema_rs raises its own types
-        raise ValueError(f"the caption schema {str(path)!r} is not a valid JSON Schema: {err}") from None
+        caption_validator(schema)
+    except ValueError as err:
+        raise ValueError(f"the caption schema {str(path)!r} cannot be used: {err}") from None
     return schema
 
 

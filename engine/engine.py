@@ -242,6 +242,10 @@ class Engine:
                 raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
+        vocab_size = self.adapter.lm_head.weight.shape[0]
+        if sampling.top_k > vocab_size:
+            raise ValueError(f"top_k is {sampling.top_k}, over the model's vocabulary of {vocab_size} tokens "
+                             "(0 or -1: all tokens)")
         matcher = self._matcher(sampling.grammar) if sampling.grammar is not None else None
         loaded = [_load_image(image, i) for i, image in enumerate(images or [])]
         markers = prompt.count(self.adapter.image_marker)
@@ -331,6 +335,9 @@ class Engine:
             self._last_step_num_tokens = scheduled.num_tokens
             self._tokens_generated += len(result.sampled)
             outputs = [self._advance(self.requests[rid]) for rid in result.sampled]
+            for output in outputs:
+                if output.request_id in result.logprobs:
+                    output.new_logprobs = [result.logprobs[output.request_id]]
             for rid, why in result.failed.items():  # only that request ends; the others keep their tokens
                 self.num_request_failures += 1
                 log.error("request %s failed in step %d: %s", rid, self._steps, why)

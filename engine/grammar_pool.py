@@ -38,8 +38,19 @@ class GrammarCancelled(ValueError):
     """The caller gave up on the compile (its child was killed)."""
 
 
+def _close_inherited(keep: int) -> None:
+    """Close what the child inherited from the server but its own pipe: listening sockets, other children's pipes,
+    the pipes by which helpers (an embedded Redis) learn that the server ended; stdin from /dev/null."""
+    os.closerange(3, keep)
+    os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+
+
 def _serve(conn: Any, info: Any, compile_one: Any) -> None:
     """A worker's loop: (kind, text) in, ("ok", serialized) or ("error", message) out, until the pipe closes."""
+    _close_inherited(conn.fileno())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; the child ends when its pipe does
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     import xgrammar

@@ -22,7 +22,7 @@ from engine.encoder_cache import EncoderOutputCache
 from engine.kv_cache import KVCache
 from engine.models.base import VLMAdapter
 from engine.outputs import StepTimings
-from engine.sampling import sample
+from engine.sampling import TokenLogprobs, sample
 from engine.scheduler import EncoderWork, ScheduledChunk, SchedulerOutput
 
 # A decode batch's padded keys may be at most this many times its real ones (see `_decode_groups`).
@@ -33,6 +33,7 @@ PADDED_KEYS_LIMIT = 1.5
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> its next token
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why no token could be sampled
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # of the sampled token, requests that ask
 
 
 class IntPacker:
@@ -128,7 +129,11 @@ class ModelRunner:
                 from engine.grammar import apply_token_masks
 
                 apply_token_masks(logits, [r.matcher for r in requests])
-            tokens, failed = sample(logits, [r.sampling for r in requests], [r.generator for r in requests])
+            histories = [(r.prompt_token_ids, r.output_token_ids) for r in requests]
+            tokens, failed, logprobs = sample(logits, [r.sampling for r in requests], [r.generator for r in requests],
+                                              histories)
+            for row, token_logprobs in logprobs.items():
+                result.logprobs[requests[row].request_id] = token_logprobs
             for request, token, bad in zip(requests, tokens, failed):
                 if bad:
                     result.failed[request.request_id] = "the sampling distribution had no finite probability mass"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -9,11 +10,61 @@ import torch
 from engine.grammar import GrammarSpec
 
 GREEDY_BELOW = 1e-5
+INT64_MAX = 2**63 - 1
+MAX_LOGPROBS = 20  # top alternatives a request may ask for at each token (OpenAI's top_logprobs cap)
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric sampling field may take: finite, in [low, high] (low excluded when `low_open`),
+    an integer when `integer`. The API's request schemas take their bounds from these (api/openai_schemas.py)."""
+
+    low: float
+    high: float
+    integer: bool = False
+    low_open: bool = False
+
+    def check(self, name: str, value: object) -> None:
+        kinds = (int,) if self.integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise ValueError(f"{name} must be {'an integer' if self.integer else 'a number'}, got {value!r}")
+        finite = self.integer or math.isfinite(value)
+        inside = finite and (value > self.low if self.low_open else value >= self.low) and value <= self.high
+        if not inside:
+            left = "(" if self.low_open else "["
+            raise ValueError(f"{name} must be in {left}{self.low:g}, {self.high:g}], got {_shown(value)}")
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
+
+
+# What the sampler can compute, per field; the engine also holds top_k to the model's vocabulary (Engine.add_request).
+SAMPLING_RANGES: dict[str, Range] = {
+    "max_tokens": Range(1, INT64_MAX, integer=True),
+    "temperature": Range(0.0, 2.0),
+    "top_p": Range(0.0, 1.0, low_open=True),
+    "top_k": Range(-1, INT64_MAX, integer=True),  # -1 and 0: off
+    "seed": Range(-(2**63), 2**64 - 1, integer=True),
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "repetition_penalty": Range(0.01, 100.0),
+    "logprobs": Range(0, MAX_LOGPROBS, integer=True),
+}
 
 
 @dataclass
 class SamplingParams:
-    """How a request's tokens are chosen and when it stops. Temperature 0 is greedy."""
+    """How a request's tokens are chosen and when it stops. Temperature 0 is greedy. Each numeric field's range is
+    in `SAMPLING_RANGES`.
+
+    top_k: keep the k likeliest tokens (0 or -1: all). presence_penalty / frequency_penalty: OpenAI's, subtracted
+    from the logits of tokens already generated (once / per occurrence). repetition_penalty: transformers' (and
+    vLLM's), dividing positive and multiplying negative logits of every token in the prompt or the output (1: off).
+    logprobs: return the log-probability of each generated token and of its `logprobs` likeliest alternatives
+    (None: none), from the logits the token was chosen from (after penalties and grammar, before temperature).
+    """
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -24,26 +75,28 @@ class SamplingParams:
     ignore_eos: bool = False
     # Output constrained to a JSON schema, any JSON object or a regex (engine/grammar.py); None: unconstrained.
     grammar: GrammarSpec | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be a non-negative integer (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -(2**63) <= self.seed < 2**64
-        ):
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
+        for name, allowed in SAMPLING_RANGES.items():
+            value = getattr(self, name)
+            if value is not None or name not in ("seed", "logprobs"):
+                allowed.check(name, value)
+        if self.top_k < 0:
+            self.top_k = 0
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError(f"grammar must be a GrammarSpec or None, got {type(self.grammar).__name__}")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -65,18 +118,66 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return generator
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> tuple[list[int], list[bool]]:
-    """One token for each row of float32 logits [rows, vocab], and whether that row failed (its distribution
-    had no finite mass: the model's logits for it were not finite). All rows in tensor ops, one read-back.
+@dataclass
+class TokenLogprobs:
+    """A generated token's log-probability and its likeliest alternatives (id, log-probability), best first."""
 
-    Greedy rows take the argmax. The others are scaled by their temperature after subtracting the row's
-    maximum (so any temperature the parameters allow stays finite), cut to their top_k tokens and to the
-    smallest prefix of the sorted distribution whose mass reaches top_p (the likeliest token always
-    stays), and sampled by the exponential race (argmax of p / E with E ~ Exp(1), which draws from p),
-    each row's E from its request's own generator, so a seeded request repeats whatever else is batched.
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                    histories: list[tuple[list[int], list[int]]]) -> None:
+    """Penalize, in place, the rows of requests with penalties. histories[i] is row i's (prompt, output) tokens.
+    Repetition (transformers' RepetitionPenaltyLogitsProcessor): a token in the prompt or the output has its logit
+    divided by the penalty when positive, multiplied when negative. Presence and frequency (OpenAI's): the logit of
+    a token generated c times loses frequency_penalty * c + presence_penalty * (c > 0). Tensor ops over the rows;
+    the host only lists the rows' token ids."""
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if not rows:
+        return
+    device = logits.device
+    index = torch.tensor(rows, device=device)
+    x = logits[index]
+
+    def occurrences(tokens_of: list[list[int]]) -> torch.Tensor:
+        row_ids = [row for row, tokens in enumerate(tokens_of) for _ in tokens]
+        flat = [token for tokens in tokens_of for token in tokens]
+        counts = torch.zeros_like(x)
+        if flat:
+            counts.index_put_((torch.tensor(row_ids, device=device), torch.tensor(flat, device=device)),
+                              torch.ones(len(flat), device=device), accumulate=True)
+        return counts
+
+    settings = torch.tensor([[params[i].repetition_penalty, params[i].frequency_penalty, params[i].presence_penalty]
+                             for i in rows], dtype=x.dtype, device=device)
+    generated = occurrences([histories[i][1] for i in rows])
+    if any(params[i].repetition_penalty != 1.0 for i in rows):
+        seen = occurrences([histories[i][0] + histories[i][1] for i in rows]) > 0
+        penalty = settings[:, :1]
+        x = torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
+    x = x - settings[:, 1:2] * generated - settings[:, 2:3] * (generated > 0).to(x.dtype)
+    logits[index] = x
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    histories: list[tuple[list[int], list[int]]] | None = None,
+) -> tuple[list[int], list[bool], dict[int, TokenLogprobs]]:
+    """One token for each row of float32 logits [rows, vocab], whether that row failed (its distribution had no
+    finite mass: the model's logits for it were not finite), and the log-probabilities of the rows whose request
+    asks for them (by row). All rows in tensor ops, one read-back (two when a row asks for log-probabilities).
+
+    Penalties first (`apply_penalties`, in place; `histories` are needed only when a request has one). Greedy rows
+    take the argmax. The others are scaled by their temperature after subtracting the row's maximum (so any
+    temperature the parameters allow stays finite), cut to their top_k tokens and to the smallest prefix of the
+    sorted distribution whose mass reaches top_p (the likeliest token always stays), and sampled by the exponential
+    race (argmax of p / E with E ~ Exp(1), which draws from p), each row's E from its request's own generator, so a
+    seeded request repeats whatever else is batched.
     """
+    if histories is not None:
+        apply_penalties(logits, params, histories)
     tokens = logits.argmax(dim=-1)
     failed = torch.zeros_like(tokens)
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -101,4 +202,25 @@ def sample(
         tokens = tokens.index_copy(0, index, picked)
         failed = failed.index_copy(0, index, bad.to(failed.dtype))
     both = torch.stack([tokens, failed]).tolist()  # the one read-back
-    return both[0], [bool(f) for f in both[1]]
+    return both[0], [bool(f) for f in both[1]], token_logprobs(logits, params, tokens, both[0])
+
+
+def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor,
+                   picked: list[int]) -> dict[int, TokenLogprobs]:
+    """Log-softmax of the rows that ask for log-probabilities (float32, the logits tokens were chosen from): the
+    chosen token's (`tokens` on the device, `picked` on the host) and the top `logprobs` alternatives', read back
+    once."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return {}
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = torch.log_softmax(logits[index].float(), dim=-1)
+    chosen = logprobs.gather(-1, tokens[index][:, None])
+    k = max(params[i].logprobs for i in rows)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (chosen[:, :0], chosen[:, :0].long())
+    values, ids = torch.cat([chosen, top_values], dim=-1).tolist(), top_ids.tolist()
+    return {
+        i: TokenLogprobs(picked[i], values[row][0],
+                         list(zip(ids[row][: params[i].logprobs], values[row][1 : 1 + params[i].logprobs])))
+        for row, i in enumerate(rows)
+    }

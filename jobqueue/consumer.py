@@ -19,7 +19,6 @@ what workers write are in `jobqueue.results`."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -51,6 +50,7 @@ from jobqueue.contract import (
 )
 from jobqueue.finish import FAIL_SCRIPT, FINISH_RESULT_LUA
 from jobqueue.results import get_result
+from jobqueue.structured import SchemaRefused, caption_validator, structured_caption
 from jobqueue.settings import QueueSettings
 
 log = logging.getLogger(__name__)
@@ -102,27 +102,6 @@ async def caption_job(captioner: Captioner, job: Job, priority: int) -> str:
                          f"{len(job.frames)} frames")
     return await caption_frames([f.image for f in job.frames], [f.note for f in job.frames], job.prompt,
                                 priority, **options)
-
-
-def structured_caption(text: str, schema: dict) -> dict:
-    """A structured caption parsed and checked against its job's schema; ValueError saying why not."""
-    import jsonschema_rs
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"the caption is not valid JSON ({err}); was it cut at max_tokens? {text[:200]!r}") \
-            from None
-    if not isinstance(value, dict):
-        raise ValueError(f"the caption is JSON but not an object: {text[:200]!r}")
-    try:
-        validator = jsonschema_rs.validator_for(schema)
-    except Exception as err:  # jsonschema_rs raises its own types for schemas it cannot use
-        raise ValueError(f"the job's schema is not a valid JSON Schema: {err}") from None
-    errors = [error.message for error in validator.iter_errors(value)]
-    if errors:
-        raise ValueError(f"the caption does not match the job's schema: {'; '.join(errors[:3])}")
-    return value
 
 
 # First-writer-wins finish (jobqueue/finish.py), atomic with the XACK/XDEL of the stream entry.
@@ -386,9 +365,15 @@ class QueueWorker:
             return
         structured = None
         try:
+            if job.schema is not None:  # a schema no caption can satisfy is refused before any captioning
+                await asyncio.to_thread(caption_validator, job.schema)
             caption = await caption_job(self.captioner, job, self.fall_priority if job.fall else self.caption_priority)
             if job.schema is not None:
-                structured = structured_caption(caption, job.schema)
+                structured = await asyncio.to_thread(structured_caption, caption, job.schema)
+        except SchemaRefused as err:  # no attempt can succeed: dead-lettered now, once
+            self.stats.failed_attempts += 1
+            await self._finish_job(entry_id, job, deliveries, error=f"{type(err).__name__}: {err}")
+            return
         except Exception as err:  # any captioner failure is the job's error, recorded and retried
             error = f"{type(err).__name__}: {err}"
             self.stats.failed_attempts += 1

@@ -33,6 +33,15 @@ class EncoderUnit:
     inputs: dict[str, torch.Tensor]
 
 
+def video_processor_kwargs(videos: Sequence[Video]) -> dict[str, Any]:
+    """What a transformers processor takes for videos whose frames are already sampled (engine/video.py), so that
+    it samples none again; nothing without videos."""
+    if not videos:
+        return {}
+    return {"videos": [v.frames for v in videos], "video_metadata": [v.metadata() for v in videos],
+            "do_sample_frames": False}
+
+
 def place_units(ids: list[int], units: dict[int, list[EncoderUnit]]) -> MultimodalPrompt:
     """The prompt's placeholders matched to encoder inputs: `units[token]` are the inputs whose features fill
     the placeholders of that token id (an image token, a video token), in the prompt's order, `rows`

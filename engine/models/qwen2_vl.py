@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
-from engine.models.base import EncoderUnit, VLMAdapter, place_units
+from engine.models.base import EncoderUnit, VLMAdapter, place_units, video_processor_kwargs
 from engine.request import MultimodalPrompt
 from engine.video import Video
 
@@ -38,11 +38,8 @@ class Qwen2VLAdapter(VLMAdapter):
     def expand_prompt(
         self, prompt: str, images: list[Image.Image], videos: list[Video]
     ) -> tuple[list[int], MultimodalPrompt | None]:
-        video_kwargs = {}
-        if videos:
-            video_kwargs = {"videos": [v.frames for v in videos], "video_metadata": [v.metadata() for v in videos],
-                            "do_sample_frames": False}
-        batch = self.processor(text=[prompt], images=images or None, return_tensors="pt", **video_kwargs)
+        batch = self.processor(text=[prompt], images=images or None, return_tensors="pt",
+                               **video_processor_kwargs(videos))
         input_ids = batch["input_ids"]
         ids = input_ids[0].tolist()
         if not images and not videos:

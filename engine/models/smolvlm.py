@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from engine.models.base import EncoderUnit, VLMAdapter, place_units
+from engine.models.base import EncoderUnit, VLMAdapter, place_units, video_processor_kwargs
 from engine.request import MultimodalPrompt
 from engine.video import Video
 
@@ -109,8 +109,7 @@ class SmolVLMAdapter(VLMAdapter):
             raise ValueError(f"{self.family}'s processor takes images or videos in one prompt, not both "
                              f"(got {len(images)} image(s) and {len(videos)} video(s))")
         if videos:
-            batch = self.processor(text=[prompt], videos=[v.frames for v in videos], return_tensors="pt",
-                                   video_metadata=[v.metadata() for v in videos], do_sample_frames=False)
+            batch = self.processor(text=[prompt], return_tensors="pt", **video_processor_kwargs(videos))
         else:
             batch = self.processor(text=[prompt], images=[images], return_tensors="pt")
         ids = batch["input_ids"][0].tolist()

@@ -1,0 +1,112 @@
+"""Log-probabilities and penalties against transformers' `generate` (float32, greedy): logprobs equal the
+log-softmax of `output_scores`, repetition_penalty equals RepetitionPenaltyLogitsProcessor, presence and frequency
+penalties equal OpenAI's formula run as a logits processor; a request beside them keeps its own tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from tests.engine.conftest import DEVICE, PROMPTS
+
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).to(DEVICE).eval()
+    return processor, model
+
+
+def hf_generate(hf, prompt: str, images: list, **kwargs) -> tuple[list[int], list[torch.Tensor]]:
+    processor, model = hf
+    inputs = processor(text=[prompt], images=[images] if images else None, return_tensors="pt").to(DEVICE)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, **kwargs)
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    return tokens, [torch.log_softmax(score[0].float(), dim=-1) for score in out.scores]
+
+
+def run(engine, requests: list[tuple[str, list, SamplingParams]]) -> list[tuple[list[int], list]]:
+    ids = [engine.add_request(prompt=prompt, images=images, sampling=params) for prompt, images, params in requests]
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list] = {rid: [] for rid in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = out.token_ids
+            logprobs[out.request_id] += out.new_logprobs or []
+    return [(tokens[rid], logprobs[rid]) for rid in ids]
+
+
+def greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, **kwargs)
+
+
+@pytest.mark.parametrize("prompt", [0, 1])
+def test_logprobs_equal_the_log_softmax_of_generate_scores(make_engine, hf, photos, prompt):
+    images = photos[:1] if prompt == 1 else []
+    expected_tokens, expected = hf_generate(hf, PROMPTS[prompt], images)
+    [(tokens, logprobs)] = run(make_engine(), [(PROMPTS[prompt], images, greedy(logprobs=5))])
+    assert tokens == expected_tokens
+    for step, (got, want) in enumerate(zip(logprobs, expected, strict=True)):
+        assert got.token_id == tokens[step]
+        assert got.logprob == pytest.approx(want[got.token_id].item(), abs=1e-4)
+        top_values, top_ids = want.topk(5)
+        assert [token for token, _ in got.top] == top_ids.tolist()
+        assert [value for _, value in got.top] == pytest.approx(top_values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("penalty", [0.3, 3.0])
+def test_repetition_penalty_equals_transformers_processor(make_engine, hf, penalty):
+    plain, _ = hf_generate(hf, PROMPTS[0], [])
+    expected, expected_logprobs = hf_generate(hf, PROMPTS[0], [], repetition_penalty=penalty)
+    assert expected != plain  # the penalty changes this output, so the comparison below can fail
+    [(tokens, logprobs)] = run(make_engine(), [(PROMPTS[0], [], greedy(repetition_penalty=penalty, logprobs=0))])
+    assert tokens == expected
+    assert [lp.logprob for lp in logprobs] == pytest.approx(
+        [want[t].item() for want, t in zip(expected_logprobs, tokens)], abs=1e-4)
+
+
+def test_presence_and_frequency_penalties_follow_openai_formula_and_spare_neighbours(make_engine, hf):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    presence, frequency = 2.0, 1.5
+    prompt_len = hf[0](text=[PROMPTS[0]], return_tensors="pt")["input_ids"].shape[1]
+
+    class OpenAIPenalties(LogitsProcessor):
+        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+            counts = torch.zeros_like(scores).scatter_add_(
+                1, input_ids[:, prompt_len:], torch.ones_like(input_ids[:, prompt_len:], dtype=scores.dtype))
+            return scores - frequency * counts - presence * (counts > 0).to(scores.dtype)
+
+    plain, _ = hf_generate(hf, PROMPTS[0], [])
+    expected, _ = hf_generate(hf, PROMPTS[0], [],
+                              logits_processor=LogitsProcessorList([OpenAIPenalties()]))
+    assert expected != plain
+    (penalized, _), (neighbour, _) = run(make_engine(), [
+        (PROMPTS[0], [], greedy(presence_penalty=presence, frequency_penalty=frequency)),
+        (PROMPTS[0], [], greedy()),
+    ])
+    assert penalized == expected and neighbour == plain
+
+
+@pytest.mark.parametrize("field,value", [
+    ("top_k", 10**400), ("top_k", -2), ("temperature", float("nan")), ("temperature", float("inf")),
+    ("top_p", 0.0), ("presence_penalty", 2.5), ("frequency_penalty", float("-inf")), ("repetition_penalty", 0.0),
+    ("repetition_penalty", 1e-320), ("logprobs", 21), ("max_tokens", 10**400), ("seed", 2**64),
+])
+def test_values_the_sampler_cannot_compute_are_value_errors(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_top_k_over_the_vocabulary_is_refused_by_the_engine(make_engine):
+    engine = make_engine()
+    with pytest.raises(ValueError, match="top_k is 100000, over the model's vocabulary"):
+        engine.add_request(prompt=PROMPTS[0], sampling=SamplingParams(top_k=100_000, temperature=1.0))
+    assert SamplingParams(top_k=-1).top_k == 0
