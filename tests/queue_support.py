@@ -111,6 +111,51 @@ class ChatServer:
         self.httpd.server_close()
 
 
+class WebhookReceiver:
+    """A real HTTP server on loopback standing in for an alert webhook. It answers the first `fail_first`
+    requests 503 and the others `status` (with `headers`), holding requests while `hold` is set; it records
+    every answer's status (`statuses`, a GET's too: a followed redirect arrives as one) and the JSON of each
+    POST answered 200 (`bodies`)."""
+
+    def __init__(self, fail_first: int = 0, status: int = 200, headers: dict[str, str] | None = None) -> None:
+        self.bodies: list[dict] = []
+        self.statuses: list[int] = []
+        self.hold = threading.Event()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.answer(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+
+            def do_GET(self) -> None:
+                self.answer(None)
+
+            def answer(self, body: dict | None) -> None:
+                while receiver.hold.is_set():
+                    time.sleep(0.02)
+                code = 503 if len(receiver.statuses) < fail_first else status
+                receiver.statuses.append(code)
+                if body is not None and code == 200:
+                    receiver.bodies.append(body)
+                self.send_response(code)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.hold.clear()
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def enqueue(redis_url: str, jobs: list[Job], **producer_options) -> JobProducer:
     producer = JobProducer(redis_url, **producer_options)
     for job in jobs:

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import cv2
@@ -17,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
-from queue_support import describe
+from queue_support import WebhookReceiver, describe
 
 from api.background import BackgroundServer
 from api.server import create_app
@@ -122,43 +120,6 @@ class PriorityCaptioner:
         return describe(image_jpeg, prompt)
 
 
-class Webhook:
-    """A real HTTP server on loopback that records the JSON POSTed to it. It answers the first `fail_first`
-    requests with 503, and holds requests while `hold` is set."""
-
-    def __init__(self, fail_first: int = 0) -> None:
-        self.bodies: list[dict] = []
-        self.statuses: list[int] = []
-        self.hold = threading.Event()
-        self.fail_first = fail_first
-        webhook = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                while webhook.hold.is_set():
-                    time.sleep(0.02)
-                status = 503 if len(webhook.statuses) < webhook.fail_first else 200
-                webhook.statuses.append(status)
-                if status == 200:
-                    webhook.bodies.append(body)
-                self.send_response(status)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.hold.clear()
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def _job(name: str, fall: bool) -> Job:
     image = cv2.imencode(".jpg", np.full((48, 64, 3), 90, np.uint8))[1].tobytes()
     return Job(camera_id="ward", frame_ts=1.0, prompt=name, image=image, fall=fall,
@@ -173,7 +134,7 @@ def test_fall_job_priority_feed_and_webhook_never_block_captioning(redis_url):
     for job in (_job("fall", True), _job("regular", False)):
         producer.submit(job)
     producer.close()
-    hook = Webhook()
+    hook = WebhookReceiver()
     hook.hold.set()
 
     async def scenario() -> tuple:
@@ -201,7 +162,7 @@ def test_fall_job_priority_feed_and_webhook_never_block_captioning(redis_url):
     assert alerts[0].fall and alerts[0].classes == [FALL_CLASS] and alerts[0].status == "done"
     assert hook.bodies == [alerts[0].to_json()]
 
-    failing = Webhook(fail_first=100)
+    failing = WebhookReceiver(fail_first=100)
     try:
         async def deliver() -> tuple:
             webhook = AlertWebhook(failing.url, retries=2, backoff_s=0.01)
@@ -229,7 +190,7 @@ def test_photo_of_a_person_lying_down_end_to_end(redis_url, sample_maker, people
         cv2.imwrite(str(tmp_path / f"a-fallen-{index}.jpg"), scenes["fallen"])
     for index in range(3):
         cv2.imwrite(str(tmp_path / f"b-street-{index}.jpg"), scenes["bus"])
-    hook = Webhook(fail_first=1)
+    hook = WebhookReceiver(fail_first=1)
     settings = ServerSettings(engine=EngineConfig(model="tiny"), caption_max_tokens=6, redis_url=redis_url,
                               alert_webhook=hook.url)
     try:

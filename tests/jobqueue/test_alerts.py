@@ -6,15 +6,13 @@ redirect is followed; a delivery task that ends anyway is restarted, and `/ready
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from queue_support import wait_for
+from queue_support import WebhookReceiver, wait_for
 
 from jobqueue.alerts import AlertWebhook
 
@@ -57,40 +55,6 @@ class RawReceiver:
     def close(self) -> None:
         self.closed.set()
         self.listener.close()
-
-
-class Receiver:
-    """A real HTTP server on loopback answering `status` (with `headers`) to every POST or GET, recording the
-    bodies POSTed and counting requests."""
-
-    def __init__(self, status: int = 200, headers: dict[str, str] | None = None) -> None:
-        self.bodies: list[dict] = []
-        self.requests = 0
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                receiver.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.do_GET()
-
-            def do_GET(self) -> None:  # a followed redirect arrives as a GET: answered, and seen in `requests`
-                receiver.requests += 1
-                self.send_response(status)
-                for name, value in (headers or {}).items():
-                    self.send_header(name, value)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 class Alert:
@@ -136,8 +100,8 @@ def test_a_dripping_receiver_is_cut_off_at_the_total_deadline():
 
 
 def test_a_redirect_is_a_failure_and_is_not_followed():
-    elsewhere = Receiver()
-    redirecting = Receiver(302, {"Location": elsewhere.url})
+    elsewhere = WebhookReceiver()
+    redirecting = WebhookReceiver(status=302, headers={"Location": elsewhere.url})
     try:
         webhook = AlertWebhook(redirecting.url, retries=1, backoff_s=0.01)
         delivered = asyncio.run(webhook.deliver({"id": "moved"}))
@@ -145,11 +109,11 @@ def test_a_redirect_is_a_failure_and_is_not_followed():
         redirecting.close()
         elsewhere.close()
     assert delivered is False and (webhook.stats.sent, webhook.stats.failed_attempts) == (0, 2)
-    assert len(redirecting.bodies) == 2 and elsewhere.requests == 0
+    assert redirecting.statuses == [302, 302] and elsewhere.statuses == []
 
 
 def test_a_delivery_task_that_ends_is_restarted_and_delivers():
-    good = Receiver()
+    good = WebhookReceiver()
 
     async def scenario() -> AlertWebhook:
         webhook = AlertWebhook(good.url, backoff_s=0.01)
@@ -178,7 +142,7 @@ def test_ready_shows_the_webhook_and_its_restarts(redis_url):
     from api.settings import ServerSettings
     from engine import EngineConfig
 
-    good = Receiver()
+    good = WebhookReceiver()
     settings = ServerSettings(engine=EngineConfig(model="tiny"), redis_url=redis_url, alert_webhook=good.url)
     try:
         with BackgroundServer(create_app(settings)) as server:
