@@ -27,6 +27,7 @@ from jobqueue.contract import (
     CAMERA_STATS_TTL_SECONDS,
     CAMERAS_INDEX,
     FALL_CLASS,
+    MAX_FRAMES_PER_JOB,
     CameraStats,
     JobFrame,
     as_text,
@@ -90,11 +91,13 @@ def render_frame(frame: JobFrame, limits: Limits, boxes: bool, max_width: int | 
             responses={200: {"content": {"image/jpeg": {}}, "description": "the frame as a JPEG"}})
 async def caption_image(caption_id: str, boxes: bool = Query(True, description="draw the person boxes"),
                         max_width: int | None = Query(None, ge=16, le=8192, description="scale down to this width"),
+                        frame_index: int = Query(0, alias="frame", ge=0, lt=MAX_FRAMES_PER_JOB,
+                                                 description="which frame of an event or fall job (0: the first)"),
                         state: ServerState = Depends(server_state)) -> Response:
-    """The frame of a camera job's caption (kept for a few hours), with its person boxes drawn. REST
-    captions keep no frame."""
+    """The frame of a camera job's caption (kept for a few hours), with its person boxes drawn; `frame` picks
+    one of an event's frames. REST captions keep no frame."""
     redis = state.redis
-    frame = await get_frame(redis, caption_id) if redis is not None else None
+    frame = await get_frame(redis, caption_id, frame_index) if redis is not None else None
     if frame is None:
         raise APIError(404, f"no frame for caption {caption_id!r} (not a camera job's, or expired)",
                        "caption_id", "not_found")

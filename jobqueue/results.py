@@ -45,10 +45,12 @@ async def get_result(redis_client: aioredis.Redis, job_id: str) -> CaptionResult
     return readable(CaptionResult.from_fields, fields, result_key(job_id)) if fields else None
 
 
-async def get_frame(redis_client: aioredis.Redis, job_id: str) -> JobFrame | None:
-    """A finished camera job's image and person boxes, or None if unknown or expired."""
-    fields = await redis_client.hgetall(frame_key(job_id))
-    return readable(JobFrame.from_fields, fields, frame_key(job_id)) if fields else None
+async def get_frame(redis_client: aioredis.Redis, job_id: str, index: int = 0) -> JobFrame | None:
+    """A finished camera job's image (its frame `index`, for a job of several) and person boxes, or None if
+    unknown or expired."""
+    key = frame_key(job_id, index)
+    fields = await redis_client.hgetall(key)
+    return readable(JobFrame.from_fields, fields, key) if fields else None
 
 
 def captions_feed(camera: str | None) -> str:

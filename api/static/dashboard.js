@@ -9,6 +9,7 @@ const CHART_POINTS = 120; // two minutes at one point a second
 const ENGINE_POLL_MS = 1000;
 const CAMERAS_POLL_MS = 2000;
 const THUMBNAIL_WIDTH = 352;
+const STRIP_WIDTH = 120; // px of each frame in an event's strip
 const CHAT_MAX_TOKENS = 256;
 const RATE_NAMES = ["captured", "skipped", "dropped", "detected", "enqueued"];
 
@@ -203,8 +204,12 @@ async function withFrameSlot(task) {
 
 // An object URL of the caption's frame with its boxes drawn, or null when it has none (REST captions,
 // expired frames).
-async function frameUrl(captionId, maxWidth) {
-  const query = maxWidth ? `?max_width=${maxWidth}` : "";
+async function frameUrl(captionId, maxWidth, frame = 0, boxes = true) {
+  const params = new URLSearchParams();
+  if (maxWidth) params.set("max_width", maxWidth);
+  if (frame) params.set("frame", frame);
+  if (!boxes) params.set("boxes", "false"); // an event's frames show their person's box drawn and labelled
+  const query = params.size ? `?${params}` : "";
   try {
     const response = await withFrameSlot(() => api(`v1/captions/${encodeURIComponent(captionId)}/image${query}`));
     return URL.createObjectURL(await response.blob());
@@ -240,8 +245,30 @@ function captionMeta(result) {
   const parts = [el("span", "camera-badge", result.camera_id || "upload"),
     el("time", "time", formatTime(result.created_at)), el("span", "people", peopleLabel(result.person_count))];
   if (result.status === "failed") parts.push(el("span", "badge-failed", "failed"));
-  if (result.fall) parts.push(el("span", "badge-fall", "fall"));
+  if (result.kind) parts.push(el("span", `badge-kind kind-${result.kind}`, result.kind));
+  if (result.frame_count > 1) {
+    const who = result.track_id !== null && result.track_id !== undefined ? `person ${result.track_id} · ` : "";
+    parts.push(el("span", "muted small", `${who}${(result.end_ts - result.start_ts).toFixed(1)} s · `
+      + `${result.frame_count} frames`));
+  }
   return parts;
+}
+
+// An event's (or a fall's lead-up) frames in time order, each as a small image.
+function frameStrip(result) {
+  const strip = el("div", "frame-strip");
+  for (let index = 0; index < result.frame_count; index += 1) {
+    const cell = el("div", "strip-frame", "…");
+    strip.append(cell);
+    frameUrl(result.id, STRIP_WIDTH, index, false).then((url) => {
+      if (!url) return void (cell.textContent = "—");
+      const image = el("img");
+      image.alt = `Frame ${index + 1} of ${result.frame_count}`;
+      image.src = url;
+      cell.replaceChildren(image);
+    });
+  }
+  return strip;
 }
 
 function fillCaptionText(node, result) {
@@ -286,6 +313,7 @@ function captionCard(result) {
   const text = el("p", "caption-text");
   fillCaptionText(text, result);
   body.append(meta, text, ...[structuredFields(result)].filter(Boolean));
+  if (result.frame_count > 1) body.append(frameStrip(result));
   card.append(thumb, body);
   card.addEventListener("click", () => openFrame(result));
   card.addEventListener("keydown", (event) => { if (event.key === "Enter") openFrame(result); });
@@ -422,6 +450,18 @@ function cameraCard(camera) {
     lastNode.append(el("span", "muted small", "No caption yet"));
   }
   card.append(lastNode);
+  const summaryNode = el("div", "camera-summary");
+  card.append(summaryNode);
+  api(`v1/cameras/${encodeURIComponent(camera.camera_id)}/summaries?limit=1`)
+    .then((response) => response.json())
+    .then(({ data }) => {
+      const newest = data[0];
+      if (!newest) return;
+      const { title, summary, threat_level: threat } = newest.summary;
+      summaryNode.append(el("span", "muted small", `Summary · ${formatTime(newest.end)} · threat ${threat}`),
+        el("b", null, title), el("p", "caption-text", summary));
+    })
+    .catch(() => {});
   return card;
 }
 
