@@ -13,8 +13,10 @@ from api.errors import ENGINE_FAILED, APIError
 from api.grammars import GrammarRefused, compile_ahead
 from api.images import decode_image
 from api.settings import Limits
+from api.videos import decode_video, video_sampling
 from engine import SamplingParams
 from engine.grammar import GrammarSpec
+from engine.video import Video
 from jobqueue.consumer import frame_parts
 
 
@@ -46,6 +48,17 @@ class EngineCaptioner:
         return await self.collect(await self.submit_content(content, decoded, priority, schema=schema,
                                                             cache_salt=cache_salt))
 
+    async def caption_video(self, video: bytes, prompt: str, priority: int, schema: dict | None = None,
+                            cache_salt: str | None = None) -> str:
+        """The caption of an encoded clip (`jobqueue.consumer.VideoCaptioner`): its frames sampled under the
+        server's video settings and limits, then `prompt`. APIError for a clip the server refuses, and (400)
+        when the model has no video path."""
+        sampling = video_sampling(self.limits, None, None, "video")
+        clip = await asyncio.to_thread(decode_video, video, sampling, self.limits, "video")
+        content = [{"type": "video"}, {"type": "text", "text": prompt}]
+        return await self.collect(await self.submit_content(content, [], priority, schema=schema,
+                                                            cache_salt=cache_salt, videos=[clip]))
+
     async def submit(self, image: Image.Image, prompt: str, priority: int,
                      max_tokens: int | None = None, schema: dict | None = None,
                      cache_salt: str | None = None) -> RequestStream:
@@ -54,8 +67,9 @@ class EngineCaptioner:
 
     async def submit_content(self, content: list[dict], images: list[Image.Image], priority: int,
                              max_tokens: int | None = None, schema: dict | None = None,
-                             cache_salt: str | None = None) -> RequestStream:
-        """One user message of `content` parts (an `{"type": "image"}` part per image, in order)."""
+                             cache_salt: str | None = None, videos: list[Video] | None = None) -> RequestStream:
+        """One user message of `content` parts (an `{"type": "image"}` part per image, a `{"type": "video"}`
+        part per video, in order)."""
         try:
             grammar = None if schema is None else GrammarSpec.from_schema(schema)
         except ValueError as exc:
@@ -65,6 +79,7 @@ class EngineCaptioner:
         return await self.bridge.add(
             messages=[{"role": "user", "content": content}],
             images=images,
+            videos=videos,
             sampling=SamplingParams(max_tokens=max_tokens or default, temperature=0.0, grammar=grammar),
             priority=priority,
             cache_salt=cache_salt,

@@ -76,6 +76,14 @@ class FramesCaptioner(Captioner, Protocol):
         ...
 
 
+class VideoCaptioner(Captioner, Protocol):
+    async def caption_video(self, video: bytes, prompt: str, priority: int, schema: dict | None = None,
+                            cache_salt: str | None = None) -> str:
+        """The caption of a job's clip (`Job.video`): the clip, its frames sampled under the server's limits,
+        then `prompt`. Captioners without it take no video jobs."""
+        ...
+
+
 def frame_parts(notes: list[str], prompt: str, image_part: Callable[[int], dict]) -> list[dict]:
     """The content parts of a prompt of several frames: each note that is not empty as a text part, then frame
     i's part (`image_part(i)`), in order, then `prompt`."""
@@ -90,10 +98,15 @@ def frame_parts(notes: list[str], prompt: str, image_part: Callable[[int], dict]
 
 async def caption_job(captioner: Captioner, job: Job, priority: int) -> str:
     """A job's caption: one image through `caption` (as for every producer before several-frame jobs), a job
-    with frames through `caption_frames`."""
+    with frames through `caption_frames`, a job with a clip through `caption_video`."""
     options = {} if job.schema is None else {"schema": job.schema}
     if job.cache_salt is not None:
         options["cache_salt"] = job.cache_salt
+    if job.video is not None:
+        caption_video = getattr(captioner, "caption_video", None)
+        if caption_video is None:
+            raise ValueError(f"{type(captioner).__name__} takes no videos; this {job.job_kind} job carries a clip")
+        return await caption_video(job.video, job.prompt, priority, **options)
     if not job.frames:
         return await captioner.caption(job.image, job.prompt, priority, **options)
     caption_frames = getattr(captioner, "caption_frames", None)

@@ -64,6 +64,9 @@ JOB_KINDS = ("sighting", "event", "fall")
 # note (the tracker's text before it) at most MAX_NOTE_CHARS characters.
 MAX_FRAMES_PER_JOB = 16
 MAX_JOB_IMAGE_BYTES = 16 * 1024 * 1024
+# A job's clip (`Job.video`): a short encoded video; the server's video limits (duration, frames) apply too.
+MAX_JOB_VIDEO_BYTES = 16 * 1024 * 1024
+VIDEO_FIELD = "video"
 MAX_NOTE_CHARS = 2_000
 # Camera summaries over time windows (api/routes_summaries.py): one stream per camera.
 SUMMARIES_STREAM_PREFIX = "vlmcap:summaries:"
@@ -93,6 +96,11 @@ def image_field(index: int) -> str:
 
 def is_image_field(name: str) -> bool:
     return name == "image" or (name.startswith("image_") and name[6:].isdigit())
+
+
+def is_binary_field(name: str) -> bool:
+    """The fields whose values are bytes, not text: the images and the clip."""
+    return is_image_field(name) or name == VIDEO_FIELD
 
 
 def camera_stats_key(camera_id: str) -> str:
@@ -131,11 +139,12 @@ def as_text(value: bytes | str) -> str:
 
 
 def _decoded_fields(fields: dict) -> dict[str, bytes | str]:
-    """Field names as str; values of the image fields (`image`, `image_<n>`) stay bytes, all others become str."""
+    """Field names as str; values of the image fields (`image`, `image_<n>`) and of the clip (`video`) stay bytes,
+    all others become str."""
     out: dict[str, bytes | str] = {}
     for key, value in fields.items():
         name = as_text(key)
-        out[name] = value if is_image_field(name) else as_text(value)
+        out[name] = value if is_binary_field(name) else as_text(value)
     return out
 
 
@@ -364,6 +373,20 @@ def check_job_size(images: list[bytes]) -> None:
                          f"{MAX_JOB_IMAGE_BYTES} bytes per job")
 
 
+def check_job_video(video: bytes, frame_count: int) -> None:
+    """A job's clip: not empty, at most MAX_JOB_VIDEO_BYTES, and a job carries frames or a clip, not both."""
+    if not video:
+        raise ValueError("video is empty")
+    if len(video) > MAX_JOB_VIDEO_BYTES:
+        raise ValueError(f"video is {len(video)} bytes, over the limit of {MAX_JOB_VIDEO_BYTES} bytes per job")
+    if frame_count:
+        raise ValueError(f"the job carries {frame_count} frames and a video; a job carries frames or a video")
+
+
+def _binary(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
 @dataclass
 class JobImage:
     """One frame of a job with several: its encoded image, its time (seconds, as `Job.frame_ts`), the text
@@ -421,7 +444,13 @@ class Job:
     `kind` is one of JOB_KINDS (`job_kind`: "fall" for a fall job, else "sighting" by default); `track_id`
     the tracked person the job is about, if one. `frames` (empty for a one-image job) are the frames of an
     event or of a fall's lead-up, in time order, captioned as one prompt: each frame's note, then the frame,
-    ..., then `prompt`; `image`, `detections` and `frame_ts` are then the first frame's (`Job.of_frames`)."""
+    ..., then `prompt`; `image`, `detections` and `frame_ts` are then the first frame's (`Job.of_frames`).
+
+    `video` (instead of frames) is a short clip, encoded (MP4 or any format FFmpeg reads, at most
+    MAX_JOB_VIDEO_BYTES): a server whose model has a video path (Qwen2-VL's temporal patches, SmolVLM2's
+    timestamped frames, LLaVA-OneVision's pooled frames) captions the clip, its frames sampled under the server's
+    video limits, then `prompt`; `image` stays the still viewers are shown. A server whose model has no video path,
+    or a clip over a limit or unreadable, fails the job naming why."""
 
     camera_id: str
     frame_ts: float
@@ -437,12 +466,15 @@ class Job:
     track_id: int | None = None
     frames: list[JobImage] = field(default_factory=list)
     cache_salt: str | None = None
+    video: bytes | None = None
 
     def __post_init__(self) -> None:
         if self.kind is not None and self.kind not in JOB_KINDS:
             raise ValueError(f"kind must be one of {', '.join(JOB_KINDS)}, got {_shown(self.kind)}")
         self.fall = self.fall or self.kind == "fall"
         check_job_size([frame.image for frame in self.frames] or [self.image])
+        if self.video is not None:
+            check_job_video(self.video, len(self.frames))
 
     @classmethod
     def of_frames(cls, camera_id: str, prompt: str, frames: list[JobImage], **fields: object) -> Job:
@@ -496,6 +528,8 @@ class Job:
             fields["schema"] = json.dumps(self.schema)
         if self.cache_salt is not None:
             fields["cache_salt"] = self.cache_salt
+        if self.video is not None:
+            fields[VIDEO_FIELD] = self.video
         fields["kind"] = self.job_kind
         if self.track_id is not None:
             fields["track_id"] = str(self.track_id)
@@ -542,6 +576,7 @@ class Job:
                 kind=text("kind", values["kind"], 32) if "kind" in values else None,
                 track_id=integer("track_id", values["track_id"]) if "track_id" in values else None,
                 frames=frames,
+                video=_binary(values[VIDEO_FIELD]) if VIDEO_FIELD in values else None,
             )
         except KeyError as missing:
             raise ValueError(f"job entry lacks field {missing}") from None
