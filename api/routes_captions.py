@@ -20,14 +20,16 @@ from starlette.datastructures import UploadFile
 
 from api.bridge import EngineFailure, RequestStream
 from api.errors import APIError
+from api.grammars import compile_ahead
 from api.guard import cache_salt
 from api.images import decode_base64, decode_image
-from api.openai_schemas import CacheSalt, Priority
+from api.openai_schemas import CacheSalt, Priority, client_priority, ranged
 from api.state import ServerState, server_state
 from api.streaming import ClientDisconnected, SSEResponse, sse, until_disconnect
-from jobqueue.consumer import structured_caption
+from engine.grammar import GrammarSpec
 from jobqueue.contract import CaptionResult, JobStatus
 from jobqueue.results import captions_feed
+from jobqueue.structured import SchemaRefused, caption_validator, structured_caption
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
@@ -40,7 +42,7 @@ class CaptionFields(BaseModel):
     camera_id: CameraId | None = None
     priority: Priority | None = None
     cache_salt: CacheSalt = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = ranged("max_tokens")
     schema_: dict[str, Any] | None = Field(
         None, alias="schema",
         description="a JSON Schema (an object, or its JSON text in a multipart field): the caption is decoded "
@@ -129,7 +131,7 @@ async def run_caption(state: ServerState, result: CaptionResult, stream: Request
     try:
         result.caption = await state.captioner.collect(stream, on_running=running)
         if schema is not None:
-            result.structured = structured_caption(result.caption, schema)
+            result.structured = await asyncio.to_thread(structured_caption, result.caption, schema)
         result.status = JobStatus.DONE.value
     except asyncio.CancelledError:
         result.status, result.error = JobStatus.FAILED.value, "cancelled: the client disconnected"
@@ -155,11 +157,21 @@ async def create_caption(request: Request, wait: bool = Query(False, description
     if fields.max_tokens is not None and fields.max_tokens > settings.limits.max_tokens_cap:
         raise APIError(400, f"max_tokens is {fields.max_tokens}, over this server's cap of "
                             f"{settings.limits.max_tokens_cap}", "max_tokens")
+    priority = client_priority(fields.priority, settings.caption_priority, settings.limits.min_client_priority)
+    if fields.schema_ is not None:
+        try:  # the checks that need no engine, then the grammar (cancelled if the client leaves meanwhile)
+            await asyncio.to_thread(caption_validator, fields.schema_)
+            spec = GrammarSpec.from_schema(fields.schema_)
+        except (SchemaRefused, ValueError) as exc:
+            raise APIError(400, f"schema: {exc}", "schema", "invalid_json_schema") from None
+        try:
+            await compile_ahead(state.bridge.engine, spec, "schema", request)
+        except ClientDisconnected:
+            return Response(status_code=499)
     image = await asyncio.to_thread(decode_image, data, settings.limits, "image")
     stream = await state.captioner.submit(
-        image, fields.prompt or settings.caption_prompt,
-        settings.caption_priority if fields.priority is None else fields.priority, fields.max_tokens,
-        schema=fields.schema_, cache_salt=cache_salt(request, settings, fields.cache_salt),
+        image, fields.prompt or settings.caption_prompt, priority, fields.max_tokens, schema=fields.schema_,
+        cache_salt=cache_salt(request, settings, fields.cache_salt),
     )
     now = time.time()
     result = CaptionResult(id=uuid.uuid4().hex, status=JobStatus.QUEUED.value, camera_id=fields.camera_id or "",
