@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,12 @@ class EngineConfig:
         SmolVLM, where a slice is one of five of a SigLIP layer: its QKV projections, half its heads' attention,
         the other half with the output projection, the MLP's first or its second linear layer). What a step
         leaves of the encoder budget starts the next input's tower before the chunk reaches it.
+    itl_target_ms: the inter-token latency a step should stay within: the scheduler fills each step with prefill
+        chunks and vision-tower slices only as far as the step's predicted time (engine/step_costs.py: fitted
+        at start-up on a few steps, kept up to date from every step's time) stays within it, so that running
+        chats stay smooth while image prompts are prefilled, on any machine, with no tuning; the token and
+        encoder budgets stay upper bounds. `None`: the device's default (250 ms on a CPU, 60 ms on CUDA);
+        0: steps budgeted by tokens only.
     block_size: tokens per KV cache block.
     num_kv_blocks: the KV cache's size in blocks (`None`: from free memory). `None` sizes it from
         `kv_cache_memory_fraction` of the device memory that is free after the model is loaded (capped at what
@@ -80,6 +87,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_encoder_tokens_per_step: int | None = 128
     encoder_slices_per_step: int | None = None
+    itl_target_ms: float | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.5
@@ -121,6 +129,11 @@ class EngineConfig:
             )
         if self.encoder_slices_per_step is not None and self.encoder_slices_per_step < 1:
             raise ValueError(f"encoder_slices_per_step must be positive or None, got {self.encoder_slices_per_step!r}")
+        if self.itl_target_ms is not None and not (math.isfinite(self.itl_target_ms) and self.itl_target_ms >= 0):
+            raise ValueError(f"itl_target_ms must be a non-negative number of milliseconds or None, got "
+                             f"{self.itl_target_ms!r}")
+        if self.cpu_linear_rows is not None and (not isinstance(self.cpu_linear_rows, int) or self.cpu_linear_rows < 0):
+            raise ValueError(f"cpu_linear_rows must be a non-negative integer or None, got {self.cpu_linear_rows!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -32,6 +32,7 @@ from engine.outputs import EngineStats, RequestOutput, StepTimings
 from engine.request import Request
 from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler
+from engine.step_costs import DEFAULT_ITL_TARGET_MS, StepCosts
 from engine.video import VideoInput, VideoSampling, as_video
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ class Engine:
             EncoderOutputCache(config.encoder_cache_tokens)
             if config.enable_prefix_caching and config.encoder_cache_tokens else None
         )
-        self.scheduler = Scheduler(config, self.pool, self.encoder_outputs)
+        self.step_costs = self._step_costs()
+        self.scheduler = Scheduler(config, self.pool, self.encoder_outputs, self.step_costs)
         self.attention_backend = self._attention_backend()
         self.cpu_linear = self._use_cpu_linear()
         self.cpu_kernels: str | None = None
@@ -107,6 +109,11 @@ class Engine:
             from engine.cuda_graphs import DecodeGraphs
 
             self.runner.graphs = DecodeGraphs.capture(self.runner, config.max_num_seqs, self.max_model_len)
+        if self.step_costs is not None:
+            from engine.calibration import calibrate
+
+            calibrate(self.step_costs, config, self.pool, self.runner, self.max_model_len,
+                      self.tokenizer.eos_token_id or 0)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._lock = threading.RLock()
@@ -151,6 +158,13 @@ class Engine:
             raise ValueError(f"cpu_linear needs the CPU and a C compiler to build its kernel (device "
                              f"{self.config.device!r}, CC={os.environ.get('CC', 'cc')!r})")
         return possible if wanted is None else wanted
+
+    def _step_costs(self) -> StepCosts | None:
+        """The step cost model for the inter-token-latency target (None: steps budgeted by tokens only)."""
+        target = self.config.itl_target_ms
+        if target is None:
+            target = DEFAULT_ITL_TARGET_MS.get(self.device.type, DEFAULT_ITL_TARGET_MS["cuda"])
+        return StepCosts(target / 1e3) if target else None
 
     def _route_cpu_kernels(self) -> None:
         """The text model's fitting layers lean (engine/lean_layers.py, before routing: it fuses their weights),
@@ -346,6 +360,8 @@ class Engine:
             timings.schedule = scheduled_at - began
             timings.update = time.perf_counter() - ran_at
             self.last_step_timings = timings
+            if self.step_costs is not None:
+                self.step_costs.observe(scheduled.shape(), timings.total - timings.encode, timings.encode)
             return outputs
 
     def _fail(self, request: Request) -> RequestOutput:
@@ -438,4 +454,6 @@ class Engine:
             )
                 cpu_kernels=self.cpu_kernels,
                 lean_layers=self.adapter.lean.count if self.adapter.lean is not None else 0,
+                step_costs=self.step_costs.as_dict() if self.step_costs is not None and self.step_costs.ready else {},
+            )
                 linear_row_limits=dict(self.linear_row_limits),

@@ -69,6 +69,11 @@ class EngineStats:
     lean_layers: int = 0  # decoder layers run by engine/lean_layers.py
     # Most rows a Linear shape ("n x k dtype") goes through the CPU kernel for, measured at start-up.
     linear_row_limits: dict[str, int] = field(default_factory=dict)
+    # The step cost model (engine/step_costs.py) behind the inter-token-latency target; empty when not fitted.
+    step_costs: dict[str, float | None] = field(default_factory=dict)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hit_tokens / max(self.prefix_cache_queried_tokens, 1)
 
     def __getitem__(self, name: str) -> Any:

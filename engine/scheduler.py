@@ -20,6 +20,13 @@ runs this step (one oversized step). Where image tokens attend to each other bot
 Gemma 3) a chunk never ends inside an input's span: it stops before the span, or takes a span too large for
 the budget whole when no other prefill runs this step.
 
+With an inter-token-latency target (`itl_target_ms`, engine/step_costs.py), each step is also budgeted by time:
+decodes first, whatever they cost; then chunks and encoder slices only as far as the step's predicted time
+stays within the target; the first prefill chunk of a step still gets `block_size` tokens, and the first
+encoder work one slice (or one whole input, for towers that run whole), so that prompts always progress. An
+input's tower then runs as many slices a step as fit (at most `encoder_slices_per_step`, when set). The token
+and encoder budgets stay upper bounds.
+
 When a running request needs a block and none is free, the lowest-priority, newest running request not yet
 scheduled this step is preempted (possibly the one asking): its blocks are freed and it is recomputed later
 from its prompt plus the tokens it has generated. Blocks and the prefix cache: engine/kv_cache_manager.py.
@@ -35,6 +42,7 @@ from engine.encoder_cache import EncoderOutputCache
 from engine.kv_cache import BlockPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import MultimodalPrompt, Request, RequestStatus
+from engine.step_costs import StepCosts, StepShape, chunk_keys
 
 
 @dataclass
@@ -84,22 +92,34 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
+    def shape(self) -> StepShape:
+        """The step in the cost model's terms (engine/step_costs.py)."""
+        rows = sum(w.request.mm.unit_rows[w.unit] * (w.end - w.first) / w.request.mm.encoder_slices
+                   for w in self.encoder_work if not w.from_cache)
+        return StepShape(self.num_tokens, sum(chunk_keys(c.start, c.num_tokens) for c in self.chunks), rows)
+
 
 @dataclass
 class StepBudget:
     """What is left of one step: tokens (`max_num_batched_tokens`), encoder output tokens
-    (`max_encoder_tokens_per_step`; None: no encoder budget), and whether a prefill chunk already runs in it.
-    Every budget of a step is read and spent here."""
+    (`max_encoder_tokens_per_step`; None: no encoder budget), seconds (the inter-token-latency target less what
+    is scheduled, by the cost model; None: no time budget), and whether a prefill chunk and encoder work already
+    run in it. Every budget of a step is read and spent here."""
 
     tokens: int
     encoder_tokens: int | None
     encoder_tokens_per_step: int | None
+    seconds: float | None = None
+    costs: StepCosts | None = None
     prefill_scheduled: bool = False
+    encoder_scheduled: bool = False
 
     @classmethod
-    def for_step(cls, config: EngineConfig) -> StepBudget:
+    def for_step(cls, config: EngineConfig, costs: StepCosts | None = None) -> StepBudget:
         encoder = config.max_encoder_tokens_per_step
-        return cls(config.max_num_batched_tokens, encoder, encoder)
+        timed = costs is not None and costs.ready and config.enable_chunked_prefill
+        seconds = costs.target - costs.forward_seconds(0, 0) if timed else None
+        return cls(config.max_num_batched_tokens, encoder, encoder, seconds, costs if timed else None)
 
     @property
     def spent(self) -> bool:
@@ -108,15 +128,56 @@ class StepBudget:
     @property
     def encoder_untouched(self) -> bool:
         """No input has been encoded this step yet: the first one runs whatever its size."""
-        return self.encoder_tokens == self.encoder_tokens_per_step
+        return self.encoder_tokens == self.encoder_tokens_per_step and not self.encoder_scheduled
 
-    def spend_decode(self) -> None:
+    def spend_decode(self, context: int) -> None:
         self.tokens -= 1
+        if self.seconds is not None:
+            self.seconds -= self._token_seconds(context, 1)
 
-    def spend_prefill(self, num_tokens: int, work: list[EncoderWork]) -> None:
+    def spend_prefill(self, start: int, num_tokens: int, work: list[EncoderWork]) -> None:
         self.tokens = max(self.tokens - num_tokens, 0)  # a whole atomic span may take more than was left
         self.encoder_tokens = encoder_tokens_after(self.encoder_tokens, work)
+        if self.seconds is not None:
+            self.seconds -= self._token_seconds(start, num_tokens) + sum(self.work_seconds(w) for w in work)
         self.prefill_scheduled = self.prefill_scheduled or num_tokens > 0
+        self.encoder_scheduled = self.encoder_scheduled or any(not w.from_cache for w in work)
+
+    def _token_seconds(self, start: int, num_tokens: int) -> float:
+        costs = self.costs
+        return costs.scale * (costs.per_token * num_tokens + costs.per_key * chunk_keys(start, num_tokens))
+
+    def affordable_tokens(self, start: int, reserved: float, floor: int) -> int:
+        """The most tokens of a chunk from `start` whose predicted time fits what is left (less `reserved`
+        seconds of encoder work); at least `floor`."""
+        if self.seconds is None:
+            return self.tokens
+        left, low, high = self.seconds - reserved, 0, self.tokens
+        while low < high:  # the cost grows with n (quadratically, through the keys)
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self._token_seconds(start, mid) <= left else (low, mid - 1)
+        return max(low, min(floor, self.tokens))
+
+    def work_seconds(self, work: EncoderWork) -> float:
+        """Predicted seconds of `work` (slices first..end-1 of an input's tower; 0 from the shared cache)."""
+        per_row = self.costs.per_encoder_row if self.costs is not None else None
+        if work.from_cache or per_row is None:
+            return 0.0
+        mm = work.request.mm
+        return per_row * mm.unit_rows[work.unit] * (work.end - work.first) / mm.encoder_slices
+
+    def affordable_slices(self, rows: int, slices: int, reserved: float, first: bool) -> int | None:
+        """How many slices of an input of `rows` output rows fit in what is left (less `reserved`); None: no
+        time budget. The step's `first` encoder work gets one slice whatever it costs (a whole tower, where
+        it runs whole), and so does an input before the encoder's cost is known."""
+        if self.seconds is None:
+            return None
+        least = 1 if first and self.encoder_untouched else 0
+        per_row = self.costs.per_encoder_row
+        if per_row is None:
+            return least
+        per_slice = per_row * rows / slices
+        return max(int((self.seconds - reserved) // per_slice) if per_slice > 0 else slices, least)
 
 
 def encoder_tokens_after(left: int | None, work: list[EncoderWork]) -> int | None:
@@ -129,9 +190,11 @@ def encoder_tokens_after(left: int | None, work: list[EncoderWork]) -> int | Non
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, pool: BlockPool, encoder_outputs: EncoderOutputCache | None = None
+        self, config: EngineConfig, pool: BlockPool, encoder_outputs: EncoderOutputCache | None = None,
+        costs: StepCosts | None = None,
     ) -> None:
         self.config = config
+        self.costs = costs  # the step cost model (engine/step_costs.py); None or not ready: no time budget
         self.kv_cache_manager = KVCacheManager(pool, config)
         self.encoder_outputs = encoder_outputs  # features shared across requests by content (engine/encoder_cache.py)
         self.waiting: list[Request] = []
@@ -172,7 +235,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(freed_encoder_inputs=self.freed_encoder_inputs)
         self.freed_encoder_inputs = []
-        budget = StepBudget.for_step(self.config)
+        budget = StepBudget.for_step(self.config, self.costs)
         scheduled: set[str] = set()
         by_priority = sorted(self.running, key=Request.sort_key)
         self._schedule_decodes([r for r in by_priority if r.is_decoding], budget, scheduled, out)
@@ -189,7 +252,7 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING and self._allocate(request, 1, scheduled, out):
                 out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, 1))
                 scheduled.add(request.request_id)
-                budget.spend_decode()
+                budget.spend_decode(request.num_computed_tokens)
 
     def _schedule_prefills(
         self, prefills: list[Request], budget: StepBudget, scheduled: set[str], out: SchedulerOutput
@@ -203,8 +266,9 @@ class Scheduler:
             n, work = self._chunk(request, min(budget.tokens, fitting), budget)
             if (n == 0 and not work) or not self._allocate(request, n, scheduled, out):
                 continue
+            start = request.num_computed_tokens
             self._take(request, n, work, out, scheduled)
-            budget.spend_prefill(n, work)
+            budget.spend_prefill(start, n, work)
 
     def _admit_waiting(self, budget: StepBudget, scheduled: set[str], out: SchedulerOutput) -> None:
         manager = self.kv_cache_manager
@@ -223,8 +287,9 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             manager.allocate(request, n, computed)  # cannot fail: `can_admit` counted the whole prompt
             manager.record_admission(request)
+            start = request.num_computed_tokens
             self._take(request, n, work, out, scheduled)
-            budget.spend_prefill(n, work)
+            budget.spend_prefill(start, n, work)
 
     def _allocate(self, request: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         """Give `request` the blocks for `n` more tokens, preempting others if needed. False if the
@@ -261,22 +326,44 @@ class Scheduler:
             if fitting < len(units):
                 n = request.mm.unit_first_position(units[fitting]) - start
                 units = units[:fitting]
-        work = [self._work(request, u, whole=False) for u in units]
+        work: list[EncoderWork] = []
+        for unit in units:
+            item = self._work(request, unit, whole=False, budget=budget, reserved=self._seconds(budget, work),
+                              first=not work)
+            if item is None:
+                break
+            work.append(item)
         unready = next((w.unit for w in work if not w.finishes), None)
+        if len(work) < len(units):  # the time ran out before this input's tower could start
+            unready = units[len(work)] if unready is None else unready
         if unready is not None:  # the chunk stops where it would need features still being computed
             n = min(n, request.mm.unit_first_position(unready) - start)
-        if budget.encoder_tokens is not None:
-            work += self._work_ahead(request, start + n, work, encoder_tokens_after(budget.encoder_tokens, work))
+        if budget.seconds is not None and n > 0:
+            floor = 0 if budget.prefill_scheduled else self.config.block_size
+            n = min(n, budget.affordable_tokens(start, self._seconds(budget, work), floor))
+            if request.mm is not None and request.mm.atomic_units:
+                n = self._keep_span_whole(request.mm, start, n, alone=not budget.prefill_scheduled)
+        if budget.encoder_tokens is not None or budget.seconds is not None:
+            work += self._work_ahead(request, start + n, work, budget)
         return n, work
 
-    def _work_ahead(self, request: Request, end: int, work: list[EncoderWork], encoder_left: int) -> list[EncoderWork]:
+    @staticmethod
+    def _seconds(budget: StepBudget, work: list[EncoderWork]) -> float:
+        return sum(budget.work_seconds(item) for item in work)
+
+    def _work_ahead(self, request: Request, end: int, work: list[EncoderWork], budget: StepBudget) -> list[EncoderWork]:
         """The next slices of the first unfinished input past `end` that this step's work does not touch,
-        if it fits in what is left of the encoder budget."""
+        if they fit in what is left of the encoder budget and of the step's time."""
         busy = {item.unit for item in work}
         ahead = next((u for u in self._unfinished_units(request, end, request.num_tokens) if u not in busy), None)
-        if ahead is None or (request.mm.unit_rows[ahead] > encoder_left and not self._held(request, ahead)):
+        if ahead is None:
             return []
-        return [self._work(request, ahead, whole=False)]
+        encoder_left = encoder_tokens_after(budget.encoder_tokens, work)
+        if encoder_left is not None and request.mm.unit_rows[ahead] > encoder_left and not self._held(request, ahead):
+            return []
+        item = self._work(request, ahead, whole=False, budget=budget, reserved=self._seconds(budget, work),
+                          first=False)
+        return [] if item is None else [item]
 
     def _units_within(self, request: Request, units: list[int], budget: StepBudget) -> int:
         """How many of `units`, in order, fit in what is left of the step's encoder budget; the first of the
@@ -291,14 +378,22 @@ class Scheduler:
                 return count
         return len(units)
 
-    def _work(self, request: Request, unit: int, whole: bool) -> EncoderWork:
-        """The next slices of an input's vision tower: all that are left, or `encoder_slices_per_step`."""
+    def _work(self, request: Request, unit: int, whole: bool, budget: StepBudget | None = None,
+              reserved: float = 0.0, first: bool = True) -> EncoderWork | None:
+        """The next slices of an input's vision tower: all that are left, or `encoder_slices_per_step`, or as
+        many as fit the step's time (None when none does)."""
         slices = request.mm.encoder_slices
         if self._held(request, unit):
             return EncoderWork(request, unit, slices, slices, from_cache=True)
         done = self.encoder_progress.get(request.request_id, {}).get(unit, 0)
         step = self.config.encoder_slices_per_step
         end = slices if whole or step is None else min(done + step, slices)
+        affordable = None if whole or budget is None else budget.affordable_slices(
+            request.mm.unit_rows[unit], slices, reserved, first)
+        if affordable is not None:
+            end = min(end, done + affordable)
+            if end == done:
+                return None
         return EncoderWork(request, unit, done, end)
 
     @staticmethod

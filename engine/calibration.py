@@ -1,0 +1,64 @@
+"""The step cost model's start-up fit (engine/step_costs.py): a few real steps of different shapes, run on
+requests of placeholder tokens through a scheduler of their own (no prefix caching: nothing of them stays in
+the cache), timed, then fitted. Their blocks return to the pool; the engine's counters never see them."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from engine.config import EngineConfig
+from engine.kv_cache import BlockPool
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.step_costs import StepCosts, StepShape
+
+log = logging.getLogger(__name__)
+
+DECODE_STEPS = 3  # decode steps timed after each prefill
+
+
+def calibrate(costs: StepCosts, config: EngineConfig, pool: BlockPool, runner: ModelRunner, max_model_len: int,
+              token_id: int) -> None:
+    """Fit `costs` on: a warm-up prompt (not timed), one long prompt and its decodes, four short prompts in one
+    step and the decodes of all five. Sizes shrink to what the step budget, the model's length and the free
+    blocks allow; with too little room for three distinct shapes the model stays unfitted (token budgets)."""
+    longest = min(256, config.max_num_batched_tokens, max_model_len - DECODE_STEPS - 2,
+                  pool.block_size * pool.num_free // 3)
+    if longest < 8:
+        log.info("step costs not fitted: too little room (%d tokens)", longest)
+        return
+    scheduler = Scheduler(replace(config, enable_prefix_caching=False, itl_target_ms=0), pool)
+    shapes: list[StepShape] = []
+    seconds: list[float] = []
+    arrivals = iter(range(1 << 30))
+
+    def add(length: int) -> Request:
+        index = next(arrivals)
+        request = Request(f"calibration-{index}", [token_id] * length, SamplingParams(max_tokens=DECODE_STEPS + 2),
+                          0, index, length + DECODE_STEPS + 2)
+        scheduler.add(request)
+        return request
+
+    def run(steps: int, timed: bool = True) -> None:
+        for _ in range(steps):
+            out = scheduler.schedule()
+            result = runner.execute(out)
+            scheduler.update(out, result.sampled)
+            if timed and out.chunks:
+                shapes.append(out.shape())
+                seconds.append(runner.timings.total - runner.timings.encode)
+
+    requests = [add(min(32, longest))]
+    run(2, timed=False)  # first calls: lazy initialisation, caches
+    requests.append(add(longest))
+    run(1 + DECODE_STEPS)
+    requests += [add(max(longest // 8, 1)) for _ in range(4)]
+    run(1 + DECODE_STEPS)
+    for request in requests:
+        scheduler.finish(request, "abort")
+    if len({(s.tokens, s.keys) for s in shapes}) >= 3:
+        costs.fit(shapes, seconds)
+        log.info("step costs: %s", costs.as_dict())
