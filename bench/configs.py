@@ -72,6 +72,8 @@ class StallConfig:
     after_steps: steps measured after the image prompt's first token (over HTTP: tokens each chat streams after it).
     event_frames: instead of --images photos, an event prompt of this many frames (scaled to 512 px, the tracker's
         notes between them) as the pipeline sends it (0: off).
+    video: instead of --images photos, a clip of this many seconds (a camera panning across the photos, 512x384 px
+        at 2 frames a second) through the model's video path (0: off).
     """
 
     model: str = "dummy:smolvlm-256m"
@@ -87,6 +89,7 @@ class StallConfig:
     threads: int | None = None
     prefix_caching: bool | None = None
     event_frames: int = 0
+    video: float = 0.0
 
 
 @dataclass

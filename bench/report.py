@@ -86,3 +86,16 @@ def sample_images() -> list:
     from PIL import Image
 
     return [Image.open(path).convert("RGB") for path in photo_paths()]
+
+
+def panning_frames(photo: Any, count: int, size: tuple[int, int]) -> list:
+    """RGB frames (arrays) of a camera panning across `photo`: square crops a little further right each frame,
+    resized to `size` (width, height); a clip for benchmarks and tests of video input."""
+    import cv2
+    import numpy as np
+
+    image = np.asarray(photo)
+    height, width = image.shape[:2]
+    side = min(height, width) * 3 // 4
+    steps = np.linspace(0, width - side, count).astype(int)
+    return [cv2.resize(image[:side, x : x + side], size, interpolation=cv2.INTER_AREA) for x in steps]

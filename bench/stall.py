@@ -18,14 +18,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
+
 from api.percentiles import percentiles_ms
 from bench.configs import HttpStallConfig, StallConfig
-from bench.report import machine, prefix_caching_option, pyplot, sample_images, save_figure
+from bench.report import machine, panning_frames, prefix_caching_option, pyplot, sample_images, save_figure
 from engine import Engine, EngineConfig, SamplingParams
+from engine.video import Video
 from jobqueue.contract import MAX_FRAMES_PER_JOB
 
 CHAT_PROMPT = "User: Tell me a long story about a bus driver in a rainy city.<end_of_utterance>\nAssistant:"
 IMAGE_PROMPT = "User:{markers}Describe each person you see and what they are doing.<end_of_utterance>\nAssistant:"
+# The clip of --video: 512x384 px frames at this rate, in the model's own chat template.
+VIDEO_FPS = 2.0
+VIDEO_MESSAGES = [{"role": "user", "content": [
+    {"type": "video"}, {"type": "text", "text": "Describe each person you see and what they are doing."}]}]
 
 
 # name: (chunked prefill, per-step encoder budget)
@@ -36,7 +43,8 @@ RUNS = {
 }
 
 
-def _run(cfg: StallConfig, chunked: bool, encoder_budget: bool, images: list) -> dict[str, Any]:
+def _run(cfg: StallConfig, chunked: bool, encoder_budget: bool, images: list,
+         video: Video | None = None) -> dict[str, Any]:
     engine = Engine(
         EngineConfig(
             model=cfg.model,
@@ -81,9 +89,9 @@ def _run(cfg: StallConfig, chunked: bool, encoder_budget: bool, images: list) ->
     # As in the server, the image prompt is preprocessed on another thread while the chats go on stepping
     # (so the step that takes it up may begin before the thread has returned its id).
     prompt = event_prompt(len(images)) if cfg.event_frames else IMAGE_PROMPT.format(markers="<image>" * cfg.images)
+    media = dict(messages=VIDEO_MESSAGES, videos=[video]) if video is not None else dict(prompt=prompt, images=images)
     with ThreadPoolExecutor(1) as pool:
-        adding = pool.submit(engine.add_request, prompt=prompt, images=images,
-                             sampling=SamplingParams(max_tokens=4))
+        adding = pool.submit(engine.add_request, **media, sampling=SamplingParams(max_tokens=4))
         while not adding.done():
             step()
     camera = adding.result()
@@ -142,15 +150,25 @@ def event_images(photos: list, frames: int, size: int = 512) -> list:
     return scaled
 
 
+def video_clip(photos: list, seconds: float) -> Video:
+    """--video's clip: a camera panning across the first photo, `seconds` long at VIDEO_FPS, 512x384 px."""
+    return Video(np.stack(panning_frames(photos[0], max(1, round(seconds * VIDEO_FPS)), (512, 384))), VIDEO_FPS)
+
+
 def run_stall(cfg: StallConfig) -> dict[str, Any]:
     if not 1 <= cfg.images <= 8:
         raise ValueError(f"images must be between 1 and 8, got {cfg.images}")
+    if cfg.video < 0 or (cfg.video and cfg.event_frames):
+        raise ValueError(f"video must be a positive number of seconds, not beside event_frames; got video={cfg.video}, "
+                         f"event_frames={cfg.event_frames}")
     if not 0 <= cfg.event_frames <= MAX_FRAMES_PER_JOB:
         raise ValueError(f"event_frames must be between 0 and {MAX_FRAMES_PER_JOB}, got {cfg.event_frames}")
     photos = sample_images()
     images = (event_images(photos, cfg.event_frames) if cfg.event_frames
               else [photos[i % len(photos)] for i in range(cfg.images)])
-    runs = {name: _run(cfg, chunked, encoder_budget, images) for name, (chunked, encoder_budget) in RUNS.items()}
+    video = video_clip(photos, cfg.video) if cfg.video else None
+    runs = {name: _run(cfg, chunked, encoder_budget, images, video)
+            for name, (chunked, encoder_budget) in RUNS.items()}
     return {"config": asdict(cfg), "machine": machine(), "runs": runs}
 
 

@@ -8,14 +8,12 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from bench.report import panning_frames
+
 
 def clip_frames(photo, count: int = 5, size: tuple[int, int] = (64, 48)) -> list[np.ndarray]:
-    """RGB frames of a camera panning across `photo`: crops a little further right each frame, resized."""
-    image = np.asarray(photo)
-    height, width = image.shape[:2]
-    side = min(height, width) * 3 // 4
-    steps = np.linspace(0, width - side, count).astype(int)
-    return [cv2.resize(image[:side, x : x + side], size, interpolation=cv2.INTER_AREA) for x in steps]
+    """RGB frames of a camera panning across `photo` (`bench.report.panning_frames`), small by default."""
+    return panning_frames(photo, count, size)
 
 
 def write_mp4(path: str | Path, frames: list[np.ndarray], fps: float) -> str:
