@@ -227,6 +227,42 @@ def _summary_of(steps: list[dict[str, float]]) -> dict[str, Any]:
     }
 
 
+def read_bandwidth(threads: int | None, megabytes: int = 512) -> float:
+    """Bytes a second this machine reads from memory with torch's threads (the best of three sums over an array
+    larger than any cache)."""
+    if threads:
+        torch.set_num_threads(threads)
+    array = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    array.sum()
+    best = min(_timed(array.sum) for _ in range(3))
+    return array.numel() * 4 / best
+
+
+def _timed(fn: Callable) -> float:
+    began = time.perf_counter()
+    fn()
+    return time.perf_counter() - began
+
+
+def step_read_bytes(engine: Engine, decodes: int, context: float) -> dict[str, float]:
+    """What a decode step must read at least: the text model's weights and output head once, and each
+    sequence's keys and values."""
+    adapter = engine.adapter
+    weights = {p.data_ptr(): p.numel() * p.element_size() for p in adapter.text_model.parameters()}
+    weights |= {p.data_ptr(): p.numel() * p.element_size() for p in adapter.lm_head.parameters()}
+    cache = engine.kv_cache.keys[0]
+    per_position = 2 * adapter.num_layers * cache.shape[1] * cache.shape[2] * cache.element_size()
+    return {"weights": float(sum(weights.values())), "kv": decodes * context * per_position}
+
+
+def read_floor(engine: Engine, cfg: HostConfig, context: float, late_context: float) -> dict[str, float]:
+    bandwidth = read_bandwidth(cfg.threads)
+    early, late = step_read_bytes(engine, cfg.decodes, context), step_read_bytes(engine, cfg.decodes, late_context)
+    return {"bandwidth_gb_s": bandwidth / 1e9, "weights_mb": early["weights"] / 1e6, "kv_mb_early": early["kv"] / 1e6,
+            "kv_mb_late": late["kv"] / 1e6, "early_ms": sum(early.values()) / bandwidth * 1e3,
+            "late_ms": sum(late.values()) / bandwidth * 1e3}
+
+
 def run_host(cfg: HostConfig) -> dict[str, Any]:
     if cfg.decodes < 1 or cfg.context < 2 or cfg.steps < 1 or cfg.later < 0:
         raise ValueError(f"decodes, steps must be positive, context at least 2 and later non-negative: {cfg}")
@@ -256,11 +292,15 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
     bare_late = bare_forward_ms(engine, cfg.decodes, int(late_context), cfg.steps, cfg.warmup)
     early_s, late_s = _summary_of(early), _summary_of(late)
     bare = {"early_ms_median": statistics.median(bare_early), "late_ms_median": statistics.median(bare_late)}
+    floor = read_floor(engine, cfg, context, late_context)
+    stats = engine.stats()
     return {
         "config": asdict(cfg),
         "machine": machine(),
         "engine": {"attention_backend": engine.attention_backend, "cpu_linear": engine.cpu_linear,
-                   "compile_seconds": engine.compile_seconds},
+                   "compile_seconds": engine.compile_seconds, "cpu_kernels": stats.cpu_kernels,
+                   "lean_layers": stats.lean_layers, "linear_row_limits": stats.linear_row_limits},
+        "read_floor": floor,
         "prefill_s": prefill_s,
         "context_early": context,
         "context_late": late_context,
@@ -273,6 +313,8 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
             "engine_vs_bare_late": late_s["step_ms_median"] / bare["late_ms_median"],
             "engine_late_vs_early": late_s["step_ms_median"] / early_s["step_ms_median"],
             "bare_late_vs_early": bare["late_ms_median"] / bare["early_ms_median"],
+            "engine_vs_floor_early": early_s["step_ms_median"] / floor["early_ms"],
+            "engine_vs_floor_late": late_s["step_ms_median"] / floor["late_ms"],
         },
         "samples_ms": {
             "early": [s["total"] * 1000.0 for s in early],
@@ -303,6 +345,15 @@ def summary(result: dict[str, Any]) -> str:
         f"per step: {ops['aten_ops_per_step']:.0f} aten ops, {ops['readbacks_per_step']:.1f} read-backs "
         f"{ops['readbacks_by_kind_per_step']}",
     ]
+    floor = result.get("read_floor")
+    if floor:
+        lines.append(
+            f"read floor: {floor['weights_mb']:.0f} MB of weights + {floor['kv_mb_early']:.0f} / "
+            f"{floor['kv_mb_late']:.0f} MB of keys and values at {floor['bandwidth_gb_s']:.1f} GB/s = "
+            f"{floor['early_ms']:.2f} / {floor['late_ms']:.2f} ms; engine / floor: "
+            f"{ratios['engine_vs_floor_early']:.2f}x early, {ratios['engine_vs_floor_late']:.2f}x late")
+        lines.append(f"CPU kernels: {eng.get('cpu_kernels')} build, {eng.get('lean_layers')} lean decoder layers, "
+                     f"kernel up to rows {eng.get('linear_row_limits')}")
     return "\n".join(lines)
 
 

@@ -142,6 +142,11 @@ def test_bench_host_splits_a_step_into_phases_and_counts_ops(tmp_path):
     assert ops["readbacks_per_step"] >= 1  # the sampled tokens are read back at least once a step
     assert result["bare_static_cache"]["early_ms_median"] > 0
     assert math.isfinite(result["ratios"]["engine_vs_bare_early"])
+    floor = result["read_floor"]  # what a step must read: the text model's weights once, every context's keys
+    assert floor["bandwidth_gb_s"] > 0.1 and floor["weights_mb"] > 0 and floor["kv_mb_late"] > floor["kv_mb_early"] > 0
+    assert result["ratios"]["engine_vs_floor_early"] > 0
+    assert result["engine"]["cpu_kernels"] in ("avx512_bf16", "avx512", "avx2", "generic")
+    assert result["engine"]["lean_layers"] == 2
     assert is_png(png)
 
 
