@@ -3,8 +3,9 @@ and default in its dataclass, its help in the dataclass's docstring (`name: what
 its environment variable `VLMCAP_<NAME>`. Where an option's public name or variable differs (kept so that
 existing command lines and deployments keep working), `Rename` says so.
 
-`EngineConfig` is read from its source file (engine/config.py) rather than imported, so that `--help` and the
-defaults never load torch; tests/cli/test_cli_defaults.py checks what is read against the imported class."""
+`EngineConfig` and `GrammarLimits` are read from their source files (engine/config.py, engine/grammar_limits.py)
+rather than imported, so that `--help` and the defaults never load torch; tests/cli/test_cli_defaults.py checks
+what is read against the imported classes."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Any
 
 import typer
 
-ENGINE_CONFIG_SOURCE = Path(__file__).resolve().parent.parent / "engine" / "config.py"
+ENGINE = Path(__file__).resolve().parent.parent / "engine"
 
 # Field types an option can take, as written in the dataclasses (the `X | None` forms: not given means None).
 TYPES: dict[str, Any] = {
@@ -28,7 +29,8 @@ TYPES: dict[str, Any] = {
     "int | None": int | None, "float | None": float | None, "str | None": str | None, "bool | None": bool | None,
     "tuple[str, ...]": list[str],
 }
-NONE_BY_ZERO = {"int | None", "float | None"}  # 0 on the command line gives None (a limit off, a size automatic)
+# Fields where 0 on the command line gives None (the limit off), as these options have always taken it.
+ZERO_MEANS_NONE = {"max_encoder_tokens_per_step", "encoder_slices_per_step"}
 
 
 @dataclass(frozen=True)
@@ -100,12 +102,24 @@ def from_source(path: Path, class_name: str) -> list[Declared]:
         if type_text not in TYPES:
             continue
         name = item.target.id
-        declared.append(Declared(class_name, name, type_text, ast.literal_eval(item.value), helps.get(name, "")))
+        declared.append(Declared(class_name, name, type_text, constant(item.value), helps.get(name, "")))
     return declared
 
 
+def constant(node: ast.expr) -> Any:
+    """A default written as a literal or as arithmetic on literals (`64 * 1024`); ValueError otherwise."""
+    allowed = (ast.Expression, ast.Constant, ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop)
+    if not all(isinstance(n, allowed) for n in ast.walk(node)):
+        return ast.literal_eval(node)
+    return eval(compile(ast.Expression(node), "<default>", "eval"), {"__builtins__": {}})
+
+
 def engine_fields() -> list[Declared]:
-    return from_source(ENGINE_CONFIG_SOURCE, "EngineConfig")
+    return from_source(ENGINE / "config.py", "EngineConfig")
+
+
+def grammar_limit_fields() -> list[Declared]:
+    return from_source(ENGINE / "grammar_limits.py", "GrammarLimits")
 
 
 def option_name(setting: Declared, renames: dict[str, Rename]) -> str:
@@ -125,7 +139,7 @@ def envvar(setting: Declared, renames: dict[str, Rename], envvars: bool = True) 
 
 def parameter(setting: Declared, renames: dict[str, Rename], envvars: bool = True) -> inspect.Parameter:
     """The typer parameter of one setting; its Python name is the field's."""
-    help_text = setting.help[:1].upper() + setting.help[1:] + (" 0: None." if setting.type in NONE_BY_ZERO else "")
+    help_text = setting.help[:1].upper() + setting.help[1:] + (" 0: None." if setting.name in ZERO_MEANS_NONE else "")
     default = list(setting.default) if setting.type == "tuple[str, ...]" else setting.default
     option = typer.Option(default, option_name(setting, renames), envvar=envvar(setting, renames, envvars),
                           help=help_text,
@@ -136,11 +150,11 @@ def parameter(setting: Declared, renames: dict[str, Rename], envvars: bool = Tru
 
 def values_for(settings: Iterable[Declared], given: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments of the settings' owner from what the command was given: lists back to tuples,
-    0 to None where the field takes None."""
+    0 to None where `ZERO_MEANS_NONE`."""
     values = {}
     for setting in settings:
         value = given[setting.name]
-        if setting.type in NONE_BY_ZERO and value == 0:
+        if setting.name in ZERO_MEANS_NONE and value == 0:
             value = None
         elif setting.type == "tuple[str, ...]":
             value = tuple(value)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from api.settings import Limits, ServerSettings
-from cli.declared import Rename, command, engine_fields, from_dataclass, hand_option, values_for
+from cli.declared import Rename, command, engine_fields, from_dataclass, grammar_limit_fields, hand_option, values_for
 from cli.options import LOG_FORMAT, PORT
 
 # Options whose public name or environment variable is not the field's own.
@@ -19,11 +19,15 @@ RENAMES = {
     "redis_url": Rename(envvar="REDIS_URL"),
     "run_queue_worker": Rename("--queue/--no-queue", "VLMCAP_QUEUE"),
     "shutdown_grace_s": Rename("--shutdown-grace", "VLMCAP_SHUTDOWN_GRACE"),
+    "compile_timeout_s": Rename("--grammar-compile-timeout", "VLMCAP_GRAMMAR_COMPILE_TIMEOUT"),
+    "workers": Rename("--grammar-workers", "VLMCAP_GRAMMAR_WORKERS"),
+    "max_cache_bytes": Rename("--grammar-cache-bytes", "VLMCAP_GRAMMAR_CACHE_BYTES"),
 }
 ENGINE = engine_fields()
+GRAMMAR = grammar_limit_fields()
 SERVER = from_dataclass(ServerSettings)
 LIMITS = from_dataclass(Limits)
-DECLARED = ENGINE + SERVER + LIMITS  # the options built from settings fields
+DECLARED = ENGINE + GRAMMAR + SERVER + LIMITS  # the options built from settings fields
 HAND = [
     hand_option("host", str, "127.0.0.1", "--host", envvar="VLMCAP_HOST", help="Address to listen on (0.0.0.0: all)."),
     hand_option("port", int, PORT, "--port", envvar="VLMCAP_PORT", help="TCP port."),
@@ -39,6 +43,7 @@ def settings_from(options: dict[str, Any]) -> ServerSettings:
     """The settings the options describe (ValueError naming a bad value)."""
     from api.guard import parse_api_keys
     from engine import EngineConfig
+    from engine.grammar_limits import GrammarLimits
 
     server = values_for(SERVER, options)
     host = options["host"]
@@ -46,7 +51,9 @@ def settings_from(options: dict[str, Any]) -> ServerSettings:
     for name in ("api_key", "redis_url", "alert_webhook"):
         server[name] = server[name] or None
     keys = options["api_keys_text"]
-    engine, limits = EngineConfig(**values_for(ENGINE, options)), Limits(**values_for(LIMITS, options))
+    grammar_limits = GrammarLimits(**values_for(GRAMMAR, options))
+    engine = EngineConfig(**values_for(ENGINE, options), grammar_limits=grammar_limits)
+    limits = Limits(**values_for(LIMITS, options))
     return ServerSettings(engine=engine, limits=limits, api_keys=parse_api_keys(keys) if keys else {}, **server)
 
 

@@ -75,6 +75,11 @@ class EngineConfig:
     cuda_graphs: replay decode-only steps from CUDA graphs captured at start-up (`None`: where the kernel runs on
         CUDA). Graphs are captured at padded batch sizes (1, 2, 4, 8, then multiples of 8 up to `max_num_seqs`);
         they need the kernel backend.
+    lean_layers: on the CPU, run Llama-style decoder layers as a few C calls (`None`: where the layers fit). A
+        stock layer's some 60 small operators a step become fused projections, RoPE with the KV write, and norms
+        with the residual adds (engine/lean_layers.py); `True` refuses a model with no such layer.
+    cpu_linear_rows: the most rows a Linear goes through the CPU kernel for (`None`: measured per weight shape
+        at start-up against torch's GEMM; 0: none).
     grammar_limits: what one grammar (structured output) may ask for, its compile deadline, the compiler's child
         processes and the compiled-grammar cache's size (engine/grammar_limits.py).
     """

@@ -18,16 +18,19 @@ from typing import Any
 
 @dataclass(frozen=True)
 class GrammarLimits:
-    """Bounds on one grammar, and how compiling is run (engine/grammar_pool.py).
+    """Bounds on one grammar, and how compiling is run (engine/grammar_pool.py). Each entry's first sentence is
+    its `vlmcap serve` option's help.
 
-    max_schema_bytes: the JSON schema's text (UTF-8). max_schema_depth: nesting of its JSON objects and arrays.
-    max_regex_chars / max_regex_depth: a regex (the grammar's own or a schema's `pattern`) and the nesting of
-        its groups and classes. max_repetition: any bounded repetition, regex `{m,n}` (nested ones multiplied),
+    max_schema_bytes: the largest JSON schema, in bytes of its text (UTF-8).
+    max_schema_depth: the deepest nesting of a schema's JSON objects and arrays.
+    max_regex_chars: the longest regex (the grammar's own or a schema's `pattern`).
+    max_regex_depth: the deepest nesting of a regex's groups and classes.
+    max_repetition: the largest bounded repetition. Regex `{m,n}` (nested ones multiplied),
         `minLength`/`maxLength`, `minItems`/`maxItems`, `minProperties`/`maxProperties`.
-    max_enum_values: `enum` values plus `const`s of the whole schema. max_properties: `properties` entries of
-        the whole schema.
-    compile_timeout_s: the deadline of one compile in its child process (killed past it).
-    workers: child processes that compile (each one compile at a time).
+    max_enum_values: the most `enum` values plus `const`s in a whole schema.
+    max_properties: the most `properties` entries in a whole schema.
+    compile_timeout_s: seconds one grammar may take to compile (its child process is killed past it).
+    workers: child processes that compile grammars (each one compile at a time).
     max_cache_bytes: compiled grammars kept for reuse, by their size in memory.
     """
 

@@ -116,12 +116,15 @@ def command_params(name: str) -> dict[str, object]:
 def test_every_engine_field_is_read_from_the_source_as_the_class_declares_it():
     import dataclasses
 
-    from cli.declared import TYPES, engine_fields
+    from cli.declared import TYPES, engine_fields, grammar_limit_fields
+    from engine.grammar_limits import GrammarLimits
 
-    read = {s.name: s.default for s in engine_fields()}
-    literal = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.type in TYPES}
-    assert read == literal
-    assert set(literal) >= {"attention_backend", "cpu_linear", "cuda_graphs", "seed", "watermark"}
+    for read, cls in ((engine_fields(), EngineConfig), (grammar_limit_fields(), GrammarLimits)):
+        literal = {f.name: f.default for f in dataclasses.fields(cls) if f.type in TYPES}
+        assert {s.name: s.default for s in read} == literal
+    assert {s.name for s in engine_fields()} >= {"attention_backend", "cpu_linear", "cuda_graphs", "seed"}
+    nested = {f.name for f in dataclasses.fields(EngineConfig) if f.type not in TYPES}
+    assert nested == {"grammar_limits"}, "a new nested setting needs its options in cli/serve.py"
 
 
 def check_declared(params: dict, declared: list, renames: dict, envvars: bool = True) -> None:
@@ -172,6 +175,18 @@ def test_existing_option_names_and_environment_variables_keep_working(monkeypatc
     assert (engine.attention_backend, engine.cpu_linear, engine.seed) == ("reference", False, 7)
     assert (settings.batch_size, settings.claim_idle_seconds, settings.shutdown_grace_s) == (3, 5.0, 2.0)
     assert settings.limits.remote_image_hosts == ("a.example",)
+
+
+def test_grammar_limits_are_serve_options(monkeypatch, clean_env):
+    built: list[ServerSettings] = []
+    monkeypatch.setattr(api.server, "create_app", lambda settings: built.append(settings))
+    monkeypatch.setattr("uvicorn.run", lambda *args, **kwargs: None)
+    result = CliRunner().invoke(app, ["serve", "--max-schema-bytes", "1000", "--grammar-workers", "1"])
+    assert result.exit_code == 0, result.output
+    limits = built[0].engine.grammar_limits
+    assert (limits.max_schema_bytes, limits.workers) == (1000, 1)
+    result = CliRunner().invoke(app, ["serve", "--grammar-workers", "0"])
+    assert result.exit_code != 0 and "GrammarLimits.workers must be a positive number" in result.output
 
 
 def test_the_worker_and_the_server_share_the_queues_declarations():
