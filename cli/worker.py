@@ -12,7 +12,7 @@ from typing import Any
 import typer
 
 from cli.declared import Rename, command, from_dataclass, hand_option
-from cli.options import LOG_FORMAT, default, fail
+from cli.options import LOG_FORMAT, default, fail, stop_on_sigterm
 from jobqueue.consumer import QueueWorker
 from jobqueue.openai_captioner import OpenAICaptioner
 from jobqueue.settings import QueueSettings
@@ -36,6 +36,7 @@ HAND = [
 def run_worker(**options: Any) -> None:
     """Caption queued camera jobs through an OpenAI-compatible server."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    stop_on_sigterm()  # until the event loop's own handlers take over, and while the embedded Redis stops
     from jobqueue.alerts import AlertWebhook
     from jobqueue.connection import redis_url_or_embedded
 
