@@ -50,8 +50,8 @@ from jobqueue.contract import (
 )
 from jobqueue.finish import FAIL_SCRIPT, FINISH_RESULT_LUA
 from jobqueue.results import get_result
-from jobqueue.structured import SchemaRefused, caption_validator, structured_caption
 from jobqueue.settings import QueueSettings
+from jobqueue.structured import SchemaRefused, caption_validator, structured_caption
 
 log = logging.getLogger(__name__)
 
