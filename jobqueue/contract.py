@@ -70,8 +70,8 @@ VIDEO_FIELD = "video"
 MAX_NOTE_CHARS = 2_000
 # Camera summaries over time windows (api/routes_summaries.py): one stream per camera.
 SUMMARIES_STREAM_PREFIX = "vlmcap:summaries:"
-# The job entry's fields as a JSON Schema, for producers written in other languages (README: "Sending jobs
-# from your own system"); `Job.from_fields` is the check that decides, the schema documents it.
+# The job entry's fields as a JSON Schema, for producers written in other languages (docs/pipeline-and-queue.md:
+# "Sending jobs from your own system"); `Job.from_fields` is the check that decides, the schema documents it.
 JOB_SCHEMA_PATH = Path(__file__).with_name("job.schema.json")
 
 

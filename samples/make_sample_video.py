@@ -24,7 +24,7 @@ BUS_ROWS = (330, 938)
 # pixels), with a margin of a tenth of the box on each side, turned a quarter clockwise (head to the left)
 # and scaled to FALLEN_WIDTH pixels, lying FALLEN_BOTTOM_GAP pixels above the bottom edge. Checked with the
 # people-fall detector: one box, class Fall, confidence about 0.75 (other crops, turns and sizes tried gave
-# Normal or extra boxes as often as not; see README, "Falls").
+# Normal or extra boxes as often as not; see docs/pipeline-and-queue.md, "Falls and alerts").
 FALLEN_BOX = (210, 391, 347, 872)
 FALLEN_WIDTH = 360
 FALLEN_BOTTOM_GAP = 30
