@@ -174,6 +174,14 @@ HOSTILE_REQUESTS: dict[str, Any] = {
     "unknown_model": lambda c: c.http.post("/v1/chat/completions", json={**c.chat_body("Hi"), "model": "gpt-9"}),
     "remote_image_url": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
         [{"type": "image_url", "image_url": {"url": "http://[::127.0.0.1]/x.jpg"}}])),
+    # Videos (issue 24): refused from their bytes or header, or by the limit on frames, before any frame is kept.
+    "corrupt_video": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
+        [{"type": "video_url", "video_url": {"url": data_url(b"\x00\x00\x00\x18ftypmp42" * 64, "video/mp4")}}])),
+    "remote_video_url": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
+        [{"type": "video_url", "video_url": {"url": "http://[::127.0.0.1]/x.mp4"}}])),
+    "video_frames_over_cap": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
+        [{"type": "video_url", "video_url": {"url": data_url(b"\x00", "video/mp4")}}],
+        video_options={"num_frames": 100_000})),
     "reversed_box_frame": lambda c: c.http.get("/v1/captions/no-such-id/image"),
     "cache_salt_empty": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("Hi", cache_salt="")),
     "cache_salt_huge": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("Hi", cache_salt="s" * 10_000)),
@@ -241,6 +249,11 @@ HOSTILE_JOB_FIELDS: list[dict[str, str]] = [
     {"detections": '[{"x1": 30, "y1": 2, "x2": 1, "y2": 40, "confidence": 0.9}]'},
     {"detections": '[{"x1": 1, "y1": 2, "x2": 30, "y2": 40, "confidence": NaN}]'},
     {"frame_ts": "nan"}, {"created_at": "inf"}, {"prompt": ""}, {"detections": "[" * 20_000 + "]" * 20_000},
+    {"video": ""},
+    # Schemas no caption can meet (issue 22): dead-lettered at their first delivery, nothing fetched or compiled.
+    {"schema": json.dumps({"not": {"$ref": "file:///etc/passwd"}})},
+    {"schema": json.dumps({"type": "string", "pattern": "a{1,8000}"})},
+    {"schema": json.dumps({"type": "string", "pattern": "(" * 30_000 + "a" + ")" * 30_000})},
 ]
 
 
