@@ -131,14 +131,17 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, stop: str | li
         raise APIError(400, str(exc)) from None
 
 
-async def admitted(body: SamplingFields, grammar: GrammarSpec | None, grammar_param: str, request: Request,
-                   state: ServerState) -> None:
-    """The checks a request passes before it reaches the engine: every parameter honoured (400 naming one that is
-    not), its priority not below the server's floor, its grammar compiled (cancelled if the client leaves:
-    ClientDisconnected)."""
+async def start(body: SamplingFields, sampling: SamplingParams, grammar: GrammarSpec | None, grammar_param: str,
+                turns: list[tuple[str, list[tuple[str, str, str]]]], request: Request,
+                state: ServerState) -> RequestStream:
+    """A request's stream, after the checks it passes before it reaches the engine: every parameter honoured (400
+    naming one that is not), its priority not below the server's floor, its grammar compiled (cancelled if the
+    client leaves: ClientDisconnected), its prompt built."""
     refuse_unsupported(body)
     client_priority(body.priority, 0, state.settings.limits.min_client_priority)
     await compile_ahead(state.bridge.engine, grammar, grammar_param, request)
+    prompt = await build_prompt(turns, state, body)
+    return await submit(prompt, sampling, body, request, state)
 
 
 async def submit(prompt: EnginePrompt, sampling: SamplingParams, body: SamplingFields, request: Request,
@@ -259,11 +262,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                                repetition_penalty=body.repetition_penalty,
                                logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     try:
-        await admitted(body, grammar, "response_format", request, state)
+        stream = await start(body, sampling, grammar, "response_format", chat_turns(body), request, state)
     except ClientDisconnected:
         return Response(status_code=499)
-    prompt = await build_prompt(chat_turns(body), state, body)
-    stream = await submit(prompt, sampling, body, request, state)
     completion_id, created = f"chatcmpl-{stream.request_id}", int(time.time())
     model = state.settings.model_name
     if body.stream:
@@ -400,11 +401,9 @@ async def responses(body: ResponsesRequest, request: Request, state: ServerState
     grammar = grammar_spec(body.text.format if body.text else None, "text.format")
     sampling = sampling_params(body, body.max_output_tokens, body.stop, state, "max_output_tokens", grammar)
     try:
-        await admitted(body, grammar, "text.format", request, state)
+        stream = await start(body, sampling, grammar, "text.format", responses_turns(body), request, state)
     except ClientDisconnected:
         return Response(status_code=499)
-    prompt = await build_prompt(responses_turns(body), state, body)
-    stream = await submit(prompt, sampling, body, request, state)
     meta = ResponseMeta(f"resp_{stream.request_id}", f"msg_{stream.request_id}", time.time(), body,
                         state.settings.model_name)
     if body.stream:

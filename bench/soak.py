@@ -186,7 +186,28 @@ HOSTILE_REQUESTS: dict[str, Any] = {
     "cache_salt_empty": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("Hi", cache_salt="")),
     "cache_salt_huge": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("Hi", cache_salt="s" * 10_000)),
     "sse_flood": lambda c: _sse_flood(c),
+    # Grammars and schemas (issue 22): refused by their limits before any compile, or by name; nothing fetched.
+    "deep_regex_schema": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
+        "JSON", response_format=_schema_format({"type": "string", "pattern": "(" * 30_000 + "a" + ")" * 30_000}))),
+    "quadratic_repetition": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
+        "JSON", response_format=_schema_format({"type": "string", "pattern": "a{1,8000}"}))),
+    "huge_enum": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
+        "JSON", response_format=_schema_format({"enum": [f"value {i}" for i in range(100_000)]}))),
+    "ref_file": lambda c: c.http.post("/v1/captions?wait=true", json={
+        "image": data_url(c.photos[0]), "schema": {"not": {"$ref": "file:///etc/passwd"}}}),
+    "ref_http": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("JSON", response_format=_schema_format(
+        {"type": "object", "properties": {"a": {"$ref": "http://127.0.0.1:9/schema.json"}}}))),
+    "top_k_1e400": lambda c: _json_post(c, "/v1/chat/completions", json.dumps(c.chat_body("Hi", top_k="@")).replace(
+        '"@"', "1" + "0" * 400).encode()),
+    "priority_below_floor": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("Hi", priority=-2**31)),
+    "unsupported_tools": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
+        "Hi", tools=[{"type": "function", "function": {"name": "f"}}])),
+    "unsupported_n": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("Hi", n=2)),
 }
+
+
+def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "soak", "schema": schema}}
 # Hostile cases whose right answer is a 5xx: one event stream past the cap is refused with 503 and Retry-After.
 EXPECTED_5XX = {"hostile:sse_flood": 503}
 SSE_CAP = 8  # the soak server's --max-sse-subscribers
