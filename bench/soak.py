@@ -5,7 +5,8 @@ then for `duration` seconds keeps `chats` streaming chats going, sends REST capt
 steady rates, and replaces a share `hostile_fraction` of each with a hostile one (the cases of issue 13 and
 more: extreme sampling values, deep or NaN JSON, decompression bombs, truncated images, oversized chunked
 bodies, unknown methods, foreign Host headers, cross-site posts, bad `cache_salt`s, one event stream more than
-the server's cap; camera jobs with malformed fields). Every fifth good job is a fall, whose alert goes to a
+the server's cap, grammars past their limits, schema `$ref`s outside the schema, unsupported parameters,
+priorities below the floor; camera jobs with malformed fields or unusable schemas). Every fifth good job is a fall, whose alert goes to a
 webhook receiver that answers with an SSH banner: the webhook must stay alive, counting failures. Then it
 waits for every camera job to end and reports: requests by kind and status, jobs done, dead and lost,
 jobs captioned twice, the server's resident memory over time (start = after `warmup`), and the inter-token
