@@ -88,6 +88,116 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
+#ifdef __AVX512F__
+/* The AVX-512 path of `attend` for d a multiple of 16 (up to 256): one pass over the positions with an online
+ * softmax, sixteen positions at a time. Their keys and values are widened once per KV head into K and V; each
+ * query row's sixteen scores come from one vector per position reduced together (`sums16`), exponentials
+ * sixteen at a time (`exp16`), and the row's output stays in registers while the sixteen values are added. */
+static inline __m512 sums16(__m512 *a) {  /* r[i] = a[i][0] + ... + a[i][15] */
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int j = 0; j < 4; j++) {
+        const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * j]), _mm512_castps_pd(b[2 * j + 1]));
+        const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * j]), _mm512_castps_pd(b[2 * j + 1]));
+        c[j] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    const __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+    const __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88), _mm512_shuffle_f32x4(e01, e23, 0xdd));
+}
+
+/* e^x for x <= 0 (a softmax's shifted scores), to about a float's precision: 2^n e^r, |r| <= ln 2 / 2. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __attribute__((always_inline)) __m512 widen16(const void *p, int dtype, int64_t at) {
+    if (dtype == BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at))), 16));
+    if (dtype == F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at)));
+    return _mm512_loadu_ps((const float *)p + at);
+}
+
+static inline __attribute__((always_inline)) void attend512(
+        int64_t i, int64_t h0, int64_t h1, const float *qi, const void *key_cache, const void *value_cache,
+        int dtype, const int64_t *block_tables, const int64_t *context_lens, int64_t kv_heads, int64_t groups,
+        const int64_t d, int64_t block_size, int64_t table_width, float scale, int64_t window, float *oi) {
+    enum { MAXV = 16 };
+    const int64_t n = context_lens[i];
+    const int64_t first = (window > 0 && n > window) ? n - window : 0;
+    const int64_t rows = (h1 - h0) * groups, width = kv_heads * d, vectors = d / 16;
+    const int64_t *table = block_tables + i * table_width;
+    float top[rows], total[rows];
+    for (int64_t x = 0; x < rows; x++) top[x] = -INFINITY, total[x] = 0.0f;
+    memset(oi, 0, (size_t)(rows * d) * sizeof(float));
+    float keys[16 * 256] __attribute__((aligned(64))), values[16 * 256] __attribute__((aligned(64)));
+    for (int64_t p = first; p < n;) {
+        const int64_t offset = p % block_size;
+        const int64_t run = MIN(MIN(block_size - offset, n - p), 16);
+        const int64_t slot = table[p / block_size] * block_size + offset;
+        if (offset + run == block_size && p + run < n)
+            prefetch_block(key_cache, table[(p + run) / block_size], block_size, width, dtype, h0, h1 - h0, d);
+        const __mmask16 live = (__mmask16)((1u << run) - 1u);
+        for (int64_t h = h0; h < h1; h++) {
+            for (int64_t r = 0; r < run; r++)
+                for (int64_t v = 0; v < vectors; v++) {
+                    const int64_t at = (slot + r) * width + h * d + v * 16;
+                    _mm512_store_ps(keys + r * d + v * 16, widen16(key_cache, dtype, at));
+                    _mm512_store_ps(values + r * d + v * 16, widen16(value_cache, dtype, at));
+                }
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t x = (h - h0) * groups + g;
+                const float *qx = qi + x * d;
+                __m512 q[MAXV], acc[16];
+                for (int64_t v = 0; v < vectors; v++) q[v] = _mm512_loadu_ps(qx + v * 16);
+                for (int64_t r = 0; r < 16; r++) {
+                    __m512 sum = _mm512_setzero_ps();
+                    if (r < run)
+                        for (int64_t v = 0; v < vectors; v++)
+                            sum = _mm512_fmadd_ps(q[v], _mm512_load_ps(keys + r * d + v * 16), sum);
+                    acc[r] = sum;
+                }
+                const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
+                                                         _mm512_mul_ps(sums16(acc), _mm512_set1_ps(scale)));
+                const float best = _mm512_reduce_max_ps(scores), shifted = best > top[x] ? best : top[x];
+                const float correction = top[x] == -INFINITY ? 0.0f : expf(top[x] - shifted);
+                const __m512 weights = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(shifted))));
+                total[x] = total[x] * correction + _mm512_reduce_add_ps(weights);
+                top[x] = shifted;
+                float w[16] __attribute__((aligned(64)));
+                _mm512_store_ps(w, weights);
+                float *ox = oi + x * d;
+                for (int64_t v = 0; v < vectors; v++) {
+                    __m512 o = _mm512_mul_ps(_mm512_loadu_ps(ox + v * 16), _mm512_set1_ps(correction));
+                    for (int64_t r = 0; r < run; r++)
+                        o = _mm512_fmadd_ps(_mm512_set1_ps(w[r]), _mm512_load_ps(values + r * d + v * 16), o);
+                    _mm512_storeu_ps(ox + v * 16, o);
+                }
+            }
+        }
+        p += run;
+    }
+    for (int64_t x = 0; x < rows; x++) {
+        const float inverse = 1.0f / total[x];
+        for (int64_t j = 0; j < d; j++) oi[x * d + j] *= inverse;
+    }
+}
+#endif
+
 /* Query head x of sequence i is q[x * q_head_stride + query_index[i] * q_token_stride], d values in q_dtype; its
  * output goes to out[(query_index[i] * kv_heads * groups + x) * d] in q_dtype (the [tokens, heads, d] layout the
  * decoder layers take back). */
@@ -123,8 +233,13 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
             for (int64_t x = 0; x < rows; x++)
                 load_floats(q, q_dtype, (h0 * groups + x) * q_head_stride + token * q_token_stride, d, qi + x * d);
             switch (d) {
+#ifdef __AVX512F__
+#define CASE(D) case D: attend512(i, h0, h1, qi, key_cache, value_cache, dtype, block_tables, context_lens, \
+                                  kv_heads, groups, D, block_size, table_width, scale, window, oi); break;
+#else
 #define CASE(D) case D: attend(i, h0, h1, qi, key_cache, value_cache, dtype, block_tables, context_lens, \
                                kv_heads, groups, D, block_size, table_width, scale, window, oi, scores, row); break;
+#endif
                 CASE(16) CASE(32) CASE(64) CASE(80) CASE(96) CASE(128) CASE(256)
 #undef CASE
                 default: attend(i, h0, h1, qi, key_cache, value_cache, dtype, block_tables, context_lens, kv_heads,

@@ -128,3 +128,38 @@ def test_row_limits_are_measured_per_weight_shape():
     assert set(limits) == {"32x64 float32", "64x32 float32"}
     assert all(limit == 0 or limit in cpu_kernel.ROW_BUCKETS or limit == 1 << 30 for limit in limits.values())
     assert model[0].max_rows == model[2].max_rows == limits["32x64 float32"]
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 21])
+def test_decode_attention_of_each_build_equals_the_gathered_reference(monkeypatch, name, dtype, window):
+    """Contexts from 1 key to several blocks (a block's end, a partial block, runs of sixteen and fewer),
+    grouped-query heads, a sliding window; a head size with a vector path (64) and one without (20)."""
+    from engine.attention import AttentionBatch, DecodeGroup, reference_attention
+    from engine.kv_cache import KVCache
+
+    monkeypatch.setattr(cpu_kernel, "variant", lambda: name)
+    torch.manual_seed(4)
+    block_size, kv_heads, groups = 16, 2, 3
+    lens = [1, 15, 16, 17, 40, 70, 33, 5, 64]
+    width = -(-max(lens) // block_size)
+    for head_dim in (64, 20):
+        cache = KVCache(1, 80, block_size, kv_heads, head_dim, dtype, torch.device("cpu"))
+        cache.keys[0].copy_(torch.randn(cache.keys[0].shape).to(dtype))
+        cache.values[0].copy_(torch.randn(cache.values[0].shape).to(dtype))
+        order = torch.randperm(79).tolist()
+        tables = torch.tensor([[order[(5 * i + j) % 79] + 1 for j in range(width)] for i in range(len(lens))])
+        q = torch.randn(kv_heads * groups, len(lens), head_dim).to(dtype)
+        index, context = torch.arange(len(lens)), torch.tensor(lens)
+        keys = torch.arange(width * block_size)
+        mask = keys < context[:, None]
+        sliding = mask & (keys > context[:, None] - 1 - window) if window else None
+        reference = AttentionBatch(cache, torch.zeros(0, dtype=torch.long), [DecodeGroup(
+            index, tables, mask[:, None, None], None if sliding is None else sliding[:, None, None])], [])
+        kernel = AttentionBatch(cache, torch.zeros(0, dtype=torch.long), [DecodeGroup(
+            index, tables, None, context_lens=context)], [])
+        expected = reference_attention(q.float(), cache.keys[0].float(), cache.values[0].float(), reference, window,
+                                       None)
+        got = reference_attention(q, cache.keys[0], cache.values[0], kernel, window, None)
+        assert (got.float() - expected).abs().max().item() < (2e-5 if dtype == torch.float32 else 2e-2), head_dim
