@@ -13,8 +13,9 @@
 #   text32   32 text requests at once, 64 tokens each: output tokens/s (vlmcap with budget 2048)
 #   mixed24  24 requests at 1/s, a quarter with a photo, 64 tokens each: TTFT p50, end-to-end p50
 # Each server first answers a warm-up (4 requests, half with a photo; 8 at once; 32 at once), not measured.
-# Settings: vlmcap --max-num-batched-tokens 64 --max-encoder-tokens-per-step 64 --encoder-slices-per-step 3
-# (budget 2048 for text32); vLLM --max-num-batched-tokens 256 (serve.sh's), 2 OpenMP threads on cores 0-1.
+# Settings: vlmcap on its defaults (steps budgeted by its inter-token-latency target; SETTINGS adds flags, e.g.
+# SETTINGS="--itl-target-ms 0" for token budgets only); vLLM --max-num-batched-tokens 256 (serve.sh's), 2 OpenMP
+# threads on cores 0-1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHICH=${1:-both}
@@ -22,6 +23,7 @@ PY=${PY:-.venv/bin/python}
 OUT=${OUT:-bench/results/side-by-side}
 PORT=${PORT:-8799}
 THREADS=${THREADS:-2}
+SETTINGS=${SETTINGS:-}
 PEERS_DIR=${PEERS_DIR:-$(cd .. && pwd)/shared/peers/vllm-cpu}
 URL=http://127.0.0.1:$PORT
 MODEL_DIR=${MODEL_DIR:-$($PY -c "from engine.models import resolve_checkpoint as r; print(r('dummy:smolvlm-256m'))" \
@@ -59,14 +61,14 @@ start_vllm() {
   warm_up vllm
 }
 
-start_vlmcap() {  # $1: max_num_batched_tokens
+start_vlmcap() {  # on its defaults, plus $SETTINGS
+  # shellcheck disable=SC2086
   $PY -c "from cli.main import app; app(prog_name='vlmcap')" serve --model dummy:smolvlm-256m --dtype bfloat16 \
-    --port "$PORT" --no-queue --num-threads "$THREADS" --max-num-batched-tokens "$1" \
-    --max-encoder-tokens-per-step 64 --encoder-slices-per-step 3 --max-num-seqs 64 --log-level warning \
-    > "$OUT/vlmcap-server-$1.log" 2>&1 &
+    --port "$PORT" --no-queue --num-threads "$THREADS" $SETTINGS --log-level warning \
+    > "$OUT/vlmcap-server.log" 2>&1 &
   SERVER_PID=$!
   wait_ready /ready
-  warm_up "vlmcap-$1"
+  warm_up vlmcap
 }
 
 warm_up() {  # $1: a name for its log. Not measured: requests with an image, then batches of 8 and of 32
@@ -99,10 +101,8 @@ if [ "$WHICH" = vllm ] || [ "$WHICH" = both ]; then
   stop_server
 fi
 if [ "$WHICH" = vlmcap ] || [ "$WHICH" = both ]; then
-  start_vlmcap 64
+  start_vlmcap
   workloads vlmcap
-  stop_server
-  start_vlmcap 2048
   bench vlmcap text32 serve --url "$URL" --rate inf --num-requests 32 --image-fraction 0 --max-tokens 64
   stop_server
 fi
