@@ -34,17 +34,30 @@ class OpenAICaptioner:
 
     async def caption_frames(self, images: list[bytes], notes: list[str], prompt: str, priority: int,
                              schema: dict | None = None, cache_salt: str | None = None) -> str:
-        """Several frames as one message (`jobqueue.consumer.frame_parts`), each image inline as a data URL;
-        `cache_salt` is sent as the request's (vLLM's and this server's name for it)."""
+        """Several frames as one message (`jobqueue.consumer.frame_parts`), each image inline as a data URL."""
         def image_part(index: int) -> dict:
             url = "data:image/jpeg;base64," + base64.b64encode(images[index]).decode()
             return {"type": "image_url", "image_url": {"url": url}}
 
+        return await self._complete(frame_parts(notes, prompt, image_part), priority, schema, cache_salt)
+
+    async def caption_video(self, video: bytes, prompt: str, priority: int, schema: dict | None = None,
+                            cache_salt: str | None = None) -> str:
+        """A job's clip inline as a `video_url` data URL (vLLM's and this server's part), then `prompt`; the
+        server samples its frames."""
+        url = "data:video/mp4;base64," + base64.b64encode(video).decode()
+        content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": prompt}]
+        return await self._complete(content, priority, schema, cache_salt)
+
+    async def _complete(self, content: list[dict], priority: int, schema: dict | None,
+                        cache_salt: str | None) -> str:
+        """One user message of `content`; `cache_salt` is sent as the request's (vLLM's and this server's name
+        for it)."""
         response_format = None if schema is None else {
             "type": "json_schema", "json_schema": {"name": "caption", "schema": schema, "strict": True}}
         response = await self.client.chat.completions.create(
             model=self.model,
-            messages=[{"role": "user", "content": frame_parts(notes, prompt, image_part)}],
+            messages=[{"role": "user", "content": content}],
             max_tokens=self.max_tokens,
             extra_body={**({"priority": priority} if priority else {}),
                         **({"cache_salt": cache_salt} if cache_salt else {})} or None,

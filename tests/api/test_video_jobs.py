@@ -1,7 +1,8 @@
 """A camera job may carry a short clip (`Job.video`): it round-trips the stream fields within its limits; the
 server's captioner captions it token for token as transformers' `generate` captions the same video prompt
 (tiny-qwen2-vl, native video, float32, greedy, a step budget that cuts the video's span); through Redis and
-the in-process queue worker a clip job is done and a corrupt clip fails naming why."""
+the in-process queue worker, and through `vlmcap worker`'s OpenAI captioner, a clip job is done and a corrupt
+clip fails naming why."""
 
 from __future__ import annotations
 
@@ -112,3 +113,33 @@ def test_clip_jobs_through_redis_are_done_or_fail_naming_why(module_redis_url, v
         done, failed = poll(http, good.job_id), poll(http, corrupt.job_id)
     assert done["status"] == "done" and done["caption"], done
     assert failed["status"] == "failed" and "not a readable video" in failed["error"], failed
+
+
+def test_a_remote_worker_sends_a_clip_job_as_a_video_url_part(redis_url, video_server):
+    """`vlmcap worker`'s captioner (any OpenAI-compatible server) sends the clip inline as a `video_url` part."""
+    from jobqueue.consumer import QueueWorker
+    from jobqueue.openai_captioner import OpenAICaptioner
+    from jobqueue.results import get_result
+
+    good, corrupt = clip_job(CLIP), clip_job(b"\x00\x00\x00\x18ftypmp42" + b"junk" * 100)
+    producer = JobProducer(redis_url)
+    for job in (good, corrupt):
+        producer.submit(job)
+    producer.close()
+
+    async def work() -> tuple:
+        captioner = OpenAICaptioner(video_server.url, model="tiny-qwen2-vl", max_tokens=4)
+        worker = QueueWorker(redis_url, captioner, claim_idle_seconds=0, max_deliveries=1, block_seconds=0.1)
+        try:
+            for _ in range(200):  # a bound that only turns a hang into a failure
+                if worker.stats.done + worker.stats.dead == 2:
+                    break
+                await worker.run_once()
+            return await get_result(worker.redis, good.job_id), await get_result(worker.redis, corrupt.job_id)
+        finally:
+            await captioner.aclose()
+            await worker.redis.aclose()
+
+    done, failed = asyncio.run(work())
+    assert done.status == "done" and done.caption
+    assert failed.status == "failed" and "not a readable video" in failed.error
