@@ -13,7 +13,7 @@ from api.errors import ENGINE_FAILED, APIError
 from api.grammars import GrammarRefused, compile_ahead
 from api.images import decode_image
 from api.settings import Limits
-from api.videos import decode_video, video_sampling
+from api.videos import check_video_input, decode_video, video_sampling
 from engine import SamplingParams
 from engine.grammar import GrammarSpec
 from engine.video import Video
@@ -53,6 +53,7 @@ class EngineCaptioner:
         """The caption of an encoded clip (`jobqueue.consumer.VideoCaptioner`): its frames sampled under the
         server's video settings and limits, then `prompt`. APIError for a clip the server refuses, and (400)
         when the model has no video path."""
+        check_video_input(self.bridge.engine, "video")
         sampling = video_sampling(self.limits, None, None, "video")
         clip = await asyncio.to_thread(decode_video, video, sampling, self.limits, "video")
         content = [{"type": "video"}, {"type": "text", "text": prompt}]

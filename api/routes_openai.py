@@ -30,7 +30,7 @@ from api.openai_schemas import (
 )
 from api.state import ServerState, server_state
 from api.streaming import ClientDisconnected, SSEResponse, sse, until_disconnect
-from api.videos import load_video_url, video_sampling
+from api.videos import check_video_input, load_video_url, video_sampling
 from engine import RequestOutput, SamplingParams
 from engine.grammar import GrammarSpec
 from engine.sampling import TokenLogprobs
@@ -73,6 +73,7 @@ async def build_prompt(turns: list[tuple[str, list[tuple[str, str, str]]]], stat
                 if len(videos) >= limits.max_videos_per_request:
                     raise APIError(400, f"{param}: more than max_videos_per_request = {limits.max_videos_per_request} "
                                         "videos in one request", param, "too_many_videos")
+                check_video_input(state.bridge.engine, param)
                 videos.append(await load_video_url(value, sampling, limits, param))
                 content.append({"type": "video"})
                 continue

@@ -14,7 +14,15 @@ import io
 from api.errors import APIError
 from api.images import Media, data_url_bytes, fetch_remote
 from api.settings import Limits
+from engine import Engine
 from engine.video import Video, VideoLimitError, VideoSampling, read_video
+
+
+def check_video_input(engine: Engine, param: str) -> None:
+    """A model without a video path refuses a video before it is fetched or decoded (400 naming the model)."""
+    if engine.adapter.video_marker is None:
+        raise APIError(400, f"{param}: the model ({engine.adapter.family}) has no video input; send the frames as "
+                            "images instead", param, "unsupported_video")
 
 
 def video_media(limits: Limits) -> Media:

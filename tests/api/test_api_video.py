@@ -178,3 +178,13 @@ def test_a_chat_streaming_beside_bad_videos_gets_its_own_tokens(server, client, 
         return tokens
 
     assert asyncio.run(beside()) == alone
+
+
+def test_a_model_without_a_video_path_refuses_a_video_naming_the_model():
+    settings = ServerSettings(engine=EngineConfig(model="tiny-llava"), served_model_name="llava", limits=LIMITS)
+    with BackgroundServer(create_app(settings)) as running:
+        llava = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as refused:
+            llava.chat.completions.create(model="llava", messages=video_message(video_url(b"never read")), max_tokens=4)
+        assert "LlavaForConditionalGeneration) has no video input" in refused.value.body["message"]
+        assert refused.value.body["code"] == "unsupported_video"
