@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 
 from jobqueue.consumer import frame_parts
+from jobqueue.structured import SchemaRefused
 
 
 class OpenAICaptioner:
@@ -55,14 +56,21 @@ class OpenAICaptioner:
         for it)."""
         response_format = None if schema is None else {
             "type": "json_schema", "json_schema": {"name": "caption", "schema": schema, "strict": True}}
-        response = await self.client.chat.completions.create(
-            model=self.model,
-            messages=[{"role": "user", "content": content}],
-            max_tokens=self.max_tokens,
-            extra_body={**({"priority": priority} if priority else {}),
-                        **({"cache_salt": cache_salt} if cache_salt else {})} or None,
-            **({"response_format": response_format} if response_format else {}),
-        )
+        from openai import BadRequestError
+
+        try:
+            response = await self.client.chat.completions.create(
+                model=self.model,
+                messages=[{"role": "user", "content": content}],
+                max_tokens=self.max_tokens,
+                extra_body={**({"priority": priority} if priority else {}),
+                            **({"cache_salt": cache_salt} if cache_salt else {})} or None,
+                **({"response_format": response_format} if response_format else {}),
+            )
+        except BadRequestError as err:  # a schema the server refuses: no redelivery can succeed
+            if schema is not None and str(err.param or "").startswith("response_format"):
+                raise SchemaRefused(f"the server refused the schema: {err.message}") from None
+            raise
         text = response.choices[0].message.content if response.choices else None
         if not text or not text.strip():
             raise ValueError(f"VLM returned no caption (finish reason "
