@@ -245,7 +245,8 @@ function captionMeta(result) {
   const parts = [el("span", "camera-badge", result.camera_id || "upload"),
     el("time", "time", formatTime(result.created_at)), el("span", "people", peopleLabel(result.person_count))];
   if (result.status === "failed") parts.push(el("span", "badge-failed", "failed"));
-  if (result.kind) parts.push(el("span", `badge-kind kind-${result.kind}`, result.kind));
+  if (result.fall) parts.push(el("span", "badge-fall", "fall"));
+  else if (result.kind) parts.push(el("span", `badge-kind kind-${result.kind}`, result.kind));
   if (result.frame_count > 1) {
     const who = result.track_id !== null && result.track_id !== undefined ? `person ${result.track_id} · ` : "";
     parts.push(el("span", "muted small", `${who}${(result.end_ts - result.start_ts).toFixed(1)} s · `

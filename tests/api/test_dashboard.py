@@ -118,12 +118,14 @@ def assert_boxes_drawn(boxed_jpeg: bytes, plain_jpeg: bytes, boxes: list[Detecti
 
 
 def run_camera(redis_url: str, tmp_path: Path, camera_id: str) -> dict[str, int]:
-    """A real camera pipeline (HOG) over a folder of three copies of bus.jpg (one second apart)."""
+    """A real camera pipeline (HOG) over a folder of three copies of bus.jpg (one second apart), one-frame jobs
+    only (events: tests/api/test_dashboard_events.py)."""
     folder = tmp_path / "frames"
     folder.mkdir()
     for index in range(3):
         shutil.copy(BUS, folder / f"{index}.jpg")
-    config = PipelineConfig(source=str(folder), camera_id=camera_id, redis_url=redis_url, detector="hog")
+    config = PipelineConfig(source=str(folder), camera_id=camera_id, redis_url=redis_url, detector="hog",
+                            events=False)
     return CameraPipeline(config).run()
 
 
