@@ -24,15 +24,15 @@
 #include "dtypes.h"
 
 #define RW 4   /* weight rows per block */
-#define RX 6   /* rows of x per block */
 #define MC 48  /* rows of x per pass over the weights */
+#define NB 8   /* blocks per task: 32 output columns (16 in glu mode), finished together */
 
 #if defined(__AVX512F__)
 typedef __m512 vf;
 #define VW 16
+#define RX 6   /* rows of x per block: 24 sums, 4 weights and x in 32 registers */
 static inline vf vzero(void) { return _mm512_setzero_ps(); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline __attribute__((always_inline)) vf vload(const void *p, int dtype, int64_t at) {
     if (dtype == BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -40,16 +40,24 @@ static inline __attribute__((always_inline)) vf vload(const void *p, int dtype, 
     if (dtype == F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at)));
     return _mm512_loadu_ps((const float *)p + at);
 }
+#define XLOAD(p) _mm512_loadu_ps(p)
+/* [sum(a), sum(b), sum(c), sum(d)] */
+static inline __m128 reduce4(vf a, vf b, vf c, vf d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 abcd = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
 #elif defined(VECTOR)
 typedef __m256 vf;
 #define VW 8
+#define RX 3   /* rows of x per block: 12 sums and 4 weights in 16 registers, x read from memory */
 static inline vf vzero(void) { return _mm256_setzero_ps(); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vsum(vf a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
 static inline __attribute__((always_inline)) vf vload(const void *p, int dtype, int64_t at) {
     if (dtype == BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(
@@ -59,6 +67,13 @@ static inline __attribute__((always_inline)) vf vload(const void *p, int dtype, 
 #endif
     return _mm256_loadu_ps((const float *)p + at);
 }
+#define XLOAD(p) _mm256_loadu_ps(p)
+static inline __m128 reduce4(vf a, vf b, vf c, vf d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+#else
+#define RX 6
 #endif
 
 /* One weight value as float32. */
@@ -68,57 +83,60 @@ static inline float wvalue(const void *w, int dtype, int64_t at) {
     return v;
 }
 
-/* sums[r * RX + i] = dot(W row w[r], x row i) for r < RW, i < rows: the scalar tail of k (from `from`) added to
- * what the vector loop left. */
+/* out[i * stride + r] += dot(W row w[r], x row i) over k from `from` (the scalar tail, or everything). */
 static void tail(const float *x, int64_t k, int64_t from, const void *const w[RW], int dtype, int rows,
-                 float *sums) {
+                 float *out, int64_t stride) {
     for (int r = 0; r < RW; r++)
-        for (int i = 0; i < rows; i++)
-            for (int64_t t = from; t < k; t++) sums[r * RX + i] += wvalue(w[r], dtype, t) * x[i * k + t];
+        for (int i = 0; i < rows; i++) {
+            float sum = 0.0f;
+            for (int64_t t = from; t < k; t++) sum += wvalue(w[r], dtype, t) * x[i * k + t];
+            out[i * stride + r] += sum;
+        }
 }
 
 #ifdef VW
 #define A(r, i) a##r##i
-#define DECL(r) vf A(r, 0) = vzero(), A(r, 1) = A(r, 0), A(r, 2) = A(r, 0), A(r, 3) = A(r, 0), A(r, 4) = A(r, 0), \
-                   A(r, 5) = A(r, 0);
+#define DECL(i) vf A(0, i) = vzero(), A(1, i) = A(0, i), A(2, i) = A(0, i), A(3, i) = A(0, i);
 #define FMA_ROW(i) \
     if (rows > i) { \
-        const vf xv = _mm_loadx(x + i * k + t); \
+        const vf xv = XLOAD(x + i * k + t); \
         A(0, i) = vfma(w0, xv, A(0, i)), A(1, i) = vfma(w1, xv, A(1, i)); \
         A(2, i) = vfma(w2, xv, A(2, i)), A(3, i) = vfma(w3, xv, A(3, i)); \
     }
-#define SUM_ROW(i) \
-    if (rows > i) sums[0 * RX + i] = vsum(A(0, i)), sums[1 * RX + i] = vsum(A(1, i)), \
-                  sums[2 * RX + i] = vsum(A(2, i)), sums[3 * RX + i] = vsum(A(3, i));
-#if VW == 16
-#define _mm_loadx(p) _mm512_loadu_ps(p)
+#define STORE_ROW(i) \
+    if (rows > i) _mm_storeu_ps(out + i * stride, reduce4(A(0, i), A(1, i), A(2, i), A(3, i)));
+#if RX == 6
+#define EACH_ROW(M) M(0) M(1) M(2) M(3) M(4) M(5)
 #else
-#define _mm_loadx(p) _mm256_loadu_ps(p)
+#define EACH_ROW(M) M(0) M(1) M(2)
 #endif
-/* Float32 x (rows 0..R-1, each k long) against weight rows w[0..3] of dtype D: one function per D and R. */
+/* Float32 x (rows 0..R-1, each k long) against weight rows w[0..3] of dtype D, the four sums of x row i into
+ * out[i * stride ..]: one function per D and R. */
 #define BLOCK(D, R) \
-    static void block_##D##_##R(const float *x, int64_t k, const void *const w[RW], float *sums) { \
+    static void block_##D##_##R(const float *x, int64_t k, const void *const w[RW], float *out, int64_t stride) { \
         const int rows = R; \
-        DECL(0) DECL(1) DECL(2) DECL(3) \
+        EACH_ROW(DECL) \
         const void *p0 = w[0], *p1 = w[1], *p2 = w[2], *p3 = w[3]; \
         int64_t t = 0; \
         for (; t + VW <= k; t += VW) { \
             const vf w0 = vload(p0, D, t), w1 = vload(p1, D, t), w2 = vload(p2, D, t), w3 = vload(p3, D, t); \
-            FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3) FMA_ROW(4) FMA_ROW(5) \
+            EACH_ROW(FMA_ROW) \
         } \
-        SUM_ROW(0) SUM_ROW(1) SUM_ROW(2) SUM_ROW(3) SUM_ROW(4) SUM_ROW(5) \
-        tail(x, k, t, w, D, rows, sums); \
+        EACH_ROW(STORE_ROW) \
+        if (t < k) tail(x, k, t, w, D, rows, out, stride); \
     }
+#if RX == 6
 #define BLOCKS(D) BLOCK(D, 1) BLOCK(D, 2) BLOCK(D, 3) BLOCK(D, 4) BLOCK(D, 5) BLOCK(D, 6)
+#define FNS(D) {block_##D##_1, block_##D##_2, block_##D##_3, block_##D##_4, block_##D##_5, block_##D##_6}
+#else
+#define BLOCKS(D) BLOCK(D, 1) BLOCK(D, 2) BLOCK(D, 3)
+#define FNS(D) {block_##D##_1, block_##D##_2, block_##D##_3}
+#endif
 BLOCKS(F32)
 BLOCKS(BF16)
 BLOCKS(F16)
-typedef void (*block_fn)(const float *, int64_t, const void *const[RW], float *);
-static const block_fn BLOCK_FNS[3][RX] = {
-    {block_F32_1, block_F32_2, block_F32_3, block_F32_4, block_F32_5, block_F32_6},
-    {block_BF16_1, block_BF16_2, block_BF16_3, block_BF16_4, block_BF16_5, block_BF16_6},
-    {block_F16_1, block_F16_2, block_F16_3, block_F16_4, block_F16_5, block_F16_6},
-};
+typedef void (*block_fn)(const float *, int64_t, const void *const[RW], float *, int64_t);
+static const block_fn BLOCK_FNS[3][RX] = {FNS(F32), FNS(BF16), FNS(F16)};
 #endif
 
 #ifdef __AVX512BF16__
@@ -130,9 +148,9 @@ static const block_fn BLOCK_FNS[3][RX] = {
         A(2, i) = _mm512_dpbf16_ps(A(2, i), w2, xv), A(3, i) = _mm512_dpbf16_ps(A(3, i), w3, xv); \
     }
 #define DP_BLOCK(R) \
-    static void dp_block_##R(const uint16_t *xb, int64_t k, const void *const w[RW], float *sums) { \
+    static void dp_block_##R(const uint16_t *xb, int64_t k, const void *const w[RW], float *out, int64_t stride) { \
         const int rows = R; \
-        DECL(0) DECL(1) DECL(2) DECL(3) \
+        EACH_ROW(DECL) \
         const uint16_t *p0 = w[0], *p1 = w[1], *p2 = w[2], *p3 = w[3]; \
         for (int64_t t = 0; t < k; t += 32) { \
             const __mmask32 mask = k - t >= 32 ? 0xffffffffu : (__mmask32)((1u << (k - t)) - 1u); \
@@ -140,12 +158,12 @@ static const block_fn BLOCK_FNS[3][RX] = {
             const __m512bh w1 = (__m512bh)_mm512_maskz_loadu_epi16(mask, p1 + t); \
             const __m512bh w2 = (__m512bh)_mm512_maskz_loadu_epi16(mask, p2 + t); \
             const __m512bh w3 = (__m512bh)_mm512_maskz_loadu_epi16(mask, p3 + t); \
-            DP_ROW(0) DP_ROW(1) DP_ROW(2) DP_ROW(3) DP_ROW(4) DP_ROW(5) \
+            EACH_ROW(DP_ROW) \
         } \
-        SUM_ROW(0) SUM_ROW(1) SUM_ROW(2) SUM_ROW(3) SUM_ROW(4) SUM_ROW(5) \
+        EACH_ROW(STORE_ROW) \
     }
 DP_BLOCK(1) DP_BLOCK(2) DP_BLOCK(3) DP_BLOCK(4) DP_BLOCK(5) DP_BLOCK(6)
-typedef void (*dp_fn)(const uint16_t *, int64_t, const void *const[RW], float *);
+typedef void (*dp_fn)(const uint16_t *, int64_t, const void *const[RW], float *, int64_t);
 static const dp_fn DP_FNS[RX] = {dp_block_1, dp_block_2, dp_block_3, dp_block_4, dp_block_5, dp_block_6};
 #endif
 
@@ -174,20 +192,43 @@ static void *scratch(size_t bytes) {
     return buffer;
 }
 
-static inline float rounded(float v, int dtype) {
-    if (dtype == F32) return v;
-    uint16_t half;
-    float back;
-    store_floats(&v, 1, &half, dtype, 0);
-    load_floats(&half, dtype, 0, 1, &back);
-    return back;
+/* v rounded to bfloat16 or float16 and widened back, as torch rounds (nearest even); float32: v. Plain loops
+ * over arrays, so that the compiler vectorises them. */
+static inline void round_to(float *v, int64_t count, int dtype) {
+    if (dtype == BF16) {
+        for (int64_t c = 0; c < count; c++) {
+            uint32_t bits;
+            memcpy(&bits, v + c, sizeof(bits));
+            const uint32_t nan = (bits & 0x7fffffffu) > 0x7f800000u;
+            bits = nan ? (bits | 0x00400000u) & 0xffff0000u : (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+            memcpy(v + c, &bits, sizeof(bits));
+        }
+    } else if (dtype == F16) {
+        for (int64_t c = 0; c < count; c++) v[c] = (float)(_Float16)v[c];
+    }
 }
 
-/* SiLU(g) * u as torch computes `act(gate) * up` in `dtype`: each operator's result rounded to it. */
-static inline float glu(float g, float u, int dtype) {
-    g = rounded(g, dtype);
-    const float act = rounded(g / (1.0f + expf(-g)), dtype);
-    return rounded(act * rounded(u, dtype), dtype);
+/* The sums of one task's columns for one row of x, finished: bias, then (glu) SiLU(gate) * up with each
+ * operator's result rounded to the output dtype as torch's `act(gate) * up` rounds it. gate_up holds per block
+ * [gate j, gate j+1, up j, up j+1]. */
+static void finish_row(float *sums, int64_t blocks, int glu_mode, const float *bias, const int64_t *rows_of,
+                       int dtype, float *out) {
+    if (!glu_mode) {
+        for (int64_t c = 0; c < blocks * RW; c++) out[c] = sums[c] + (bias ? bias[rows_of[c]] : 0.0f);
+        return;
+    }
+    float gate[2 * NB], up[2 * NB];
+    const int64_t count = 2 * blocks;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int c = 0; c < 2; c++) {
+            gate[2 * b + c] = sums[b * RW + c] + (bias ? bias[rows_of[b * RW + c]] : 0.0f);
+            up[2 * b + c] = sums[b * RW + 2 + c] + (bias ? bias[rows_of[b * RW + 2 + c]] : 0.0f);
+        }
+    round_to(gate, count, dtype);
+    round_to(up, count, dtype);
+    for (int64_t c = 0; c < count; c++) out[c] = gate[c] / (1.0f + expf(-gate[c]));
+    round_to(out, count, dtype);
+    for (int64_t c = 0; c < count; c++) out[c] *= up[c];
 }
 
 /* x [m, k] in io_dtype, w [n, k] in w_dtype (rows `w_stride` elements apart), bias n floats or NULL; y [m, n]
@@ -195,7 +236,7 @@ static inline float glu(float g, float u, int dtype) {
 int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int w_dtype, int64_t w_stride,
            int64_t n, const float *bias, int glu_mode, void *y, int num_threads) {
     const int64_t item = w_dtype == F32 ? 4 : 2, out_cols = glu_mode ? n / 2 : n;
-    const int64_t blocks = glu_mode ? (out_cols + 1) / 2 : (n + RW - 1) / RW;
+    const int64_t blocks = glu_mode ? (out_cols + 1) / 2 : (n + RW - 1) / RW, tasks = (blocks + NB - 1) / NB;
 #ifdef __AVX512BF16__
     const int dot = io_dtype == BF16 && w_dtype == BF16;
 #else
@@ -208,52 +249,51 @@ int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int
         load_floats(x, io_dtype, 0, m * k, converted);
         xf = converted;
     }
-    /* A block's weight rows: four consecutive ones, or two of the gate's and the same two of the up's; a row
-     * past the end repeats the last real one (its sums are not stored). */
 #pragma omp parallel num_threads(num_threads) if (m * n * k >= 65536)
     for (int64_t i0 = 0; i0 < m; i0 += MC) {
         const int64_t chunk = MIN(MC, m - i0);
-#pragma omp for schedule(dynamic, 8)
-        for (int64_t b = 0; b < blocks; b++) {
-            int64_t rows_of[RW];
-            if (glu_mode) {
-                const int64_t j = 2 * b, j1 = MIN(j + 1, out_cols - 1);
-                rows_of[0] = j, rows_of[1] = j1, rows_of[2] = out_cols + j, rows_of[3] = out_cols + j1;
-            } else {
-                for (int r = 0; r < RW; r++) rows_of[r] = MIN(RW * b + r, n - 1);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t first_block = task * NB, count = MIN(NB, blocks - first_block);
+            /* A block's weight rows: four consecutive ones, or two of the gate's and the same two of the up's;
+             * a row past the end repeats the last real one (its sums are not stored). */
+            int64_t rows_of[NB * RW];
+            for (int64_t b = 0; b < count; b++) {
+                int64_t *r = rows_of + b * RW;
+                if (glu_mode) {
+                    const int64_t j = 2 * (first_block + b), j1 = MIN(j + 1, out_cols - 1);
+                    r[0] = j, r[1] = j1, r[2] = out_cols + j, r[3] = out_cols + j1;
+                } else {
+                    for (int c = 0; c < RW; c++) r[c] = MIN(RW * (first_block + b) + c, n - 1);
+                }
             }
-            const void *wr[RW];
-            for (int r = 0; r < RW; r++) wr[r] = (const char *)w + rows_of[r] * w_stride * item;
-            for (int64_t i = i0; i < i0 + chunk; i += RX) {
-                const int rows = (int)MIN(RX, i0 + chunk - i);
-                float sums[RW * RX] = {0};
+            float sums[MC * NB * RW];
+            memset(sums, 0, sizeof(float) * (size_t)(chunk * NB * RW));
+            for (int64_t b = 0; b < count; b++) {
+                const void *wr[RW];
+                for (int c = 0; c < RW; c++) wr[c] = (const char *)w + rows_of[b * RW + c] * w_stride * item;
+                for (int64_t i = i0; i < i0 + chunk; i += RX) {
+                    const int rows = (int)MIN(RX, i0 + chunk - i);
+                    float *out = sums + (i - i0) * NB * RW + b * RW;
 #ifdef __AVX512BF16__
-                if (dot) DP_FNS[rows - 1]((const uint16_t *)x + i * k, k, wr, sums);
-                else
+                    if (dot) {
+                        DP_FNS[rows - 1]((const uint16_t *)x + i * k, k, wr, out, NB * RW);
+                        continue;
+                    }
 #endif
 #ifdef VW
-                    BLOCK_FNS[w_dtype][rows - 1](xf + i * k, k, wr, sums);
+                    BLOCK_FNS[w_dtype][rows - 1](xf + i * k, k, wr, out, NB * RW);
 #else
-                    tail(xf + i * k, k, 0, wr, w_dtype, rows, sums);
+                    tail(xf + i * k, k, 0, wr, w_dtype, rows, out, NB * RW);
 #endif
-                for (int r = 0; r < RW; r++)
-                    if (bias)
-                        for (int s = 0; s < rows; s++) sums[r * RX + s] += bias[rows_of[r]];
-                for (int s = 0; s < rows; s++) {
-                    float out[RW];
-                    int count = 0;
-                    int64_t first;
-                    if (glu_mode) {
-                        first = 2 * b;
-                        count = (int)MIN(2, out_cols - first);
-                        for (int c = 0; c < count; c++) out[c] = glu(sums[c * RX + s], sums[(c + 2) * RX + s], io_dtype);
-                    } else {
-                        first = RW * b;
-                        count = (int)MIN(RW, n - first);
-                        for (int c = 0; c < count; c++) out[c] = sums[c * RX + s];
-                    }
-                    store_floats(out, count, y, io_dtype, (i + s) * out_cols + first);
                 }
+            }
+            const int64_t first_col = glu_mode ? 2 * first_block : RW * first_block;
+            const int64_t cols = MIN(glu_mode ? 2 * count : RW * count, out_cols - first_col);
+            for (int64_t s = 0; s < chunk; s++) {
+                float done[NB * RW];
+                finish_row(sums + s * NB * RW, count, glu_mode, bias, rows_of, io_dtype, done);
+                store_floats(done, cols, y, io_dtype, (i0 + s) * out_cols + first_col);
             }
         }
     }
