@@ -2,10 +2,10 @@
 
 xgrammar compiles recursively and expands bounded repetitions: a regex nested thousands deep overflows the C
 stack, `a{1,8000}` takes seconds, thousands of optional properties or enum values take tens of seconds and
-hundreds of MB. `check_grammar` walks a spec (iteratively: a deep schema cannot overflow Python's stack either)
-and raises `GrammarLimitError` naming the limit and the value. It also refuses every `$ref` that points outside
-the schema: nothing is ever fetched for a grammar, and a reference the compiler cannot follow is an error,
-not a silent "any value".
+hundreds of MB. `check_schema` and `check_regex` walk a spec (iteratively: a deep schema cannot overflow Python's
+stack either) and raise `GrammarLimitError` naming the limit and the value. `check_schema` also refuses every
+`$ref` that points outside the schema: nothing is ever fetched for a grammar, and a reference the compiler cannot
+follow is an error, not a silent "any value" (what xgrammar makes of one).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ class GrammarLimits:
     max_schema_depth: the deepest nesting of a schema's JSON objects and arrays.
     max_regex_chars: the longest regex (the grammar's own or a schema's `pattern`).
     max_regex_depth: the deepest nesting of a regex's groups and classes.
-    max_repetition: the largest bounded repetition. Regex `{m,n}` (nested ones multiplied),
-        `minLength`/`maxLength`, `minItems`/`maxItems`, `minProperties`/`maxProperties`.
+    max_repetition: the largest bounded repetition of a regex. `{m,n}`, nested ones multiplied (xgrammar expands
+        them, about quadratically); a schema's `minLength`/`maxLength`/`minItems`/`maxItems` compile in constant
+        size and are not limited.
     max_enum_values: the most `enum` values plus `const`s in a whole schema.
     max_properties: the most `properties` entries in a whole schema.
     compile_timeout_s: seconds one grammar may take to compile (its child process is killed past it).
@@ -63,7 +64,6 @@ def _over(limit: str, what: str, value: int, bound: int) -> GrammarLimitError:
     return GrammarLimitError(limit, f"{what} is {value}, over the limit of {bound} ({limit})")
 
 
-_COUNTED_BOUNDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 _REFS = ("$ref", "$dynamicRef", "$recursiveRef")
 _QUANTIFIER = re.compile(r"\{(\d*)(?:,(\d*))?\}")
 
@@ -139,8 +139,6 @@ def check_schema(schema_text: str, limits: GrammarLimits) -> None:
             elif key == "patternProperties" and isinstance(value, dict):
                 for pattern in value:
                     check_regex(pattern, limits, "schema's patternProperties")
-            elif key in _COUNTED_BOUNDS and isinstance(value, (int, float)) and value > limits.max_repetition:
-                raise _over("max_repetition", f"the schema's {key}", value, limits.max_repetition)
             elif key == "enum" and isinstance(value, list):
                 enums += len(value)
             elif key == "const":
