@@ -138,3 +138,25 @@ def test_allocate_grows_a_table_block_by_block():
         assert m.allocate(r, added)
         assert len(r.block_ids) == m.pool.blocks_for(computed + added)
     assert len(set(r.block_ids)) == len(r.block_ids)
+
+
+def test_a_shared_block_stays_held_until_its_last_reader_frees_it_and_a_cached_prefix_outlives_its_tail():
+    s = scheduler(num_blocks=6)
+    first = request("first", 9)
+    s.add(first)
+    step(s)  # blocks 0 and 1 full and registered; block 2 holds the last prompt token
+    second = request("second", 9, arrival=1)
+    s.add(second)
+    step(s)
+    manager = s.kv_cache_manager
+    shared = first.block_ids[:2]
+    assert second.block_ids[:2] == shared
+    s.finish(first, "stop")
+    assert manager.pool.num_unheld(shared) == 0  # "second" still reads them
+    s.finish(second, "stop")
+    assert manager.pool.num_unheld(shared) == 2 and manager.stats().cached_blocks == 2
+    # Empty blocks go first; then the cached ones, a request's tail before its prefix.
+    other = request("other", 4 * 5, first_token=900)
+    assert manager.allocate(other, 4 * 5)
+    assert manager.stats().cached_blocks == 1
+    assert manager.computed_blocks(request("again", 9, arrival=2)) == (shared[:1], 4)
