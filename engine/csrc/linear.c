@@ -252,6 +252,8 @@ int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int
 #pragma omp parallel num_threads(num_threads) if (m * n * k >= 65536)
     for (int64_t i0 = 0; i0 < m; i0 += MC) {
         const int64_t chunk = MIN(MC, m - i0);
+        /* the chunk's rows in blocks of equal size (8 rows: 4 + 4, not 6 + 2) */
+        const int64_t per_block = (chunk + (chunk + RX - 1) / RX - 1) / ((chunk + RX - 1) / RX);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t first_block = task * NB, count = MIN(NB, blocks - first_block);
@@ -272,8 +274,8 @@ int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int
             for (int64_t b = 0; b < count; b++) {
                 const void *wr[RW];
                 for (int c = 0; c < RW; c++) wr[c] = (const char *)w + rows_of[b * RW + c] * w_stride * item;
-                for (int64_t i = i0; i < i0 + chunk; i += RX) {
-                    const int rows = (int)MIN(RX, i0 + chunk - i);
+                for (int64_t i = i0; i < i0 + chunk; i += per_block) {
+                    const int rows = (int)MIN(per_block, i0 + chunk - i);
                     float *out = sums + (i - i0) * NB * RW + b * RW;
 #ifdef __AVX512BF16__
                     if (dot) {
