@@ -220,6 +220,8 @@ class PipelineBenchConfig:
     imgsz: YOLO input size.
     redis_url: Redis for the queue (default: embedded).
     repeats: runs per detector; the fastest is kept.
+    token_model: preset (tiny, smolvlm-256m, ...) or checkpoint directory whose processor counts the image tokens
+        of each event ('' : not counted).
     """
 
     source: str = str(SAMPLE_VIDEO)
@@ -228,6 +230,7 @@ class PipelineBenchConfig:
     imgsz: int = 640
     redis_url: str | None = None
     repeats: int = 1
+    token_model: str = "smolvlm-256m"
 
 
 @dataclass

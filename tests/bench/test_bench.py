@@ -82,7 +82,7 @@ def test_bench_prefix_runs_as_python_m_bench_without_fastapi_or_redis(tmp_path):
 def test_bench_pipeline_times_each_stage_on_real_redis(tmp_path, redis_url, people_fall_weights):
     out, png = tmp_path / "pipeline.json", tmp_path / "pipeline.png"
     invoke(["bench", "pipeline", "--detector", "people-fall", "--detector", "hog", "--redis-url", redis_url,
-            "--json", str(out), "--png", str(png)])
+            "--token-model", "tiny", "--json", str(out), "--png", str(png)])
     results = json.loads(out.read_text())["results"]
     for result in results.values():
         assert result["frames"] == 60 and result["fps"] > 0
@@ -92,6 +92,9 @@ def test_bench_pipeline_times_each_stage_on_real_redis(tmp_path, redis_url, peop
     # The trained detector finds the people of the three scenes that have some (10 frames each, a new
     # track reported from its second frame) and the one lying on the ground.
     assert 27 <= trained["frames_with_people"] <= 30 and trained["falls"] == 1
+    # Events: one per track of the 12 s video, each a few frames whose prompt expands to image tokens.
+    assert trained["events"] >= 3 and trained["events_per_minute"] == trained["events"] * 5
+    assert 1 <= trained["frames_per_event"] <= 6 and trained["image_tokens_per_event"] > 0
     assert is_png(png)
 
 
