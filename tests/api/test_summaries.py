@@ -5,6 +5,7 @@ camera and interval lands on `vlmcap:summaries:<camera>`."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import cv2
@@ -53,6 +54,12 @@ def test_summary_of_a_window_validates_is_cached_and_appended_periodically(serve
         assert sorted(c["kind"] for c in captions) == ["event", "sighting"]
         event = next(c for c in captions if c["kind"] == "event")
         assert (event["track_id"], event["start_ts"], event["end_ts"], event["frame_count"]) == (7, 1.0, 3.0, 3)
+        with http.stream("GET", "/v1/captions/stream", params={"camera": "yard"},
+                         headers={"Last-Event-ID": "0"}) as stream:  # the SSE stream carries the same fields
+            data = next(line for line in stream.iter_lines() if line.startswith("data: "))
+        streamed = json.loads(data[len("data: "):])
+        assert {k: streamed[k] for k in ("kind", "track_id", "start_ts", "end_ts", "frame_count")} in (
+            {k: c[k] for k in ("kind", "track_id", "start_ts", "end_ts", "frame_count")} for c in captions)
 
         first = http.post("/v1/cameras/yard/summary", json={"window_s": 600})
         assert first.status_code == 200, first.text
