@@ -180,3 +180,29 @@ def wait_for(condition, what: str, timeout: float = 30.0, interval: float = 0.05
         if time.monotonic() > deadline:
             raise AssertionError(f"gave up waiting for {what}")
         time.sleep(interval)
+
+
+def caption_remotely(redis_url: str, server_url: str, model: str, job: Job, max_tokens: int = 512,
+                     max_deliveries: int = 3):
+    """`vlmcap worker`'s path: submit `job`, caption the queue through a QueueWorker with an OpenAICaptioner against
+    `server_url` until no job is left, and return the job's result."""
+    import asyncio
+
+    from jobqueue.openai_captioner import OpenAICaptioner
+    from jobqueue.results import get_result
+
+    producer = JobProducer(redis_url)
+    producer.submit(job)
+    producer.close()
+
+    async def work():
+        captioner = OpenAICaptioner(server_url, model=model, max_tokens=max_tokens)
+        worker = QueueWorker(redis_url, captioner, block_seconds=0.1, max_deliveries=max_deliveries)
+        try:
+            await work_until_idle(worker)
+            return await get_result(worker.redis, job.job_id)
+        finally:
+            await captioner.aclose()
+            await worker.redis.aclose()
+
+    return asyncio.run(work())

@@ -345,30 +345,10 @@ def test_a_job_with_a_bad_schema_is_dead_lettered_once_at_its_first_delivery(mod
 
 def test_vlmcap_worker_dead_letters_a_schema_the_server_refuses_at_once(redis_url, server):
     """`vlmcap worker`'s path: the server's 400 for the schema ends the job at its first delivery."""
-    import asyncio
-
-    from queue_support import work_until_idle
-
-    from jobqueue.consumer import QueueWorker
-    from jobqueue.openai_captioner import OpenAICaptioner
-    from jobqueue.results import get_result
+    from queue_support import caption_remotely
 
     job = Job(camera_id="remote", frame_ts=1.0, prompt=PROMPT, image=BUS, detections=[Detection(10, 20, 110, 220, 0.9)],
               schema={"type": "string", "pattern": "a{1,8000}"})
-    producer = JobProducer(redis_url)
-    producer.submit(job)
-    producer.close()
-
-    async def work():
-        captioner = OpenAICaptioner(server.url, model=MODEL, max_tokens=8)
-        worker = QueueWorker(redis_url, captioner, block_seconds=0.1, max_deliveries=3)
-        try:
-            await work_until_idle(worker)
-            return await get_result(worker.redis, job.job_id)
-        finally:
-            await captioner.aclose()
-            await worker.redis.aclose()
-
-    result = asyncio.run(work())
+    result = caption_remotely(redis_url, server.url, MODEL, job, max_tokens=8)
     assert result.status == "failed" and result.deliveries == 1, result
     assert "SchemaRefused" in result.error and "max_repetition" in result.error

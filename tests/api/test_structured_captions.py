@@ -5,7 +5,6 @@ schema cannot be used, or whose caption does not parse, is dead-lettered saying 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 from pathlib import Path
@@ -144,27 +143,9 @@ def test_bad_caption_schema_files_are_named(tmp_path):
 
 def test_the_openai_captioner_asks_for_the_schema_over_http(redis_url, server):
     """`vlmcap worker`'s path: the job's schema goes to the server as response_format."""
-    from queue_support import work_until_idle
-
-    from jobqueue.consumer import QueueWorker
-    from jobqueue.openai_captioner import OpenAICaptioner
-    from jobqueue.results import get_result
+    from queue_support import caption_remotely
 
     job = camera_job("remote", SAMPLE_SCHEMA)
-    producer = JobProducer(redis_url)
-    producer.submit(job)
-    producer.close()
-
-    async def work():
-        captioner = OpenAICaptioner(server.url, model=server.state.settings.model_name, max_tokens=512)
-        worker = QueueWorker(redis_url, captioner, block_seconds=0.1)
-        try:
-            await work_until_idle(worker)
-            return await get_result(worker.redis, job.job_id)
-        finally:
-            await captioner.aclose()
-            await worker.redis.aclose()
-
-    result = asyncio.run(work())
+    result = caption_remotely(redis_url, server.url, server.state.settings.model_name, job)
     assert result.status == "done", result.error
     jsonschema_rs.validate(SAMPLE_SCHEMA, result.structured)
