@@ -80,8 +80,16 @@ class _Worker:
     def kill(self) -> None:
         if self.process.is_alive():
             self.process.kill()
-        self.process.join(5)
+        self.exit_code()
         self.conn.close()
+
+    def exit_code(self, wait_s: float = 5.0) -> int | None:
+        """The child's exit code (negative: the signal that ended it), waiting for it to be reaped. The child
+        closed the pipes multiprocessing's `join` waits on (`_close_inherited`), so this polls."""
+        deadline = time.monotonic() + wait_s
+        while self.process.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.process.exitcode
 
 
 class GrammarPool:
@@ -157,8 +165,7 @@ class GrammarPool:
         try:
             return worker.conn.recv()
         except (EOFError, OSError):
-            worker.process.join(1)
-            code = worker.process.exitcode
+            code = worker.exit_code()
             why = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
             log.error("a grammar compiler process died (%s); it is replaced", why)
             raise ValueError(f"the grammar crashed the compiler ({why}); it cannot be used") from None
