@@ -3,6 +3,7 @@ limits, compiled in a supervised child whose crash (SIGSEGV), overrun or cancell
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 
@@ -118,3 +119,42 @@ def test_the_compiled_cache_is_bounded_in_bytes(tokenizer):
         assert compiler.cache.bytes <= compiler.cache.max_bytes
     assert 1 <= len(compiler.cache) < 7
     compiler.close()
+
+
+def test_children_end_with_close_and_with_a_killed_server(tokenizer, checkpoint):
+    import subprocess
+    import sys
+
+    compiler = compiler_with(tokenizer)
+    compiler.compile(GrammarSpec(regex="[0-9]+"))
+    children = [p for p in multiprocessing.active_children() if p.name == "vlmcap-grammar"]
+    assert children
+    compiler.close()
+    assert not any(child.is_alive() for child in children)
+    # A server killed outright (SIGKILL, no cleanup) leaves no compiler child behind: its pipe's end closes.
+    script = (
+        "import os, signal, sys\n"
+        "from transformers import AutoTokenizer\n"
+        "from engine.grammar import GrammarCompiler, GrammarSpec\n"
+        f"tokenizer = AutoTokenizer.from_pretrained({checkpoint!r})\n"
+        "compiler = GrammarCompiler(tokenizer, 512, [tokenizer.eos_token_id])\n"
+        "compiler.compile(GrammarSpec(regex='[0-9]+'))\n"
+        "import multiprocessing\n"
+        "print(*[p.pid for p in multiprocessing.active_children()], flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    pids = [int(pid) for pid in done.stdout.split()]
+    assert pids, done.stderr[-2000:]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1][0] != "Z"  # a zombie has ended (its parent, init, reaps it)
+    except FileNotFoundError:
+        return False
