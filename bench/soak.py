@@ -6,8 +6,9 @@ steady rates, and replaces a share `hostile_fraction` of each with a hostile one
 more: extreme sampling values, deep or NaN JSON, decompression bombs, truncated images, oversized chunked
 bodies, unknown methods, foreign Host headers, cross-site posts, bad `cache_salt`s, one event stream more than
 the server's cap, grammars past their limits, schema `$ref`s outside the schema, unsupported parameters,
-priorities below the floor; camera jobs with malformed fields or unusable schemas). Every fifth good job is a fall, whose alert goes to a
-webhook receiver that answers with an SSH banner: the webhook must stay alive, counting failures. Then it
+priorities below the floor; camera jobs with malformed fields or unusable schemas). Every fifth good job is a
+fall, whose alert goes to a webhook receiver that answers with an SSH banner: the webhook must stay alive,
+counting failures. Then it
 waits for every camera job to end and reports: requests by kind and status, jobs done, dead and lost,
 jobs captioned twice, the server's resident memory over time (start = after `warmup`), and the inter-token
 latency of the good chats. What must hold: no 5xx (but the 503 with Retry-After that refuses a stream past
