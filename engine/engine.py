@@ -451,9 +451,8 @@ class Engine:
                 num_step_failures=self.num_step_failures,
                 num_request_failures=self.num_request_failures,
                 compile_seconds=self.compile_seconds,
-            )
                 cpu_kernels=self.cpu_kernels,
                 lean_layers=self.adapter.lean.count if self.adapter.lean is not None else 0,
+                linear_row_limits=dict(self.linear_row_limits),
                 step_costs=self.step_costs.as_dict() if self.step_costs is not None and self.step_costs.ready else {},
             )
-                linear_row_limits=dict(self.linear_row_limits),

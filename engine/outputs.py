@@ -65,9 +65,6 @@ class EngineStats:
     num_step_failures: int  # steps whose forward raised (their requests ended with "error")
     num_request_failures: int  # requests ended alone because their token could not be sampled
     compile_seconds: float = 0.0  # start-up time spent compiling the model (`EngineConfig.compile_model`)
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
     cpu_kernels: str | None = None  # the CPU kernels' build (engine/cpu_kernel.py VARIANTS); None: not used
     lean_layers: int = 0  # decoder layers run by engine/lean_layers.py
     # Most rows a Linear shape ("n x k dtype") goes through the CPU kernel for, measured at start-up.
