@@ -46,30 +46,40 @@ class Qwen2VLAdapter(VLMAdapter):
             return ids, None
         config = self.model.config
         units = {config.image_token_id: self._units(batch.get("pixel_values"), batch.get("image_grid_thw")),
-                 config.video_token_id: self._units(batch.get("pixel_values_videos"), batch.get("video_grid_thw"))}
+                 config.video_token_id: self._units(batch.get("pixel_values_videos"), batch.get("video_grid_thw"),
+                                                    batch.get("second_per_grid_ts"))}
         mm = place_units(ids, units)
         # transformers 5 finds the vision spans by `mm_token_type_ids`; 4.x by the token ids themselves.
         grids = {name: batch[name] for name in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts",
                                                 "mm_token_type_ids") if name in batch}
         if "second_per_grid_ts" in grids:
             grids["second_per_grid_ts"] = torch.as_tensor(grids["second_per_grid_ts"])
-        rope_positions, delta = self.model.model.get_rope_index(input_ids, **grids)
+        rope_positions, _ = self.model.model.get_rope_index(input_ids, **grids)
         mm.rope_positions = rope_positions[:, 0]  # [3, batch=1, L] -> [3, L]
-        mm.rope_position_delta = int(delta.reshape(-1)[0])
+        # Tokens past the prompt continue one past its last position, as transformers' generate places them.
+        # get_rope_index's own delta counts from the largest position instead: the same unless a Qwen2.5-VL
+        # video's temporal positions (spaced by its frame rate) run past the text that follows it.
+        mm.rope_position_delta = int(mm.rope_positions[:, -1].max()) + 1 - len(ids)
         return ids, mm
 
-    def _units(self, pixel_values: torch.Tensor | None, grids: torch.Tensor | None) -> list[EncoderUnit]:
+    def _units(self, pixel_values: torch.Tensor | None, grids: torch.Tensor | None,
+               seconds_per_patch: list[float] | torch.Tensor | None = None) -> list[EncoderUnit]:
         """One encoder input per image, or per temporal patch of a video: `pixel_values` has one row per
-        patch, grid by grid, time first."""
+        patch, grid by grid, time first. A Qwen2.5-VL video's seconds per temporal patch go with each of its
+        inputs: they set its rotary positions, so its content hash (and the prefix-cache blocks it fills) must
+        differ between frame rates; the tower does not read them."""
         if grids is None:
             return []
         merge = self.visual.spatial_merge_size
         units = []
         row = 0
-        for t, h, w in grids.tolist():
+        for index, (t, h, w) in enumerate(grids.tolist()):
+            timing = {} if seconds_per_patch is None else {
+                "second_per_grid_ts": torch.as_tensor(seconds_per_patch, dtype=torch.float64)[index : index + 1]}
             for _ in range(t):
                 units.append(EncoderUnit(h * w // merge**2, {
-                    "pixel_values": pixel_values[row : row + h * w], "image_grid_thw": torch.tensor([[1, h, w]])}))
+                    "pixel_values": pixel_values[row : row + h * w], "image_grid_thw": torch.tensor([[1, h, w]]),
+                    **timing}))
                 row += h * w
         return units
 

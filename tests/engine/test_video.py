@@ -122,6 +122,27 @@ def test_the_other_video_families_equal_generate(video_checkpoints, clip, name):
     assert engine.stats().encoder_inputs_encoded == (1 if name == "tiny-llava-onevision" else clip.num_frames // 2)
 
 
+def test_a_frame_rate_sets_qwen2_5_vl_positions_and_is_part_of_the_cache_key(video_checkpoints, clip):
+    """Qwen2.5-VL spaces a video's temporal positions by its frame rate: the same frames at another rate are
+    another prompt (no cached block of the video reused), each equal to generate, also where the temporal
+    positions run past the text after the video (0.5 fps)."""
+    checkpoint = video_checkpoints("tiny-qwen2.5-vl")
+    engine = engine_for(checkpoint, max_num_batched_tokens=32, max_num_seqs=4, block_size=16)
+    turn = [user_turn("What happens in the clip?")]
+    prompt = engine.adapter.render_messages(turn)
+    first_video_block = engine.adapter.process(prompt, [], [clip])[1].placeholder_positions[0] // 16
+    for fps in (2.0, 0.5, 2.0):
+        video = Video(clip.frames, fps)
+        rid = engine.add_request(messages=turn, videos=[video], sampling=SamplingParams(max_tokens=10))
+        outputs = {}
+        while engine.has_unfinished_requests():
+            outputs.update({o.request_id: o for o in engine.step()})
+        assert outputs[rid].token_ids == video_oracle(checkpoint)(prompt, video, 10), f"{fps} fps"
+        if fps == 0.5:  # only the text before the video came from the cache
+            assert outputs[rid].num_cached_tokens <= first_video_block * 16
+    assert outputs[rid].num_cached_tokens > first_video_block * 16 + 16  # 2 fps again: its blocks are found
+
+
 @pytest.mark.parametrize("name", VIDEO_FAMILIES)
 def test_a_second_turn_over_the_same_video_reuses_its_blocks_without_encoding_again(video_checkpoints, clip, name):
     checkpoint = video_checkpoints(name)
