@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import cv2
 import numpy as np
+import redis
 
 from jobqueue.consumer import QueueWorker
 from jobqueue.contract import JOBS_STREAM, Detection, Job
@@ -154,6 +155,15 @@ class WebhookReceiver:
         self.hold.clear()
         self.server.shutdown()
         self.server.server_close()
+
+
+def stream_jobs(redis_url: str) -> list[Job]:
+    """The jobs on the job stream, oldest first, each decoded through the contract."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return [Job.from_fields(fields) for _, fields in client.xrange(JOBS_STREAM)]
+    finally:
+        client.close()
 
 
 def enqueue(redis_url: str, jobs: list[Job], **producer_options) -> JobProducer:

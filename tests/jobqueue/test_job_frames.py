@@ -12,7 +12,7 @@ import cv2
 import numpy as np
 import pytest
 import redis
-from queue_support import DecodingCaptioner, work_until_idle
+from queue_support import DecodingCaptioner, enqueue, work_until_idle
 
 from jobqueue.consumer import QueueWorker
 from jobqueue.contract import (
@@ -29,7 +29,6 @@ from jobqueue.contract import (
     frame_key,
     result_key,
 )
-from jobqueue.producer import JobProducer
 
 
 def jpeg(width: int, height: int, shade: int = 100) -> bytes:
@@ -59,6 +58,16 @@ def _raw(job: Job, **override: str | bytes) -> dict:
     return {**job.to_fields(), **override}
 
 
+def run_worker(redis_url: str, captioner: object, **options: object) -> None:
+    """A real queue worker until the stream is empty."""
+    async def work() -> None:
+        worker = QueueWorker(redis_url, captioner, block_seconds=0.1, **options)
+        await work_until_idle(worker)
+        await worker.redis.aclose()
+
+    asyncio.run(work())
+
+
 @pytest.mark.parametrize(("override", "message"), [
     ({"frame_count": str(MAX_FRAMES_PER_JOB + 1)}, f"over the limit of {MAX_FRAMES_PER_JOB} frames per job"),
     ({"frame_count": "0"}, "frame_count must be at least 1"),
@@ -75,13 +84,7 @@ def test_a_job_over_a_limit_or_malformed_is_dead_lettered_once_naming_it(redis_u
     client.xadd(JOBS_STREAM, _raw(job, **override))
     client.xadd(JOBS_STREAM, _raw(job, **override))  # the same entry twice: each dead-lettered once
     captioner = DecodingCaptioner()
-
-    async def work() -> None:
-        worker = QueueWorker(redis_url, captioner, block_seconds=0.1)
-        await work_until_idle(worker)
-        await worker.redis.aclose()
-
-    asyncio.run(work())
+    run_worker(redis_url, captioner)
     dead = client.xrange(DEAD_STREAM)
     assert len(dead) == 2 and captioner.calls == 0
     assert all(message in fields[b"error"].decode() for _, fields in dead)
@@ -91,17 +94,9 @@ def test_a_job_over_a_limit_or_malformed_is_dead_lettered_once_naming_it(redis_u
 
 def test_frames_are_captioned_as_one_prompt_and_kept_for_viewers(redis_url):
     job = event_job()
-    producer = JobProducer(redis_url)
-    producer.submit(job)
-    producer.close()
+    enqueue(redis_url, [job])
     captioner = DecodingCaptioner()
-
-    async def work() -> None:
-        worker = QueueWorker(redis_url, captioner, block_seconds=0.1)
-        await work_until_idle(worker)
-        await worker.redis.aclose()
-
-    asyncio.run(work())
+    run_worker(redis_url, captioner)
     client = redis.Redis.from_url(redis_url)
     result = CaptionResult.from_fields(client.hgetall(result_key(job.job_id)))
     assert captioner.calls == 1
@@ -136,13 +131,7 @@ def test_a_third_party_one_image_entry_works_unchanged_and_a_one_image_captioner
     client.xadd(JOBS_STREAM, old_style)
     framed = event_job(camera="lobby")
     client.xadd(JOBS_STREAM, framed.to_fields())
-
-    async def work() -> None:
-        worker = QueueWorker(redis_url, OneImageCaptioner(), block_seconds=0.1, max_deliveries=1)
-        await work_until_idle(worker)
-        await worker.redis.aclose()
-
-    asyncio.run(work())
+    run_worker(redis_url, OneImageCaptioner(), max_deliveries=1)
     result = CaptionResult.from_fields(client.hgetall(result_key("third-party-1")))
     assert (result.status, result.caption, result.kind, result.frame_count) == ("done", "one image", "sighting", 1)
     assert (result.start_ts, result.end_ts, result.track_id) == (7.5, 7.5, None)

@@ -18,6 +18,7 @@ import cv2
 import numpy as np
 import pytest
 import redis
+from queue_support import stream_jobs
 
 from jobqueue.contract import FALL_CLASS, JOBS_STREAM, RESULT_KEY_PREFIX, Detection, Job
 from pipeline.detector import PEOPLE_FALL
@@ -26,14 +27,6 @@ from pipeline.frame import Frame
 from pipeline.runner import CameraPipeline, PipelineConfig
 
 VLMCAP = Path(sys.executable).with_name("vlmcap")
-
-
-def _jobs(url: str) -> list[Job]:
-    client = redis.Redis.from_url(url)
-    try:
-        return [Job.from_fields(fields) for _, fields in client.xrange(JOBS_STREAM)]
-    finally:
-        client.close()
 
 
 def run_camera(source: str, url: str, **config) -> tuple[dict, list[Job], set[int]]:
@@ -49,7 +42,7 @@ def run_camera(source: str, url: str, **config) -> tuple[dict, list[Job], set[in
         return detections
 
     pipeline._track = observed
-    return pipeline.run(), _jobs(url), tracks
+    return pipeline.run(), stream_jobs(url), tracks
 
 
 def box_is_drawn(jpeg: bytes, box: Detection) -> bool:

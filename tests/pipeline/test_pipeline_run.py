@@ -9,18 +9,11 @@ import cv2
 import numpy as np
 import pytest
 import redis
+from queue_support import stream_jobs
 
-from jobqueue.contract import JOBS_STREAM, CaptionResult, Job, result_key
+from jobqueue.contract import CaptionResult, result_key
 from pipeline.detector import PEOPLE_FALL, DetectorUnavailable, HogDetector, YoloDetector, load_detector
 from pipeline.runner import Annotate, CameraPipeline, PipelineConfig
-
-
-def _stream_jobs(url: str) -> list[Job]:
-    client = redis.Redis.from_url(url)
-    try:
-        return [Job.from_fields(fields) for _, fields in client.xrange(JOBS_STREAM)]
-    finally:
-        client.close()
 
 
 @pytest.mark.timeout(240)
@@ -34,7 +27,7 @@ def test_only_frames_with_people_are_enqueued(redis_url, sample_video, sample_ma
     pipeline = CameraPipeline(config)
     assert pipeline.detector.name == PEOPLE_FALL
     stats = pipeline.run()
-    jobs = _stream_jobs(redis_url)
+    jobs = stream_jobs(redis_url)
 
     assert stats["captured"] == 60 and stats["skipped"] == 30
     # The bus, zidane and fallen scenes are 5 frames each at 2.5 fps; ByteTrack reports a new person from
@@ -67,7 +60,7 @@ def test_hog_pipeline_enqueues_only_frames_with_people(redis_url, sample_video, 
     """HOG, the fallback of last resort: it finds the standing people of the street, nobody in empty scenes."""
     stats = CameraPipeline(PipelineConfig(source=str(sample_video), camera_id="gate-2", redis_url=redis_url,
                                           detector="hog")).run()
-    jobs = _stream_jobs(redis_url)
+    jobs = stream_jobs(redis_url)
     assert stats["captured"] == 60 and 0 < stats["detected"] < 60
     assert stats["enqueued"] == len(jobs) >= 1 and stats["falls"] == 0
     segments = {sample_maker.segment_at(job.frame_ts) for job in jobs}
@@ -80,7 +73,7 @@ def test_job_image_can_be_cropped_or_boxed(redis_url, sample_video, annotate):
     config = PipelineConfig(source=str(sample_video), camera_id="c", redis_url=redis_url, detector="hog",
                             annotate=annotate, fps=2.0, events=False)
     CameraPipeline(config).run()
-    jobs = _stream_jobs(redis_url)
+    jobs = stream_jobs(redis_url)
     assert jobs
     for job in jobs:
         image = cv2.imdecode(np.frombuffer(job.image, np.uint8), cv2.IMREAD_COLOR)
@@ -111,7 +104,7 @@ def test_yolo_path_runs_through_ultralytics(redis_url, sample_video, untrained_y
     stats = pipeline.run()
     assert stats["captured"] == 60 and stats["skipped"] == 48
     # Untrained weights: boxes mean nothing, but whatever was enqueued came from frames with detections.
-    assert stats["enqueued"] == len(_stream_jobs(redis_url)) <= stats["detected"]
+    assert stats["enqueued"] == len(stream_jobs(redis_url)) <= stats["detected"]
 
 
 def test_yolo_detections_are_persons_in_frame_coordinates(untrained_yolo_weights, sample_maker):
