@@ -122,6 +122,28 @@ def test_the_other_video_families_equal_generate(video_checkpoints, clip, name):
     assert engine.stats().encoder_inputs_encoded == (1 if name == "tiny-llava-onevision" else clip.num_frames // 2)
 
 
+@pytest.mark.parametrize("name", VIDEO_FAMILIES)
+def test_video_prompts_equal_generate_under_preemption(video_checkpoints, clip, photos, name):
+    """Two video prompts and a chat in a KV cache too small for all three to grow: one is preempted and
+    recomputed (its video encoded again or taken from the encoder cache), and every one equals generate."""
+    checkpoint = video_checkpoints(name)
+    other = Video(np.stack(clip_frames(photos[1], count=8, size=(96, 64))), fps=2.0)
+    turn = [user_turn("What happens in the clip?")]
+    probe = engine_for(checkpoint)
+    prompt = probe.adapter.render_messages(turn)
+    longest = max(len(probe.adapter.process(prompt, [], [video])[0]) for video in (clip, other))
+    num_blocks = 2 * -(-longest // 16) + 1  # room for both prompts, not for both to grow by 40 tokens
+    engine = engine_for(checkpoint, max_num_batched_tokens=13, max_num_seqs=4, num_kv_blocks=num_blocks, block_size=16)
+    requests = [dict(messages=turn, videos=[video], sampling=SamplingParams(max_tokens=40)) for video in (clip, other)]
+    requests.append(dict(messages=[user_turn("Say something short.", video=False)],
+                         sampling=SamplingParams(max_tokens=40)))
+    tokens = list(run(engine, requests).values())
+    assert engine.stats().num_preemptions > 0
+    oracle = video_oracle(checkpoint)
+    assert tokens[:2] == [oracle(prompt, clip, 40), oracle(prompt, other, 40)]
+    assert engine.stats().kv_blocks_used == 0
+
+
 def test_a_frame_rate_sets_qwen2_5_vl_positions_and_is_part_of_the_cache_key(video_checkpoints, clip):
     """Qwen2.5-VL spaces a video's temporal positions by its frame rate: the same frames at another rate are
     another prompt (no cached block of the video reused), each equal to generate, also where the temporal
