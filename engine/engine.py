@@ -237,8 +237,8 @@ class Engine:
         """Queue a request and return its id. Raises ValueError for a request that can never run.
         `cache_salt`: the request shares cached prefix blocks and image features only with requests of the same
         salt (engine/block_hash.py).
-        `videos`: each a `engine.video.Video`, a list of frames (PIL images or arrays) or a file path (read with
-        OpenCV, frames sampled by `VideoSampling()`), one for each video marker of the prompt."""
+        `videos`: each a `engine.video.Video`, a list of frames (PIL images or arrays), or a file path or encoded
+        bytes (read with OpenCV, frames sampled by `VideoSampling()`), one for each video marker of the prompt."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
         sampling = sampling or SamplingParams()
