@@ -223,7 +223,8 @@ def test_a_file_is_sampled_evenly_with_opencv_and_gives_the_frames_tokens(video_
     from_path = run(engine, [dict(messages=turn, videos=[path], sampling=sampling)])
     decoded = read_video(open(path, "rb"), VideoSampling())
     from_frames = run(engine, [dict(messages=turn, videos=[decoded], sampling=sampling)])
-    assert list(from_path.values()) == list(from_frames.values())
+    from_bytes = run(engine, [dict(messages=turn, videos=[open(path, "rb").read()], sampling=sampling)])
+    assert list(from_path.values()) == list(from_frames.values()) == list(from_bytes.values())
     assert decoded.num_frames == VideoSampling().num_frames
 
 
