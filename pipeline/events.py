@@ -56,6 +56,7 @@ class Clip:
     first: Sighting
     end_ts: float
     ended: bool
+    continued: bool = False  # the track's earlier part was an event of its own (cut at max_seconds)
 
     @property
     def start_ts(self) -> float:
@@ -66,6 +67,7 @@ class Clip:
 class _Track:
     first: Sighting
     last: Sighting
+    continued: bool = False
     width: float = FIRST_BUCKET_SECONDS
     buckets: dict[int, Sighting] = field(default_factory=dict)
 
@@ -117,10 +119,7 @@ class EventRecorder:
         self.end_seconds = end_seconds
         self.max_seconds = max_seconds
         self._tracks: dict[int, _Track] = {}
-
-    @property
-    def open_tracks(self) -> int:
-        return len(self._tracks)
+        self._cut: dict[int, float] = {}  # tracks cut at max_seconds, by the time of their last sighting
 
     def update(self, frame: Frame, detections: list[Detection]) -> list[Clip]:
         """Record this frame's tracked people; the clips of tracks that ended or reached `max_seconds`."""
@@ -129,14 +128,18 @@ class EventRecorder:
             sighting = Sighting(frame, det, len(detections) - 1)
             track = self._tracks.get(det.track_id)
             if track is None:
-                self._tracks[det.track_id] = track = _Track(sighting, sighting)
+                continued = self._cut.pop(det.track_id, None) is not None
+                self._tracks[det.track_id] = track = _Track(sighting, sighting, continued)
             track.add(sighting, BUCKETS_PER_FRAME * self.frames)
+        self._cut = {t: ts for t, ts in self._cut.items() if frame.ts - ts <= self.end_seconds}
         clips = []
         for track_id, track in list(self._tracks.items()):
             lost = frame.ts - track.last.ts > self.end_seconds
             if lost or track.last.ts - track.first.ts >= self.max_seconds:
                 clips.append(self._clip(track_id, track, ended=lost))
                 del self._tracks[track_id]
+                if not lost:
+                    self._cut[track_id] = track.last.ts
         return clips
 
     def flush(self) -> list[Clip]:
@@ -153,10 +156,10 @@ class EventRecorder:
         if track is None:
             return Clip(track_id or 0, [last], last, last.ts, ended=False)
         earlier = [s for s in track.choose(self.frames - 1, until=last.ts) if s.ts < last.ts] if self.frames > 1 else []
-        return Clip(track_id, [*earlier, last], track.first, last.ts, ended=False)
+        return Clip(track_id, [*earlier, last], track.first, last.ts, ended=False, continued=track.continued)
 
     def _clip(self, track_id: int, track: _Track, ended: bool) -> Clip:
-        return Clip(track_id, track.choose(self.frames), track.first, track.last.ts, ended)
+        return Clip(track_id, track.choose(self.frames), track.first, track.last.ts, ended, track.continued)
 
 
 # -- the job's frames and notes ---------------------------------------------------------------------------
@@ -168,12 +171,15 @@ def _where(det: Detection, width: int) -> str:
 
 def note(clip: Clip, index: int) -> str:
     """The tracker's note before frame `index` of the clip: its time from the track's start, where the person
-    is (where they entered, whether they moved by more than half their width since the frame before), whether
-    on the ground, others in view; after the last frame of an ended track, when the person was last seen."""
+    is (where they entered, or that they were in view before a continued track's start; whether they moved by
+    more than half their width since the frame before), whether on the ground, others in view; after the last
+    frame of an ended track, when the person was last seen."""
     sighting = clip.sightings[index]
     det, width = sighting.detection, sighting.frame.image.shape[1]
     where = _where(det, width)
-    if index == 0:
+    if index == 0 and clip.continued:
+        what = f"(in view since before t=+0.0 s) is {where}"
+    elif index == 0:
         entered = _where(clip.first.detection, clip.first.frame.image.shape[1])
         what = f"enters {where}" if sighting is clip.first else f"(entered {entered} at t=+0.0 s) is {where}"
     else:

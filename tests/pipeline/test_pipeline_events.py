@@ -22,7 +22,7 @@ from queue_support import stream_jobs
 
 from jobqueue.contract import FALL_CLASS, JOBS_STREAM, RESULT_KEY_PREFIX, Detection, Job
 from pipeline.detector import PEOPLE_FALL
-from pipeline.events import EventRecorder, Sighting
+from pipeline.events import EventRecorder, Sighting, note
 from pipeline.frame import Frame
 from pipeline.runner import CameraPipeline, PipelineConfig
 
@@ -172,6 +172,11 @@ def test_recorder_spreads_frames_over_the_track_and_stays_bounded():
         assert span > 0.6 * (clip.end_ts - clip.start_ts), "spread over the track's life"
     # The best sighting (confidence 0.9, every 3.7 s) of a stretch is chosen where one lies in it.
     assert sum(s.detection.confidence == 0.9 for s in clips[0].sightings) >= 3
+    # The person did not enter at the start of the later events: they were in view before.
+    assert note(clips[0], 0).startswith("t=+0.0 s: person 1 enters at the left")
+    assert [c.continued for c in clips] == [False, True, True]
+    assert all(note(c, 0).startswith(f"t=+{c.sightings[0].ts - c.start_ts:.1f} s: person 1 (in view since before")
+               for c in clips[1:])
 
 
 def test_recorder_lead_up_ends_on_the_fall_and_bad_settings_are_named():
