@@ -79,11 +79,16 @@ def run(engine: Engine, requests: list[dict]) -> dict[str, list[int]]:
     return {rid: tokens[rid] for rid in ids}
 
 
-@pytest.mark.parametrize("budget", [7, 13, 64])
+# (step budget, encoder settings): at 13 the encoder runs one input of 16 rows a step, SmolVLM's frames two
+# slices of the tower a step (Qwen2-VL's tower runs whole).
+BUDGETS = [(7, {}), (13, {"max_encoder_tokens_per_step": 16, "encoder_slices_per_step": 2}), (64, {})]
+
+
+@pytest.mark.parametrize(("budget", "encoder"), BUDGETS, ids=[str(b) for b, _ in BUDGETS])
 @pytest.mark.parametrize("name", VIDEO_FAMILIES)
-def test_video_tokens_equal_generate_at_budgets_that_cut_the_video(video_checkpoints, clip, name, budget):
+def test_video_tokens_equal_generate_at_budgets_that_cut_the_video(video_checkpoints, clip, name, budget, encoder):
     checkpoint = video_checkpoints(name)
-    engine = engine_for(checkpoint, max_num_batched_tokens=budget, max_num_seqs=4)
+    engine = engine_for(checkpoint, max_num_batched_tokens=budget, max_num_seqs=4, **encoder)
     video_turn = [user_turn("What happens in the clip?")]
     prompt = engine.adapter.render_messages(video_turn)
     rid = engine.add_request(messages=video_turn, videos=[clip], sampling=SamplingParams(max_tokens=10))
@@ -92,13 +97,14 @@ def test_video_tokens_equal_generate_at_budgets_that_cut_the_video(video_checkpo
     request = engine.requests[rid]
     mm = request.mm
     placeholders = set(mm.placeholder_positions)
-    cuts, tokens = [], {}
+    cuts, tokens, slices = [], {}, [0]
     while engine.has_unfinished_requests():
         outputs = engine.step()
         tokens.update({o.request_id: o.token_ids for o in outputs})
         if request.num_computed_tokens < request.num_prompt_tokens:
             cuts.append(request.num_computed_tokens)
         assert engine.stats().last_step_num_tokens <= budget
+        slices.append(engine.stats().encoder_slices_run)
     assert tokens[rid] == video_oracle(checkpoint)(prompt, clip, 10), f"{name} at budget {budget}"
     assert len(tokens[chat]) == 6
     # The video's span was cut inside an encoder input's rows (odd budgets) or between two of them.
@@ -107,6 +113,8 @@ def test_video_tokens_equal_generate_at_budgets_that_cut_the_video(video_checkpo
     frames_per_unit = 2 if name == "tiny-qwen2-vl" else 1  # a temporal patch, or one frame
     assert mm.num_units == -(-clip.num_frames // frames_per_unit)
     assert engine.stats().encoder_inputs_encoded == mm.num_units
+    if encoder and name == "tiny":  # each frame's tower ran two slices a step, over several steps
+        assert max(b - a for a, b in zip(slices, slices[1:])) < mm.encoder_slices
     assert engine.stats().kv_blocks_used == 0
 
 
