@@ -6,7 +6,8 @@ steady rates, and replaces a share `hostile_fraction` of each with a hostile one
 more: extreme sampling values, deep or NaN JSON, decompression bombs, truncated images, oversized chunked
 bodies, unknown methods, foreign Host headers, cross-site posts, bad `cache_salt`s, one event stream more than
 the server's cap, grammars past their limits, schema `$ref`s outside the schema, unsupported parameters,
-priorities below the floor; camera jobs with malformed fields or unusable schemas). Every fifth good job is a
+priorities below the floor; camera jobs with malformed fields, unusable schemas or frames past their limits).
+Every third good job is an event of several frames (captioned as one prompt), every fifth a
 fall, whose alert goes to a webhook receiver that answers with an SSH banner: the webhook must stay alive,
 counting failures. Then it
 waits for every camera job to end and reports: requests by kind and status, jobs done, dead and lost,
@@ -277,7 +278,12 @@ HOSTILE_JOB_FIELDS: list[dict[str, str]] = [
     {"schema": json.dumps({"not": {"$ref": "file:///etc/passwd"}})},
     {"schema": json.dumps({"type": "string", "pattern": "a{1,8000}"})},
     {"schema": json.dumps({"type": "string", "pattern": "(" * 30_000 + "a" + ")" * 30_000})},
+    # Jobs of several frames (issue 23): over the frame limit, a frame missing, notes that are no strings.
+    {"frame_count": "17"}, {"frame_count": "2", "frame_times": "[1, 2]", "notes": '["", ""]'},
+    {"frame_count": "1", "frame_times": "[1]", "notes": "[1]"},
 ]
+EVENT_EVERY = 3  # every third good camera job (that is no fall) is an event of EVENT_FRAMES photos
+EVENT_FRAMES = 3
 
 
 # -- the run ----------------------------------------------------------------------------------------
@@ -301,7 +307,7 @@ async def _load(cfg: SoakConfig, url: str, redis_url: str, server_pid: int, tall
     import psutil
     import redis.asyncio as aioredis
 
-    from jobqueue.contract import Detection, Job, result_key
+    from jobqueue.contract import Detection, Job, JobImage, result_key
     from jobqueue.producer import JobProducer
 
     rng = random.Random(cfg.seed)
@@ -332,9 +338,16 @@ async def _load(cfg: SoakConfig, url: str, redis_url: str, server_pid: int, tall
                 await client.good_caption(tally, rng)
 
         async def job() -> None:
-            good = Job(camera_id="soak-cam", frame_ts=time.time(), prompt="Who is there?", image=rng.choice(photos),
-                       detections=[Detection(10.0, 20.0, 110.0, 220.0, 0.9, 1)],
-                       fall=len(tally.good_jobs) % FALL_EVERY == FALL_EVERY - 1)
+            box = [Detection(10.0, 20.0, 110.0, 220.0, 0.9, 1)]
+            fall = len(tally.good_jobs) % FALL_EVERY == FALL_EVERY - 1
+            if not fall and len(tally.good_jobs) % EVENT_EVERY == EVENT_EVERY - 1:
+                now = time.time()
+                good = Job.of_frames("soak-cam", "What did person 1 do?", [
+                    JobImage(rng.choice(photos), now + i, f"t=+{i}.0 s: person 1 is in the middle", box)
+                    for i in range(EVENT_FRAMES)], kind="event", track_id=1)
+            else:
+                good = Job(camera_id="soak-cam", frame_ts=time.time(), prompt="Who is there?",
+                           image=rng.choice(photos), detections=box, fall=fall)
             if rng.random() >= cfg.hostile_fraction:
                 tally.good_jobs.append(good.job_id)
                 producer.submit(good)
