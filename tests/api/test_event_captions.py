@@ -64,3 +64,38 @@ def test_frames_are_captioned_as_generate_captions_the_multi_image_prompt(name, 
     tokens, text = asyncio.run(caption())
     assert tokens == expected
     assert text == processor.decode(expected, skip_special_tokens=True).strip()
+
+
+@pytest.mark.timeout(120)
+def test_the_openai_captioner_sends_the_frames_as_one_message(tmp_path, sample_maker):
+    """`vlmcap worker`'s captioner: the frames as image_url parts between their notes in one user message, which
+    this project's server takes (its engine refuses a message whose images and markers disagree)."""
+    from api.background import BackgroundServer
+    from api.server import create_app
+    from api.settings import ServerSettings
+    from jobqueue.openai_captioner import OpenAICaptioner
+
+    jpegs = frames(sample_maker)
+    with BackgroundServer(create_app(ServerSettings(engine=EngineConfig(model="tiny")))) as server:
+        sent: list[dict] = []
+
+        async def caption() -> str:
+            captioner = OpenAICaptioner(server.url, model="tiny", max_tokens=MAX_TOKENS)
+            create = captioner.client.chat.completions.create
+
+            async def recorded(**request):  # the real call, its request kept to look at
+                sent.append(request)
+                return await create(**request)
+
+            captioner.client.chat.completions.create = recorded
+            try:
+                return await captioner.caption_frames(jpegs, NOTES, PROMPT, priority=10)
+            finally:
+                await captioner.aclose()
+
+        text = asyncio.run(caption())
+    assert isinstance(text, str) and text
+    [message] = sent[0]["messages"]
+    assert [part["type"] for part in message["content"]] == [
+        "text", "image_url", "image_url", "text", "image_url", "text"]
+    assert [part["text"] for part in message["content"] if part["type"] == "text"] == [NOTES[0], NOTES[2], PROMPT]
