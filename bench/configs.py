@@ -72,8 +72,8 @@ class StallConfig:
     after_steps: steps measured after the image prompt's first token (over HTTP: tokens each chat streams after it).
     event_frames: instead of --images photos, an event prompt of this many frames (scaled to 512 px, the tracker's
         notes between them) as the pipeline sends it (0: off).
-    video: instead of --images photos, a clip of this many seconds (a camera panning across the photos, 512x384 px
-        at 2 frames a second) through the model's video path (0: off).
+    video: instead of --images photos, a clip of this many seconds (a camera panning across a photo, 512x384 px at
+        2 frames a second) through the model's video path, sent as a video_url part with --url (0: off).
     """
 
     model: str = "dummy:smolvlm-256m"
@@ -97,6 +97,7 @@ class HttpStallConfig:
     """bench stall --url: the same scenario against a server.
 
     warmup_tokens: tokens every chat has streamed when the image prompt is sent (over HTTP).
+    video: a clip of this many seconds instead of the photos, sent as a video_url part (0: off).
     chat_max_tokens: over HTTP, max_tokens of each chat (stopped once measured; it must outlast the prefill).
     """
 
@@ -109,6 +110,7 @@ class HttpStallConfig:
     after_tokens: int = 16
     chat_max_tokens: int = 3000
     timeout: float = 1800.0
+    video: float = 0.0
 
 
 @dataclass

@@ -99,3 +99,19 @@ def panning_frames(photo: Any, count: int, size: tuple[int, int]) -> list:
     side = min(height, width) * 3 // 4
     steps = np.linspace(0, width - side, count).astype(int)
     return [cv2.resize(image[:side, x : x + side], size, interpolation=cv2.INTER_AREA) for x in steps]
+
+
+def mp4_bytes(frames: list, fps: float) -> bytes:
+    """RGB frames (arrays of one size) encoded as an MP4 (OpenCV's VideoWriter, mp4v)."""
+    import tempfile
+
+    import cv2
+
+    height, width = frames[0].shape[:2]
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "clip.mp4"
+        writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+        for frame in frames:
+            writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
+        writer.release()
+        return path.read_bytes()

@@ -13,6 +13,7 @@ tokens per second, and the number of steps.
 
 from __future__ import annotations
 
+import base64
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -22,7 +23,15 @@ import numpy as np
 
 from api.percentiles import percentiles_ms
 from bench.configs import HttpStallConfig, StallConfig
-from bench.report import machine, panning_frames, prefix_caching_option, pyplot, sample_images, save_figure
+from bench.report import (
+    machine,
+    mp4_bytes,
+    panning_frames,
+    prefix_caching_option,
+    pyplot,
+    sample_images,
+    save_figure,
+)
 from engine import Engine, EngineConfig, SamplingParams
 from engine.video import Video
 from jobqueue.contract import MAX_FRAMES_PER_JOB
@@ -152,21 +161,23 @@ def event_images(photos: list, frames: int, size: int = 512) -> list:
 
 def video_clip(photos: list, seconds: float) -> Video:
     """--video's clip: a camera panning across the first photo, `seconds` long at VIDEO_FPS, 512x384 px."""
+    if seconds <= 0:
+        raise ValueError(f"video must be a positive number of seconds, got {seconds}")
     return Video(np.stack(panning_frames(photos[0], max(1, round(seconds * VIDEO_FPS)), (512, 384))), VIDEO_FPS)
 
 
 def run_stall(cfg: StallConfig) -> dict[str, Any]:
     if not 1 <= cfg.images <= 8:
         raise ValueError(f"images must be between 1 and 8, got {cfg.images}")
-    if cfg.video < 0 or (cfg.video and cfg.event_frames):
-        raise ValueError(f"video must be a positive number of seconds, not beside event_frames; got video={cfg.video}, "
-                         f"event_frames={cfg.event_frames}")
+    if cfg.video and cfg.event_frames:
+        raise ValueError(f"video and event_frames are two kinds of prompt: give one (video={cfg.video}, "
+                         f"event_frames={cfg.event_frames})")
     if not 0 <= cfg.event_frames <= MAX_FRAMES_PER_JOB:
         raise ValueError(f"event_frames must be between 0 and {MAX_FRAMES_PER_JOB}, got {cfg.event_frames}")
     photos = sample_images()
     images = (event_images(photos, cfg.event_frames) if cfg.event_frames
               else [photos[i % len(photos)] for i in range(cfg.images)])
-    video = video_clip(photos, cfg.video) if cfg.video else None
+    video = video_clip(photos, cfg.video) if cfg.video != 0 else None
     runs = {name: _run(cfg, chunked, encoder_budget, images, video)
             for name, (chunked, encoder_budget) in RUNS.items()}
     return {"config": asdict(cfg), "machine": machine(), "runs": runs}
@@ -243,7 +254,7 @@ async def _stream_chat(client, body: dict[str, Any], times: list[float]) -> str 
     return None
 
 
-async def _run_http(cfg: HttpStallConfig, image_urls: list[str]) -> dict[str, Any]:
+async def _run_http(cfg: HttpStallConfig, media: list[dict[str, Any]]) -> dict[str, Any]:
     import asyncio
 
     import httpx
@@ -271,8 +282,7 @@ async def _run_http(cfg: HttpStallConfig, image_urls: list[str]) -> dict[str, An
                 await asyncio.sleep(0.005)
 
         await until(lambda: all(len(t) >= cfg.warmup_tokens for t in streams))
-        content = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls]
-        content.append({"type": "text", "text": HTTP_IMAGE_TEXT})
+        content = [*media, {"type": "text", "text": HTTP_IMAGE_TEXT}]
         image_times: list[float] = []
         arrival = time.perf_counter()
         image = asyncio.create_task(_stream_chat(client, body(content, 4), image_times))
@@ -311,14 +321,21 @@ async def _run_http(cfg: HttpStallConfig, image_urls: list[str]) -> dict[str, An
 
 def run_stall_http(cfg: HttpStallConfig) -> dict[str, Any]:
     """The stall scenario against a running server: `chats` streaming chats, then a prompt with `images`
-    photos; the chats' gaps while it is prefilled, its time to first token, the chats' tokens/s meanwhile."""
+    photos (or a `video` clip); the chats' gaps while it is prefilled, its time to first token, the chats'
+    tokens/s meanwhile."""
     import asyncio
 
     if not 1 <= cfg.images <= 8:
         raise ValueError(f"images must be between 1 and 8, got {cfg.images}")
     photos = sample_images()
-    urls = [_jpeg_data_url(photos[i % len(photos)]) for i in range(cfg.images)]
-    run = asyncio.run(_run_http(cfg, urls))
+    if cfg.video != 0:
+        clip = video_clip(photos, cfg.video)
+        url = "data:video/mp4;base64," + base64.b64encode(mp4_bytes(list(clip.frames), clip.fps)).decode()
+        media = [{"type": "video_url", "video_url": {"url": url}}]
+    else:
+        media = [{"type": "image_url", "image_url": {"url": _jpeg_data_url(photos[i % len(photos)])}}
+                 for i in range(cfg.images)]
+    run = asyncio.run(_run_http(cfg, media))
     return {"config": asdict(cfg), "machine": machine(), "runs": {cfg.url: run}}
 
 

@@ -126,7 +126,7 @@ register("serve", ServeConfig, "serve", "run_serve", "latency distributions",
          exclude=("num_requests", "slo"), build=serve_config)
 
 # bench stall: in process (StallConfig), or over HTTP against a server with --url (HttpStallConfig's other fields).
-STALL_HTTP = fields(HttpStallConfig, exclude=("url", "model", "chats", "images", "after_tokens"))
+STALL_HTTP = fields(HttpStallConfig, exclude=("url", "model", "chats", "images", "after_tokens", "video"))
 
 
 def run_stall(**options: Any) -> None:
@@ -136,7 +136,7 @@ def run_stall(**options: Any) -> None:
         report("stall", "run_stall", lambda run: run(cfg), options)
         return
     http = HttpStallConfig(url=options["url"], model=options["served_model"], chats=options["chats"],
-                           images=options["images"], after_tokens=options["after_steps"],
+                           images=options["images"], after_tokens=options["after_steps"], video=options["video"],
                            **values_for(STALL_HTTP, options))
     report("stall", "run_stall_http", lambda run: run(http), options, summary="summary_http")
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
-import cv2
 import numpy as np
 
-from bench.report import panning_frames
+from bench.report import mp4_bytes, panning_frames
 
 
 def clip_frames(photo, count: int = 5, size: tuple[int, int] = (64, 48)) -> list[np.ndarray]:
@@ -17,14 +15,5 @@ def clip_frames(photo, count: int = 5, size: tuple[int, int] = (64, 48)) -> list
 
 
 def write_mp4(path: str | Path, frames: list[np.ndarray], fps: float) -> str:
-    height, width = frames[0].shape[:2]
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
-    for frame in frames:
-        writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
-    writer.release()
+    Path(path).write_bytes(mp4_bytes(frames, fps))
     return str(path)
-
-
-def mp4_bytes(frames: list[np.ndarray], fps: float) -> bytes:
-    with tempfile.TemporaryDirectory() as folder:
-        return Path(write_mp4(Path(folder) / "clip.mp4", frames, fps)).read_bytes()
