@@ -103,12 +103,17 @@ def video_server(module_redis_url):
         yield running
 
 
-def test_clip_jobs_through_redis_are_done_or_fail_naming_why(module_redis_url, video_server):
+def enqueue_good_and_corrupt(redis_url: str) -> tuple[Job, Job]:
     good, corrupt = clip_job(CLIP), clip_job(b"\x00\x00\x00\x18ftypmp42" + b"junk" * 100)
-    producer = JobProducer(module_redis_url)
+    producer = JobProducer(redis_url)
     for job in (good, corrupt):
         producer.submit(job)
     producer.close()
+    return good, corrupt
+
+
+def test_clip_jobs_through_redis_are_done_or_fail_naming_why(module_redis_url, video_server):
+    good, corrupt = enqueue_good_and_corrupt(module_redis_url)
     with httpx.Client(base_url=video_server.url, timeout=120) as http:
         done, failed = poll(http, good.job_id), poll(http, corrupt.job_id)
     assert done["status"] == "done" and done["caption"], done
@@ -121,11 +126,7 @@ def test_a_remote_worker_sends_a_clip_job_as_a_video_url_part(redis_url, video_s
     from jobqueue.openai_captioner import OpenAICaptioner
     from jobqueue.results import get_result
 
-    good, corrupt = clip_job(CLIP), clip_job(b"\x00\x00\x00\x18ftypmp42" + b"junk" * 100)
-    producer = JobProducer(redis_url)
-    for job in (good, corrupt):
-        producer.submit(job)
-    producer.close()
+    good, corrupt = enqueue_good_and_corrupt(redis_url)
 
     async def work() -> tuple:
         captioner = OpenAICaptioner(video_server.url, model="tiny-qwen2-vl", max_tokens=4)
