@@ -174,12 +174,14 @@ class Engine:
         from engine.lean_layers import LeanTextModel
 
         adapter, rows = self.adapter, self.config.cpu_linear_rows
-        if self.config.lean_layers is not False and LeanTextModel.applies(adapter.text_model):
+        lean_possible = self.attention_backend != "kernel" and LeanTextModel.applies(adapter.text_model)
+        if self.config.lean_layers is not False and lean_possible:
             adapter.lean = LeanTextModel(adapter.text_model, adapter.num_heads, adapter.num_kv_heads,
                                          adapter.head_dim)
         elif self.config.lean_layers:
             raise ValueError(f"lean_layers: no decoder layer of {type(adapter.text_model).__name__} is Llama-style "
-                             "(engine/lean_layers.py `fits`)")
+                             f"(engine/lean_layers.py `fits`), or the attention backend is {self.attention_backend!r} "
+                             "(lean layers run the CPU's attention)")
         cpu_kernel.route_linears(adapter.model)
         cpu_kernel.route_norms(adapter.model)
         self.cpu_kernels = cpu_kernel.variant()

@@ -153,6 +153,8 @@ class LeanTextModel:
 
     def forward(self, embeds: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """[T, hidden] embeddings -> [T, hidden] final hidden states (after the model's last norm)."""
+        if batch.kernel is not None:
+            raise RuntimeError("lean layers run the CPU's attention, not the paged kernel's metadata")
         tokens, hidden = embeds.shape
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         cos, sin = self.text_model.rotary_emb(embeds[None], position_ids.unsqueeze(-2))
