@@ -153,7 +153,8 @@ def read_video(file: BinaryIO, sampling: VideoSampling, where: str = "video") ->
     limits before any frame is decoded."""
     import cv2
 
-    capture = cv2.VideoCapture(file, cv2.CAP_FFMPEG, [])
+    # One decoding thread: a clip is decoded beside the engine's steps, which use every core.
+    capture = cv2.VideoCapture(file, cv2.CAP_FFMPEG, [cv2.CAP_PROP_N_THREADS, 1])
     try:
         if not capture.isOpened():
             raise ValueError(f"{where} is not a readable video (corrupt, truncated, or a format FFmpeg cannot open)")
