@@ -54,4 +54,25 @@ static inline void store_floats(const float *src, int64_t count, void *dst, int 
     }
 }
 
+/* v rounded to `dtype` and widened back (float32: v), as torch rounds a result to its dtype. */
+static inline float rounded(float v, int dtype) {
+    if (dtype == F32) return v;
+    uint16_t half;
+    float back;
+    store_floats(&v, 1, &half, dtype, 0);
+    load_floats(&half, dtype, 0, 1, &back);
+    return back;
+}
+
+#ifdef __AVX512F__
+/* 16 consecutive values from element `at` of `p` (in `dtype`) as float32. */
+static inline __attribute__((always_inline)) __m512 widen16(const void *p, int dtype, int64_t at) {
+    if (dtype == BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at))), 16));
+    if (dtype == F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at)));
+    return _mm512_loadu_ps((const float *)p + at);
+}
+#endif
+
 #endif

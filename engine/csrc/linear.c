@@ -34,11 +34,7 @@ typedef __m512 vf;
 static inline vf vzero(void) { return _mm512_setzero_ps(); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline __attribute__((always_inline)) vf vload(const void *p, int dtype, int64_t at) {
-    if (dtype == BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at))), 16));
-    if (dtype == F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at)));
-    return _mm512_loadu_ps((const float *)p + at);
+    return widen16(p, dtype, at);
 }
 #define XLOAD(p) _mm512_loadu_ps(p)
 /* [sum(a), sum(b), sum(c), sum(d)] */

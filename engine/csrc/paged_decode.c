@@ -124,14 +124,6 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-static inline __attribute__((always_inline)) __m512 widen16(const void *p, int dtype, int64_t at) {
-    if (dtype == BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at))), 16));
-    if (dtype == F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at)));
-    return _mm512_loadu_ps((const float *)p + at);
-}
-
 static inline __attribute__((always_inline)) void attend512(
         int64_t i, int64_t h0, int64_t h1, const float *qi, const void *key_cache, const void *value_cache,
         int dtype, const int64_t *block_tables, const int64_t *context_lens, int64_t kv_heads, int64_t groups,

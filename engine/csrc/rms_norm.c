@@ -17,16 +17,6 @@
 
 #define PARALLEL_ROWS 32 /* fewer rows than this run on the calling thread */
 
-/* v rounded to `dtype` and widened back (float32: v). */
-static inline float rounded(float v, int dtype) {
-    if (dtype == F32) return v;
-    uint16_t half;
-    float back;
-    store_floats(&v, 1, &half, dtype, 0);
-    load_floats(&half, dtype, 0, 1, &back);
-    return back;
-}
-
 /* h and out [rows, dim] in `io_dtype`, delta the same or NULL, weight [dim] in `w_dtype`. With delta, h becomes
  * h + delta first. Returns 2 where memory runs out. */
 int add_rms_norm(void *h, const void *delta, int io_dtype, int64_t rows, int64_t dim, const void *weight,

@@ -14,15 +14,6 @@
 
 #include "dtypes.h"
 
-static inline float rounded(float v, int dtype) {
-    if (dtype == F32) return v;
-    uint16_t half;
-    float back;
-    store_floats(&v, 1, &half, dtype, 0);
-    load_floats(&half, dtype, 0, 1, &back);
-    return back;
-}
-
 /* One head's d values x (float32), rotated into `out`. */
 static inline void rotate(const float *x, const float *c, const float *s, int64_t d, int dtype, float *out) {
     const int64_t half = d / 2;

@@ -84,45 +84,6 @@ def test_gemma3_masks_are_transformers_own_block_and_window_rules(tmp_path, phot
         assert torch.equal(sliding, expected_local[start:end, :end]), (start, end)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("head_dim", [16, 20])  # a size the kernel is specialised for, and one it is not
-def test_cpu_decode_kernel_equals_the_gathered_reference(dtype, window, head_dim):
-    """The CPU kernel reads scattered blocks in place and gives the reference path's attention: contexts of
-    1 to 70 keys (a block's end, a partial block), grouped-query heads, sliding windows, each cache dtype."""
-    from engine.attention import AttentionBatch, DecodeGroup, reference_attention
-    from engine.cpu_kernel import available
-    from engine.kv_cache import KVCache
-
-    assert available(torch.device("cpu")), "the CPU decode kernel did not build (is a C compiler installed?)"
-    torch.manual_seed(0)
-    block_size, kv_heads, groups = 16, 3, 2
-    lens = [1, 16, 17, 33, 70, 5, 48]
-    cache = KVCache(num_layers=1, num_blocks=64, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
-                    dtype=dtype, device=torch.device("cpu"))
-    cache.keys[0].copy_(torch.randn_like(cache.keys[0], dtype=torch.float32).to(dtype))
-    cache.values[0].copy_(torch.randn_like(cache.values[0], dtype=torch.float32).to(dtype))
-    scattered = torch.randperm(63).tolist()
-    width = -(-max(lens) // block_size)
-    tables = torch.tensor([[scattered[(7 * i + j) % 63] + 1 for j in range(width)] for i in range(len(lens))])
-    n = len(lens)
-    q = torch.randn(kv_heads * groups, n, head_dim).to(dtype)  # [heads, T, d], as the layers hand it over
-    query_index, context_lens = torch.arange(n), torch.tensor(lens)
-    keys = torch.arange(width * block_size)
-    mask = keys < context_lens[:, None]
-    sliding = mask & (keys > context_lens[:, None] - 1 - window) if window else None
-    reference = AttentionBatch(cache, torch.zeros(0, dtype=torch.long), [DecodeGroup(
-        query_index, tables, mask[:, None, None], None if sliding is None else sliding[:, None, None])], [])
-    kernel = AttentionBatch(cache, torch.zeros(0, dtype=torch.long), [DecodeGroup(
-        query_index, tables, None, context_lens=context_lens)], [])
-    expected = reference_attention(q.float(), cache.keys[0].float(), cache.values[0].float(), reference, window,
-                                   None)
-    got = reference_attention(q, cache.keys[0], cache.values[0], kernel, window, None)
-    assert got.dtype == dtype
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    assert (got.float() - expected).abs().max().item() < tolerance
-
-
 def test_cpu_decode_kernel_refuses_a_context_beyond_its_block_table():
     from engine.cpu_kernel import paged_decode_attention
 

@@ -131,7 +131,7 @@ def test_row_limits_are_measured_per_weight_shape():
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [None, 21])
 def test_decode_attention_of_each_build_equals_the_gathered_reference(monkeypatch, name, dtype, window):
     """Contexts from 1 key to several blocks (a block's end, a partial block, runs of sixteen and fewer),
@@ -162,4 +162,5 @@ def test_decode_attention_of_each_build_equals_the_gathered_reference(monkeypatc
         expected = reference_attention(q.float(), cache.keys[0].float(), cache.values[0].float(), reference, window,
                                        None)
         got = reference_attention(q, cache.keys[0], cache.values[0], kernel, window, None)
+        assert got.dtype == dtype
         assert (got.float() - expected).abs().max().item() < (2e-5 if dtype == torch.float32 else 2e-2), head_dim
