@@ -78,9 +78,19 @@ class Video:
     total_num_frames: int = 0
 
     def __post_init__(self) -> None:
+        frames = self.frames
+        if not isinstance(frames, np.ndarray) or frames.ndim != 4 or frames.shape[0] < 1 or frames.shape[3] != 3 \
+                or frames.dtype != np.uint8:
+            shape = getattr(frames, "shape", None)
+            raise ValueError(f"a Video's frames must be a uint8 array [frames, height, width, 3], got {shape}")
+        if isinstance(self.fps, bool) or not isinstance(self.fps, int | float) or not 0 < self.fps < math.inf:
+            raise ValueError(f"a Video's fps must be a positive number, got {self.fps!r}")
         if not self.frames_indices:
-            self.frames_indices = list(range(len(self.frames)))
-        self.total_num_frames = max(self.total_num_frames, self.frames_indices[-1] + 1 if len(self.frames) else 0)
+            self.frames_indices = list(range(len(frames)))
+        if len(self.frames_indices) != len(frames) or self.frames_indices != sorted(set(self.frames_indices)):
+            raise ValueError(f"a Video's frames_indices must be {len(frames)} ascending indices, got "
+                             f"{self.frames_indices[:8]}")
+        self.total_num_frames = max(self.total_num_frames, self.frames_indices[-1] + 1)
 
     @property
     def num_frames(self) -> int:

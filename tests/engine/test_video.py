@@ -268,4 +268,8 @@ def test_families_without_video_or_mismatched_prompts_are_refused(video_checkpoi
         smolvlm.add_request(messages=both, images=[Image.fromarray(clip.frames[0])], videos=[clip])
     with pytest.raises(ValueError, match="frames of different sizes"):
         frames_video([clip.frames[0], clip.frames[0][:20]], "video 0")
+    with pytest.raises(ValueError, match="fps must be a positive number, got 0"):
+        Video(clip.frames, fps=0)
+    with pytest.raises(ValueError, match=r"uint8 array \[frames, height, width, 3\], got \(8, 64, 96\)"):
+        Video(clip.frames[..., 0], fps=2.0)
     assert not smolvlm.has_unfinished_requests()
