@@ -188,3 +188,18 @@ def test_a_model_without_a_video_path_refuses_a_video_naming_the_model():
             llava.chat.completions.create(model="llava", messages=video_message(video_url(b"never read")), max_tokens=4)
         assert "LlavaForConditionalGeneration) has no video input" in refused.value.body["message"]
         assert refused.value.body["code"] == "unsupported_video"
+
+
+@pytest.mark.parametrize(("limits", "message"), [
+    (Limits(), "remote video URLs are disabled on this server"),
+    (Limits(allow_remote_images=True, remote_image_hosts=("*.example.com",)), "not on this server's image host"),
+    (Limits(allow_remote_images=True, remote_image_hosts=("127.0.0.1",)), "non-public address 127.0.0.1"),
+])
+def test_remote_videos_follow_the_remote_image_policy(clip_host, limits, message):
+    from api.errors import APIError
+    from api.videos import load_video_url
+
+    with pytest.raises(APIError) as refused:
+        asyncio.run(load_video_url(f"{clip_host}/clip.mp4", VideoSampling(), limits, "video_url"))
+    assert refused.value.status == 400 and message in refused.value.message
+    assert refused.value.code == "invalid_video_url"
