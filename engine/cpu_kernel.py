@@ -14,8 +14,8 @@
 - `rope_store` (rope_store.c): a layer's rotary embedding and KV cache write in one call.
 
 Each source is compiled once per machine and instruction set with the system's C compiler (`CC`, else `cc`)
-into `<tmp>/vlmcap-kernels/`, one library per entry of `VARIANTS` (AVX-512 with BF16 dot products, AVX-512F,
-AVX2, plain C); the best one the CPU's flags allow is loaded (`variant()`), and shares torch's OpenMP runtime.
+into `<tmp>/vlmcap-kernels/`, one library per entry of `VARIANTS` (AMX tiles, AVX-512 with BF16 dot products,
+AVX-512F, AVX2, plain C); the best one the CPU's flags allow is loaded (`variant()`), and shares torch's OpenMP runtime.
 Where no compiler is found, `available()` is False and the engine keeps torch's own operations.
 """
 
@@ -46,6 +46,9 @@ _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 # name -> (compiler flags, the CPU flags of /proc/cpuinfo it needs), best first.
 VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "amx_bf16": ((*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+                 frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+                            "amx_tile", "amx_bf16"})),
     "avx512_bf16": ((*_AVX512, "-mavx512bf16"),
                     frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})),
     "avx512": (_AVX512, frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"})),
@@ -226,7 +229,7 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 # Row buckets `measure_row_limits` times each Linear shape at, and the work past which a bucket is not timed
 # (multiply-adds: the lm head at 512 rows would take a second to time).
-ROW_BUCKETS = (1, 8, 32, 128, 512)
+ROW_BUCKETS = (1, 8, 16, 32, 128, 512)
 MEASURE_MACS = 3e8
 
 

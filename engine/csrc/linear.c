@@ -165,7 +165,9 @@ static const dp_fn DP_FNS[RX] = {dp_block_1, dp_block_2, dp_block_3, dp_block_4,
 
 /* The instruction set this build's inner loop uses (engine/cpu_kernel.py reports it). */
 const char *linear_isa(void) {
-#if defined(__AVX512BF16__)
+#if defined(__AMX_BF16__)
+    return "amx_bf16";
+#elif defined(__AVX512BF16__)
     return "avx512_bf16";
 #elif defined(__AVX512F__)
     return "avx512";
@@ -227,12 +229,125 @@ static void finish_row(float *sums, int64_t blocks, int glu_mode, const float *b
     for (int64_t c = 0; c < count; c++) out[c] *= up[c];
 }
 
+#ifdef __AMX_BF16__
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* AMX tiles (bfloat16 x and weights, k a multiple of 32): the product is computed transposed, C^T = W x^T, so
+ * that the weight's rows load into tiles straight from where the model holds them: two 16-row tiles of W
+ * (A, 64 bytes of k each) against one tile of x^T (B: x packed once per call in pairs of k, as TDPBF16PS reads
+ * them) into two 16 x (up to 16 rows of x) sums; in glu mode the two weight tiles are 16 gate rows and the same
+ * 16 up rows. Columns past the last whole tile pair go through the vector blocks. */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_ROWS 16
+#define AMX_MIN_ROWS 4  /* fewer rows of x go through the dot-product blocks, faster there */
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Whether the kernel lets this process use the tiles (asked once). */
+static int amx_permitted(void) {
+    static int state = 0;
+    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+/* Tiles 0-1: sums (16 weight rows x `cols` rows of x, float32); 2-3: weight rows; 4: x^T pairs. */
+static void amx_configure(int cols) {
+    tile_config config;
+    memset(&config, 0, sizeof(config));
+    config.palette = 1;
+    for (int t = 0; t < 2; t++) config.rows[t] = 16, config.colsb[t] = (uint16_t)(4 * cols);
+    for (int t = 2; t < 4; t++) config.rows[t] = 16, config.colsb[t] = 64;
+    config.rows[4] = 16, config.colsb[4] = (uint16_t)(4 * cols);
+    _tile_loadconfig(&config);
+}
+
+/* Columns [0, amx_cols) of y (or of the glu output) through the tiles; x packed into `packed`
+ * ([row blocks][k / 2][16][2] bfloat16). */
+static void amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t w_stride, int64_t n,
+                       const float *bias, int glu_mode, int64_t amx_cols, void *y, int io_dtype, uint32_t *packed,
+                       int num_threads) {
+    const int64_t out_cols = glu_mode ? n / 2 : n, pairs = k / 2, row_blocks = (m + AMX_ROWS - 1) / AMX_ROWS;
+    for (int64_t rb = 0; rb < row_blocks; rb++)
+        for (int64_t p = 0; p < pairs; p++)
+            for (int64_t r = 0; r < AMX_ROWS; r++) {
+                const int64_t row = rb * AMX_ROWS + r;
+                uint32_t pair = 0;
+                if (row < m) memcpy(&pair, x + row * k + 2 * p, sizeof(pair));
+                packed[(rb * pairs + p) * AMX_ROWS + r] = pair;
+            }
+    const int64_t tasks = glu_mode ? amx_cols / 16 : amx_cols / 32;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float sums[2][16][16] __attribute__((aligned(64)));
+        int64_t configured = -1;  /* rows of x the tiles are configured for (other code may reconfigure them) */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t first = glu_mode ? 16 * task : 32 * task;  /* first weight row of each tile */
+            const int64_t second = glu_mode ? out_cols + first : first + 16;
+            for (int64_t rb = 0; rb < row_blocks; rb++) {  /* the task's weights stay in the cache meanwhile */
+                const int64_t rows = MIN(AMX_ROWS, m - rb * AMX_ROWS);
+                if (rows != configured || task == 0) amx_configure((int)rows), configured = rows;
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int64_t c = 0; c < k; c += 32) {
+                    _tile_loadd(2, w + first * w_stride + c, w_stride * 2);
+                    _tile_loadd(3, w + second * w_stride + c, w_stride * 2);
+                    _tile_loadd(4, packed + (rb * pairs + c / 2) * AMX_ROWS, 4 * AMX_ROWS);
+                    _tile_dpbf16ps(0, 2, 4);
+                    _tile_dpbf16ps(1, 3, 4);
+                }
+                _tile_stored(0, sums[0], 64);
+                _tile_stored(1, sums[1], 64);
+                for (int64_t r = 0; r < rows; r++) {
+                    float row_sums[NB * RW], done[NB * RW];
+                    int64_t rows_of[NB * RW];
+                    for (int64_t b = 0; b < NB; b++)  /* in blocks of four sums, as finish_row takes them */
+                        for (int c = 0; c < RW; c++) {
+                            /* plain: columns 4b..4b+3 of the 32; glu: gate 2b, 2b+1 then up 2b, 2b+1 */
+                            const int64_t col = glu_mode ? 2 * b + (c & 1) : RW * b + c;
+                            const int tile = glu_mode ? c >> 1 : (int)(col >= 16);
+                            const int64_t in_tile = glu_mode ? col : col % 16;
+                            row_sums[b * RW + c] = sums[tile][in_tile][r];
+                            rows_of[b * RW + c] = (tile ? second : first) + in_tile;
+                        }
+                    finish_row(row_sums, NB, glu_mode, bias, rows_of, io_dtype, done);
+                    store_floats(done, glu_mode ? 16 : 32, y, io_dtype, (rb * AMX_ROWS + r) * out_cols + first);
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+#endif
+
 /* x [m, k] in io_dtype, w [n, k] in w_dtype (rows `w_stride` elements apart), bias n floats or NULL; y [m, n]
  * (or [m, n / 2] with `glu`) in io_dtype. Returns 2 where memory runs out. */
 int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int w_dtype, int64_t w_stride,
            int64_t n, const float *bias, int glu_mode, void *y, int num_threads) {
     const int64_t item = w_dtype == F32 ? 4 : 2, out_cols = glu_mode ? n / 2 : n;
-    const int64_t blocks = glu_mode ? (out_cols + 1) / 2 : (n + RW - 1) / RW, tasks = (blocks + NB - 1) / NB;
+    const int64_t blocks = glu_mode ? (out_cols + 1) / 2 : (n + RW - 1) / RW;
+    int64_t block0 = 0;  /* the first block the vector path computes (past what the tiles did) */
+#ifdef __AMX_BF16__
+    if (io_dtype == BF16 && w_dtype == BF16 && k % 32 == 0 && m >= AMX_MIN_ROWS && amx_permitted()) {
+        const int64_t amx_cols = glu_mode ? out_cols / 16 * 16 : n / 32 * 32;
+        if (amx_cols > 0) {
+            uint32_t *packed = scratch((size_t)((m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS * (k / 2)) * 4);
+            if (!packed) return 2;
+            amx_linear(x, m, k, w, w_stride, n, bias, glu_mode, amx_cols, y, io_dtype, packed, num_threads);
+            block0 = glu_mode ? amx_cols / 2 : amx_cols / RW;
+            if (block0 >= blocks) return 0;
+        }
+    }
+#endif
+    const int64_t tasks = (blocks - block0 + NB - 1) / NB;
 #ifdef __AVX512BF16__
     const int dot = io_dtype == BF16 && w_dtype == BF16;
 #else
@@ -252,7 +367,7 @@ int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int
         const int64_t per_block = (chunk + (chunk + RX - 1) / RX - 1) / ((chunk + RX - 1) / RX);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
-            const int64_t first_block = task * NB, count = MIN(NB, blocks - first_block);
+            const int64_t first_block = block0 + task * NB, count = MIN(NB, blocks - first_block);
             /* A block's weight rows: four consecutive ones, or two of the gate's and the same two of the up's;
              * a row past the end repeats the last real one (its sums are not stored). */
             int64_t rows_of[NB * RW];

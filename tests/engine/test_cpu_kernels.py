@@ -26,7 +26,7 @@ def test_the_engine_uses_the_best_build_this_cpu_runs():
     assert cpu_kernel.variant() == RUNNABLE[0]
     assert cpu_kernel.load_variant(RUNNABLE[0]).linear_isa().decode() == RUNNABLE[0]
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= flags:
-        assert cpu_kernel.variant() == "avx512_bf16"
+        assert cpu_kernel.variant() == ("amx_bf16" if {"amx_tile", "amx_bf16"} <= flags else "avx512_bf16")
     print(f"CPU kernels: running {RUNNABLE} of {list(cpu_kernel.VARIANTS)}")
 
 
@@ -36,12 +36,13 @@ def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 @pytest.mark.parametrize("name", RUNNABLE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 5, 7, 50])
+@pytest.mark.parametrize("rows", [1, 5, 7, 17, 50])
 def test_linear_of_each_build_equals_torch(name, dtype, rows):
     """Widths that are not multiples of any vector (k = 100 and 33), output counts that are not multiples of the
-    four-row blocks (n = 37), a bias, row counts around the six-row blocks and past a 48-row pass."""
+    four-row blocks (n = 37), a bias, row counts around the six-row blocks, a 16-row tile and a 48-row pass; and
+    (AMX) tile pairs with vector blocks after them (n = 100, k = 64)."""
     torch.manual_seed(0)
-    for n, k in ((37, 100), (64, 576), (10, 33)):
+    for n, k in ((37, 100), (64, 576), (10, 33), (100, 64)):
         x = torch.randn(rows, k).to(dtype)
         weight = (torch.randn(n, k) * 0.1).to(dtype)
         bias = torch.randn(n)
@@ -57,7 +58,7 @@ def test_linear_of_each_build_equals_torch(name, dtype, rows):
 def test_glu_of_each_build_equals_llama_s_mlp_activation(name, dtype):
     """`glu`: SiLU(x gate^T) * (x up^T) from one stacked matrix, an odd number of outputs included."""
     torch.manual_seed(1)
-    for half, k in ((7, 64), (48, 100)):
+    for half, k in ((7, 64), (48, 100), (40, 96)):
         x = torch.randn(9, k).to(dtype)
         weight = (torch.randn(2 * half, k) * 0.2).to(dtype)
         expected = (F.silu(F.linear(x, weight[:half])) * F.linear(x, weight[half:])).float()
