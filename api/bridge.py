@@ -10,12 +10,16 @@ in flight (their streams get an `EngineFailure`), and the loop goes on with new 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import logging
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
+
+import torch
 
 from api.errors import APIError
 from api.metrics import Metrics
@@ -108,8 +112,53 @@ def _put_all(loop: asyncio.AbstractEventLoop, queued: list[tuple[asyncio.Queue, 
     loop.call_soon(handled.set)
 
 
+@functools.cache
+def _openmp() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch loaded (None where there is none to find)."""
+    try:
+        return ctypes.CDLL("libgomp.so.1")
+    except OSError:
+        return None
+
+
+def one_thread_here() -> None:
+    """Torch's parallel regions started on this thread run on it alone. Only OpenMP's setting for this thread
+    changes (`torch.set_num_threads` would also change MKL's, which is the whole process's)."""
+    torch.get_num_threads()  # torch sets this thread's OpenMP threads at its first use: before, not after us
+    runtime = _openmp()
+    if runtime is not None:
+        runtime.omp_set_num_threads(1)
+
+
+def build_engine(config: Any) -> Engine:
+    """`Engine(config)` built on a thread of its own that then ends, taking its OpenMP thread pool with it: the
+    step thread's pool is then the only one the process keeps (see `EngineBridge`)."""
+    built: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            built["engine"] = Engine(config)
+        except BaseException as exc:  # re-raised on the caller's thread
+            built["error"] = exc
+
+    thread = threading.Thread(target=build, name="vlmcap-engine-load")
+    thread.start()
+    thread.join()
+    if "error" in built:
+        raise built["error"]
+    return built["engine"]
+
+
 class EngineBridge:
     """Runs `engine` on its own thread and serves its outputs to coroutines.
+
+    The step thread is the process's one thread that runs torch and the CPU kernels on several threads
+    (`Engine.num_threads`); every other thread that reaches torch (request preprocessing) runs it on one
+    (`one_thread_here`). Each
+    thread that starts parallel work keeps an OpenMP pool of its own, and while more pool threads live than
+    the machine has cores, OpenMP's barriers stop spinning: every parallel region of the step then waits on
+    the kernel (a decode step of 20 ms took 30 in a thread beside another pool; `build_engine` keeps the
+    loading thread's pool from living on).
 
     After each step the thread waits (at most `HANDOVER_S`) until the event loop has sent what the step
     produced, and only then starts the next one: the loop's work for a step (events, JSON, socket writes)
@@ -131,6 +180,7 @@ class EngineBridge:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.stats: EngineStats = engine.stats()
+        self.num_threads = getattr(engine, "num_threads", None) or torch.get_num_threads()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -171,6 +221,7 @@ class EngineBridge:
         priority: int = 0,
         cache_salt: str | None = None,
         videos: list[Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream. Raises APIError: 400 for a request the engine refuses,
         429 when the waiting queue is full, 503 while shutting down."""
@@ -186,9 +237,10 @@ class EngineBridge:
         self._adding += 1
 
         def add() -> None:
+            one_thread_here()  # this thread's torch work (preprocessing) starts no pool of threads
             self.engine.add_request(prompt=prompt, messages=messages, images=images, sampling=sampling,
                                     priority=priority, request_id=stream.request_id, cache_salt=cache_salt,
-                                    videos=videos)
+                                    videos=videos, mm_processor_kwargs=mm_processor_kwargs)
             with self._cond:
                 self._cond.notify()
 
@@ -229,6 +281,7 @@ class EngineBridge:
 
     # -- the step thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        torch.set_num_threads(self.num_threads)
         log.info("step loop started")
         while True:
             with self._cond:

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from api import routes_alerts, routes_captions, routes_dashboard, routes_openai, routes_summaries
-from api.bridge import EngineBridge
+from api.bridge import EngineBridge, build_engine
 from api.caption_store import CaptionStore, MemoryCaptionStore, RedisCaptionStore
 from api.captioner import EngineCaptioner
 from api.errors import RETRY_AFTER_S, install_error_handlers
@@ -35,10 +35,8 @@ READY_PING_TIMEOUT_S = 2.0
 
 async def _build_state(settings: ServerSettings, metrics: Metrics, engine: Any | None) -> ServerState:
     if engine is None:
-        from engine import Engine
-
         log.info("loading model %s", settings.engine.model)
-        engine = await asyncio.to_thread(Engine, settings.engine)
+        engine = await asyncio.to_thread(build_engine, settings.engine)
     bridge = EngineBridge(engine, settings.limits.max_waiting_requests, metrics)
     bridge.start()
     metrics.watch_engine(lambda: bridge.stats)

@@ -64,6 +64,7 @@ class Engine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        self.num_threads = torch.get_num_threads()  # what the thread that runs the steps should use
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
         self.adapter = load_adapter(config.model, self.device, config.torch_dtype)
