@@ -45,8 +45,10 @@ class EngineCaptioner:
         decoded = [await asyncio.to_thread(decode_image, data, self.limits, f"frame {index}")
                    for index, data in enumerate(images)]
         content = frame_parts(notes, prompt, lambda _: {"type": "image"})
+        # Each frame one encoder input where the family tiles images (SmolVLM: 64 tokens a frame, not ~1,000).
+        single = type(self.bridge.engine.adapter).single_input_options or None
         return await self.collect(await self.submit_content(content, decoded, priority, schema=schema,
-                                                            cache_salt=cache_salt))
+                                                            cache_salt=cache_salt, mm_processor_kwargs=single))
 
     async def caption_video(self, video: bytes, prompt: str, priority: int, schema: dict | None = None,
                             cache_salt: str | None = None) -> str:
@@ -68,7 +70,8 @@ class EngineCaptioner:
 
     async def submit_content(self, content: list[dict], images: list[Image.Image], priority: int,
                              max_tokens: int | None = None, schema: dict | None = None,
-                             cache_salt: str | None = None, videos: list[Video] | None = None) -> RequestStream:
+                             cache_salt: str | None = None, videos: list[Video] | None = None,
+                             mm_processor_kwargs: dict | None = None) -> RequestStream:
         """One user message of `content` parts (an `{"type": "image"}` part per image, a `{"type": "video"}`
         part per video, in order)."""
         try:
@@ -84,6 +87,7 @@ class EngineCaptioner:
             sampling=SamplingParams(max_tokens=max_tokens or default, temperature=0.0, grammar=grammar),
             priority=priority,
             cache_salt=cache_salt,
+            mm_processor_kwargs=mm_processor_kwargs,
         )
 
     async def collect(self, stream: RequestStream, on_running: Callable[[], Awaitable[None]] | None = None) -> str:

@@ -63,12 +63,16 @@ def image_token_counter(model: str) -> Callable[[Any], int]:
     import io
 
     from PIL import Image
-    from transformers import AutoProcessor
+    from transformers import AutoConfig, AutoProcessor
 
+    from engine.models import ADAPTERS
     from engine.presets import PRESETS, preset_checkpoint
     from jobqueue.consumer import frame_parts
 
-    processor = AutoProcessor.from_pretrained(str(preset_checkpoint(model) if model in PRESETS else model))
+    path = str(preset_checkpoint(model) if model in PRESETS else model)
+    processor = AutoProcessor.from_pretrained(path)
+    adapter = ADAPTERS.get((AutoConfig.from_pretrained(path).architectures or [""])[0])
+    single = adapter.single_input_options if adapter is not None else {}  # as the worker sends an event's frames
     tokenizer = processor.tokenizer
     image_token = getattr(processor, "image_token", "<image>")
     image_token_id = tokenizer.convert_tokens_to_ids(image_token)
@@ -78,7 +82,7 @@ def image_token_counter(model: str) -> Callable[[Any], int]:
         prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                                tokenize=False)
         images = [Image.open(io.BytesIO(f.image)).convert("RGB") for f in job.frames]
-        ids = processor(text=[prompt], images=[images], return_tensors="pt")["input_ids"][0]
+        ids = processor(text=[prompt], images=[images], return_tensors="pt", **single)["input_ids"][0]
         return int((ids == image_token_id).sum())
 
     return count

@@ -99,6 +99,8 @@ def _run(cfg: StallConfig, chunked: bool, encoder_budget: bool, images: list,
     # (so the step that takes it up may begin before the thread has returned its id).
     prompt = event_prompt(len(images)) if cfg.event_frames else IMAGE_PROMPT.format(markers="<image>" * cfg.images)
     media = dict(messages=VIDEO_MESSAGES, videos=[video]) if video is not None else dict(prompt=prompt, images=images)
+    if cfg.event_frames:  # as the queue worker sends an event's frames: one encoder input each
+        media["mm_processor_kwargs"] = type(engine.adapter).single_input_options or None
     with ThreadPoolExecutor(1) as pool:
         adding = pool.submit(engine.add_request, **media, sampling=SamplingParams(max_tokens=4))
         while not adding.done():

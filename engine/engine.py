@@ -236,10 +236,13 @@ class Engine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         videos: list[VideoInput] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Queue a request and return its id. Raises ValueError for a request that can never run.
         `cache_salt`: the request shares cached prefix blocks and image features only with requests of the same
         salt (engine/block_hash.py).
+        `mm_processor_kwargs`: options for the model's processor that the family allows
+        (`VLMAdapter.processor_options`; SmolVLM: `do_image_splitting`).
         `videos`: each a `engine.video.Video`, a list of frames (PIL images or arrays), or a file path or encoded
         bytes (read with OpenCV, frames sampled by `VideoSampling()`), one for each video marker of the prompt."""
         if (prompt is None) == (messages is None):
@@ -273,7 +276,7 @@ class Engine:
         clips = [as_video(video, f"video {i}", VideoSampling()) for i, video in enumerate(videos or [])]
         self._check_video_markers(prompt, clips)
         try:
-            token_ids, mm = self.adapter.process(prompt, loaded, clips)
+            token_ids, mm = self.adapter.process(prompt, loaded, clips, mm_processor_kwargs)
         except ValueError:
             raise
         except Exception as exc:

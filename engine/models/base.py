@@ -146,12 +146,27 @@ class VLMAdapter:
     def family(self) -> str:
         return type(self.model).__name__
 
+    # Keyword arguments of the processor a request may set (`Engine.add_request(mm_processor_kwargs=...)`), by
+    # name and type; and those that make each image one encoder input (an event's frames: a few hundred image
+    # tokens, not thousands).
+    processor_options: ClassVar[dict[str, type]] = {}
+    single_input_options: ClassVar[dict[str, Any]] = {}
+
     def process(
-        self, prompt: str, images: list[Image.Image], videos: Sequence[Video] = ()
+        self, prompt: str, images: list[Image.Image], videos: Sequence[Video] = (),
+        options: dict[str, Any] | None = None,
     ) -> tuple[list[int], MultimodalPrompt | None]:
         if videos and self.video_marker is None:
             raise ValueError(f"{self.family} has no video input; send the frames as images instead")
-        token_ids, mm = self.expand_prompt(prompt, images, list(videos))
+        for name, value in (options or {}).items():
+            kind = self.processor_options.get(name)
+            if kind is None:
+                raise ValueError(f"mm_processor_kwargs: {name!r} is not an option {self.family}'s processor takes "
+                                 f"here (allowed: {sorted(self.processor_options) or 'none'})")
+            if type(value) is not kind:
+                raise ValueError(f"mm_processor_kwargs: {name!r} must be a {kind.__name__}, got {value!r}")
+        extra = {"options": dict(options)} if options else {}
+        token_ids, mm = self.expand_prompt(prompt, images, list(videos), **extra)
         if mm is not None:
             mm.atomic_units = self.atomic_units
             mm.encoder_slices = self.encoder_slices

@@ -100,8 +100,11 @@ class SmolVLMAdapter(VLMAdapter):
         final norm and the connector with the last."""
         return SLICES_PER_LAYER * len(self.model.model.vision_model.encoder.layers)
 
+    processor_options = {"do_image_splitting": bool}
+    single_input_options = {"do_image_splitting": False}  # each image one 512 px tile: 64 image tokens
+
     def expand_prompt(
-        self, prompt: str, images: list[Image.Image], videos: list[Video]
+        self, prompt: str, images: list[Image.Image], videos: list[Video], options: dict | None = None
     ) -> tuple[list[int], MultimodalPrompt | None]:
         if not images and not videos:  # tokenized exactly as the processor does for transformers' own generate
             return self.processor(text=[prompt], return_tensors="pt")["input_ids"][0].tolist(), None
@@ -111,7 +114,7 @@ class SmolVLMAdapter(VLMAdapter):
         if videos:
             batch = self.processor(text=[prompt], return_tensors="pt", **video_processor_kwargs(videos))
         else:
-            batch = self.processor(text=[prompt], images=[images], return_tensors="pt")
+            batch = self.processor(text=[prompt], images=[images], return_tensors="pt", **(options or {}))
         ids = batch["input_ids"][0].tolist()
         pixel_values = batch["pixel_values"][0]  # [tiles or frames, 3, H, W]
         pixel_mask = batch.get("pixel_attention_mask")

@@ -44,9 +44,10 @@ def photos() -> list[Image.Image]:
     return [Image.open(path).convert("RGB") for path in photo_paths()]
 
 
-def oracle_for(checkpoint: str) -> Callable[[str, list[Image.Image], int], list[int]]:
+def oracle_for(checkpoint: str, **processor_kwargs) -> Callable[[str, list[Image.Image], int], list[int]]:
     """Greedy tokens from transformers' `generate` on `checkpoint`, one request at a time, memoised (images
-    by identity: pass the same image objects for the same images)."""
+    by identity: pass the same image objects for the same images); `processor_kwargs` go to the processor
+    with images."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(checkpoint)
@@ -56,7 +57,9 @@ def oracle_for(checkpoint: str) -> Callable[[str, list[Image.Image], int], list[
     def generate(prompt: str, images: list[Image.Image], max_tokens: int) -> list[int]:
         key = (prompt, tuple(id(i) for i in images), max_tokens)
         if key not in memo:
-            inputs = processor(text=[prompt], images=[images] if images else None, return_tensors="pt").to(DEVICE)
+            extra = processor_kwargs if images else {}
+            inputs = processor(text=[prompt], images=[images] if images else None, return_tensors="pt",
+                               **extra).to(DEVICE)
             with torch.no_grad():
                 out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
             memo[key] = out[0, inputs["input_ids"].shape[1] :].tolist()
