@@ -299,7 +299,7 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
         "machine": machine(),
         "engine": {"attention_backend": engine.attention_backend, "cpu_linear": engine.cpu_linear,
                    "compile_seconds": engine.compile_seconds, "cpu_kernels": stats.cpu_kernels,
-                   "lean_layers": stats.lean_layers, "linear_row_limits": stats.linear_row_limits},
+                   "lean_layers": stats.lean_layers, "linear_rows": stats.linear_rows},
         "read_floor": floor,
         "prefill_s": prefill_s,
         "context_early": context,
@@ -353,7 +353,7 @@ def summary(result: dict[str, Any]) -> str:
             f"{floor['early_ms']:.2f} / {floor['late_ms']:.2f} ms; engine / floor: "
             f"{ratios['engine_vs_floor_early']:.2f}x early, {ratios['engine_vs_floor_late']:.2f}x late")
         lines.append(f"CPU kernels: {eng.get('cpu_kernels')} build, {eng.get('lean_layers')} lean decoder layers, "
-                     f"kernel up to rows {eng.get('linear_row_limits')}")
+                     f"kernel rows by weight shape {eng.get('linear_rows')}")
     return "\n".join(lines)
 
 

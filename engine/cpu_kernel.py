@@ -7,7 +7,7 @@
   dtype: no second copy), four weight rows against six rows of x at a time. A decode step's matrix products
   are a few rows times every weight of the model: their cost is reading the weights. `route_linears` sends a
   model's Linear layers and patch embeddings (a Conv2d whose stride is its kernel: a Linear over the image's
-  patches) through it for the row counts where it beats torch's own GEMM on this machine (`measure_row_limits`).
+  patches) through it for the row counts where it beats torch's own GEMM on this machine (`measure_row_ranges`).
   Its `glu` mode computes a Llama MLP's SiLU(gate) * up from one matrix of both (engine/lean_layers.py).
 - `rms_norm` / `add_rms_norm` (rms_norm.c): Llama's RMSNorm in one call instead of seven small operators, and
   the residual add before it; `route_norms` swaps it in for every norm whose forward is LlamaRMSNorm's code.
@@ -227,7 +227,7 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return linear(x, weight, bias)
 
 
-# Row buckets `measure_row_limits` times each Linear shape at, and the work past which a bucket is not timed
+# Row buckets `measure_row_range` times each Linear shape at, and the work past which a bucket is not timed
 # (multiply-adds: the lm head at 512 rows would take a second to time).
 ROW_BUCKETS = (1, 8, 16, 32, 128, 512)
 MEASURE_MACS = 3e8
@@ -244,55 +244,65 @@ def _median_seconds(fn, repeats: int = 3) -> float:
 
 
 @torch.inference_mode()
-def measure_row_limit(weight: torch.Tensor) -> int:
-    """The most rows of x for which the kernel was faster than torch's F.linear with this weight here: the
-    largest bucket up to which it won at every bucket timed (beyond the last bucket timed, the kernel keeps
-    what it won there)."""
+def measure_row_range(weight: torch.Tensor) -> tuple[int, int]:
+    """The rows of x [first, last] for which the kernel was faster than torch's F.linear with this weight here:
+    the first run of buckets in which it won, from the row after the bucket before it (beyond the last bucket
+    timed, the kernel keeps what it won there). (0, 0): torch at every row count."""
     lib = _lib()
     n, k = weight.shape
-    limit = 0
+    won: list[bool] = []
     for rows in ROW_BUCKETS:
-        if rows * n * k > MEASURE_MACS and limit:
-            return 1 << 30
+        if rows * n * k > MEASURE_MACS and won:
+            break
         x = torch.randn(rows, k).to(weight.dtype)
         own = _median_seconds(lambda x=x: _run_linear(lib, x, weight, None, False))
         theirs = _median_seconds(lambda x=x: F.linear(x, weight))
-        if own > theirs:
-            return limit
-        limit = rows
-    return 1 << 30
+        won.append(own <= theirs)
+    if True not in won:
+        return (0, 0)
+    first = won.index(True)
+    last = won.index(False, first) - 1 if False in won[first:] else None
+    low = ROW_BUCKETS[first - 1] + 1 if first else 1
+    return (low, ALL_ROWS if last is None else ROW_BUCKETS[last])
 
 
-def measure_row_limits(model: torch.nn.Module) -> dict[str, int]:
-    """Sets each routed layer's `max_rows` from `measure_row_limit`, one measurement per weight shape and
-    dtype; returns them by shape ("n x k dtype")."""
-    limits: dict[str, int] = {}
+def measure_row_ranges(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """Sets each routed layer's `rows` from `measure_row_range`, one measurement per weight shape and dtype;
+    returns them by shape ("n x k dtype")."""
+    ranges: dict[str, tuple[int, int]] = {}
     for module in model.modules():
         if isinstance(module, (KernelLinear, KernelPatchConv)):
             weight = module.weight.reshape(module.weight.shape[0], -1)
-            key = f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).removeprefix('torch.')}"
-            if key not in limits:
-                limits[key] = measure_row_limit(weight)
-            module.max_rows = limits[key]
-    return limits
+            key = shape_key(weight)
+            if key not in ranges:
+                ranges[key] = measure_row_range(weight)
+            module.rows = ranges[key]
+    return ranges
 
 
-def set_row_limits(model: torch.nn.Module, rows: int) -> None:
-    """Every routed layer of `model` takes the kernel up to `rows` rows (instead of `measure_row_limits`)."""
+def shape_key(weight: torch.Tensor) -> str:
+    return f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).removeprefix('torch.')}"
+
+
+def set_row_ranges(model: torch.nn.Module, rows: int) -> None:
+    """Every routed layer of `model` takes the kernel up to `rows` rows (instead of `measure_row_ranges`)."""
     for module in model.modules():
         if isinstance(module, (KernelLinear, KernelPatchConv)):
-            module.max_rows = rows
+            module.rows = (1, rows) if rows else (0, 0)
 
 
-# Most rows for which `linear` is used before any measurement: every row count (bfloat16 and float16 GEMMs lack
-# fast kernels on CPUs without their instructions), float32 up to 16 rows, beyond which MKL's blocking wins.
-KERNEL_ROWS: dict[torch.dtype, int] = {torch.float32: 16, torch.bfloat16: 1 << 30, torch.float16: 1 << 30}
+ALL_ROWS = 1 << 30
+# Rows for which `linear` is used before any measurement: every row count (bfloat16 and float16 GEMMs lack fast
+# kernels on CPUs without their instructions), float32 up to 16 rows, beyond which MKL's blocking wins.
+KERNEL_ROWS: dict[torch.dtype, tuple[int, int]] = {torch.float32: (1, 16), torch.bfloat16: (1, ALL_ROWS),
+                                                   torch.float16: (1, ALL_ROWS)}
 
 
 def route_linears(model: torch.nn.Module) -> int:
-    """Make every `nn.Linear` of `model` a `KernelLinear` (its weights untouched): inputs of at most `max_rows`
-    rows go through `linear`, the rest through F.linear as before; likewise every patch embedding (`nn.Conv2d`
-    whose stride is its kernel, no padding) a `KernelPatchConv`, one row a patch. Returns how many."""
+    """Make every `nn.Linear` of `model` a `KernelLinear` (its weights untouched): inputs whose row count lies in
+    its `rows` range go through `linear`, the rest through F.linear as before; likewise every patch embedding
+    (`nn.Conv2d` whose stride is its kernel, no padding) a `KernelPatchConv`, one row a patch. Returns how
+    many."""
     routed = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.dtype in KERNEL_ROWS:
@@ -304,7 +314,7 @@ def route_linears(model: torch.nn.Module) -> int:
         _check_weight(module.weight.reshape(module.weight.shape[0], -1))
         bias32 = None if module.bias is None else module.bias.detach().to(torch.float32).contiguous()
         module.register_buffer("bias32", bias32, persistent=False)  # the kernel sums in float32
-        module.max_rows = KERNEL_ROWS[module.weight.dtype]
+        module.rows = KERNEL_ROWS[module.weight.dtype]
         routed += 1
     return routed
 
@@ -317,16 +327,17 @@ def _is_patch_conv(module: torch.nn.Module) -> bool:
 
 
 class KernelLinear(torch.nn.Linear):
-    """A Linear layer whose inputs of up to `max_rows` rows go through `linear`, reading the layer's own weight
-    (one class for all, so that a compiled model sees the same code in every layer)."""
+    """A Linear layer whose inputs of `rows[0]` to `rows[1]` rows go through `linear`, reading the layer's own
+    weight (one class for all, so that a compiled model sees the same code in every layer)."""
 
     bias32: torch.Tensor | None
-    max_rows: int
+    rows: tuple[int, int]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A decode step calls this some 200 times: only what the call needs (the weight was checked once).
         width = x.shape[-1]  # a wrong width goes to F.linear, which says so
-        if (width == self.in_features and x.numel() <= self.max_rows * width and x.dtype in _DTYPES
+        low, high = self.rows
+        if (width == self.in_features and low * width <= x.numel() <= high * width and x.dtype in _DTYPES
                 and x.device.type == "cpu" and self.weight.dtype in _DTYPES):
             if torch.compiler.is_compiling():  # an opaque operator in the graph (engine/compiled.py)
                 return torch.ops.vlmcap.linear(x, self.weight, self.bias32)
@@ -339,7 +350,7 @@ class KernelPatchConv(torch.nn.Conv2d):
     flattened as the weight is ([channels, kh, kw]), is a row. The same sums as the convolution, in float32."""
 
     bias32: torch.Tensor | None
-    max_rows: int
+    rows: tuple[int, int]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kh, kw = self.kernel_size
@@ -347,7 +358,7 @@ class KernelPatchConv(torch.nn.Conv2d):
             return super().forward(x)
         batch, channels, height, width = x.shape
         rows_h, rows_w = (height - kh) // kh + 1, (width - kw) // kw + 1
-        if batch * rows_h * rows_w > self.max_rows or torch.compiler.is_compiling():
+        if not self.rows[0] <= batch * rows_h * rows_w <= self.rows[1] or torch.compiler.is_compiling():
             return super().forward(x)
         patches = (x[:, :, : rows_h * kh, : rows_w * kw].reshape(batch, channels, rows_h, kh, rows_w, kw)
                    .permute(0, 2, 4, 1, 3, 5).reshape(batch, rows_h * rows_w, channels * kh * kw))

@@ -92,7 +92,7 @@ class Engine:
         self.attention_backend = self._attention_backend()
         self.cpu_linear = self._use_cpu_linear()
         self.cpu_kernels: str | None = None
-        self.linear_row_limits: dict[str, int] = {}
+        self.linear_rows: dict[str, tuple[int, int]] = {}
         if self.cpu_linear:
             self._route_cpu_kernels()
         self.compile_seconds = 0.0
@@ -187,16 +187,16 @@ class Engine:
         cpu_kernel.route_norms(adapter.model)
         self.cpu_kernels = cpu_kernel.variant()
         if rows is None:
-            self.linear_row_limits = cpu_kernel.measure_row_limits(adapter.model)
+            self.linear_rows = cpu_kernel.measure_row_ranges(adapter.model)
             if adapter.lean is not None:
-                self.linear_row_limits.update(adapter.lean.measure())
+                self.linear_rows.update(adapter.lean.measure())
         else:
-            cpu_kernel.set_row_limits(adapter.model, rows)
+            cpu_kernel.set_row_ranges(adapter.model, rows)
             if adapter.lean is not None:
                 for projection in adapter.lean.projections():
-                    projection.max_rows = rows
-        log.info("CPU kernels: %s build, %d lean decoder layers, kernel row limits %s", self.cpu_kernels,
-                 adapter.lean.count if adapter.lean is not None else 0, self.linear_row_limits or rows)
+                    projection.rows = (1, rows) if rows else (0, 0)
+        log.info("CPU kernels: %s build, %d lean decoder layers, kernel rows by weight shape %s", self.cpu_kernels,
+                 adapter.lean.count if adapter.lean is not None else 0, self.linear_rows or rows)
 
     def _use_cuda_graphs(self) -> bool:
         wanted = self.config.cuda_graphs
@@ -459,6 +459,6 @@ class Engine:
                 compile_seconds=self.compile_seconds,
                 cpu_kernels=self.cpu_kernels,
                 lean_layers=self.adapter.lean.count if self.adapter.lean is not None else 0,
-                linear_row_limits=dict(self.linear_row_limits),
+                linear_rows=dict(self.linear_rows),
                 step_costs=self.step_costs.as_dict() if self.step_costs is not None and self.step_costs.ready else {},
             )

@@ -61,14 +61,14 @@ class Projection:
 
     weight: torch.Tensor  # [n, k], contiguous rows
     bias32: torch.Tensor | None
-    max_rows: int
+    rows: tuple[int, int]  # the row counts that go through the kernel (cpu_kernel.measure_row_range)
 
     def __post_init__(self) -> None:
         self.weight_t = self.weight.t()  # torch's path multiplies by this view, made once
         self.bias = None if self.bias32 is None else self.bias32.to(self.weight.dtype)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor, glu: bool = False) -> None:
-        if x.shape[0] <= self.max_rows:
+        if self.rows[0] <= x.shape[0] <= self.rows[1]:
             cpu_kernel._run_linear(cpu_kernel.load_variant(cpu_kernel.variant()), x, self.weight, self.bias32,
                                    glu, out)
             return
@@ -140,16 +140,15 @@ class LeanTextModel:
     def projections(self) -> list[Projection]:
         return [p for layer in self.layers if layer is not None for p in layer.projections()]
 
-    def measure(self) -> dict[str, int]:
-        """Each projection's `max_rows` measured here (cpu_kernel.measure_row_limit), one per shape."""
-        limits: dict[str, int] = {}
+    def measure(self) -> dict[str, tuple[int, int]]:
+        """Each projection's `rows` measured here (cpu_kernel.measure_row_range), one per shape."""
+        ranges: dict[str, tuple[int, int]] = {}
         for projection in self.projections():
-            weight = projection.weight
-            key = f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).removeprefix('torch.')}"
-            if key not in limits:
-                limits[key] = cpu_kernel.measure_row_limit(weight)
-            projection.max_rows = limits[key]
-        return limits
+            key = cpu_kernel.shape_key(projection.weight)
+            if key not in ranges:
+                ranges[key] = cpu_kernel.measure_row_range(projection.weight)
+            projection.rows = ranges[key]
+        return ranges
 
     def forward(self, embeds: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """[T, hidden] embeddings -> [T, hidden] final hidden states (after the model's last norm)."""

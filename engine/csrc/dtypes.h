@@ -3,6 +3,7 @@
 #define VLMCAP_DTYPES_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -57,11 +58,13 @@ static inline void store_floats(const float *src, int64_t count, void *dst, int 
 /* v rounded to `dtype` and widened back (float32: v), as torch rounds a result to its dtype. */
 static inline float rounded(float v, int dtype) {
     if (dtype == F32) return v;
-    uint16_t half;
-    float back;
-    store_floats(&v, 1, &half, dtype, 0);
-    load_floats(&half, dtype, 0, 1, &back);
-    return back;
+    if (dtype == F16) return (float)(_Float16)v;
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof(bits));
+    bits = (bits & 0x7fffffffu) > 0x7f800000u ? (bits | 0x00400000u) & 0xffff0000u  /* NaN stays NaN */
+                                              : (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&v, &bits, sizeof(bits));
+    return v;
 }
 
 #ifdef __AVX512F__
@@ -74,5 +77,17 @@ static inline __attribute__((always_inline)) __m512 widen16(const void *p, int d
     return _mm512_loadu_ps((const float *)p + at);
 }
 #endif
+
+/* A growable buffer of the calling thread, kept across calls (one per source file): no allocation per call. */
+static inline void *thread_scratch(size_t bytes) {
+    static __thread void *buffer = NULL;
+    static __thread size_t held = 0;
+    if (bytes > held) {
+        free(buffer);
+        buffer = malloc(bytes);
+        held = buffer ? bytes : 0;
+    }
+    return buffer;
+}
 
 #endif

@@ -178,18 +178,6 @@ const char *linear_isa(void) {
 #endif
 }
 
-/* A growable buffer per calling thread, kept across calls: no allocation per step. */
-static void *scratch(size_t bytes) {
-    static __thread void *buffer = NULL;
-    static __thread size_t held = 0;
-    if (bytes > held) {
-        free(buffer);
-        buffer = malloc(bytes);
-        held = buffer ? bytes : 0;
-    }
-    return buffer;
-}
-
 /* v rounded to bfloat16 or float16 and widened back, as torch rounds (nearest even); float32: v. Plain loops
  * over arrays, so that the compiler vectorises them. */
 static inline void round_to(float *v, int64_t count, int dtype) {
@@ -339,7 +327,7 @@ int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int
     if (io_dtype == BF16 && w_dtype == BF16 && k % 32 == 0 && m >= AMX_MIN_ROWS && amx_permitted()) {
         const int64_t amx_cols = glu_mode ? out_cols / 16 * 16 : n / 32 * 32;
         if (amx_cols > 0) {
-            uint32_t *packed = scratch((size_t)((m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS * (k / 2)) * 4);
+            uint32_t *packed = thread_scratch((size_t)((m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS * (k / 2)) * 4);
             if (!packed) return 2;
             amx_linear(x, m, k, w, w_stride, n, bias, glu_mode, amx_cols, y, io_dtype, packed, num_threads);
             block0 = glu_mode ? amx_cols / 2 : amx_cols / RW;
@@ -355,7 +343,7 @@ int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int
 #endif
     const float *xf = (const float *)x;
     if (!dot && io_dtype != F32) {
-        float *converted = scratch((size_t)(m * k) * sizeof(float));
+        float *converted = thread_scratch((size_t)(m * k) * sizeof(float));
         if (!converted) return 2;
         load_floats(x, io_dtype, 0, m * k, converted);
         xf = converted;

@@ -141,8 +141,10 @@ static inline __attribute__((always_inline)) void attend512(
         const int64_t offset = p % block_size;
         const int64_t run = MIN(MIN(block_size - offset, n - p), 16);
         const int64_t slot = table[p / block_size] * block_size + offset;
-        if (offset + run == block_size && p + run < n)
+        if (offset + run == block_size && p + run < n) {  /* the next block's keys and values, read next */
             prefetch_block(key_cache, table[(p + run) / block_size], block_size, width, dtype, h0, h1 - h0, d);
+            prefetch_block(value_cache, table[(p + run) / block_size], block_size, width, dtype, h0, h1 - h0, d);
+        }
         const __mmask16 live = (__mmask16)((1u << run) - 1u);
         for (int64_t h = h0; h < h1; h++) {
             for (int64_t r = 0; r < run; r++)

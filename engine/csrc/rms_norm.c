@@ -24,7 +24,7 @@ int add_rms_norm(void *h, const void *delta, int io_dtype, int64_t rows, int64_t
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (rows >= PARALLEL_ROWS)
     {
-        float *row = malloc((size_t)(3 * dim) * sizeof(float)), *w = row ? row + dim : NULL;
+        float *row = thread_scratch((size_t)(3 * dim) * sizeof(float)), *w = row ? row + dim : NULL;
         float *add = w ? w + dim : NULL;
         if (!row) {
 #pragma omp atomic write
@@ -47,7 +47,6 @@ int add_rms_norm(void *h, const void *delta, int io_dtype, int64_t rows, int64_t
             for (int64_t j = 0; j < dim; j++) row[j] = rounded(rounded(row[j] * scale, io_dtype) * w[j], io_dtype);
             store_floats(row, dim, out, io_dtype, i * dim);
         }
-        free(row);
     }
     return failed;
 }

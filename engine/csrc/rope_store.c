@@ -29,7 +29,7 @@ int rope_store(void *qkv, int dtype, int64_t tokens, int64_t width, int64_t nq, 
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (tokens >= 16)
     {
-        float *buffer = malloc((size_t)(4 * d) * sizeof(float));
+        float *buffer = thread_scratch((size_t)(4 * d) * sizeof(float));
         float *c = buffer, *s = buffer ? buffer + d : NULL, *x = s ? s + d : NULL, *y = x ? x + d : NULL;
         if (!buffer) {
 #pragma omp atomic write
@@ -55,7 +55,6 @@ int rope_store(void *qkv, int dtype, int64_t tokens, int64_t width, int64_t nq, 
                 store_floats(x, d, value_cache, cache_dtype, slot + h * d);
             }
         }
-        free(buffer);
     }
     return failed;
 }

@@ -121,14 +121,30 @@ def test_refuses_inputs_that_do_not_fit_naming_them():
                               torch.zeros(2, dtype=torch.long), torch.zeros(4, 1, 4), torch.zeros(4, 1, 4))
 
 
-def test_row_limits_are_measured_per_weight_shape():
-    """Each shape gets the row count up to which the kernel beat torch here (0: torch from the first row)."""
+def test_row_ranges_are_measured_per_weight_shape():
+    """Each shape gets the rows for which the kernel beat torch here: a range starting at 1 or after a bucket,
+    ending at a bucket or at every row count; (0, 0) when torch won everywhere."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 64), torch.nn.Linear(64, 32))
     assert cpu_kernel.route_linears(model) == 3
-    limits = cpu_kernel.measure_row_limits(model)
-    assert set(limits) == {"32x64 float32", "64x32 float32"}
-    assert all(limit == 0 or limit in cpu_kernel.ROW_BUCKETS or limit == 1 << 30 for limit in limits.values())
-    assert model[0].max_rows == model[2].max_rows == limits["32x64 float32"]
+    ranges = cpu_kernel.measure_row_ranges(model)
+    assert set(ranges) == {"32x64 float32", "64x32 float32"}
+    starts = {0, 1} | {b + 1 for b in cpu_kernel.ROW_BUCKETS}
+    ends = {0, cpu_kernel.ALL_ROWS} | set(cpu_kernel.ROW_BUCKETS)
+    assert all(low in starts and high in ends and low <= max(high, 1) for low, high in ranges.values())
+    assert model[0].rows == model[2].rows == ranges["32x64 float32"]
+
+
+def test_a_layer_takes_the_kernel_only_inside_its_row_range(monkeypatch):
+    layer = torch.nn.Linear(64, 32)
+    cpu_kernel.route_linears(layer)
+    calls = []
+    run = cpu_kernel._run_linear
+    monkeypatch.setattr(cpu_kernel, "_run_linear", lambda *args: calls.append(args[1].shape[0]) or run(*args))
+    layer.rows = (2, 8)
+    with torch.inference_mode():
+        for rows in (1, 2, 8, 9):
+            layer(torch.randn(rows, 64))
+    assert calls == [2, 8]
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
