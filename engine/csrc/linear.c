@@ -257,6 +257,39 @@ static void amx_configure(int cols) {
     _tile_loadconfig(&config);
 }
 
+/* bfloat16 of 16 floats (nearest even, as torch rounds), widened back. */
+static inline __m512 bf16_round16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+/* One task's sums ([tile][weight row][row of x]) into y rows row0.. (bfloat16): plain, the 32 columns from
+ * `first` (the second tile's 16 follow the first's); glu, SiLU(gate) * up for the 16 outputs from `first`, each
+ * operator rounded as torch rounds it. */
+static void amx_finish(float sums[2][16][16], int64_t rows, int64_t first, int64_t second, int glu_mode,
+                       const float *bias, void *y, int64_t out_cols, int64_t row0) {
+    float across[2][16][16] __attribute__((aligned(64)));  /* [tile][row of x][weight row] */
+    for (int t = 0; t < 2; t++)
+        for (int n = 0; n < 16; n++)
+            for (int64_t r = 0; r < rows; r++) across[t][r][n] = sums[t][n][r];
+    const __m512 bias_a = bias ? _mm512_loadu_ps(bias + first) : _mm512_setzero_ps();
+    const __m512 bias_b = bias ? _mm512_loadu_ps(bias + second) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 a = _mm512_add_ps(_mm512_load_ps(across[0][r]), bias_a);
+        const __m512 b = _mm512_add_ps(_mm512_load_ps(across[1][r]), bias_b);
+        uint16_t *out = (uint16_t *)y + (row0 + r) * out_cols + first;
+        if (glu_mode) {
+            const __m512 gate = bf16_round16(a);
+            const __m512 one = _mm512_set1_ps(1.0f);
+            const __m512 act = bf16_round16(_mm512_div_ps(gate, _mm512_add_ps(one, exp16(_mm512_sub_ps(
+                _mm512_setzero_ps(), gate)))));
+            _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(act, bf16_round16(b))));
+        } else {
+            _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(a));
+            _mm256_storeu_si256((__m256i *)(out + 16), (__m256i)_mm512_cvtneps_pbh(b));
+        }
+    }
+}
+
 /* Columns [0, amx_cols) of y (or of the glu output) through the tiles; x packed into `packed`
  * ([row blocks][k / 2][16][2] bfloat16). */
 static void amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t w_stride, int64_t n,
@@ -294,21 +327,7 @@ static void amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
                 }
                 _tile_stored(0, sums[0], 64);
                 _tile_stored(1, sums[1], 64);
-                for (int64_t r = 0; r < rows; r++) {
-                    float row_sums[NB * RW], done[NB * RW];
-                    int64_t rows_of[NB * RW];
-                    for (int64_t b = 0; b < NB; b++)  /* in blocks of four sums, as finish_row takes them */
-                        for (int c = 0; c < RW; c++) {
-                            /* plain: columns 4b..4b+3 of the 32; glu: gate 2b, 2b+1 then up 2b, 2b+1 */
-                            const int64_t col = glu_mode ? 2 * b + (c & 1) : RW * b + c;
-                            const int tile = glu_mode ? c >> 1 : (int)(col >= 16);
-                            const int64_t in_tile = glu_mode ? col : col % 16;
-                            row_sums[b * RW + c] = sums[tile][in_tile][r];
-                            rows_of[b * RW + c] = (tile ? second : first) + in_tile;
-                        }
-                    finish_row(row_sums, NB, glu_mode, bias, rows_of, io_dtype, done);
-                    store_floats(done, glu_mode ? 16 : 32, y, io_dtype, (rb * AMX_ROWS + r) * out_cols + first);
-                }
+                amx_finish(sums, rows, first, second, glu_mode, bias, y, out_cols, rb * AMX_ROWS);
             }
         }
         _tile_release();
