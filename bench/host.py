@@ -228,14 +228,20 @@ def _summary_of(steps: list[dict[str, float]]) -> dict[str, Any]:
 
 
 def read_bandwidth(threads: int | None, megabytes: int = 512) -> float:
-    """Bytes a second this machine reads from memory with torch's threads (the best of three sums over an array
-    larger than any cache)."""
+    """Bytes a second this machine reads from memory with torch's threads: the best of three passes over an array
+    larger than any cache, summed in float32 and multiplied as a bfloat16 matrix by one row (a decode step's
+    own kind of read; whichever reads faster here is the floor's bandwidth)."""
     if threads:
         torch.set_num_threads(threads)
     array = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
     array.sum()
-    best = min(_timed(array.sum) for _ in range(3))
-    return array.numel() * 4 / best
+    by_sum = array.numel() * 4 / min(_timed(array.sum) for _ in range(3))
+    del array
+    matrix = torch.zeros(megabytes * 2**20 // 2 // 4096, 4096, dtype=torch.bfloat16)
+    row = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    torch.nn.functional.linear(row, matrix)
+    by_product = matrix.numel() * 2 / min(_timed(lambda: torch.nn.functional.linear(row, matrix)) for _ in range(3))
+    return max(by_sum, by_product)
 
 
 def _timed(fn: Callable) -> float:
