@@ -12,7 +12,7 @@
 #            chat tokens/s in that window
 #   text32   32 text requests at once, 64 tokens each: output tokens/s (vlmcap with budget 2048)
 #   mixed24  24 requests at 1/s, a quarter with a photo, 64 tokens each: TTFT p50, end-to-end p50
-#   with VBENCH=1, also vLLM's own client (`vllm bench serve`, random-mm: 16 requests with a fresh 256 px photo
+#   with VBENCH=1 (VBENCH_ONLY=1: only this), also vLLM's own client (`vllm bench serve`, random-mm: 16 requests with a fresh 256 px photo
 #   each, 8 at a time), its table in $OUT/<server>-vbench-random-mm.txt
 # Each server first answers a warm-up (4 requests, half with a photo; 8 at once; 32 at once), not measured.
 # Settings: vlmcap on its defaults (steps budgeted by its inter-token-latency target; SETTINGS adds flags, e.g.
@@ -83,12 +83,12 @@ warm_up() {  # $1: a name for its log. Not measured: requests with an image, the
     >> "$OUT/warm-up-$1.txt" 2>&1
 }
 
-vbench() {  # $1: server name. vLLM's own client (`vllm bench serve`), 16 requests with one fresh 256 px photo each
+vbench() {  # $1: server name, $2: the model id it serves. vLLM's own client (`vllm bench serve`), 16 requests with one fresh 256 px photo each
   # (17 SmolVLM tiles), 8 at a time: its table (TTFT, TPOT, ITL between streamed chunks, duration) per server.
   [ -n "${VBENCH:-}" ] || return 0
   echo "== $1: vllm bench serve (random-mm)"
   PEER=$PEER "$PEERS_DIR/bench-serve.sh" --backend openai-chat --endpoint /v1/chat/completions --base-url "$URL" \
-    --model "$MODEL_DIR" --tokenizer "$MODEL_DIR" --dataset-name random-mm --random-input-len 64 \
+    --model "$MODEL_DIR" --served-model-name "$2" --tokenizer "$MODEL_DIR" --dataset-name random-mm --random-input-len 64 \
     --random-output-len 32 --num-prompts 16 --random-mm-base-items-per-request 1 \
     --random-mm-bucket-config '{(256, 256, 1): 1.0}' --random-mm-limit-mm-per-prompt '{"image": 1, "video": 0}' \
     --ignore-eos --max-concurrency 8 --seed 11 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
@@ -103,6 +103,7 @@ bench() {  # $1: server name, $2: workload, then the bench command and its optio
 }
 
 workloads() {  # $1: server name
+  [ -z "${VBENCH_ONLY:-}" ] || return 0
   bench "$1" chats8 serve --url "$URL" --rate inf --num-requests 8 --image-fraction 0 --max-tokens 256
   bench "$1" stall stall --url "$URL" --chats 8 --images 2 --after-steps 16
   bench "$1" mixed24 serve --url "$URL" --rate 1 --num-requests 24 --image-fraction 0.25 --max-tokens 64 --seed 0
@@ -111,15 +112,15 @@ workloads() {  # $1: server name
 if [ "$WHICH" = vllm ] || [ "$WHICH" = both ]; then
   start_vllm
   workloads vllm
-  bench vllm text32 serve --url "$URL" --rate inf --num-requests 32 --image-fraction 0 --max-tokens 64
-  vbench vllm
+  [ -n "${VBENCH_ONLY:-}" ] || bench vllm text32 serve --url "$URL" --rate inf --num-requests 32 --image-fraction 0 --max-tokens 64
+  vbench vllm "$MODEL_DIR"
   stop_server
 fi
 if [ "$WHICH" = vlmcap ] || [ "$WHICH" = both ]; then
   start_vlmcap
   workloads vlmcap
-  bench vlmcap text32 serve --url "$URL" --rate inf --num-requests 32 --image-fraction 0 --max-tokens 64
-  vbench vlmcap
+  [ -n "${VBENCH_ONLY:-}" ] || bench vlmcap text32 serve --url "$URL" --rate inf --num-requests 32 --image-fraction 0 --max-tokens 64
+  vbench vlmcap dummy:smolvlm-256m
   stop_server
 fi
 
