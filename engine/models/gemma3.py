@@ -2,7 +2,7 @@
 tokens between `<start_of_image>` and `<end_of_image>`; a Gemma 3 text model whose local layers attend within
 a sliding window and whose image tokens attend to all tokens of their own image, both ways. The scheduler
 keeps each image's span in one chunk (`atomic_units`), and the runner gives the attention that block
-(see `ModelRunner._prefill_masks`)."""
+(see `ReferenceMetadataBuilder.prefill_masks`, engine/attention_metadata.py)."""
 
 from __future__ import annotations
 

@@ -7,20 +7,31 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.attention_metadata import ChunkLayout
 from engine.presets import PRESETS, build_checkpoint
 from engine.scheduler import ScheduledChunk
 from tests.engine.conftest import DEVICE
 
 
 def _groups(runner, decodes):
-    """The runner's decode batches, each with the masks and tables it builds for them."""
+    """The runner's decode batches, each with the masks and tables its metadata builder makes for them."""
+    builder = runner.metadata
+    layouts = [ChunkLayout(i, _decode_at(n), blocks) for i, n, blocks in decodes]
     built = []
-    for group in runner._decode_groups(decodes):
-        width = max(len(blocks) for _, _, blocks in group)
-        tables = torch.tensor([blocks + [0] * (width - len(blocks)) for _, _, blocks in group])
-        built.append(runner._decode_group(torch.tensor([i for i, _, _ in group]),
-                                          torch.tensor([n for _, n, _ in group]), tables))
+    for group in builder.decode_groups(layouts):
+        width = max(len(layout.blocks) for layout in group)
+        tables = torch.tensor([layout.blocks + [0] * (width - len(layout.blocks)) for layout in group])
+        built.append(builder.decode_group(torch.tensor([layout.query_start for layout in group]),
+                                          torch.tensor([layout.chunk.end for layout in group]), tables))
     return built
+
+
+def _decode_at(context: int) -> ScheduledChunk:
+    """A decode chunk whose query is the `context`-th token of a request (its context: `context` keys)."""
+    from engine.request import Request
+
+    request = Request("r", list(range(context)), SamplingParams(), 0, 0, context + 1)
+    return ScheduledChunk(request, context - 1, 1)
 
 
 def test_a_long_context_among_short_ones_is_attended_in_its_own_batch(make_engine):
@@ -77,7 +88,7 @@ def test_gemma3_masks_are_transformers_own_block_and_window_rules(tmp_path, phot
     second_image = request.mm.unit_first_position(1)
     assert window < request.mm.unit_rows[0]  # the window cuts into an image's own block
     for start, end in [(0, n), (0, second_image), (second_image, n)]:
-        mask, sliding = engine.runner._prefill_masks(ScheduledChunk(request, start, end - start))
+        mask, sliding = engine.runner.masked_metadata.prefill_masks(ScheduledChunk(request, start, end - start))
         if mask is None:  # plain causal
             mask = torch.ones(end - start, end, dtype=torch.bool).tril(start)
         assert torch.equal(mask, expected_full[start:end, :end]), (start, end)

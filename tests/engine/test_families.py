@@ -43,7 +43,7 @@ def test_greedy_tokens_equal_generate_and_each_image_is_encoded_once(families, i
     stats = engine.stats()  # the bus photo comes twice: encoded once, then its features reused
     assert stats.encoder_inputs_encoded + stats.encoder_cache_hits == sum(len(job.images) for job in jobs) == 4
     assert stats.encoder_inputs_encoded >= 3
-    assert not engine.runner.encoder_cache
+    assert not engine.runner.encoder_features
     assert engine.stats().kv_blocks_used == 0
 
 

@@ -110,7 +110,7 @@ def test_a_photo_sent_again_after_another_prefix_is_not_encoded_again(make_engin
     assert out.token_ids == oracle(other, [photos[0]], 10)
     assert engine.stats().encoder_inputs_encoded == encoded
     assert engine.stats().encoder_cache_hits == tiles
-    assert not engine.runner.encoder_cache  # per-request references dropped once the spans were prefilled
+    assert not engine.runner.encoder_features  # per-request references dropped once the spans were prefilled
 
 
 def test_without_room_for_features_every_photo_is_encoded(make_engine, oracle, photos):

@@ -80,7 +80,7 @@ def test_vision_encoder_runs_once_per_tile_whatever_the_chunking(make_engine, ph
     per_step = [b - a for a, b in zip(encoded, encoded[1:])]
     if encoder_budget is not None:
         assert max(per_step) <= max(1, encoder_budget // 16)
-    assert not engine.runner.encoder_cache  # every output dropped once its span was prefilled
+    assert not engine.runner.encoder_features  # every output dropped once its span was prefilled
 
 
 def test_one_token_per_decode_per_step_and_budget_never_exceeded_in_mixed_traffic(make_engine, photos):

@@ -1,0 +1,202 @@
+"""A step's attention metadata, one builder per backend (engine/attention.py has the paths that read it).
+
+The runner lays out the step's chunks once (where each chunk's queries start in the packed batch, which cache
+blocks hold its context) and puts every integer of the step into one packer; each builder asks the packer for
+the integers its path needs (`reserve`) and, after the step's one upload, makes its `AttentionBatch` from views
+of them (`build`):
+
+- **kernel** (`KernelMetadataBuilder`): the Triton kernel's query starts, sequence lengths and padded block
+  table for the whole mixed batch;
+- **reference** (`ReferenceMetadataBuilder`): decodes in padded batches of similar context length with their
+  masks, prefill chunks one by one with theirs;
+- **cpu** (`CpuMetadataBuilder`): every decode in one batch the CPU's kernel reads in place (context lengths, no
+  masks), prefill chunks as the reference.
+
+The runner picks one at start-up from the resolved backend. A step whose prefill chunk needs explicit masks
+(image tokens that attend both ways) goes to the reference builder whatever the backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.attention import AttentionBatch, DecodeGroup, PagedKernelMetadata, PrefillSpan
+from engine.kv_cache import KVCache
+from engine.scheduler import ScheduledChunk
+
+# A decode batch's padded keys may be at most this many times its real ones (see `decode_batches`).
+PADDED_KEYS_LIMIT = 1.5
+
+
+class IntPacker:
+    """Integers of one step gathered into one list; `take` returns where a run of them lies."""
+
+    def __init__(self) -> None:
+        self.values: list[int] = []
+
+    def take(self, values: Iterable[int]) -> slice:
+        start = len(self.values)
+        self.values.extend(values)
+        return slice(start, len(self.values))
+
+
+@dataclass
+class ChunkLayout:
+    """Where one chunk's queries start in the packed batch, and the cache blocks that hold its context."""
+
+    query_start: int
+    chunk: ScheduledChunk
+    blocks: list[int]
+
+
+def needs_masks(chunk: ScheduledChunk) -> bool:
+    """A prefill chunk whose image tokens attend both ways needs the reference path's explicit masks."""
+    mm = chunk.request.mm
+    return chunk.num_tokens > 1 and mm is not None and mm.atomic_units and bool(mm.units_in(chunk.start, chunk.end))
+
+
+def padded(blocks: list[int], width: int) -> list[int]:
+    return blocks + [0] * (width - len(blocks))
+
+
+def decode_batches(decodes: list[ChunkLayout]) -> list[list[ChunkLayout]]:
+    """Decodes in padded batches, longest contexts first; a sequence starts a new batch when joining would make
+    the batch's padded keys more than `PADDED_KEYS_LIMIT` times its real ones (one long context among short
+    ones would otherwise have every short one read as many keys as it)."""
+    groups: list[list[ChunkLayout]] = []
+    total = 0
+    for decode in sorted(decodes, key=lambda d: d.chunk.end, reverse=True):
+        group = groups[-1] if groups else []
+        longest = group[0].chunk.end if group else 0
+        if group and (len(group) + 1) * longest <= PADDED_KEYS_LIMIT * (total + decode.chunk.end):
+            group.append(decode)
+            total += decode.chunk.end
+        else:
+            groups.append([decode])
+            total = decode.chunk.end
+    return groups
+
+
+class MetadataBuilder:
+    """What every backend's builder shares: the cache, its block size, the model's sliding window."""
+
+    def __init__(self, kv_cache: KVCache, block_size: int, device: torch.device, sliding_window: int | None) -> None:
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+        self.sliding_window = sliding_window
+
+    def accepts(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether this builder's path can run the step."""
+        return True
+
+    def reserve(self, layouts: list[ChunkLayout], num_tokens: int, packer: IntPacker) -> Any:
+        raise NotImplementedError
+
+    def build(self, reserved: Any, values: torch.Tensor, slot_mapping: torch.Tensor) -> AttentionBatch:
+        raise NotImplementedError
+
+
+class KernelMetadataBuilder(MetadataBuilder):
+    """The paged kernel reads the whole mixed batch in one launch per layer (`PagedKernelMetadata`)."""
+
+    def accepts(self, chunks: list[ScheduledChunk]) -> bool:
+        return not any(needs_masks(chunk) for chunk in chunks)
+
+    def reserve(self, layouts: list[ChunkLayout], num_tokens: int, packer: IntPacker) -> Any:
+        width = max(len(layout.blocks) for layout in layouts)
+        starts = packer.take([layout.query_start for layout in layouts] + [num_tokens])
+        lengths = packer.take(layout.chunk.end for layout in layouts)
+        table = packer.take(b for layout in layouts for b in padded(layout.blocks, width))
+        return starts, lengths, table, len(layouts), max(layout.chunk.num_tokens for layout in layouts)
+
+    def build(self, reserved: Any, values: torch.Tensor, slot_mapping: torch.Tensor) -> AttentionBatch:
+        starts, lengths, table, num_seqs, max_query_len = reserved
+        meta = PagedKernelMetadata(
+            query_start_loc=values[starts].to(torch.int32), seq_lens=values[lengths].to(torch.int32),
+            block_table=values[table].view(num_seqs, -1).to(torch.int32), max_query_len=max_query_len,
+            num_seqs=num_seqs,
+        )
+        return AttentionBatch(self.kv_cache, slot_mapping, [], [], kernel=meta)
+
+
+class ReferenceMetadataBuilder(MetadataBuilder):
+    """Decodes (chunks of one query, which see every cached key) in padded batches with masks; each prefill
+    chunk alone, with masks where it is not plain causal."""
+
+    def decode_groups(self, decodes: list[ChunkLayout]) -> list[list[ChunkLayout]]:
+        return decode_batches(decodes)
+
+    def reserve(self, layouts: list[ChunkLayout], num_tokens: int, packer: IntPacker) -> Any:
+        decodes = [layout for layout in layouts if layout.chunk.num_tokens == 1]
+        prefills = [layout for layout in layouts if layout.chunk.num_tokens > 1]
+        groups = []
+        for group in self.decode_groups(decodes):
+            width = max(len(layout.blocks) for layout in group)
+            groups.append((packer.take(layout.query_start for layout in group),
+                           packer.take(layout.chunk.end for layout in group),
+                           packer.take(b for layout in group for b in padded(layout.blocks, width))))
+        tables = [packer.take(layout.blocks) for layout in prefills]
+        return groups, prefills, tables
+
+    def build(self, reserved: Any, values: torch.Tensor, slot_mapping: torch.Tensor) -> AttentionBatch:
+        groups, prefills, tables = reserved
+        decode_groups = [self.decode_group(values[i], values[c], values[t].view(len(values[i]), -1))
+                         for i, c, t in groups]
+        spans = [
+            PrefillSpan(layout.query_start, layout.query_start + layout.chunk.num_tokens, values[table],
+                        layout.chunk.end, *self.prefill_masks(layout.chunk))
+            for layout, table in zip(prefills, tables)
+        ]
+        return AttentionBatch(self.kv_cache, slot_mapping, decode_groups, spans)
+
+    def decode_group(self, query_index: torch.Tensor, context_lens: torch.Tensor, tables: torch.Tensor) -> DecodeGroup:
+        """A decode batch's masks from its context lengths: key k is real for a sequence of context n when k < n,
+        and in a sliding-window layer when also k > n - 1 - window."""
+        keys = torch.arange(tables.shape[1] * self.block_size, device=tables.device)
+        mask = keys < context_lens[:, None]
+        sliding_mask = None
+        if self.sliding_window is not None:
+            sliding_mask = (mask & (keys > context_lens[:, None] - 1 - self.sliding_window))[:, None, None]
+        return DecodeGroup(query_index, tables, mask[:, None, None], sliding_mask)
+
+    def prefill_masks(self, chunk: ScheduledChunk) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Which keys each query of a prefill chunk sees: causally the positions up to its own, and where image
+        tokens attend both ways (`atomic_units`, whose spans a chunk holds whole) every token of its own
+        image too. None for plain causal attention over a chunk that starts the sequence. Then the same
+        within the sliding window, for models with sliding-window layers (None otherwise)."""
+        start, end, mm = chunk.start, chunk.end, chunk.request.mm
+        images = mm.units_in(start, end) if mm is not None and mm.atomic_units else []
+        window = self.sliding_window
+        plain_causal = start == 0 and not images
+        if plain_causal and window is None:
+            return None, None
+        mask = torch.ones(chunk.num_tokens, end, dtype=torch.bool, device=self.device).tril(start)
+        for unit in images:
+            first, last = mm.unit_first_position(unit), mm.unit_last_position(unit) + 1
+            mask[max(first, start) - start : last - start, first:last] = True
+        sliding_mask = None
+        if window is not None:
+            queries = torch.arange(start, end, device=self.device)[:, None]
+            sliding_mask = mask & (torch.arange(end, device=self.device)[None, :] > queries - window)
+        return (None if plain_causal else mask), sliding_mask
+
+
+class CpuMetadataBuilder(ReferenceMetadataBuilder):
+    """Every decode in one batch that the CPU's kernel reads in place: each context's own blocks, unsorted,
+    unpadded in keys, its length instead of a mask."""
+
+    def decode_groups(self, decodes: list[ChunkLayout]) -> list[list[ChunkLayout]]:
+        return [decodes] if decodes else []
+
+    def decode_group(self, query_index: torch.Tensor, context_lens: torch.Tensor, tables: torch.Tensor) -> DecodeGroup:
+        return DecodeGroup(query_index, tables, None, context_lens=context_lens)
+
+
+BUILDERS: dict[str, type[MetadataBuilder]] = {
+    "kernel": KernelMetadataBuilder, "reference": ReferenceMetadataBuilder, "cpu": CpuMetadataBuilder,
+}
