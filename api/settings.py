@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from jobqueue.consumer import DEFAULT_CAPTION_PRIORITY, DEFAULT_FALL_PRIORITY
+from jobqueue.settings import QueueSettings
 
 if TYPE_CHECKING:
     from engine import EngineConfig
@@ -85,7 +85,7 @@ class Limits:
             )
 
 
-DEFAULT_SUMMARY_PRIORITY = 3  # between chats (0) and camera captions (DEFAULT_CAPTION_PRIORITY)
+DEFAULT_SUMMARY_PRIORITY = 3  # between chats (0) and camera captions (QueueSettings.caption_priority)
 DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 
 
@@ -97,9 +97,10 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
 
 
-@dataclass
-class ServerSettings:
-    """The server around the engine: who may call it, the caption queue, shutdown.
+@dataclass(kw_only=True)
+class ServerSettings(QueueSettings):
+    """The server around the engine: who may call it, the caption queue (its worker's settings are
+    `QueueSettings`'), shutdown.
 
     served_model_name: model id clients send and /v1/models lists (default: the engine's model).
     api_key: when set, every /v1 route and the API docs need 'Authorization: Bearer <key>'.
@@ -111,16 +112,9 @@ class ServerSettings:
     allowed_hosts: without an API key, a Host name clients may use besides loopback ones (repeat; '*': any).
     redis_url: Redis for caption results shared with camera queue workers (default: results in memory, no queue).
     run_queue_worker: with a Redis URL, caption camera jobs from the Redis queue in-process.
-    consumer_name: the queue worker's name in the consumer group (default: host-pid).
-    claim_idle_seconds: take over jobs pending this long at another consumer.
-    max_deliveries: attempts before a camera job goes to the dead-letter stream.
-    batch_size: camera jobs read at once and captioned concurrently.
     caption_prompt: prompt of captions that give none.
     caption_max_tokens: new tokens of a caption.
     structured_caption_max_tokens: new tokens of a caption under a JSON schema (a job's or a request's `schema`).
-    caption_priority: engine priority of captions (lower first; chat is 0).
-    fall_priority: engine priority of fall alerts' captions (lower first; chat is 0).
-    alert_webhook: POST each fall alert's result as JSON to this URL (retried with backoff, never delaying captions).
     shutdown_grace_s: seconds in-flight requests get to finish at shutdown.
     summary_every: with Redis, append one summary per camera of the interval just ended to vlmcap:summaries:<camera>
         this often ('90s', '15m', '1h'; default: never).
@@ -140,16 +134,9 @@ class ServerSettings:
     limits: Limits = field(default_factory=Limits)
     redis_url: str | None = None
     run_queue_worker: bool = True
-    consumer_name: str | None = None
-    claim_idle_seconds: float = 60.0
-    max_deliveries: int = 3
-    batch_size: int = 8
     caption_prompt: str = "Describe the people in this image in one sentence."
     caption_max_tokens: int = 64
     structured_caption_max_tokens: int = 512
-    caption_priority: int = DEFAULT_CAPTION_PRIORITY
-    fall_priority: int = DEFAULT_FALL_PRIORITY
-    alert_webhook: str | None = None
     shutdown_grace_s: float = 10.0
     summary_every: str | None = None
     summary_max_tokens: int = 768
