@@ -222,10 +222,6 @@ def _run_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: t
     return out
 
 
-def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`linear` (the name the kernel had when it served few-row inputs only)."""
-    return linear(x, weight, bias)
-
 
 # Row buckets `measure_row_range` times each Linear shape at, and the work past which a bucket is not timed
 # (multiply-adds: a 256M model's lm head at 512 rows takes some 10 ms a call; vision towers run 1,024 rows).

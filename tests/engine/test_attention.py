@@ -106,17 +106,17 @@ def test_cpu_decode_kernel_refuses_a_context_beyond_its_block_table():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 3, 16, 40])
-def test_small_linear_equals_torch_linear(dtype, rows):
+def test_the_linear_kernel_takes_inputs_of_any_rank(dtype, rows):
     """The CPU's small-batch Linear: any dtype, row counts around the routing threshold, widths that are not
     multiples of its tiles (k = 100: 8-wide vectors and a tail; n = 37: 4-row tiles and a tail), a bias."""
-    from engine.cpu_kernel import small_linear
+    from engine.cpu_kernel import linear
 
     torch.manual_seed(0)
     x = torch.randn(rows, 100).to(dtype)
     weight = (torch.randn(37, 100) * 0.1).to(dtype)
     bias = torch.randn(37)
     expected = torch.nn.functional.linear(x.float(), weight.float(), bias).to(dtype)
-    got = small_linear(x.view(1, rows, 100), weight, bias)
+    got = linear(x.view(1, rows, 100), weight, bias)
     assert got.shape == (1, rows, 37) and got.dtype == dtype
     ulp = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     assert torch.allclose(got[0].float(), expected.float(), rtol=ulp, atol=ulp)
