@@ -77,7 +77,9 @@ class EngineConfig:
         they need the kernel backend.
     lean_layers: on the CPU, run Llama-style decoder layers as a few C calls (`None`: where the layers fit). A
         stock layer's some 60 small operators a step become fused projections, RoPE with the KV write, and norms
-        with the residual adds (engine/lean_layers.py); `True` refuses a model with no such layer.
+        with the residual adds (engine/lean_layers.py); `True` refuses a model with no such layer. A sliced
+        SigLIP tower's encoder layers run fused likewise (engine/lean_vision.py: q/k/v as one product, bias and
+        residual add in oneDNN's epilogue, GELU in C).
     cpu_linear_rows: the most rows a Linear goes through the CPU kernel for (`None`: measured per weight shape
         at start-up against torch's GEMM; 0: none).
     grammar_limits: what one grammar (structured output) may ask for, its compile deadline, the compiler's child

@@ -12,6 +12,8 @@
 - `rms_norm` / `add_rms_norm` (rms_norm.c): Llama's RMSNorm in one call instead of seven small operators, and
   the residual add before it; `route_norms` swaps it in for every norm whose forward is LlamaRMSNorm's code.
 - `rope_store` (rope_store.c): a layer's rotary embedding and KV cache write in one call.
+- `gelu_tanh` (gelu.c): GELU's tanh approximation in place, vectorized (a vision tower's MLP activation:
+  torch's own costs as much as the matrix product before it; engine/lean_vision.py).
 
 Each source is compiled once per machine and instruction set with the system's C compiler (`CC`, else `cc`)
 into `<tmp>/vlmcap-kernels/`, one library per entry of `VARIANTS` (AMX tiles, AVX-512 with BF16 dot products,
@@ -39,7 +41,8 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 FOLDER = Path(__file__).with_name("csrc")
-SOURCES = [FOLDER / "paged_decode.c", FOLDER / "linear.c", FOLDER / "rms_norm.c", FOLDER / "rope_store.c"]
+SOURCES = [FOLDER / "paged_decode.c", FOLDER / "linear.c", FOLDER / "rms_norm.c", FOLDER / "rope_store.c",
+           FOLDER / "gelu.c"]
 HEADERS = [FOLDER / "dtypes.h"]
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
@@ -64,6 +67,7 @@ _SIGNATURES = {  # function -> argument types (every one returns an int: 0, or w
     "rms_norm": [_P, _INT, _I64, _I64, _P, _INT, _F, _P, _INT],
     "add_rms_norm": [_P, _P, _INT, _I64, _I64, _P, _INT, _F, _P, _INT],
     "rope_store": [_P, _INT, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _INT, _INT],
+    "gelu_tanh": [_P, _INT, _I64, _INT],
 }
 
 
@@ -221,6 +225,17 @@ def _run_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: t
         raise MemoryError(f"the Linear kernel could not allocate its buffer ({rows.shape[0]} x {k} floats)")
     return out
 
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """x (contiguous, float32, bfloat16 or float16, on the CPU) replaced in place by GELU's tanh approximation
+    (transformers' "gelu_pytorch_tanh"), computed in float32; returns x."""
+    if x.dtype not in _DTYPES or not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError(f"gelu_tanh takes a contiguous CPU float32, bfloat16 or float16 tensor, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device} (contiguous: {x.is_contiguous()})")
+    if _lib().gelu_tanh(x.data_ptr(), _DTYPES[x.dtype], x.numel(), torch.get_num_threads()):
+        raise MemoryError("gelu_tanh could not allocate its buffer")
+    return x
 
 
 # Row buckets `measure_row_range` times each Linear shape at, and the work past which a bucket is not timed

@@ -169,10 +169,12 @@ class Engine:
 
     def _route_cpu_kernels(self) -> None:
         """The text model's fitting layers lean (engine/lean_layers.py, before routing: it fuses their weights),
-        every other Linear and Llama-style norm through the CPU kernels, and each weight shape's row limit
-        measured (`EngineConfig.cpu_linear_rows` fixes it instead)."""
+        and a sliced vision tower's (engine/lean_vision.py), every other Linear and Llama-style norm through the
+        CPU kernels, and each weight shape's row limit measured (`EngineConfig.cpu_linear_rows` fixes it
+        instead)."""
         from engine import cpu_kernel
         from engine.lean_layers import LeanTextModel
+        from engine.lean_vision import lean_vision_layers
 
         adapter, rows = self.adapter, self.config.cpu_linear_rows
         lean_possible = self.attention_backend != "kernel" and LeanTextModel.applies(adapter.text_model)
@@ -183,6 +185,9 @@ class Engine:
             raise ValueError(f"lean_layers: no decoder layer of {type(adapter.text_model).__name__} is Llama-style "
                              f"(engine/lean_layers.py `fits`), or the attention backend is {self.attention_backend!r} "
                              "(lean layers run the CPU's attention)")
+        if self.config.lean_layers is not False and adapter.vision_layers is not None:
+            layers = lean_vision_layers(adapter.vision_layers)
+            adapter.lean_vision = layers if any(layer is not None for layer in layers) else None
         cpu_kernel.route_linears(adapter.model)
         cpu_kernel.route_norms(adapter.model)
         self.cpu_kernels = cpu_kernel.variant()
@@ -195,8 +200,9 @@ class Engine:
             if adapter.lean is not None:
                 for projection in adapter.lean.projections():
                     projection.rows = (1, rows) if rows else (0, 0)
-        log.info("CPU kernels: %s build, %d lean decoder layers, kernel rows by weight shape %s", self.cpu_kernels,
-                 adapter.lean.count if adapter.lean is not None else 0, self.linear_rows or rows)
+        log.info("CPU kernels: %s build, %d lean decoder layers, %d lean vision layers, kernel rows by weight shape %s",
+                 self.cpu_kernels, adapter.lean.count if adapter.lean is not None else 0,
+                 sum(layer is not None for layer in adapter.lean_vision or ()), self.linear_rows or rows)
 
     def _use_cuda_graphs(self) -> bool:
         wanted = self.config.cuda_graphs
@@ -459,6 +465,7 @@ class Engine:
                 compile_seconds=self.compile_seconds,
                 cpu_kernels=self.cpu_kernels,
                 lean_layers=self.adapter.lean.count if self.adapter.lean is not None else 0,
+                lean_vision_layers=sum(layer is not None for layer in self.adapter.lean_vision or ()),
                 linear_rows=dict(self.linear_rows),
                 step_costs=self.step_costs.as_dict() if self.step_costs is not None and self.step_costs.ready else {},
             )

@@ -67,6 +67,7 @@ class EngineStats:
     compile_seconds: float = 0.0  # start-up time spent compiling the model (`EngineConfig.compile_model`)
     cpu_kernels: str | None = None  # the CPU kernels' build (engine/cpu_kernel.py VARIANTS); None: not used
     lean_layers: int = 0  # decoder layers run by engine/lean_layers.py
+    lean_vision_layers: int = 0  # vision encoder layers run by engine/lean_vision.py
     # The rows [first, last] a Linear shape ("n x k dtype") goes through the CPU kernel for, measured at start-up.
     linear_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
     # The step cost model (engine/step_costs.py) behind the inter-token-latency target; empty when not fitted.

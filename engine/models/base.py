@@ -109,6 +109,8 @@ class VLMAdapter:
         )
         self.atomic_units = image_tokens_attend_bidirectionally(model.config)
         self.lean: Any = None  # engine/lean_layers.LeanTextModel where the engine runs the text model lean
+        # engine/lean_vision.py's layers (None where one runs stock), where the engine runs the tower lean
+        self.lean_vision: list[Any] | None = None
 
     # -- family-specific ------------------------------------------------------------------------
     @property
@@ -140,6 +142,10 @@ class VLMAdapter:
         slices left (None when `first` is 0). Returns the new states; when `end` is the last slice they are
         the features, one [rows, hidden] tensor each, exactly as `encode` gives them."""
         raise NotImplementedError(f"{type(self).__name__} runs its vision tower whole")
+
+    # The vision tower's encoder layers, for families whose `encode_slices` runs them lean
+    # (engine/lean_vision.py); None elsewhere.
+    vision_layers: torch.nn.ModuleList | None = None
 
     # -- shared ---------------------------------------------------------------------------------
     @property

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from engine.lean_vision import LeanVisionLayer
 from engine.models.base import EncoderUnit, VLMAdapter, place_units, video_processor_kwargs
 from engine.request import MultimodalPrompt
 from engine.video import Video
@@ -24,11 +25,15 @@ from engine.video import Video
 SLICES_PER_LAYER = 5
 
 
-def _run_slice(layer: torch.nn.Module, which: int, hidden: torch.Tensor, mask: Any, carried: Any) -> tuple[Any, Any]:
+def _run_slice(layer: torch.nn.Module, which: int, hidden: torch.Tensor, mask: Any, carried: Any,
+               lean: LeanVisionLayer | None = None) -> tuple[Any, Any]:
     """One slice of an encoder layer's forward, with the very operations the layer's own forward runs (each
-    head's attention is computed on its own, whichever heads run beside it)."""
+    head's attention is computed on its own, whichever heads run beside it), or their fused equivalents where
+    the layer runs lean (engine/lean_vision.py)."""
     attention, mlp = layer.self_attn, layer.mlp
     if which == 0:
+        if lean is not None:
+            return hidden, lean.project(hidden)
         normed = layer.layer_norm1(hidden)
         heads = (*normed.shape[:-1], -1, attention.head_dim)
         projections = (attention.q_proj, attention.k_proj, attention.v_proj)
@@ -39,17 +44,26 @@ def _run_slice(layer: torch.nn.Module, which: int, hidden: torch.Tensor, mask: A
         half = (count + 1) // 2  # the first slice takes the odd head (a one-head tower's only one)
         heads = slice(0, half) if which == 1 else slice(half, count)
         if heads.start < heads.stop:
-            attended, _ = _attention_function(attention)(
-                attention, queries[:, heads], keys[:, heads], values[:, heads], mask,
-                is_causal=False, scaling=attention.scale, dropout=0.0,
-            )  # [batch, patches, heads, head_dim]
+            if lean is not None:
+                attended = lean.attend(queries[:, heads], keys[:, heads], values[:, heads], mask)
+            else:
+                attended, _ = _attention_function(attention)(
+                    attention, queries[:, heads], keys[:, heads], values[:, heads], mask,
+                    is_causal=False, scaling=attention.scale, dropout=0.0,
+                )  # [batch, patches, heads, head_dim]
             done.append(attended)
         if which == 1:
             return hidden, (queries, keys, values, *done)
         attended = torch.cat(done, dim=2).reshape(*hidden.shape[:-1], -1).contiguous()
+        if lean is not None:
+            return lean.attended_out(attended, hidden), None
         return hidden + attention.out_proj(attended), None
     if which == 3:
+        if lean is not None:
+            return hidden, lean.mlp_in(hidden)
         return hidden, mlp.activation_fn(mlp.fc1(layer.layer_norm2(hidden)))
+    if lean is not None:
+        return lean.mlp_out(carried, hidden), None
     return hidden + mlp.fc2(carried), None
 
 
@@ -126,8 +140,14 @@ class SmolVLMAdapter(VLMAdapter):
             units.append(EncoderUnit(self.model.model.image_seq_len, item))
         return ids, place_units(ids, {self.model.config.image_token_id: units})
 
+    @property
+    def vision_layers(self) -> torch.nn.ModuleList:
+        return self.model.model.vision_model.encoder.layers
+
     @torch.inference_mode()
     def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        if self.lean_vision is not None:  # the same slices, all of them: the lean layers' path
+            return self.encode_slices(inputs, [None] * len(inputs), 0, self.encoder_slices)
         pixel_values = torch.cat([i["pixel_values"] for i in inputs]).to(self.device, self.dtype)
         masks = [i.get("pixel_attention_mask") for i in inputs]
         pixel_mask = None if any(m is None for m in masks) else torch.cat(masks).to(self.device)
@@ -156,9 +176,11 @@ class SmolVLMAdapter(VLMAdapter):
         masks = [state[1] for state in states]
         mask = None if all(m is None for m in masks) else torch.cat([self._full_mask(h, m) for h, m, _ in states])
         carried = _join([state[2] for state in states])
+        lean = self.lean_vision or [None] * len(vision.encoder.layers)
         for index in range(first, end):
-            layer = vision.encoder.layers[index // SLICES_PER_LAYER]
-            hidden, carried = _run_slice(layer, index % SLICES_PER_LAYER, hidden, mask, carried)
+            layer = index // SLICES_PER_LAYER
+            hidden, carried = _run_slice(vision.encoder.layers[layer], index % SLICES_PER_LAYER, hidden, mask,
+                                         carried, lean[layer])
         if end < self.encoder_slices:
             return list(zip(hidden.split(1), masks, _split(carried, len(states))))
         features = self.model.model.connector(vision.post_layernorm(hidden))

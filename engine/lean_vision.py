@@ -1,0 +1,128 @@
+"""SigLIP-style vision encoder layers run as a few fused calls on the CPU (`EngineConfig.lean_layers`).
+
+A stock SigLIP encoder layer (SmolVLM's and Idefics3's tower) spends two thirds of a 512 px tile's time on a
+CPU outside its matrix products: the bias broadcast copied into every product's output, GELU at about a
+nanosecond a value (1,024 x 3,072 values a layer), the residual adds, three separate q/k/v products. The rule
+here: a layer that fits (`fits`: LayerNorm before attention and MLP, q/k/v/out projections, an MLP fc1 ->
+GELU (tanh) -> fc2) runs as
+
+    layer_norm -> linear(qkv) -> SDPA on views of its heads -> linear(out) + residual -> layer_norm
+    -> linear(fc1), GELU in place -> linear(fc2) + residual
+
+reading transformers' own weights: q/k/v are copied once into one matrix whose row ranges become the modules'
+weights (`lean_layers.fuse`), so the weights stay held once. The products are oneDNN's (torch's own CPU
+library: the bias and the residual add in its epilogue) where this torch build runs them for the dtype, else
+torch's F.linear and an add; GELU is the C kernel (engine/csrc/gelu.c). The arithmetic is the stock layer's
+(float32 sums; in bfloat16 a fused residual add rounds once instead of twice): tests compare the features with
+the stock tower's and greedy tokens with transformers' generate. An adapter that runs its tower in slices
+(engine/models/smolvlm.py) calls the slice functions below on the layers that fit.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_kernel
+from engine.lean_layers import fuse
+
+log = logging.getLogger(__name__)
+
+TANH_GELU_CLASSES = frozenset({"GELUTanh", "PytorchGELUTanh", "NewGELUActivation"})
+
+
+def fits(layer: torch.nn.Module) -> bool:
+    """Whether `layer` computes exactly what `LeanVisionLayer` computes (see the module's docstring)."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    norms = (getattr(layer, "layer_norm1", None), getattr(layer, "layer_norm2", None))
+    if attn is None or mlp is None or not all(type(n) is torch.nn.LayerNorm for n in norms):
+        return False
+    linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
+    linears += [getattr(mlp, n, None) for n in ("fc1", "fc2")]
+    if not all(isinstance(m, torch.nn.Linear) for m in linears):
+        return False
+    dtypes = {m.weight.dtype for m in linears}
+    return (len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16}
+            and type(getattr(mlp, "activation_fn", None)).__name__ in TANH_GELU_CLASSES
+            and all(m.weight.device.type == "cpu" for m in linears)
+            and not getattr(attn, "is_causal", False) and hasattr(attn, "head_dim") and hasattr(attn, "scale"))
+
+
+@functools.cache
+def fused_products(dtype: torch.dtype) -> bool:
+    """Whether this torch build runs oneDNN's Linear with a fused bias and residual add for `dtype` here, and
+    they give F.linear's result (checked once on a small product)."""
+    ops = getattr(torch.ops, "mkldnn", None)
+    if not torch.backends.mkldnn.is_available() or ops is None or not hasattr(ops, "_linear_pointwise"):
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    try:
+        generator = torch.Generator().manual_seed(0)
+        x, residual = (torch.randn(8, 32, generator=generator).to(dtype) for _ in range(2))
+        weight, bias = torch.randn(16, 32, generator=generator).to(dtype), torch.randn(16).to(dtype)
+        plain = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        added = torch.ops.mkldnn._linear_pointwise.binary(x, residual[:, :16].contiguous(), weight, bias, "add")
+    except RuntimeError as exc:
+        log.info("oneDNN's fused Linear does not run for %s here (%s): the vision tower uses F.linear", dtype, exc)
+        return False
+    expected = F.linear(x, weight, bias).float()
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    return bool(torch.allclose(plain.float(), expected, atol=tolerance)
+                and torch.allclose(added.float(), expected + residual[:, :16].float(), atol=2 * tolerance))
+
+
+class LeanVisionLayer:
+    """A fitting encoder layer's weights as the slice functions read them."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.out, self.fc1, self.fc2 = attn.out_proj, mlp.fc1, mlp.fc2
+        self.norm1, self.norm2 = layer.layer_norm1, layer.layer_norm2
+        self.heads, self.head_dim, self.scale = attn.num_heads, attn.head_dim, float(attn.scale)
+        self.fused = fused_products(self.qkv.weight.dtype)
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fused:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return F.linear(x, weight, bias)
+
+    def _linear_add(self, x: torch.Tensor, residual: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
+        """residual + linear(x), a new tensor."""
+        if self.fused:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, linear.weight, linear.bias, "add")
+        return residual + F.linear(x, linear.weight, linear.bias)
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[batch, patches, dim] -> queries, keys, values [batch, heads, patches, head_dim], views of one product."""
+        normed = F.layer_norm(hidden, self.norm1.normalized_shape, self.norm1.weight, self.norm1.bias, self.norm1.eps)
+        both = self._linear(normed, self.qkv.weight, self.qkv.bias)
+        split = both.view(*hidden.shape[:-1], 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return split[0], split[1], split[2]
+
+    def attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+               ) -> torch.Tensor:
+        """Some heads' attention ([batch, heads, patches, head_dim] each) -> [batch, patches, heads, head_dim]."""
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale).transpose(1, 2)
+
+    def attended_out(self, attended: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden + out_proj(attended [batch, patches, dim])."""
+        return self._linear_add(attended, hidden, self.out)
+
+    def mlp_in(self, hidden: torch.Tensor) -> torch.Tensor:
+        """GELU(fc1(layer_norm2(hidden)))."""
+        normed = F.layer_norm(hidden, self.norm2.normalized_shape, self.norm2.weight, self.norm2.bias, self.norm2.eps)
+        return cpu_kernel.gelu_tanh(self._linear(normed, self.fc1.weight, self.fc1.bias).contiguous())
+
+    def mlp_out(self, activated: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden + fc2(activated)."""
+        return self._linear_add(activated, hidden, self.fc2)
+
+
+def lean_vision_layers(layers: torch.nn.ModuleList) -> list[LeanVisionLayer | None]:
+    """Each encoder layer lean where it fits (its q/k/v weights fused), None where it runs stock."""
+    return [LeanVisionLayer(layer) if fits(layer) else None for layer in layers]

@@ -1,0 +1,107 @@
+"""Lean vision encoder layers (engine/lean_vision.py): the stock SigLIP tower's features from fused calls, on
+transformers' own weights held once; greedy tokens with images equal `generate`, whole towers and slices."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_kernel
+from engine.lean_vision import fits, fused_products
+from tests.engine.conftest import run_jobs
+from tests.engine.test_exactness import mixed_jobs
+
+
+def _tile_inputs(engine, photos) -> list[dict[str, torch.Tensor]]:
+    _, mm = engine.adapter.process("<image>a photo", photos[:1])
+    return mm.encoder_inputs[:3]
+
+
+def test_the_tiny_tower_runs_lean_by_default(make_engine):
+    engine = make_engine()
+    layers = engine.adapter.vision_layers
+    assert engine.stats().lean_vision_layers == len(layers) > 0
+    assert all(fits(layer) for layer in layers)
+    assert make_engine(lean_layers=False).stats().lean_vision_layers == 0
+
+
+@pytest.mark.parametrize("slices", [None, 1, 3])
+def test_lean_towers_give_generate_s_tokens(make_engine, oracle, photos, slices):
+    """The whole tower in one call, a slice a step, and three slices a step (slices cut across layers)."""
+    jobs = mixed_jobs(photos)
+    engine = make_engine(max_num_batched_tokens=13, max_num_seqs=8, encoder_slices_per_step=slices)
+    assert engine.stats().lean_vision_layers > 0
+    tokens, _ = run_jobs(engine, jobs)
+    for i, job in enumerate(jobs):
+        assert tokens[i] == oracle(job.prompt, job.images, job.max_tokens), f"job {i}, {slices} slices a step"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_features_equal_the_stock_tower_s(make_engine, photos, dtype):
+    """Features of the lean tower (whole, and five slices a call) against transformers' get_image_features on an
+    untouched copy of the model: float32 to rounding, bfloat16 within its precision."""
+    engine = make_engine(dtype="float32" if dtype == torch.float32 else "bfloat16")
+    adapter = engine.adapter
+    stock = copy.deepcopy(adapter)
+    stock.lean_vision = None
+    inputs = _tile_inputs(engine, photos)
+    expected = stock.encode(inputs)
+    whole = adapter.encode(inputs)
+    states = [None] * len(inputs)
+    for first in range(0, adapter.encoder_slices, 5):
+        states = adapter.encode_slices(inputs, states, first, min(first + 5, adapter.encoder_slices))
+    tolerance = 1e-4 if dtype == torch.float32 else 0.02
+    for want, got, sliced in zip(expected, whole, states):
+        scale = want.float().abs().max().item()
+        assert (want.float() - got.float()).abs().max().item() <= tolerance * scale
+        assert (want.float() - sliced.float()).abs().max().item() <= tolerance * scale
+
+
+def test_vision_weights_are_held_once(make_engine):
+    """q/k/v become views of one matrix per layer; no copy of any weight."""
+    engine = make_engine()
+    layer = engine.adapter.vision_layers[0]
+    fused = engine.adapter.lean_vision[0].qkv.weight
+    attn = layer.self_attn
+    assert attn.q_proj.weight.data_ptr() == fused.data_ptr()
+    assert attn.v_proj.weight.data_ptr() == fused.data_ptr() + 2 * attn.q_proj.out_features * fused.shape[1] \
+        * fused.element_size()
+    params = {p.untyped_storage().data_ptr() for p in engine.adapter.model.parameters()}
+    assert fused.untyped_storage().data_ptr() in params
+
+
+def test_a_layer_that_does_not_fit_runs_stock(make_engine, photos):
+    """A tower layer with another activation (CLIP's quick GELU) is not lean; the features stay the stock ones."""
+    engine = make_engine(lean_layers=False)
+    layer = engine.adapter.vision_layers[0]
+    assert fits(layer)
+    changed = copy.deepcopy(layer)
+    from transformers.activations import QuickGELUActivation
+
+    changed.mlp.activation_fn = QuickGELUActivation()
+    assert not fits(changed)
+    changed = copy.deepcopy(layer)
+    changed.layer_norm1 = torch.nn.Identity()
+    assert not fits(changed)
+
+
+def test_fused_products_run_here():
+    """oneDNN's fused Linear is what the lean tower uses on this machine's torch build (float32 at least)."""
+    assert fused_products(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_kernel_is_torch_s_tanh_gelu(dtype):
+    """Every value class: large negatives (0), large positives (x), around 0, in float32 to rounding."""
+    x = torch.cat([torch.randn(70_001) * 4, torch.tensor([-200.0, -30.0, -0.0, 0.0, 1e-6, 30.0, 200.0])]).to(dtype)
+    expected = F.gelu(x.float(), approximate="tanh")
+    got = cpu_kernel.gelu_tanh(x.clone())
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-6)
+    else:
+        torch.testing.assert_close(got, expected.to(dtype), atol=1e-6, rtol=2 ** -7)  # one bfloat16 step
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernel.gelu_tanh(x.view(-1, 8).t())
