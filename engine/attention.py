@@ -15,9 +15,13 @@ Two paths compute the same function:
   SDPA; decodes in padded batches of similar context length, prefill chunks one by one, with explicit
   masks where a chunk is not plain causal (a chunk after the first, image tokens that attend both ways,
   sliding windows). float32 anywhere, and everything on the CPU; the exactness reference.
-- **cpu**: the reference path's prefill chunks, and every decode of the step in one call of a small C kernel
-  that reads the cache blocks in place (engine/cpu_kernel.py): on the CPU the gather's copy costs as much
-  as the attention, and grows with context.
+- **cpu**: every decode of the step in one call of a small C kernel that reads the cache blocks in place
+  (engine/cpu_kernel.py): on the CPU the gather's copy costs as much as the attention, and grows with
+  context. Prefill chunks read the cache in place too (`PrefillSpan.prefix_runs`): the keys before the chunk,
+  which every query of the chunk sees, as views of runs of consecutive cache blocks, no mask; the chunk's own
+  keys (copied: as many as the chunk's tokens) with the chunk's causal mask; the pieces' results merged by their
+  log-sum-exp, as flash attention merges blocks. What a chunk copies is its own size, not its context's.
+  Sliding-window layers, and a prefix in more than `MAX_PREFIX_RUNS` runs, take the reference's gather.
 
 Every tensor here was built once per step by the model runner (`AttentionBatch`) and is shared by all
 layers; nothing here reads a device value back to the host.
@@ -35,6 +39,8 @@ from engine.cpu_kernel import paged_decode_attention
 from engine.kv_cache import KVCache
 
 ATTN_IMPLEMENTATION = "vlmcap_paged"
+# A prefix cached in more runs of consecutive blocks than this is gathered instead (one attention call a run).
+MAX_PREFIX_RUNS = 8
 
 
 @dataclass
@@ -48,6 +54,12 @@ class PrefillSpan:
     context_len: int
     mask: torch.Tensor | None  # [q, context_len] bool; None for plain causal attention over the chunk alone
     sliding_mask: torch.Tensor | None = None  # `mask` within the sliding window, for models that have one
+    # The CPU path's in-place reading: the positions before the chunk as runs (first cache slot, count) of
+    # consecutive slots; the chunk's own slots [q] and what its queries see of its own keys ([q, q] bool; None:
+    # causal). None: keys and values gathered (the reference path).
+    prefix_runs: list[tuple[int, int]] | None = None
+    own_slots: torch.Tensor | None = None
+    own_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -140,6 +152,9 @@ def reference_attention(
         out[group.query_index] = o.reshape(rows, num_heads, -1)
 
     for span in batch.prefills:
+        if span.prefix_runs is not None and not sliding and key_cache.dtype == q.dtype:
+            out[span.query_start : span.query_end] = _prefill_in_place(q, key_cache, value_cache, span, scaling)
+            continue
         pq = q[:, span.query_start : span.query_end]  # [heads, n, d]
         n = pq.shape[1]
         pk = gather_blocks(key_cache, span.block_table, block_size)[:, : span.context_len].to(q.dtype)
@@ -154,6 +169,37 @@ def reference_attention(
             o = o.reshape(num_heads, n, -1)
         out[span.query_start : span.query_end] = o.transpose(0, 1)
     return out
+
+
+def _prefill_in_place(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, span: PrefillSpan,
+                      scaling: float | None) -> torch.Tensor:
+    """A prefill chunk's attention reading the cache in place (see the module's docstring) -> [n, heads, d]."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    pq = q[:, span.query_start : span.query_end]  # [heads, n, d]
+    heads, n, d = pq.shape
+    kv_heads = key_cache.shape[1]
+    scale = scaling if scaling is not None else d ** -0.5
+    own_k = _expand_kv(key_cache[span.own_slots].transpose(0, 1), heads)  # [heads, n, d]: the chunk's own keys
+    own_v = _expand_kv(value_cache[span.own_slots].transpose(0, 1), heads)
+    if span.own_mask is None:
+        o, lse = flash(pq[None], own_k[None], own_v[None], 0.0, True, scale=scale)
+    else:
+        visible = torch.zeros(n, n, dtype=q.dtype, device=q.device).masked_fill_(~span.own_mask, float("-inf"))
+        o, lse = flash(pq[None], own_k[None], own_v[None], 0.0, False, attn_mask=visible[None, None], scale=scale)
+    if not span.prefix_runs:
+        return o[0].transpose(0, 1)
+    outputs, lses = [o[0].float()], [lse[0]]
+    grouped = _by_kv_head(pq, kv_heads)[None]  # [1, kv_heads, groups * n, d]: keys read once per KV head
+    for slot, count in span.prefix_runs:
+        keys = key_cache[slot : slot + count].transpose(0, 1)[None]  # [1, kv_heads, count, d], a view
+        values = value_cache[slot : slot + count].transpose(0, 1)[None]
+        o, lse = flash(grouped, keys, values, 0.0, False, scale=scale)
+        outputs.append(o.reshape(heads, n, d).float())
+        lses.append(lse.reshape(heads, n))
+    stacked = torch.stack(lses)  # [pieces, heads, n]
+    weights = (stacked - stacked.amax(0)).exp_()
+    merged = (torch.stack(outputs) * weights[..., None]).sum(0) / weights.sum(0)[..., None]
+    return merged.to(q.dtype).transpose(0, 1)
 
 
 def paged_attention_forward(

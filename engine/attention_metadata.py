@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from engine.attention import AttentionBatch, DecodeGroup, PagedKernelMetadata, PrefillSpan
+from engine.attention import MAX_PREFIX_RUNS, AttentionBatch, DecodeGroup, PagedKernelMetadata, PrefillSpan
 from engine.kv_cache import KVCache
 from engine.scheduler import ScheduledChunk
 
@@ -147,12 +147,12 @@ class ReferenceMetadataBuilder(MetadataBuilder):
         groups, prefills, tables = reserved
         decode_groups = [self.decode_group(values[i], values[c], values[t].view(len(values[i]), -1))
                          for i, c, t in groups]
-        spans = [
-            PrefillSpan(layout.query_start, layout.query_start + layout.chunk.num_tokens, values[table],
-                        layout.chunk.end, *self.prefill_masks(layout.chunk))
-            for layout, table in zip(prefills, tables)
-        ]
+        spans = [self.prefill_span(layout, values[table], slot_mapping) for layout, table in zip(prefills, tables)]
         return AttentionBatch(self.kv_cache, slot_mapping, decode_groups, spans)
+
+    def prefill_span(self, layout: ChunkLayout, table: torch.Tensor, slot_mapping: torch.Tensor) -> PrefillSpan:
+        return PrefillSpan(layout.query_start, layout.query_start + layout.chunk.num_tokens, table, layout.chunk.end,
+                           *self.prefill_masks(layout.chunk))
 
     def decode_group(self, query_index: torch.Tensor, context_lens: torch.Tensor, tables: torch.Tensor) -> DecodeGroup:
         """A decode batch's masks from its context lengths: key k is real for a sequence of context n when k < n,
@@ -195,6 +195,44 @@ class CpuMetadataBuilder(ReferenceMetadataBuilder):
 
     def decode_group(self, query_index: torch.Tensor, context_lens: torch.Tensor, tables: torch.Tensor) -> DecodeGroup:
         return DecodeGroup(query_index, tables, None, context_lens=context_lens)
+
+    def prefill_span(self, layout: ChunkLayout, table: torch.Tensor, slot_mapping: torch.Tensor) -> PrefillSpan:
+        """The reference's span, and what reading the cache in place needs (engine/attention.py)."""
+        span = super().prefill_span(layout, table, slot_mapping)
+        runs = slot_runs(layout.blocks, layout.chunk.start, self.block_size)
+        if len(runs) <= MAX_PREFIX_RUNS:
+            span.prefix_runs = runs
+            span.own_slots = slot_mapping[span.query_start : span.query_end]
+            span.own_mask = self.own_mask(layout.chunk)
+        return span
+
+    def own_mask(self, chunk: ScheduledChunk) -> torch.Tensor | None:
+        """What each query of a prefill chunk sees of the chunk's own keys: causally, and where image tokens
+        attend both ways every token of its own image (None: causal alone)."""
+        start, end, mm = chunk.start, chunk.end, chunk.request.mm
+        images = mm.units_in(start, end) if mm is not None and mm.atomic_units else []
+        if not images:
+            return None
+        mask = torch.ones(chunk.num_tokens, chunk.num_tokens, dtype=torch.bool, device=self.device).tril()
+        for unit in images:
+            first = max(mm.unit_first_position(unit), start) - start
+            last = mm.unit_last_position(unit) + 1 - start
+            mask[first:last, first:last] = True
+        return mask
+
+
+def slot_runs(blocks: list[int], positions: int, block_size: int) -> list[tuple[int, int]]:
+    """The cache slots of a sequence's first `positions` positions as runs (first slot, count) of consecutive
+    slots, its blocks `blocks` in order."""
+    runs: list[tuple[int, int]] = []
+    for index in range((positions + block_size - 1) // block_size):
+        count = min(block_size, positions - index * block_size)
+        slot = blocks[index] * block_size
+        if runs and runs[-1][0] + runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1] + count)
+        else:
+            runs.append((slot, count))
+    return runs
 
 
 BUILDERS: dict[str, type[MetadataBuilder]] = {

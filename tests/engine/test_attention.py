@@ -209,3 +209,46 @@ def test_convolutions_that_are_not_patch_embeddings_are_left_alone():
 
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(3, 8, 4, stride=2))
     assert route_linears(model) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("blocks", "start"), [
+    ([9, 10, 11, 12, 13], 0),  # no prefix: the chunk's own keys alone
+    ([9, 10, 11, 12, 13], 37),  # the prefix in one run of consecutive blocks, the chunk starting inside a block
+    ([9, 10, 3, 4, 30, 31, 32], 64),  # two runs, the chunk starting at a block's start
+    ([9, 10, 3, 4, 30, 31, 32], 37),  # two runs, the second within the chunk's first block
+    ([40, 2, 38, 4, 36, 6, 34, 8, 32, 10, 30, 12], 150),  # ten runs, more than MAX_PREFIX_RUNS: gathered
+])
+def test_prefill_chunks_read_the_cache_in_place_as_the_reference_gathers_it(dtype, blocks, start):
+    """The CPU builder's chunk (prefix views merged by log-sum-exp with the chunk's own keys) against the
+    reference's gather and mask, grouped-query heads, chunks that start inside a block and at a block's start."""
+    from engine.attention import MAX_PREFIX_RUNS, reference_attention
+    from engine.attention_metadata import CpuMetadataBuilder, IntPacker, ReferenceMetadataBuilder, slot_runs
+    from engine.kv_cache import KVCache
+    from engine.model_runner import cache_slots
+    from engine.request import Request
+
+    block_size, heads, kv_heads, d = 16, 6, 2, 32
+    end = len(blocks) * block_size - 5
+    torch.manual_seed(0)
+    cache = KVCache(1, 48, block_size, kv_heads, d, dtype, torch.device("cpu"))
+    cache.keys[0].copy_(torch.randn_like(cache.keys[0], dtype=torch.float32))
+    cache.values[0].copy_(torch.randn_like(cache.values[0], dtype=torch.float32))
+    request = Request("r", list(range(end)), SamplingParams(), 0, 0, end + 1)
+    layout = ChunkLayout(0, ScheduledChunk(request, start, end - start), blocks)
+    slots = torch.tensor(cache_slots(blocks, start, end, block_size))
+    q = torch.randn(heads, end - start, d).to(dtype)
+    results = []
+    for builder_class in (ReferenceMetadataBuilder, CpuMetadataBuilder):
+        builder = builder_class(cache, block_size, torch.device("cpu"), None)
+        packer = IntPacker()
+        reserved = builder.reserve([layout], end - start, packer)
+        batch = builder.build(reserved, torch.tensor(packer.values), slots)
+        results.append((batch.prefills[0], reference_attention(q, cache.keys[0], cache.values[0], batch, None, 0.3)))
+    (reference_span, expected), (span, got) = results
+    runs = slot_runs(blocks, start, block_size)
+    assert reference_span.prefix_runs is None
+    assert span.prefix_runs == (runs if len(runs) <= MAX_PREFIX_RUNS else None)
+    assert sum(count for _, count in runs) == start
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
