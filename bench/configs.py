@@ -41,6 +41,8 @@ class HostConfig:
     attention_backend: auto, kernel, cpu or reference (default: the engine's).
     cpu_linear: the CPU's Linear kernel (default: the engine's).
     compile_model: compile the decoder layers at start-up.
+    vision_tiles: encoder inputs (a 512 px tile each for SmolVLM) timed through the vision tower together, lean
+        and stock (0: not timed).
     """
 
     model: str = "tiny-deep"
@@ -57,6 +59,7 @@ class HostConfig:
     attention_backend: str | None = None
     cpu_linear: bool | None = None
     compile_model: bool = False
+    vision_tiles: int = 4
 
 
 @dataclass

@@ -269,6 +269,35 @@ def read_floor(engine: Engine, cfg: HostConfig, context: float, late_context: fl
             "late_ms": sum(late.values()) / bandwidth * 1e3}
 
 
+@torch.inference_mode()
+def vision_tile_ms(engine: Engine, tiles: int, repeats: int = 2) -> dict[str, float]:
+    """The vision tower's time per encoder input (one photo as one input: a 512 px tile for SmolVLM), `tiles`
+    inputs encoded together as the scheduler batches them: through the engine's path (lean layers where it runs
+    them) and through the stock layers. Empty for a model without images or tiles 0."""
+    adapter = engine.adapter
+    if tiles < 1 or adapter.image_marker is None:
+        return {}
+    from PIL import Image
+
+    photo = Image.new("RGB", (512, 512), (120, 90, 60))
+    prompt = adapter.render_messages([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}])
+    _, mm = adapter.process(prompt, [photo], options=dict(adapter.single_input_options) or None)
+    inputs = mm.encoder_inputs[:1] * tiles
+    lean = adapter.lean_vision
+    result = {}
+    for name, layers in (("engine", lean), ("stock", None)):
+        adapter.lean_vision = layers
+        adapter.encode(inputs)
+        began = time.perf_counter()
+        for _ in range(repeats):
+            adapter.encode(inputs)
+        result[f"{name}_ms_per_input"] = (time.perf_counter() - began) / repeats / tiles * 1e3
+    adapter.lean_vision = lean
+    result["lean_layers"] = sum(layer is not None for layer in lean or ())
+    result["input_rows"] = mm.unit_rows[0]
+    return result
+
+
 def run_host(cfg: HostConfig) -> dict[str, Any]:
     if cfg.decodes < 1 or cfg.context < 2 or cfg.steps < 1 or cfg.later < 0:
         raise ValueError(f"decodes, steps must be positive, context at least 2 and later non-negative: {cfg}")
@@ -299,6 +328,7 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
     early_s, late_s = _summary_of(early), _summary_of(late)
     bare = {"early_ms_median": statistics.median(bare_early), "late_ms_median": statistics.median(bare_late)}
     floor = read_floor(engine, cfg, context, late_context)
+    vision = vision_tile_ms(engine, cfg.vision_tiles)
     stats = engine.stats()
     return {
         "config": asdict(cfg),
@@ -307,6 +337,7 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
                    "compile_seconds": engine.compile_seconds, "cpu_kernels": stats.cpu_kernels,
                    "lean_layers": stats.lean_layers, "linear_rows": stats.linear_rows},
         "read_floor": floor,
+        "vision": vision,
         "prefill_s": prefill_s,
         "context_early": context,
         "context_late": late_context,
@@ -360,6 +391,11 @@ def summary(result: dict[str, Any]) -> str:
             f"{ratios['engine_vs_floor_early']:.2f}x early, {ratios['engine_vs_floor_late']:.2f}x late")
         lines.append(f"CPU kernels: {eng.get('cpu_kernels')} build, {eng.get('lean_layers')} lean decoder layers, "
                      f"kernel rows by weight shape {eng.get('linear_rows')}")
+    vision = result.get("vision")
+    if vision:
+        lines.append(f"vision tower: {vision['engine_ms_per_input']:.1f} ms per input ({vision['input_rows']} image "
+                     f"tokens), {vision['lean_layers']} lean layers; stock layers "
+                     f"{vision['stock_ms_per_input']:.1f} ms ({result['config']['vision_tiles']} inputs at once)")
     return "\n".join(lines)
 
 

@@ -151,6 +151,9 @@ def test_bench_host_splits_a_step_into_phases_and_counts_ops(tmp_path):
     assert result["ratios"]["engine_vs_floor_early"] > 0
     assert result["engine"]["cpu_kernels"] in cpu_kernel.VARIANTS
     assert result["engine"]["lean_layers"] == 2
+    vision = result["vision"]  # the tiny SmolVLM's tower, one photo as one input, lean and stock
+    assert vision["lean_layers"] == 2 and vision["input_rows"] > 0
+    assert vision["engine_ms_per_input"] > 0 and vision["stock_ms_per_input"] > 0
     assert is_png(png)
 
 
