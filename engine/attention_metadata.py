@@ -10,7 +10,8 @@ of them (`build`):
 - **reference** (`ReferenceMetadataBuilder`): decodes in padded batches of similar context length with their
   masks, prefill chunks one by one with theirs;
 - **cpu** (`CpuMetadataBuilder`): every decode in one batch the CPU's kernel reads in place (context lengths, no
-  masks), prefill chunks as the reference.
+  masks), prefill chunks as the reference plus what reading the cache in place needs (the prefix's runs of
+  consecutive slots, the chunk's own slots and mask).
 
 The runner picks one at start-up from the resolved backend. A step whose prefill chunk needs explicit masks
 (image tokens that attend both ways) goes to the reference builder whatever the backend.
@@ -188,7 +189,7 @@ class ReferenceMetadataBuilder(MetadataBuilder):
 
 class CpuMetadataBuilder(ReferenceMetadataBuilder):
     """Every decode in one batch that the CPU's kernel reads in place: each context's own blocks, unsorted,
-    unpadded in keys, its length instead of a mask."""
+    unpadded in keys, its length instead of a mask; each prefill chunk's prefix as runs of cache slots."""
 
     def decode_groups(self, decodes: list[ChunkLayout]) -> list[list[ChunkLayout]]:
         return [decodes] if decodes else []
