@@ -40,6 +40,7 @@ class HostConfig:
     budget: the engine's step budget (for the prefill).
     attention_backend: auto, kernel, cpu or reference (default: the engine's).
     cpu_linear: the CPU's Linear kernel (default: the engine's).
+    cpu_kernels: the C kernels' build (default: the best this CPU runs).
     compile_model: compile the decoder layers at start-up.
     vision_tiles: encoder inputs (a 512 px tile each for SmolVLM) timed through the vision tower together, lean
         and stock (0: not timed).
@@ -58,6 +59,7 @@ class HostConfig:
     threads: int | None = None
     attention_backend: str | None = None
     cpu_linear: bool | None = None
+    cpu_kernels: str | None = None
     compile_model: bool = False
     vision_tiles: int = 4
 

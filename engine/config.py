@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cpu_kernel import VARIANTS
 from engine.grammar_limits import GrammarLimits
 
 ATTENTION_BACKENDS = ("auto", "kernel", "cpu", "reference")
@@ -61,14 +62,16 @@ class EngineConfig:
     attention_backend: how attention reads the paged KV cache: auto, kernel, cpu or reference. `kernel` reads the
         cache in place with one Triton launch per layer (CUDA, bfloat16 or float16, a block size that is a power
         of two of at least 16); `cpu` reads the cache in place for every decode with a small C kernel built at
-        first use (the CPU, with a C compiler), prefill chunks as `reference`; `reference` gathers each
+        first use (the CPU, with a C compiler), and prefill chunks through SDPA reading the cache in place;
+        `reference` gathers each
         context's blocks and runs SDPA (any device and dtype: the exactness reference); `auto` takes the kernel
         where it runs, else `cpu` where it runs, else `reference`.
     cpu_linear: on the CPU, run Linear layers and RMSNorms through the engine's C kernels (`None`: where they
-        build). The Linear kernel reads the weights once in their own dtype from a copy packed at load
-        (engine/cpu_kernel.py; every row count for bfloat16 and float16 weights, up to 16 rows for float32; the
-        copy doubles the Linear weights' memory; vision towers' patch embeddings too, as rows of patches), and
-        Llama-style RMSNorms run in one call instead of seven operators.
+        build). The Linear kernel reads each weight where the model holds it, in its own dtype (engine/cpu_kernel.py;
+        the row counts where it beats torch's GEMM, measured at start-up; vision towers' patch embeddings too, as
+        rows of patches), and Llama-style RMSNorms run in one call instead of seven operators.
+    cpu_kernels: the C kernels' build: amx_bf16, avx512_bf16, avx512, avx2 or generic (`None`: the best this CPU's
+        flags allow). One library serves the whole process; a build this CPU cannot run is refused.
     compile_model: compile the text model's decoder layers with torch.compile at start-up (the CPU). On the CPU
         per-operator overhead is a large part of a decode step (engine/compiled.py; needs a C compiler for
         inductor's kernels). Start-up takes longer by the compile time, which `stats().compile_seconds` reports.
@@ -105,6 +108,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     cuda_graphs: bool | None = None
     cpu_linear: bool | None = None
+    cpu_kernels: str | None = None
     compile_model: bool = False
     lean_layers: bool | None = None
     cpu_linear_rows: int | None = None
@@ -141,6 +145,8 @@ class EngineConfig:
                              f"{self.itl_target_ms!r}")
         if self.cpu_linear_rows is not None and (not isinstance(self.cpu_linear_rows, int) or self.cpu_linear_rows < 0):
             raise ValueError(f"cpu_linear_rows must be a non-negative integer or None, got {self.cpu_linear_rows!r}")
+        if self.cpu_kernels is not None and self.cpu_kernels not in VARIANTS:
+            raise ValueError(f"cpu_kernels must be one of {list(VARIANTS)} or None, got {self.cpu_kernels!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

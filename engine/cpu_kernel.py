@@ -129,9 +129,32 @@ def load_variant(name: str) -> ctypes.CDLL | None:
     return lib
 
 
+_chosen: str | None = None  # the build `choose_variant` set (None: the best)
+
+
+def choose_variant(name: str | None) -> None:
+    """Make build `name` the one every kernel call of this process uses (None: the best this CPU runs, as at
+    import). ValueError where this CPU's flags lack what it needs or it does not compile."""
+    global _chosen
+    if name is not None:
+        if name not in VARIANTS:
+            raise ValueError(f"no CPU kernel build {name!r}: the builds are {list(VARIANTS)}")
+        if name not in runnable_variants():
+            missing = sorted(VARIANTS[name][1] - cpu_flags())
+            raise ValueError(f"this CPU cannot run the {name} build of the CPU kernels (its flags lack {missing}); "
+                             f"it runs {runnable_variants()}")
+        if load_variant(name) is None:
+            raise ValueError(f"the {name} build of the CPU kernels did not compile (CC={os.environ.get('CC', 'cc')!r})")
+    _chosen = name
+    variant.cache_clear()
+
+
 @functools.cache
 def variant() -> str | None:
-    """The build the engine uses: the best this CPU runs that compiles (None: no compiler)."""
+    """The build the engine uses: the one chosen (`choose_variant`), else the best this CPU runs that compiles
+    (None: no compiler)."""
+    if _chosen is not None:
+        return _chosen
     for name in runnable_variants():
         if load_variant(name) is not None:
             log.info("CPU kernels: the %s build", name)

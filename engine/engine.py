@@ -67,6 +67,12 @@ class Engine:
         self.num_threads = torch.get_num_threads()  # what the thread that runs the steps should use
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            from engine import cpu_kernel
+
+            cpu_kernel.choose_variant(config.cpu_kernels)
+        elif config.cpu_kernels is not None:
+            raise ValueError(f"cpu_kernels chooses the CPU's kernels; the device is {config.device!r}")
         self.adapter = load_adapter(config.model, self.device, config.torch_dtype)
         self.tokenizer = self.adapter.tokenizer
         self.eos_token_ids = self.adapter.eos_token_ids

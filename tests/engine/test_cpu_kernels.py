@@ -181,3 +181,52 @@ def test_decode_attention_of_each_build_equals_the_gathered_reference(monkeypatc
         got = reference_attention(q, cache.keys[0], cache.values[0], kernel, window, None)
         assert got.dtype == dtype
         assert (got.float() - expected).abs().max().item() < (2e-5 if dtype == torch.float32 else 2e-2), head_dim
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_of_each_build_is_torch_s_tanh_gelu(monkeypatch, name, dtype):
+    """Every value class: large negatives (0), large positives (x), around 0, in float32 to rounding, in
+    bfloat16 to one step; more values than a block, and a tail."""
+    monkeypatch.setattr(cpu_kernel, "variant", lambda: name)
+    x = torch.cat([torch.randn(70_001) * 4, torch.tensor([-200.0, -30.0, -0.0, 0.0, 1e-6, 30.0, 200.0])]).to(dtype)
+    expected = F.gelu(x.float(), approximate="tanh")
+    got = cpu_kernel.gelu_tanh(x.clone())
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-6)
+    else:
+        torch.testing.assert_close(got, expected.to(dtype), atol=1e-6, rtol=2 ** -7)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernel.gelu_tanh(x.view(-1, 8).t())
+
+
+@pytest.fixture
+def best_build_after():
+    yield
+    cpu_kernel.choose_variant(None)
+
+
+@pytest.mark.parametrize("name", [RUNNABLE[-1], RUNNABLE[len(RUNNABLE) // 2]])
+def test_an_engine_runs_the_build_it_is_given(make_engine, oracle, photos, best_build_after, name):
+    """`cpu_kernels` picks the build (here plain C, and one between it and the best): the engine says so, every
+    kernel call takes it, and the tokens stay `generate`'s; the next engine without it takes the best again."""
+    from tests.engine.conftest import run_jobs
+    from tests.engine.test_exactness import mixed_jobs
+
+    engine = make_engine(cpu_kernels=name, max_num_batched_tokens=13, max_num_seqs=8)
+    assert engine.stats().cpu_kernels == cpu_kernel.variant() == name
+    jobs = mixed_jobs(photos)
+    tokens, _ = run_jobs(engine, jobs)
+    for i, job in enumerate(jobs):
+        assert tokens[i] == oracle(job.prompt, job.images, job.max_tokens), f"job {i}, the {name} build"
+    assert make_engine().stats().cpu_kernels == RUNNABLE[0]
+
+
+def test_a_build_this_cpu_cannot_run_is_refused(make_engine, monkeypatch, best_build_after):
+    from engine import EngineConfig
+
+    monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    with pytest.raises(ValueError, match=r"cannot run the amx_bf16 build.*amx_tile"):
+        make_engine(cpu_kernels="amx_bf16")
+    with pytest.raises(ValueError, match="cpu_kernels must be one of"):
+        EngineConfig(model="tiny", cpu_kernels="sse9")
