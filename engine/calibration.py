@@ -1,19 +1,27 @@
 """The step cost model's start-up fit (engine/step_costs.py): a few real steps of different shapes, run on
 requests of placeholder tokens through a scheduler of their own (no prefix caching: nothing of them stays in
-the cache), timed, then fitted. Their blocks return to the pool; the engine's counters never see them."""
+the cache), timed, then fitted. Their blocks return to the pool; the engine's counters never see them. Then the
+vision tower's cost per output row, from the tower run on a placeholder photo (`calibrate_encoder`)."""
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
+
+import torch
+from PIL import Image
 
 from engine.config import EngineConfig
 from engine.kv_cache import BlockPool
 from engine.model_runner import ModelRunner
+from engine.models.base import VLMAdapter
 from engine.request import Request
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_costs import StepCosts, StepShape
+
+ENCODER_GROUP = 4  # inputs run together at most when the encoder's cost is measured (each count run once first)
 
 log = logging.getLogger(__name__)
 
@@ -61,4 +69,37 @@ def calibrate(costs: StepCosts, config: EngineConfig, pool: BlockPool, runner: M
         scheduler.finish(request, "abort")
     if len({(s.tokens, s.keys) for s in shapes}) >= 3:
         costs.fit(shapes, seconds)
+        calibrate_encoder(costs, runner.adapter)
         log.info("step costs: %s", costs.as_dict())
+
+
+@torch.inference_mode()
+def calibrate_encoder(costs: StepCosts, adapter: VLMAdapter) -> None:
+    """`costs.per_encoder_row` from the vision tower on a placeholder photo (one encoder input, as an event's
+    frame). For 1..ENCODER_GROUP inputs at once, the first layer's slices (the whole tower where it runs whole)
+    run untimed first: lazy initialisation, oneDNN building its kernels for each new shape, tens of
+    milliseconds that would otherwise land in a chat's gap. Then the second layer's slices on the most inputs,
+    timed (the whole tower, again, where it runs whole)."""
+    if adapter.image_marker is None:
+        return
+    prompt = adapter.render_messages([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}])
+    photo = Image.new("RGB", (512, 512), (120, 90, 60))
+    _, mm = adapter.process(prompt, [photo], options=dict(adapter.single_input_options) or None)
+    if mm is None or not mm.encoder_inputs:
+        return
+    rows, slices = mm.unit_rows[0], adapter.encoder_slices
+    layer = min(slices, adapter.slices_per_layer)
+    inputs: list = []
+    states: list = []
+    for count in range(1, ENCODER_GROUP + 1):
+        inputs = mm.encoder_inputs[:1] * count
+        states = adapter.encode(inputs) if slices == 1 else adapter.encode_slices(inputs, [None] * count, 0, layer)
+    first, end = (layer, 2 * layer) if 2 * layer <= slices else (0, layer)
+    began = time.perf_counter()
+    if slices == 1:
+        adapter.encode(inputs)
+    else:
+        adapter.encode_slices(inputs, states if first else [None] * len(inputs), first, end)
+    seconds = time.perf_counter() - began
+    costs.per_encoder_row = seconds / (len(inputs) * rows * (end - first) / slices)
+    log.info("encoder cost: %.3f ms an output row", costs.per_encoder_row * 1e3)

@@ -69,7 +69,9 @@ class Engine:
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             from engine import cpu_kernel
+            from engine.host_memory import keep_freed_memory
 
+            keep_freed_memory()
             cpu_kernel.choose_variant(config.cpu_kernels)
         elif config.cpu_kernels is not None:
             raise ValueError(f"cpu_kernels chooses the CPU's kernels; the device is {config.device!r}")

@@ -118,7 +118,7 @@ class StepBudget:
     def for_step(cls, config: EngineConfig, costs: StepCosts | None = None) -> StepBudget:
         encoder = config.max_encoder_tokens_per_step
         timed = costs is not None and costs.ready and config.enable_chunked_prefill
-        seconds = costs.target - costs.forward_seconds(0, 0) if timed else None
+        seconds = costs.planned - costs.forward_seconds(0, 0) if timed else None
         return cls(config.max_num_batched_tokens, encoder, encoder, seconds, costs if timed else None)
 
     @property

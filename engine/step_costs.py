@@ -1,13 +1,15 @@
 """What a step costs on this machine, so that the scheduler can fill each step up to an inter-token-latency
 target (`EngineConfig.itl_target_ms`) instead of a fixed token count.
 
-The rule: a step's forward takes `scale * (fixed + per_token * T + per_key * K)` seconds, T being the tokens it
-computes (decodes and prefill chunks alike) and K the keys their queries attend to (a query at position p
-reads p + 1); its vision encoder work takes `per_encoder_row * R`, R counting each encoder input's output rows
+The rule: a step is filled up to `PLANNED_SHARE` of the target, predicting that its forward takes
+`scale * (fixed + per_token * T + per_key * K)` seconds, T being the tokens it computes (decodes and prefill
+chunks alike) and K the keys their queries attend to (a query at position p reads p + 1); its vision encoder
+work takes `per_encoder_row * R`, R counting each encoder input's output rows
 times the share of its tower's slices run. `fixed`, `per_token` and `per_key` are fitted at start-up on a few
 real steps of different shapes (`fit`); `scale` then follows every step's measured forward time (an
 exponential average of measured over predicted), so that the model keeps up with the machine's load without
-refitting its shape from near-identical steps; `per_encoder_row` is learnt from the first encoder work on.
+refitting its shape from near-identical steps; `per_encoder_row` is measured at start-up on a placeholder photo
+(engine/calibration.py) and follows every step's encoder time likewise.
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ from dataclasses import dataclass
 # Inter-token-latency targets by device type where `itl_target_ms` is not given: a 2-core CPU's decode step of a
 # 256M model is some 40 ms, a GPU's a few.
 DEFAULT_ITL_TARGET_MS = {"cpu": 250.0, "cuda": 60.0}
-SMOOTHING = 0.1  # weight of the newest step in `scale` and `per_encoder_row`
+SMOOTHING = 0.1  # weight of the newest step in `scale`
+ENCODER_SMOOTHING = 0.3  # and in `per_encoder_row` (fitted at start-up on one shape; the steps' shapes vary more)
+# The share of the target a step is planned to: a step's encoder work varies by some 30% around its prediction
+# (which inputs run together, which slices), so a step planned to the whole target would often overshoot it.
+PLANNED_SHARE = 0.85
 # The most a single step may move `scale`: a step stalled by the operating system is not the machine's speed.
 MAX_RATIO = 4.0
 
@@ -48,6 +54,11 @@ class StepCosts:
     per_encoder_row: float | None = None
     ready: bool = False
 
+    @property
+    def planned(self) -> float:
+        """Seconds a step is filled to (`PLANNED_SHARE` of the target)."""
+        return self.target * PLANNED_SHARE
+
     def forward_seconds(self, tokens: int, keys: int) -> float:
         return self.scale * (self.fixed + self.per_token * tokens + self.per_key * keys)
 
@@ -77,7 +88,7 @@ class StepCosts:
                 self.per_encoder_row = measured
             else:
                 measured = min(max(measured, self.per_encoder_row / MAX_RATIO), self.per_encoder_row * MAX_RATIO)
-                self.per_encoder_row += SMOOTHING * (measured - self.per_encoder_row)
+                self.per_encoder_row += ENCODER_SMOOTHING * (measured - self.per_encoder_row)
 
     def as_dict(self) -> dict[str, float | None]:
         return {"target_ms": self.target * 1e3, "fixed_ms": self.fixed * 1e3, "per_token_ms": self.per_token * 1e3,

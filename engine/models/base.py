@@ -132,8 +132,9 @@ class VLMAdapter:
         raise NotImplementedError
 
     # Families whose vision tower can run a slice at a time set this to the number of slices and
-    # implement `encode_slices`.
+    # implement `encode_slices`; `slices_per_layer` of them make one layer of the tower.
     encoder_slices: int = 1
+    slices_per_layer: int = 1
 
     def encode_slices(
         self, inputs: list[dict[str, torch.Tensor]], states: list[Any], first: int, end: int

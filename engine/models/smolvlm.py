@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from engine.host_memory import MMAP_THRESHOLD
 from engine.lean_vision import LeanVisionLayer
 from engine.models.base import EncoderUnit, VLMAdapter, place_units, video_processor_kwargs
 from engine.request import MultimodalPrompt
@@ -81,6 +82,8 @@ def _join(carried: list[Any]) -> Any:
     """The carried tensors of inputs at the same slice, batched (a tuple of tensors stays a tuple)."""
     if carried[0] is None:
         return None
+    if len(carried) == 1:  # one input: its own tensors, no copy
+        return carried[0]
     if isinstance(carried[0], tuple):
         return tuple(torch.cat(tensors) for tensors in zip(*carried))
     return torch.cat(carried)
@@ -114,6 +117,7 @@ class SmolVLMAdapter(VLMAdapter):
         final norm and the connector with the last."""
         return SLICES_PER_LAYER * len(self.model.model.vision_model.encoder.layers)
 
+    slices_per_layer = SLICES_PER_LAYER
     processor_options = {"do_image_splitting": bool}
     single_input_options = {"do_image_splitting": False}  # each image one 512 px tile: 64 image tokens
 
@@ -168,11 +172,23 @@ class SmolVLMAdapter(VLMAdapter):
     ) -> list[Any]:
         """The same operations as SmolVLM's `get_image_features` and its encoder layers' own forward, a
         range of slices (five a layer) at a time. A state is (hidden states [1, patches, dim], the tower's
-        attention mask or None when no patch is padding, what the last slice left for the next one or None)."""
+        attention mask or None when no patch is padding, what the last slice left for the next one or None).
+        Inputs run in groups whose largest tensor (the MLP's activations) stays within what the heap serves
+        (engine/host_memory.py): more tiles at once would not multiply faster, only fault in fresh pages."""
+        config = self.model.model.vision_model.config
+        per_input = (config.image_size // config.patch_size) ** 2 * config.intermediate_size * self.dtype.itemsize
+        group = max(1, MMAP_THRESHOLD // per_input)
+        results: list[Any] = []
+        for at in range(0, len(inputs), group):
+            results += self._encode_group(inputs[at : at + group], states[at : at + group], first, end)
+        return results
+
+    def _encode_group(self, inputs: list[dict[str, torch.Tensor]], states: list[Any], first: int, end: int
+                      ) -> list[Any]:
         vision = self.model.model.vision_model
         if first == 0:
             states = [(*self._embed_tile(vision, item), None) for item in inputs]
-        hidden = torch.cat([state[0] for state in states])
+        hidden = states[0][0] if len(states) == 1 else torch.cat([state[0] for state in states])
         masks = [state[1] for state in states]
         mask = None if all(m is None for m in masks) else torch.cat([self._full_mask(h, m) for h, m, _ in states])
         carried = _join([state[2] for state in states])

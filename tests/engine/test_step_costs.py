@@ -9,14 +9,15 @@ from engine import EngineConfig, SamplingParams
 from engine.kv_cache import BlockPool
 from engine.request import MultimodalPrompt, Request
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.step_costs import StepCosts, StepShape, chunk_keys
+from engine.step_costs import PLANNED_SHARE, StepCosts, StepShape, chunk_keys
 
 BS = 4
 
 
-def costs(target_ms: float = 100.0, per_token_ms: float = 1.0, fixed_ms: float = 10.0,
+def costs(planned_ms: float = 100.0, per_token_ms: float = 1.0, fixed_ms: float = 10.0,
           per_encoder_row_ms: float | None = None) -> StepCosts:
-    model = StepCosts(target_ms / 1e3, fixed=fixed_ms / 1e3, per_token=per_token_ms / 1e3, ready=True)
+    """A fitted model whose steps are planned to `planned_ms` (its target: that over PLANNED_SHARE)."""
+    model = StepCosts(planned_ms / 1e3 / PLANNED_SHARE, fixed=fixed_ms / 1e3, per_token=per_token_ms / 1e3, ready=True)
     model.per_encoder_row = None if per_encoder_row_ms is None else per_encoder_row_ms / 1e3
     return model
 
@@ -51,7 +52,7 @@ def predicted(model: StepCosts, out: SchedulerOutput) -> float:
 
 
 def test_chunks_fill_each_step_up_to_the_target_and_decodes_always_run():
-    model = costs(target_ms=100, per_token_ms=1, fixed_ms=10)  # 90 tokens a step
+    model = costs(planned_ms=100, per_token_ms=1, fixed_ms=10)  # 90 tokens a step
     s = scheduler(model)
     for i in range(5):
         s.add(request(f"chat{i}", 3, arrival=i))
@@ -62,13 +63,13 @@ def test_chunks_fill_each_step_up_to_the_target_and_decodes_always_run():
     while not long.is_decoding:
         out = step(s)
         assert sum(c.num_tokens == 1 for c in out.chunks) >= 5  # every chat decodes in every step
-        assert predicted(model, out) <= model.target + 1e-9
+        assert predicted(model, out) <= model.planned + 1e-9
         sizes.append(out.num_tokens)
     assert max(sizes) == 90 and len(sizes) == 5  # 85 prompt tokens a step beside 5 decodes
 
 
 def test_a_prompt_progresses_even_when_the_decodes_alone_reach_the_target():
-    model = costs(target_ms=20, per_token_ms=1, fixed_ms=10)  # room for 10 tokens; 12 chats decode
+    model = costs(planned_ms=20, per_token_ms=1, fixed_ms=10)  # room for 10 tokens; 12 chats decode
     s = scheduler(model)
     chats = [request(f"chat{i}", 2, arrival=i) for i in range(12)]
     for chat in chats:
@@ -89,7 +90,7 @@ def test_without_a_fitted_model_the_token_budget_alone_decides():
 
 def test_the_vision_tower_runs_as_many_slices_a_step_as_fit():
     """Tower slices of 10 ms (an input of 10 rows at 5 ms a row, in five slices); 60 ms left a step."""
-    model = costs(target_ms=70, per_token_ms=0.01, fixed_ms=10, per_encoder_row_ms=5)
+    model = costs(planned_ms=70, per_token_ms=0.01, fixed_ms=10, per_encoder_row_ms=5)
     s = scheduler(model)
     image = request("image", 30, mm=image_prompt(first=2, inputs=2, rows=10, slices=5))
     s.add(image)
@@ -97,14 +98,14 @@ def test_the_vision_tower_runs_as_many_slices_a_step_as_fit():
     while not image.is_decoding:
         out = step(s)
         runs.append([(w.unit, w.first, w.end) for w in out.encoder_work])
-        assert predicted(model, out) <= model.target + BS * model.per_token + 1e-9  # a chunk's first block at most
+        assert predicted(model, out) <= model.planned + BS * model.per_token + 1e-9  # a chunk's first block at most
     assert runs[0] == [(0, 0, 5), (1, 0, 1)]  # the first input's whole tower (50 ms), a slice of the next (10)
     assert runs[1][0] == (1, 1, 5)
     assert sum(end - first for run in runs for _, first, end in run) == 10
 
 
 def test_the_first_slice_of_a_step_runs_whatever_it_costs_and_unknown_costs_run_one_slice():
-    model = costs(target_ms=30, per_token_ms=0.01, fixed_ms=10, per_encoder_row_ms=50)  # a slice: 100 ms
+    model = costs(planned_ms=30, per_token_ms=0.01, fixed_ms=10, per_encoder_row_ms=50)  # a slice: 100 ms
     s = scheduler(model)
     s.add(request("image", 30, mm=image_prompt(first=2, inputs=1, rows=10, slices=5)))
     assert [(w.first, w.end) for w in step(s).encoder_work] == [(0, 1)]
@@ -113,7 +114,7 @@ def test_the_first_slice_of_a_step_runs_whatever_it_costs_and_unknown_costs_run_
 
 
 def test_encoder_slices_per_step_stays_an_upper_bound():
-    model = costs(target_ms=1000, per_token_ms=0.01, fixed_ms=10, per_encoder_row_ms=0.1)
+    model = costs(planned_ms=1000, per_token_ms=0.01, fixed_ms=10, per_encoder_row_ms=0.1)
     s = scheduler(model, encoder_slices_per_step=2)
     s.add(request("image", 30, mm=image_prompt(first=2, inputs=1, rows=10, slices=5)))
     assert [(w.first, w.end) for w in step(s).encoder_work] == [(0, 2)]
@@ -133,6 +134,18 @@ def test_the_fit_recovers_a_linear_cost_and_the_scale_follows_the_machine():
     assert model.scale == pytest.approx(2.0, rel=0.02)
     model.observe(StepShape(8, 2400), 100.0, 0.0)  # one step stalled by the system moves it by a bounded amount
     assert model.scale < 2.0 * (1 + 0.1 * (4 - 1)) + 1e-9
+
+
+def test_a_step_is_planned_below_its_target():
+    model = StepCosts(0.25)
+    assert model.planned == pytest.approx(0.25 * PLANNED_SHARE) and PLANNED_SHARE < 1
+
+
+def test_the_engine_measures_the_encoder_s_cost_at_start_up(make_engine):
+    """Before any image arrives (a placeholder photo through the tower at start-up)."""
+    engine = make_engine()
+    assert engine.stats().step_costs["per_encoder_row_ms"] > 0
+    assert engine.stats().encoder_inputs_encoded == 0
 
 
 def test_the_encoder_cost_is_learnt_from_its_first_run():
