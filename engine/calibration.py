@@ -19,9 +19,7 @@ from engine.models.base import VLMAdapter
 from engine.request import Request
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
-from engine.step_costs import StepCosts, StepShape
-
-ENCODER_GROUP = 4  # inputs run together at most when the encoder's cost is measured (each count run once first)
+from engine.step_costs import ENCODER_GROUP, StepCosts, StepShape
 
 log = logging.getLogger(__name__)
 

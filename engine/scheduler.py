@@ -23,8 +23,9 @@ the budget whole when no other prefill runs this step.
 With an inter-token-latency target (`itl_target_ms`, engine/step_costs.py), each step is also budgeted by time:
 decodes first, whatever they cost; then chunks and encoder slices only as far as the step's predicted time
 stays within the target; the first prefill chunk of a step still gets `block_size` tokens, and the first
-encoder work one slice (or one whole input, for towers that run whole), so that prompts always progress. An
-input's tower then runs as many slices a step as fit (at most `encoder_slices_per_step`, when set). The token
+encoder work one slice (or one whole input, for towers that run whole), so that prompts always progress. A
+prompt's inputs then run in lockstep: the next ones in order that stand at the same slice (up to
+`ENCODER_GROUP`) run as many slices together as fit (at most `encoder_slices_per_step`, when set). The token
 and encoder budgets stay upper bounds.
 
 When a running request needs a block and none is free, the lowest-priority, newest running request not yet
@@ -42,7 +43,7 @@ from engine.encoder_cache import EncoderOutputCache
 from engine.kv_cache import BlockPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import MultimodalPrompt, Request, RequestStatus
-from engine.step_costs import StepCosts, StepShape, chunk_keys
+from engine.step_costs import ENCODER_GROUP, StepCosts, StepShape, chunk_keys
 
 
 @dataclass
@@ -321,6 +322,8 @@ class Scheduler:
         if request.mm is not None and request.mm.atomic_units:
             n = self._keep_span_whole(request.mm, start, n, alone=not budget.prefill_scheduled)
         units = self._unfinished_units(request, start, start + n)
+        if budget.seconds is not None and request.mm is not None:
+            return self._timed_chunk(request, start, n, units, budget)
         if budget.encoder_tokens is not None:
             fitting = self._units_within(request, units, budget)
             if fitting < len(units):
@@ -346,6 +349,62 @@ class Scheduler:
         if budget.encoder_tokens is not None or budget.seconds is not None:
             work += self._work_ahead(request, start + n, work, budget)
         return n, work
+
+    def _timed_chunk(self, request: Request, start: int, n: int, units: list[int], budget: StepBudget
+                     ) -> tuple[int, list[EncoderWork]]:
+        """`_chunk` under a time budget for a prompt with encoder inputs: the inputs run in lockstep
+        (`_lockstep`), then the chunk stops before the first input it reaches whose features are not ready
+        after this step, and takes as many tokens as the time left allows."""
+        work = self._lockstep(request, start, budget)
+        slices = request.mm.encoder_slices
+        after = dict(self.encoder_progress.get(request.request_id, {}))
+        after.update({item.unit: item.end for item in work})
+        unready = next((u for u in units if after.get(u, 0) < slices), None)
+        if unready is not None:
+            n = min(n, request.mm.unit_first_position(unready) - start)
+        if n > 0:
+            floor = 0 if budget.prefill_scheduled else self.config.block_size
+            n = min(n, budget.affordable_tokens(start, self._seconds(budget, work), floor))
+            if request.mm.atomic_units:
+                n = self._keep_span_whole(request.mm, start, n, alone=not budget.prefill_scheduled)
+        return n, work
+
+    def _lockstep(self, request: Request, start: int, budget: StepBudget) -> list[EncoderWork]:
+        """The encoder work of a prompt under a time budget. Inputs whose features are in the encoder output
+        cache are taken from it; of the others, the next ones in order (reached by the chunk or not) that stand
+        at the same slice of their towers, up to `ENCODER_GROUP` and what the encoder budget leaves, run the
+        same slices together, as many as fit the step's time (one input alone multiplies a third slower per
+        row than two together)."""
+        mm = request.mm
+        pending = self._unfinished_units(request, start, request.num_tokens)
+        held = [u for u in pending if self._held(request, u)]
+        work = [EncoderWork(request, u, mm.encoder_slices, mm.encoder_slices, from_cache=True) for u in held]
+        todo = [u for u in pending if u not in held]
+        if not todo:
+            return work
+        progress = self.encoder_progress.get(request.request_id, {})
+        done = progress.get(todo[0], 0)
+        group = [todo[0]]
+        for unit in todo[1:]:
+            if len(group) == ENCODER_GROUP or progress.get(unit, 0) != done:
+                break
+            group.append(unit)
+        left = budget.encoder_tokens
+        while len(group) > 1 and left is not None and sum(mm.unit_rows[u] for u in group) > left:
+            group.pop()
+        if left is not None and mm.unit_rows[group[0]] > left and not budget.encoder_untouched:
+            return work
+        affordable = 0
+        while group:
+            affordable = budget.affordable_slices(sum(mm.unit_rows[u] for u in group), mm.encoder_slices, 0.0, True)
+            if affordable or len(group) == 1:
+                break
+            group.pop()
+        cap = self.config.encoder_slices_per_step
+        end = min(mm.encoder_slices, done + affordable, done + cap if cap else mm.encoder_slices)
+        if end == done:
+            return work
+        return work + [EncoderWork(request, unit, done, end) for unit in group]
 
     @staticmethod
     def _seconds(budget: StepBudget, work: list[EncoderWork]) -> float:

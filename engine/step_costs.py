@@ -24,6 +24,9 @@ ENCODER_SMOOTHING = 0.3  # and in `per_encoder_row` (fitted at start-up on one s
 # The share of the target a step is planned to: a step's encoder work varies by some 30% around its prediction
 # (which inputs run together, which slices), so a step planned to the whole target would often overshoot it.
 PLANNED_SHARE = 0.85
+# Encoder inputs run together at most (engine/scheduler.py's lockstep; engine/calibration.py measures the tower
+# on as many): a tower multiplies a third faster per row for two inputs than for one, and no faster past four.
+ENCODER_GROUP = 4
 # The most a single step may move `scale`: a step stalled by the operating system is not the machine's speed.
 MAX_RATIO = 4.0
 

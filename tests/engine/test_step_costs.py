@@ -9,7 +9,7 @@ from engine import EngineConfig, SamplingParams
 from engine.kv_cache import BlockPool
 from engine.request import MultimodalPrompt, Request
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.step_costs import PLANNED_SHARE, StepCosts, StepShape, chunk_keys
+from engine.step_costs import ENCODER_GROUP, PLANNED_SHARE, StepCosts, StepShape, chunk_keys
 
 BS = 4
 
@@ -89,7 +89,8 @@ def test_without_a_fitted_model_the_token_budget_alone_decides():
 
 
 def test_the_vision_tower_runs_as_many_slices_a_step_as_fit():
-    """Tower slices of 10 ms (an input of 10 rows at 5 ms a row, in five slices); 60 ms left a step."""
+    """Tower slices of 10 ms (an input of 10 rows at 5 ms a row, in five slices); 60 ms left a step: the two
+    inputs in lockstep, three slices each (60 ms), then the last two."""
     model = costs(planned_ms=70, per_token_ms=0.01, fixed_ms=10, per_encoder_row_ms=5)
     s = scheduler(model)
     image = request("image", 30, mm=image_prompt(first=2, inputs=2, rows=10, slices=5))
@@ -99,9 +100,32 @@ def test_the_vision_tower_runs_as_many_slices_a_step_as_fit():
         out = step(s)
         runs.append([(w.unit, w.first, w.end) for w in out.encoder_work])
         assert predicted(model, out) <= model.planned + BS * model.per_token + 1e-9  # a chunk's first block at most
-    assert runs[0] == [(0, 0, 5), (1, 0, 1)]  # the first input's whole tower (50 ms), a slice of the next (10)
-    assert runs[1][0] == (1, 1, 5)
+    assert runs[0] == [(0, 0, 3), (1, 0, 3)] and runs[1] == [(0, 3, 5), (1, 3, 5)]
     assert sum(end - first for run in runs for _, first, end in run) == 10
+
+
+@pytest.mark.parametrize(("encoder_budget", "groups"), [(None, [[0, 1, 2, 3], [4, 5]]), (20, [[0, 1], [2, 3], [4, 5]])])
+def test_inputs_run_in_lockstep_up_to_the_group_and_the_encoder_budget(encoder_budget, groups):
+    """Six inputs of 10 rows whose towers all fit a step: ENCODER_GROUP at a time, fewer where the encoder budget
+    (in output rows) leaves less; an input that stands at another slice than the next ones runs alone."""
+    assert ENCODER_GROUP == 4
+    model = costs(planned_ms=1000, per_token_ms=0.01, fixed_ms=10, per_encoder_row_ms=0.1)
+    s = scheduler(model, max_encoder_tokens_per_step=encoder_budget)
+    image = request("image", 70, mm=image_prompt(first=2, inputs=6, rows=10, slices=5))
+    s.add(image)
+    runs = []
+    while not image.is_decoding:
+        out = step(s)
+        if out.encoder_work:
+            runs.append(out.encoder_work)
+    assert [[w.unit for w in run] for run in runs] == groups
+    assert all((w.first, w.end) == (0, 5) for run in runs for w in run)
+    capped = scheduler(model, encoder_slices_per_step=2)
+    other = request("other", 70, mm=image_prompt(first=2, inputs=6, rows=10, slices=5))
+    capped.add(other)
+    capped.encoder_progress[other.request_id] = {0: 1}  # the first input one slice ahead of the others
+    first = step(capped).encoder_work
+    assert [(w.unit, w.first, w.end) for w in first] == [(0, 1, 3)]
 
 
 def test_the_first_slice_of_a_step_runs_whatever_it_costs_and_unknown_costs_run_one_slice():
