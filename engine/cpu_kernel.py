@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -267,7 +268,8 @@ ROW_BUCKETS = (1, 8, 16, 32, 128, 512)
 MEASURE_MACS = 1.6e10
 
 
-def _median_seconds(fn, repeats: int = 3) -> float:
+def median_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
+    """The median of `repeats` timed calls of `fn`, after one untimed."""
     fn()
     times = []
     for _ in range(repeats):
@@ -289,8 +291,8 @@ def measure_row_range(weight: torch.Tensor) -> tuple[int, int]:
         if rows * n * k > MEASURE_MACS and won:
             break
         x = torch.randn(rows, k).to(weight.dtype)
-        own = _median_seconds(lambda x=x: _run_linear(lib, x, weight, None, False))
-        theirs = _median_seconds(lambda x=x: F.linear(x, weight))
+        own = median_seconds(lambda x=x: _run_linear(lib, x, weight, None, False))
+        theirs = median_seconds(lambda x=x: F.linear(x, weight))
         won.append(own <= theirs)
     if True not in won:
         return (0, 0)

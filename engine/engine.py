@@ -183,6 +183,7 @@ class Engine:
         from engine import cpu_kernel
         from engine.lean_layers import LeanTextModel
         from engine.lean_vision import lean_vision_layers
+        from engine.lean_vision import measure as measure_vision
 
         adapter, rows = self.adapter, self.config.cpu_linear_rows
         lean_possible = self.attention_backend != "kernel" and LeanTextModel.applies(adapter.text_model)
@@ -203,11 +204,14 @@ class Engine:
             self.linear_rows = cpu_kernel.measure_row_ranges(adapter.model)
             if adapter.lean is not None:
                 self.linear_rows.update(adapter.lean.measure())
+            if adapter.lean_vision is not None:
+                self.linear_rows.update(measure_vision(adapter.lean_vision))
         else:
             cpu_kernel.set_row_ranges(adapter.model, rows)
-            if adapter.lean is not None:
-                for projection in adapter.lean.projections():
-                    projection.rows = (1, rows) if rows else (0, 0)
+            lean_vision = [layer for layer in adapter.lean_vision or () if layer is not None]
+            projections = [p for layer in lean_vision for p in layer.projections()]
+            for projection in (adapter.lean.projections() if adapter.lean is not None else []) + projections:
+                projection.rows = (1, rows) if rows else (0, 0)
         log.info("CPU kernels: %s build, %d lean decoder layers, %d lean vision layers, kernel rows by weight shape %s",
                  self.cpu_kernels, adapter.lean.count if adapter.lean is not None else 0,
                  sum(layer is not None for layer in adapter.lean_vision or ()), self.linear_rows or rows)

@@ -101,6 +101,18 @@ def fuse(modules: list[torch.nn.Linear]) -> Projection:
     return Projection(weight, None if bias is None else bias.to(torch.float32), cpu_kernel.KERNEL_ROWS[weight.dtype])
 
 
+def measure_projections(projections: list[Projection]) -> dict[str, tuple[int, int]]:
+    """Each projection's `rows` measured here (cpu_kernel.measure_row_range), one measurement per shape;
+    returns them by shape ("n x k dtype")."""
+    ranges: dict[str, tuple[int, int]] = {}
+    for projection in projections:
+        key = cpu_kernel.shape_key(projection.weight)
+        if key not in ranges:
+            ranges[key] = cpu_kernel.measure_row_range(projection.weight)
+        projection.rows = ranges[key]
+    return ranges
+
+
 class LeanLayer:
     """A fitting decoder layer's weights as the lean forward reads them."""
 
@@ -142,13 +154,7 @@ class LeanTextModel:
 
     def measure(self) -> dict[str, tuple[int, int]]:
         """Each projection's `rows` measured here (cpu_kernel.measure_row_range), one per shape."""
-        ranges: dict[str, tuple[int, int]] = {}
-        for projection in self.projections():
-            key = cpu_kernel.shape_key(projection.weight)
-            if key not in ranges:
-                ranges[key] = cpu_kernel.measure_row_range(projection.weight)
-            projection.rows = ranges[key]
-        return ranges
+        return measure_projections(self.projections())
 
     def forward(self, embeds: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """[T, hidden] embeddings -> [T, hidden] final hidden states (after the model's last norm)."""

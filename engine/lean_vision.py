@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernel
-from engine.lean_layers import fuse
+from engine.cpu_kernel import median_seconds
+from engine.lean_layers import Projection, fuse, measure_projections
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,10 @@ def fits(layer: torch.nn.Module) -> bool:
 
 @functools.cache
 def fused_products(dtype: torch.dtype) -> bool:
-    """Whether this torch build runs oneDNN's Linear with a fused bias and residual add for `dtype` here, and
-    they give F.linear's result (checked once on a small product)."""
+    """Whether this torch build runs oneDNN's Linear with a fused bias and residual add for `dtype` here, they
+    give F.linear's result (checked once on a small product), and they are not slower than F.linear and an add
+    on a tile-sized product (timed once: where oneDNN lacks the instructions for `dtype` it falls back to a
+    reference path many times slower)."""
     ops = getattr(torch.ops, "mkldnn", None)
     if not torch.backends.mkldnn.is_available() or ops is None or not hasattr(ops, "_linear_pointwise"):
         return False
@@ -71,36 +74,53 @@ def fused_products(dtype: torch.dtype) -> bool:
         return False
     expected = F.linear(x, weight, bias).float()
     tolerance = 1e-4 if dtype == torch.float32 else 0.1
-    return bool(torch.allclose(plain.float(), expected, atol=tolerance)
-                and torch.allclose(added.float(), expected + residual[:, :16].float(), atol=2 * tolerance))
+    if not (torch.allclose(plain.float(), expected, atol=tolerance)
+            and torch.allclose(added.float(), expected + residual[:, :16].float(), atol=2 * tolerance)):
+        return False
+    x, residual = (torch.randn(1024, 768, generator=generator).to(dtype) for _ in range(2))
+    weight, bias = (torch.randn(768, 768, generator=generator) * 0.03).to(dtype), torch.zeros(768, dtype=dtype)
+    with torch.inference_mode():
+        fused = median_seconds(lambda: torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add"))
+        plain_seconds = median_seconds(lambda: residual + F.linear(x, weight, bias))
+    if fused > 1.1 * plain_seconds:
+        log.info("oneDNN's fused Linear takes %.1f ms against F.linear's %.1f for %s here: the vision tower uses "
+                 "F.linear", fused * 1e3, plain_seconds * 1e3, dtype)
+        return False
+    return True
 
 
 class LeanVisionLayer:
-    """A fitting encoder layer's weights as the slice functions read them."""
+    """A fitting encoder layer's weights as the slice functions read them: each product a `Projection` (the
+    CPU kernel for the row counts where it wins, measured at start-up like the decoder's), else oneDNN's fused
+    Linear where it runs (`fused_products`), else torch's."""
 
     def __init__(self, layer: torch.nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.out, self.fc1, self.fc2 = attn.out_proj, mlp.fc1, mlp.fc2
+        self.out, self.fc1, self.fc2 = fuse([attn.out_proj]), fuse([mlp.fc1]), fuse([mlp.fc2])
         self.norm1, self.norm2 = layer.layer_norm1, layer.layer_norm2
         self.heads, self.head_dim, self.scale = attn.num_heads, attn.head_dim, float(attn.scale)
         self.fused = fused_products(self.qkv.weight.dtype)
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.fused:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        return F.linear(x, weight, bias)
+    def projections(self) -> list[Projection]:
+        return [self.qkv, self.out, self.fc1, self.fc2]
 
-    def _linear_add(self, x: torch.Tensor, residual: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-        """residual + linear(x), a new tensor."""
-        if self.fused:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, linear.weight, linear.bias, "add")
-        return residual + F.linear(x, linear.weight, linear.bias)
+    def _linear(self, x: torch.Tensor, projection: Projection, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """projection(x [..., k]) (+ residual), a new tensor."""
+        rows = x.numel() // x.shape[-1]
+        low, high = projection.rows
+        if self.fused and not low <= rows <= high:
+            if residual is None:
+                return torch.ops.mkldnn._linear_pointwise(x, projection.weight, projection.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, projection.weight, projection.bias, "add")
+        out = x.new_empty(*x.shape[:-1], projection.weight.shape[0])
+        projection(x.reshape(rows, x.shape[-1]), out.view(rows, -1))
+        return out if residual is None else out.add_(residual)
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[batch, patches, dim] -> queries, keys, values [batch, heads, patches, head_dim], views of one product."""
         normed = F.layer_norm(hidden, self.norm1.normalized_shape, self.norm1.weight, self.norm1.bias, self.norm1.eps)
-        both = self._linear(normed, self.qkv.weight, self.qkv.bias)
+        both = self._linear(normed, self.qkv)
         split = both.view(*hidden.shape[:-1], 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         return split[0], split[1], split[2]
 
@@ -111,18 +131,23 @@ class LeanVisionLayer:
 
     def attended_out(self, attended: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """hidden + out_proj(attended [batch, patches, dim])."""
-        return self._linear_add(attended, hidden, self.out)
+        return self._linear(attended, self.out, hidden)
 
     def mlp_in(self, hidden: torch.Tensor) -> torch.Tensor:
         """GELU(fc1(layer_norm2(hidden)))."""
         normed = F.layer_norm(hidden, self.norm2.normalized_shape, self.norm2.weight, self.norm2.bias, self.norm2.eps)
-        return cpu_kernel.gelu_tanh(self._linear(normed, self.fc1.weight, self.fc1.bias).contiguous())
+        return cpu_kernel.gelu_tanh(self._linear(normed, self.fc1).contiguous())
 
     def mlp_out(self, activated: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """hidden + fc2(activated)."""
-        return self._linear_add(activated, hidden, self.fc2)
+        return self._linear(activated, self.fc2, hidden)
 
 
 def lean_vision_layers(layers: torch.nn.ModuleList) -> list[LeanVisionLayer | None]:
     """Each encoder layer lean where it fits (its q/k/v weights fused), None where it runs stock."""
     return [LeanVisionLayer(layer) if fits(layer) else None for layer in layers]
+
+
+def measure(layers: list[LeanVisionLayer | None]) -> dict[str, tuple[int, int]]:
+    """Each lean layer's products' `rows` measured here, one per shape (see `lean_layers.measure_projections`)."""
+    return measure_projections([p for layer in layers if layer is not None for p in layer.projections()])

@@ -86,6 +86,21 @@ def test_a_layer_that_does_not_fit_runs_stock(make_engine, photos):
     assert not fits(changed)
 
 
-def test_fused_products_run_here():
-    """oneDNN's fused Linear is what the lean tower uses on this machine's torch build (float32 at least)."""
-    assert fused_products(torch.float32)
+@pytest.mark.parametrize(("fused", "kernel_rows"), [(True, None), (False, None), (False, 1 << 30)])
+def test_every_product_path_gives_the_stock_features(make_engine, photos, fused, kernel_rows):
+    """oneDNN's fused Linear (what `fused_products` picks where it runs fast), torch's, and the CPU kernel for
+    every row count (what the start-up measurement picks where it wins, as on AVX2 machines): float32 features
+    equal the stock tower's."""
+    assert fused_products(torch.float32) in (True, False)
+    engine = make_engine(**({} if kernel_rows is None else {"cpu_linear_rows": kernel_rows}))
+    adapter = engine.adapter
+    stock = copy.deepcopy(adapter)
+    stock.lean_vision = None
+    for layer in adapter.lean_vision:
+        layer.fused = fused
+        if kernel_rows is None:
+            for projection in layer.projections():
+                projection.rows = (0, 0)
+    inputs = _tile_inputs(engine, photos)
+    for want, got in zip(stock.encode(inputs), adapter.encode(inputs)):
+        assert (want - got).abs().max().item() <= 1e-4 * want.abs().max().item()
