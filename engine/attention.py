@@ -55,8 +55,8 @@ class PrefillSpan:
     mask: torch.Tensor | None  # [q, context_len] bool; None for plain causal attention over the chunk alone
     sliding_mask: torch.Tensor | None = None  # `mask` within the sliding window, for models that have one
     # The CPU path's in-place reading: the positions before the chunk as runs (first cache slot, count) of
-    # consecutive slots; the chunk's own slots [q] and what its queries see of its own keys ([q, q] bool; None:
-    # causal). None: keys and values gathered (the reference path).
+    # consecutive slots; the chunk's own slots [q] and what its queries see of its own keys ([1, 1, q, q], 0 or
+    # -inf in the cache's dtype, built once a step; None: causal). None: keys and values gathered (the reference).
     prefix_runs: list[tuple[int, int]] | None = None
     own_slots: torch.Tensor | None = None
     own_mask: torch.Tensor | None = None
@@ -184,8 +184,7 @@ def _prefill_in_place(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     if span.own_mask is None:
         o, lse = flash(pq[None], own_k[None], own_v[None], 0.0, True, scale=scale)
     else:
-        visible = torch.zeros(n, n, dtype=q.dtype, device=q.device).masked_fill_(~span.own_mask, float("-inf"))
-        o, lse = flash(pq[None], own_k[None], own_v[None], 0.0, False, attn_mask=visible[None, None], scale=scale)
+        o, lse = flash(pq[None], own_k[None], own_v[None], 0.0, False, attn_mask=span.own_mask, scale=scale)
     if not span.prefix_runs:
         return o[0].transpose(0, 1)
     outputs, lses = [o[0].float()], [lse[0]]

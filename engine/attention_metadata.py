@@ -208,8 +208,9 @@ class CpuMetadataBuilder(ReferenceMetadataBuilder):
         return span
 
     def own_mask(self, chunk: ScheduledChunk) -> torch.Tensor | None:
-        """What each query of a prefill chunk sees of the chunk's own keys: causally, and where image tokens
-        attend both ways every token of its own image (None: causal alone)."""
+        """What each query of a prefill chunk sees of the chunk's own keys, as SDPA adds it to the scores
+        ([1, 1, q, q]: 0 or -inf, the cache's dtype): causally, and where image tokens attend both ways every
+        token of its own image (None: causal alone)."""
         start, end, mm = chunk.start, chunk.end, chunk.request.mm
         images = mm.units_in(start, end) if mm is not None and mm.atomic_units else []
         if not images:
@@ -219,7 +220,8 @@ class CpuMetadataBuilder(ReferenceMetadataBuilder):
             first = max(mm.unit_first_position(unit), start) - start
             last = mm.unit_last_position(unit) + 1 - start
             mask[first:last, first:last] = True
-        return mask
+        hidden = torch.zeros(mask.shape, dtype=self.kv_cache.keys[0].dtype, device=self.device)
+        return hidden.masked_fill_(~mask, float("-inf"))[None, None]
 
 
 def slot_runs(blocks: list[int], positions: int, block_size: int) -> list[tuple[int, int]]:

@@ -63,9 +63,8 @@ class EngineConfig:
         cache in place with one Triton launch per layer (CUDA, bfloat16 or float16, a block size that is a power
         of two of at least 16); `cpu` reads the cache in place for every decode with a small C kernel built at
         first use (the CPU, with a C compiler), and prefill chunks through SDPA reading the cache in place;
-        `reference` gathers each
-        context's blocks and runs SDPA (any device and dtype: the exactness reference); `auto` takes the kernel
-        where it runs, else `cpu` where it runs, else `reference`.
+        `reference` gathers each context's blocks and runs SDPA (any device and dtype: the exactness reference);
+        `auto` takes the kernel where it runs, else `cpu` where it runs, else `reference`.
     cpu_linear: on the CPU, run Linear layers and RMSNorms through the engine's C kernels (`None`: where they
         build). The Linear kernel reads each weight where the model holds it, in its own dtype (engine/cpu_kernel.py;
         the row counts where it beats torch's GEMM, measured at start-up; vision towers' patch embeddings too, as

@@ -100,6 +100,7 @@ class Engine:
         self.attention_backend = self._attention_backend()
         self.cpu_linear = self._use_cpu_linear()
         self.cpu_kernels: str | None = None
+        self.lean_vision_layers = 0  # vision encoder layers run lean (engine/lean_vision.py)
         self.linear_rows: dict[str, tuple[int, int]] = {}
         if self.cpu_linear:
             self._route_cpu_kernels()
@@ -212,9 +213,10 @@ class Engine:
             projections = [p for layer in lean_vision for p in layer.projections()]
             for projection in (adapter.lean.projections() if adapter.lean is not None else []) + projections:
                 projection.rows = (1, rows) if rows else (0, 0)
+        self.lean_vision_layers = sum(layer is not None for layer in adapter.lean_vision or ())
         log.info("CPU kernels: %s build, %d lean decoder layers, %d lean vision layers, kernel rows by weight shape %s",
-                 self.cpu_kernels, adapter.lean.count if adapter.lean is not None else 0,
-                 sum(layer is not None for layer in adapter.lean_vision or ()), self.linear_rows or rows)
+                 self.cpu_kernels, adapter.lean.count if adapter.lean is not None else 0, self.lean_vision_layers,
+                 self.linear_rows or rows)
 
     def _use_cuda_graphs(self) -> bool:
         wanted = self.config.cuda_graphs
@@ -477,7 +479,7 @@ class Engine:
                 compile_seconds=self.compile_seconds,
                 cpu_kernels=self.cpu_kernels,
                 lean_layers=self.adapter.lean.count if self.adapter.lean is not None else 0,
-                lean_vision_layers=sum(layer is not None for layer in self.adapter.lean_vision or ()),
+                lean_vision_layers=self.lean_vision_layers,
                 linear_rows=dict(self.linear_rows),
                 step_costs=self.step_costs.as_dict() if self.step_costs is not None and self.step_costs.ready else {},
             )

@@ -10,12 +10,14 @@ GELU (tanh) -> fc2) runs as
     -> linear(fc1), GELU in place -> linear(fc2) + residual
 
 reading transformers' own weights: q/k/v are copied once into one matrix whose row ranges become the modules'
-weights (`lean_layers.fuse`), so the weights stay held once. The products are oneDNN's (torch's own CPU
-library: the bias and the residual add in its epilogue) where this torch build runs them for the dtype, else
-torch's F.linear and an add; GELU is the C kernel (engine/csrc/gelu.c). The arithmetic is the stock layer's
-(float32 sums; in bfloat16 a fused residual add rounds once instead of twice): tests compare the features with
-the stock tower's and greedy tokens with transformers' generate. An adapter that runs its tower in slices
-(engine/models/smolvlm.py) calls the slice functions below on the layers that fit.
+weights (`lean_layers.fuse`), so the weights stay held once. Each product goes through the CPU's Linear kernel
+for the row counts where it wins (measured at start-up, as the decoder's), else through oneDNN (torch's own CPU
+library: the bias and the residual add in its epilogue) where it runs for the dtype no slower than F.linear
+(`fused_products`), else through F.linear and an add; GELU is the C kernel (engine/csrc/gelu.c). The
+arithmetic is the stock layer's (float32 sums; in bfloat16 a fused residual add rounds once instead of twice):
+tests compare the features with the stock tower's and greedy tokens with transformers' generate. An adapter
+that runs its tower in slices (engine/models/smolvlm.py) calls the slice functions below on the layers that
+fit.
 """
 
 from __future__ import annotations

@@ -167,18 +167,16 @@ class StepBudget:
         mm = work.request.mm
         return per_row * mm.unit_rows[work.unit] * (work.end - work.first) / mm.encoder_slices
 
-    def affordable_slices(self, rows: int, slices: int, reserved: float, first: bool) -> int | None:
-        """How many slices of an input of `rows` output rows fit in what is left (less `reserved`); None: no
-        time budget. The step's `first` encoder work gets one slice whatever it costs (a whole tower, where
-        it runs whole), and so does an input before the encoder's cost is known."""
-        if self.seconds is None:
-            return None
-        least = 1 if first and self.encoder_untouched else 0
+    def affordable_slices(self, rows: int, slices: int) -> int:
+        """How many slices of inputs of `rows` output rows in all fit in what is left of the step's time (which
+        is set). The step's first encoder work gets one slice whatever it costs (a whole tower, where it runs
+        whole), and so does an input before the encoder's cost is known."""
+        least = 1 if self.encoder_untouched else 0
         per_row = self.costs.per_encoder_row
         if per_row is None:
             return least
         per_slice = per_row * rows / slices
-        return max(int((self.seconds - reserved) // per_slice) if per_slice > 0 else slices, least)
+        return max(int(self.seconds // per_slice) if per_slice > 0 else slices, least)
 
 
 def encoder_tokens_after(left: int | None, work: list[EncoderWork]) -> int | None:
@@ -322,50 +320,39 @@ class Scheduler:
         if request.mm is not None and request.mm.atomic_units:
             n = self._keep_span_whole(request.mm, start, n, alone=not budget.prefill_scheduled)
         units = self._unfinished_units(request, start, start + n)
-        if budget.seconds is not None and request.mm is not None:
+        if budget.seconds is not None:
             return self._timed_chunk(request, start, n, units, budget)
         if budget.encoder_tokens is not None:
             fitting = self._units_within(request, units, budget)
             if fitting < len(units):
                 n = request.mm.unit_first_position(units[fitting]) - start
                 units = units[:fitting]
-        work: list[EncoderWork] = []
-        for unit in units:
-            item = self._work(request, unit, whole=False, budget=budget, reserved=self._seconds(budget, work),
-                              first=not work)
-            if item is None:
-                break
-            work.append(item)
+        work = [self._work(request, unit, whole=False) for unit in units]
         unready = next((w.unit for w in work if not w.finishes), None)
-        if len(work) < len(units):  # the time ran out before this input's tower could start
-            unready = units[len(work)] if unready is None else unready
         if unready is not None:  # the chunk stops where it would need features still being computed
             n = min(n, request.mm.unit_first_position(unready) - start)
-        if budget.seconds is not None and n > 0:
-            floor = 0 if budget.prefill_scheduled else self.config.block_size
-            n = min(n, budget.affordable_tokens(start, self._seconds(budget, work), floor))
-            if request.mm is not None and request.mm.atomic_units:
-                n = self._keep_span_whole(request.mm, start, n, alone=not budget.prefill_scheduled)
-        if budget.encoder_tokens is not None or budget.seconds is not None:
+        if budget.encoder_tokens is not None:
             work += self._work_ahead(request, start + n, work, budget)
         return n, work
 
     def _timed_chunk(self, request: Request, start: int, n: int, units: list[int], budget: StepBudget
                      ) -> tuple[int, list[EncoderWork]]:
-        """`_chunk` under a time budget for a prompt with encoder inputs: the inputs run in lockstep
-        (`_lockstep`), then the chunk stops before the first input it reaches whose features are not ready
-        after this step, and takes as many tokens as the time left allows."""
-        work = self._lockstep(request, start, budget)
-        slices = request.mm.encoder_slices
-        after = dict(self.encoder_progress.get(request.request_id, {}))
-        after.update({item.unit: item.end for item in work})
-        unready = next((u for u in units if after.get(u, 0) < slices), None)
-        if unready is not None:
-            n = min(n, request.mm.unit_first_position(unready) - start)
+        """`_chunk` under a time budget: a prompt's encoder inputs run in lockstep (`_lockstep`), then the chunk
+        stops before the first input it reaches whose features are not ready after this step, and takes as many
+        tokens as the time left allows."""
+        if request.mm is None:
+            work: list[EncoderWork] = []
+        else:
+            work = self._lockstep(request, start, budget)
+            after = dict(self.encoder_progress.get(request.request_id, {}))
+            after.update({item.unit: item.end for item in work})
+            unready = next((u for u in units if after.get(u, 0) < request.mm.encoder_slices), None)
+            if unready is not None:
+                n = min(n, request.mm.unit_first_position(unready) - start)
         if n > 0:
             floor = 0 if budget.prefill_scheduled else self.config.block_size
             n = min(n, budget.affordable_tokens(start, self._seconds(budget, work), floor))
-            if request.mm.atomic_units:
+            if request.mm is not None and request.mm.atomic_units:
                 n = self._keep_span_whole(request.mm, start, n, alone=not budget.prefill_scheduled)
         return n, work
 
@@ -396,7 +383,7 @@ class Scheduler:
             return work
         affordable = 0
         while group:
-            affordable = budget.affordable_slices(sum(mm.unit_rows[u] for u in group), mm.encoder_slices, 0.0, True)
+            affordable = budget.affordable_slices(sum(mm.unit_rows[u] for u in group), mm.encoder_slices)
             if affordable or len(group) == 1:
                 break
             group.pop()
@@ -412,7 +399,8 @@ class Scheduler:
 
     def _work_ahead(self, request: Request, end: int, work: list[EncoderWork], budget: StepBudget) -> list[EncoderWork]:
         """The next slices of the first unfinished input past `end` that this step's work does not touch,
-        if they fit in what is left of the encoder budget and of the step's time."""
+        if it fits in what is left of the encoder budget (token budgets; under a time budget `_lockstep`
+        decides)."""
         busy = {item.unit for item in work}
         ahead = next((u for u in self._unfinished_units(request, end, request.num_tokens) if u not in busy), None)
         if ahead is None:
@@ -420,9 +408,7 @@ class Scheduler:
         encoder_left = encoder_tokens_after(budget.encoder_tokens, work)
         if encoder_left is not None and request.mm.unit_rows[ahead] > encoder_left and not self._held(request, ahead):
             return []
-        item = self._work(request, ahead, whole=False, budget=budget, reserved=self._seconds(budget, work),
-                          first=False)
-        return [] if item is None else [item]
+        return [self._work(request, ahead, whole=False)]
 
     def _units_within(self, request: Request, units: list[int], budget: StepBudget) -> int:
         """How many of `units`, in order, fit in what is left of the step's encoder budget; the first of the
@@ -437,22 +423,15 @@ class Scheduler:
                 return count
         return len(units)
 
-    def _work(self, request: Request, unit: int, whole: bool, budget: StepBudget | None = None,
-              reserved: float = 0.0, first: bool = True) -> EncoderWork | None:
-        """The next slices of an input's vision tower: all that are left, or `encoder_slices_per_step`, or as
-        many as fit the step's time (None when none does)."""
+    def _work(self, request: Request, unit: int, whole: bool) -> EncoderWork:
+        """The next slices of an input's vision tower: all that are left, or `encoder_slices_per_step` (token
+        budgets; under a time budget `_lockstep` decides)."""
         slices = request.mm.encoder_slices
         if self._held(request, unit):
             return EncoderWork(request, unit, slices, slices, from_cache=True)
         done = self.encoder_progress.get(request.request_id, {}).get(unit, 0)
         step = self.config.encoder_slices_per_step
         end = slices if whole or step is None else min(done + step, slices)
-        affordable = None if whole or budget is None else budget.affordable_slices(
-            request.mm.unit_rows[unit], slices, reserved, first)
-        if affordable is not None:
-            end = min(end, done + affordable)
-            if end == done:
-                return None
         return EncoderWork(request, unit, done, end)
 
     @staticmethod
