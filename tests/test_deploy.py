@@ -369,9 +369,13 @@ def test_two_servers_share_the_job_stream_and_a_killed_one_loses_nothing(redis_u
     client = redis.Redis.from_url(redis_url)
     try:
         wait_for(lambda: all(server.ready() for server in servers), "both servers to be ready", timeout=120)
-        enqueue(redis_url, jobs)
+        enqueue(redis_url, jobs[:10])
         wait_for(lambda: min(server.engine_requests_finished() for server in servers) >= 1,
                  "both servers to caption jobs from the shared stream", timeout=60)
+        # The first jobs may all be taken by now; with the survivor frozen, the rest go to the doomed
+        # server alone, so it is sure to hold some when it is killed (not a race against the survivor).
+        survivor.process.send_signal(signal.SIGSTOP)
+        enqueue(redis_url, jobs[10:])
 
         def doomed_frozen_holding_jobs() -> bool:
             """Freeze the doomed server (SIGSTOP) and keep it frozen if it holds jobs in flight."""
@@ -385,6 +389,7 @@ def test_two_servers_share_the_job_stream_and_a_killed_one_loses_nothing(redis_u
         in_flight = client.xpending_range(JOBS_STREAM, CONSUMER_GROUP, "-", "+", 100, consumername="doomed")
         doomed.process.send_signal(signal.SIGKILL)
         doomed.stop()
+        survivor.process.send_signal(signal.SIGCONT)
         entries = [client.xrange(JOBS_STREAM, item["message_id"], item["message_id"]) for item in in_flight]
         orphaned = {entry[0][1][b"job_id"].decode() for entry in entries if entry}
         assert orphaned, "the doomed server's jobs were finished elsewhere before it died"
