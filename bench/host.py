@@ -336,6 +336,7 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
         "machine": machine(),
         "engine": {"attention_backend": engine.attention_backend, "cpu_linear": engine.cpu_linear,
                    "compile_seconds": engine.compile_seconds, "cpu_kernels": stats.cpu_kernels,
+                   "cpu_bf16_products": stats.cpu_bf16_products,
                    "lean_layers": stats.lean_layers, "linear_rows": stats.linear_rows},
         "read_floor": floor,
         "vision": vision,
@@ -390,7 +391,8 @@ def summary(result: dict[str, Any]) -> str:
             f"{floor['kv_mb_late']:.0f} MB of keys and values at {floor['bandwidth_gb_s']:.1f} GB/s = "
             f"{floor['early_ms']:.2f} / {floor['late_ms']:.2f} ms; engine / floor: "
             f"{ratios['engine_vs_floor_early']:.2f}x early, {ratios['engine_vs_floor_late']:.2f}x late")
-        lines.append(f"CPU kernels: {eng.get('cpu_kernels')} build, {eng.get('lean_layers')} lean decoder layers, "
+        lines.append(f"CPU kernels: {eng.get('cpu_kernels')} build (bfloat16 products: "
+                     f"{eng.get('cpu_bf16_products')}), {eng.get('lean_layers')} lean decoder layers, "
                      f"kernel rows by weight shape {eng.get('linear_rows')}")
     vision = result.get("vision")
     if vision:

@@ -8,7 +8,9 @@
   are a few rows times every weight of the model: their cost is reading the weights. `route_linears` sends a
   model's Linear layers and patch embeddings (a Conv2d whose stride is its kernel: a Linear over the image's
   patches) through it for the row counts where it beats torch's own GEMM on this machine (`measure_row_ranges`).
-  Its `glu` mode computes a Llama MLP's SiLU(gate) * up from one matrix of both (engine/lean_layers.py).
+  Its `glu` mode computes a Llama MLP's SiLU(gate) * up from one matrix of both (engine/lean_layers.py). Where
+  the build has AVX-512's bfloat16 dot products, `bf16_products` measures once whether they or float32 FMAs on
+  widened weights are faster on this CPU (some run the dot products at half their FMAs' rate) and uses those.
 - `rms_norm` / `add_rms_norm` (rms_norm.c): Llama's RMSNorm in one call instead of seven small operators, and
   the residual add before it; `route_norms` swaps it in for every norm whose forward is LlamaRMSNorm's code.
 - `rope_store` (rope_store.c): a layer's rotary embedding and KV cache write in one call.
@@ -235,19 +237,56 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _run_linear(_lib(), x, weight, bias, glu, out)
 
 
+_MODE_GLU, _PRODUCTS_WIDEN = 1, 2  # linear.c's `mode` bits
+PRODUCTS = ("dot", "widen")  # bfloat16 products: vdpbf16ps, or float32 FMAs on widened weights
+
+
 def _run_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """`linear` on inputs already checked (a layer's own weight: checked once, at routing)."""
+                out: torch.Tensor | None = None, products: str | None = None) -> torch.Tensor:
+    """`linear` on inputs already checked (a layer's own weight: checked once, at routing); bfloat16 products
+    as `products` says (None: `bf16_products(lib)`)."""
     n, k = weight.shape
     rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
     width = n // 2 if glu else n
     if out is None:
         out = torch.empty(*x.shape[:-1], width, dtype=x.dtype)
+    widen = (products or bf16_products(lib)) == "widen"
     if lib.linear(rows.data_ptr(), _DTYPES[x.dtype], rows.shape[0], k, weight.data_ptr(), _DTYPES[weight.dtype],
-                  weight.stride(0), n, None if bias is None else bias.data_ptr(), int(glu), out.data_ptr(),
+                  weight.stride(0), n, None if bias is None else bias.data_ptr(),
+                  (_MODE_GLU if glu else 0) | (_PRODUCTS_WIDEN if widen else 0), out.data_ptr(),
                   torch.get_num_threads()):
         raise MemoryError(f"the Linear kernel could not allocate its buffer ({rows.shape[0]} x {k} floats)")
     return out
+
+
+DOT_BUILDS = frozenset({"amx_bf16", "avx512_bf16"})  # the builds with AVX-512's bfloat16 dot products
+
+
+def has_dot_products(lib: ctypes.CDLL) -> bool:
+    """Whether build `lib` can multiply bfloat16 by the dot products (where the tiles do not)."""
+    return lib.linear_isa().decode() in DOT_BUILDS
+
+
+@functools.cache
+@torch.inference_mode()
+def bf16_products(lib: ctypes.CDLL) -> str:
+    """How build `lib` multiplies bfloat16 weights: "dot" where it has the dot products and they were the faster
+    of the two loops in a short measurement here (8 rows of x, a decode batch; with tiles, the 3 rows below
+    them; against a weight that stays in the cache, so that the arithmetic is timed, not the memory), else
+    "widen"."""
+    if not has_dot_products(lib):
+        return "widen"
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(1024, 576, generator=generator).bfloat16()
+    rows = 3 if lib.linear_isa().decode() == "amx_bf16" else 8
+    x = torch.randn(rows, 576, generator=generator).bfloat16()
+    seconds = {products: median_seconds(lambda p=products: [_run_linear(lib, x, weight, None, False, products=p)
+                                                           for _ in range(20)], repeats=5)
+               for products in PRODUCTS}
+    chosen = min(PRODUCTS, key=seconds.__getitem__)
+    log.info("CPU kernels (%s): bfloat16 products by %s (dot %.0f us, widen %.0f us a call)",
+             lib.linear_isa().decode(), chosen, seconds["dot"] * 5e4, seconds["widen"] * 5e4)
+    return chosen
 
 
 

@@ -100,6 +100,7 @@ class Engine:
         self.attention_backend = self._attention_backend()
         self.cpu_linear = self._use_cpu_linear()
         self.cpu_kernels: str | None = None
+        self.cpu_bf16_products: str | None = None
         self.lean_vision_layers = 0  # vision encoder layers run lean (engine/lean_vision.py)
         self.linear_rows: dict[str, tuple[int, int]] = {}
         if self.cpu_linear:
@@ -201,6 +202,8 @@ class Engine:
         cpu_kernel.route_linears(adapter.model)
         cpu_kernel.route_norms(adapter.model)
         self.cpu_kernels = cpu_kernel.variant()
+        if self.cpu_kernels is not None:  # measured before the row ranges, whose timings use it
+            self.cpu_bf16_products = cpu_kernel.bf16_products(cpu_kernel.load_variant(self.cpu_kernels))
         if rows is None:
             self.linear_rows = cpu_kernel.measure_row_ranges(adapter.model)
             if adapter.lean is not None:
@@ -214,8 +217,9 @@ class Engine:
             for projection in (adapter.lean.projections() if adapter.lean is not None else []) + projections:
                 projection.rows = (1, rows) if rows else (0, 0)
         self.lean_vision_layers = sum(layer is not None for layer in adapter.lean_vision or ())
-        log.info("CPU kernels: %s build, %d lean decoder layers, %d lean vision layers, kernel rows by weight shape %s",
-                 self.cpu_kernels, adapter.lean.count if adapter.lean is not None else 0, self.lean_vision_layers,
+        log.info("CPU kernels: %s build (bfloat16 products: %s), %d lean decoder layers, %d lean vision layers, "
+                 "kernel rows by weight shape %s", self.cpu_kernels, self.cpu_bf16_products,
+                 adapter.lean.count if adapter.lean is not None else 0, self.lean_vision_layers,
                  self.linear_rows or rows)
 
     def _use_cuda_graphs(self) -> bool:
@@ -478,6 +482,7 @@ class Engine:
                 num_request_failures=self.num_request_failures,
                 compile_seconds=self.compile_seconds,
                 cpu_kernels=self.cpu_kernels,
+                cpu_bf16_products=self.cpu_bf16_products,
                 lean_layers=self.adapter.lean.count if self.adapter.lean is not None else 0,
                 lean_vision_layers=self.lean_vision_layers,
                 linear_rows=dict(self.linear_rows),

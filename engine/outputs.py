@@ -66,6 +66,8 @@ class EngineStats:
     num_request_failures: int  # requests ended alone because their token could not be sampled
     compile_seconds: float = 0.0  # start-up time spent compiling the model (`EngineConfig.compile_model`)
     cpu_kernels: str | None = None  # the CPU kernels' build (engine/cpu_kernel.py VARIANTS); None: not used
+    # How that build's Linear multiplies bfloat16: "dot" (vdpbf16ps) or "widen" (float32 FMAs), measured at start-up.
+    cpu_bf16_products: str | None = None
     lean_layers: int = 0  # decoder layers run by engine/lean_layers.py
     lean_vision_layers: int = 0  # vision encoder layers run by engine/lean_vision.py
     # The rows [first, last] a Linear shape ("n x k dtype") goes through the CPU kernel for, measured at start-up.

@@ -6,10 +6,16 @@
  * Four weight rows at a time stream through registers against up to six rows of x (their chunks come from the
  * L1 cache), 24 float32 sums kept in named vector registers: each weight is loaded once per six rows of x, each
  * chunk of x once per four weight rows. The reduction runs along k, so every sum is a vector that is reduced
- * once, at the end of the row. What the build targets decides the inner loop (engine/cpu_kernel.py compiles one
- * library per instruction set and picks the best the CPU has):
- *   - AVX-512 BF16 (`vdpbf16ps`): bfloat16 x against bfloat16 weights, 32 products per instruction;
- *   - AVX-512F: 16 lanes, weights widened from bfloat16/float16 in registers;
+ * once, at the end of the row. With a few rows of x the loop does enough arithmetic per byte that the loads of
+ * the weights no longer run ahead of it by themselves: each block prefetches the next block's weight rows.
+ * What the build targets decides the inner loop (engine/cpu_kernel.py compiles one library per instruction set
+ * and picks the best the CPU has):
+ *   - AVX-512 BF16 (`vdpbf16ps`): bfloat16 x against bfloat16 weights, 32 products per instruction; or, where
+ *     the CPU runs that instruction slower than widening and FMAs (`PRODUCTS_WIDEN`, chosen by
+ *     engine/cpu_kernel.py from a measurement at start-up), the float32 loop below;
+ *   - AVX-512F: 16 lanes of float32 FMAs, weights widened in registers; bfloat16 weights two per 32-bit word:
+ *     the even columns by a shift, the odd ones by a mask (one instruction per 16 weights), against x laid out
+ *     in the same order (`split_pairs`);
  *   - AVX2 + FMA: 8 lanes, likewise;
  *   - anything else: plain C.
  * `glu` mode computes act(x W_g^T) * (x W_u^T) for W = [W_g; W_u] (n = 2 * half), SiLU, rounded to the output
@@ -24,6 +30,8 @@
 #include "dtypes.h"
 
 #define RW 4   /* weight rows per block */
+#define MODE_GLU 1        /* `mode` bits of linear(): act(x W_g^T) * (x W_u^T) */
+#define PRODUCTS_WIDEN 2  /* bfloat16 products by float32 FMAs even where the build has vdpbf16ps */
 #define MC 48  /* rows of x per pass over the weights */
 #define NB 8   /* blocks per task: 32 output columns (16 in glu mode), finished together */
 
@@ -37,6 +45,10 @@ static inline __attribute__((always_inline)) vf vload(const void *p, int dtype, 
     return widen16(p, dtype, at);
 }
 #define XLOAD(p) _mm512_loadu_ps(p)
+typedef __m512i vi;
+static inline vi wload(const uint16_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline vf even_of(vi d) { return _mm512_castsi512_ps(_mm512_slli_epi32(d, 16)); }
+static inline vf odd_of(vi d) { return _mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32((int)0xffff0000u))); }
 /* [sum(a), sum(b), sum(c), sum(d)] */
 static inline __m128 reduce4(vf a, vf b, vf c, vf d) {
     const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
@@ -64,6 +76,10 @@ static inline __attribute__((always_inline)) vf vload(const void *p, int dtype, 
     return _mm256_loadu_ps((const float *)p + at);
 }
 #define XLOAD(p) _mm256_loadu_ps(p)
+typedef __m256i vi;
+static inline vi wload(const uint16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vf even_of(vi d) { return _mm256_castsi256_ps(_mm256_slli_epi32(d, 16)); }
+static inline vf odd_of(vi d) { return _mm256_castsi256_ps(_mm256_and_si256(d, _mm256_set1_epi32((int)0xffff0000u))); }
 static inline __m128 reduce4(vf a, vf b, vf c, vf d) {
     const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
@@ -71,6 +87,11 @@ static inline __m128 reduce4(vf a, vf b, vf c, vf d) {
 #else
 #define RX 6
 #endif
+
+/* The cache line `offset` bytes into each of a block's weight rows, fetched ahead of its use. */
+static inline __attribute__((always_inline)) void prefetch_rows(const void *const rows[RW], int64_t offset) {
+    for (int r = 0; r < RW; r++) __builtin_prefetch((const char *)rows[r] + offset, 0, 3);
+}
 
 /* One weight value as float32. */
 static inline float wvalue(const void *w, int dtype, int64_t at) {
@@ -107,32 +128,80 @@ static void tail(const float *x, int64_t k, int64_t from, const void *const w[RW
 #define EACH_ROW(M) M(0) M(1) M(2)
 #endif
 /* Float32 x (rows 0..R-1, each k long) against weight rows w[0..3] of dtype D, the four sums of x row i into
- * out[i * stride ..]: one function per D and R. */
+ * out[i * stride ..], the rows `next` prefetched meanwhile: one function per D and R. */
 #define BLOCK(D, R) \
-    static void block_##D##_##R(const float *x, int64_t k, const void *const w[RW], float *out, int64_t stride) { \
+    static void block_##D##_##R(const float *x, int64_t k, const void *const w[RW], const void *const next[RW], \
+                                float *out, int64_t stride) { \
         const int rows = R; \
         EACH_ROW(DECL) \
         const void *p0 = w[0], *p1 = w[1], *p2 = w[2], *p3 = w[3]; \
         int64_t t = 0; \
         for (; t + VW <= k; t += VW) { \
+            if (t % 32 == 0) prefetch_rows(next, t * ((D) == F32 ? 4 : 2)); \
             const vf w0 = vload(p0, D, t), w1 = vload(p1, D, t), w2 = vload(p2, D, t), w3 = vload(p3, D, t); \
             EACH_ROW(FMA_ROW) \
         } \
         EACH_ROW(STORE_ROW) \
         if (t < k) tail(x, k, t, w, D, rows, out, stride); \
     }
+/* The same for bfloat16 weights, 2 VW columns at a time: each 32-bit word of weights holds an even and an odd
+ * column; x comes laid out by `split_pairs` (each 2 VW's even columns, then its odd ones). */
+#define PAIR_ROW(i, half) \
+    if (rows > i) { \
+        const vf xv = XLOAD(x + i * k + t + (half)); \
+        A(0, i) = vfma(w0, xv, A(0, i)), A(1, i) = vfma(w1, xv, A(1, i)); \
+        A(2, i) = vfma(w2, xv, A(2, i)), A(3, i) = vfma(w3, xv, A(3, i)); \
+    }
+#define PAIR_EVEN(i) PAIR_ROW(i, 0)
+#define PAIR_ODD(i) PAIR_ROW(i, VW)
+#define PAIR_BLOCK(R) \
+    static void block_BF16_##R(const float *x, int64_t k, const void *const w[RW], const void *const next[RW], \
+                               float *out, int64_t stride) { \
+        const int rows = R; \
+        EACH_ROW(DECL) \
+        const uint16_t *p0 = w[0], *p1 = w[1], *p2 = w[2], *p3 = w[3]; \
+        int64_t t = 0; \
+        for (; t + 2 * VW <= k; t += 2 * VW) { \
+            if (t % 32 == 0) prefetch_rows(next, 2 * t); \
+            { \
+                const vf w0 = even_of(wload(p0 + t)), w1 = even_of(wload(p1 + t)); \
+                const vf w2 = even_of(wload(p2 + t)), w3 = even_of(wload(p3 + t)); \
+                EACH_ROW(PAIR_EVEN) \
+            } \
+            const vf w0 = odd_of(wload(p0 + t)), w1 = odd_of(wload(p1 + t)); \
+            const vf w2 = odd_of(wload(p2 + t)), w3 = odd_of(wload(p3 + t)); \
+            EACH_ROW(PAIR_ODD) \
+        } \
+        EACH_ROW(STORE_ROW) \
+        if (t < k) tail(x, k, t, w, BF16, rows, out, stride); \
+    }
 #if RX == 6
 #define BLOCKS(D) BLOCK(D, 1) BLOCK(D, 2) BLOCK(D, 3) BLOCK(D, 4) BLOCK(D, 5) BLOCK(D, 6)
+#define PAIR_BLOCKS PAIR_BLOCK(1) PAIR_BLOCK(2) PAIR_BLOCK(3) PAIR_BLOCK(4) PAIR_BLOCK(5) PAIR_BLOCK(6)
 #define FNS(D) {block_##D##_1, block_##D##_2, block_##D##_3, block_##D##_4, block_##D##_5, block_##D##_6}
 #else
 #define BLOCKS(D) BLOCK(D, 1) BLOCK(D, 2) BLOCK(D, 3)
+#define PAIR_BLOCKS PAIR_BLOCK(1) PAIR_BLOCK(2) PAIR_BLOCK(3)
 #define FNS(D) {block_##D##_1, block_##D##_2, block_##D##_3}
 #endif
 BLOCKS(F32)
-BLOCKS(BF16)
+PAIR_BLOCKS
 BLOCKS(F16)
-typedef void (*block_fn)(const float *, int64_t, const void *const[RW], float *, int64_t);
+typedef void (*block_fn)(const float *, int64_t, const void *const[RW], const void *const[RW], float *, int64_t);
 static const block_fn BLOCK_FNS[3][RX] = {FNS(F32), FNS(BF16), FNS(F16)};
+
+/* Each row of x [m, k] (float32, in place) with every 2 VW columns reordered as the bfloat16 blocks read them:
+ * the even columns, then the odd ones (the columns past the last whole 2 VW stay where they are). */
+static void split_pairs(float *x, int64_t m, int64_t k) {
+    float even[VW], odd[VW];
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t t = 0; t + 2 * VW <= k; t += 2 * VW) {
+            float *at = x + i * k + t;
+            for (int c = 0; c < VW; c++) even[c] = at[2 * c], odd[c] = at[2 * c + 1];
+            memcpy(at, even, sizeof(even));
+            memcpy(at + VW, odd, sizeof(odd));
+        }
+}
 #endif
 
 #ifdef __AVX512BF16__
@@ -144,11 +213,13 @@ static const block_fn BLOCK_FNS[3][RX] = {FNS(F32), FNS(BF16), FNS(F16)};
         A(2, i) = _mm512_dpbf16_ps(A(2, i), w2, xv), A(3, i) = _mm512_dpbf16_ps(A(3, i), w3, xv); \
     }
 #define DP_BLOCK(R) \
-    static void dp_block_##R(const uint16_t *xb, int64_t k, const void *const w[RW], float *out, int64_t stride) { \
+    static void dp_block_##R(const uint16_t *xb, int64_t k, const void *const w[RW], const void *const next[RW], \
+                             float *out, int64_t stride) { \
         const int rows = R; \
         EACH_ROW(DECL) \
         const uint16_t *p0 = w[0], *p1 = w[1], *p2 = w[2], *p3 = w[3]; \
         for (int64_t t = 0; t < k; t += 32) { \
+            prefetch_rows(next, 2 * t); \
             const __mmask32 mask = k - t >= 32 ? 0xffffffffu : (__mmask32)((1u << (k - t)) - 1u); \
             const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, p0 + t); \
             const __m512bh w1 = (__m512bh)_mm512_maskz_loadu_epi16(mask, p1 + t); \
@@ -159,7 +230,7 @@ static const block_fn BLOCK_FNS[3][RX] = {FNS(F32), FNS(BF16), FNS(F16)};
         EACH_ROW(STORE_ROW) \
     }
 DP_BLOCK(1) DP_BLOCK(2) DP_BLOCK(3) DP_BLOCK(4) DP_BLOCK(5) DP_BLOCK(6)
-typedef void (*dp_fn)(const uint16_t *, int64_t, const void *const[RW], float *, int64_t);
+typedef void (*dp_fn)(const uint16_t *, int64_t, const void *const[RW], const void *const[RW], float *, int64_t);
 static const dp_fn DP_FNS[RX] = {dp_block_1, dp_block_2, dp_block_3, dp_block_4, dp_block_5, dp_block_6};
 #endif
 
@@ -335,10 +406,23 @@ static void amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
 }
 #endif
 
+/* The weight rows of block `block` (past the last one: the last real row, repeated): four consecutive ones, or
+ * in glu mode two of the gate's and the same two of the up's. */
+static void block_rows(int64_t block, int glu_mode, int64_t n, int64_t out_cols, int64_t r[RW]) {
+    if (glu_mode) {
+        const int64_t j = MIN(2 * block, out_cols - 1), j1 = MIN(j + 1, out_cols - 1);
+        r[0] = j, r[1] = j1, r[2] = out_cols + j, r[3] = out_cols + j1;
+    } else {
+        for (int c = 0; c < RW; c++) r[c] = MIN(RW * block + c, n - 1);
+    }
+}
+
 /* x [m, k] in io_dtype, w [n, k] in w_dtype (rows `w_stride` elements apart), bias n floats or NULL; y [m, n]
- * (or [m, n / 2] with `glu`) in io_dtype. Returns 2 where memory runs out. */
+ * (or [m, n / 2] with MODE_GLU) in io_dtype; `mode`: MODE_GLU | PRODUCTS_WIDEN bits. Returns 2 where memory
+ * runs out. */
 int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int w_dtype, int64_t w_stride,
-           int64_t n, const float *bias, int glu_mode, void *y, int num_threads) {
+           int64_t n, const float *bias, int mode, void *y, int num_threads) {
+    const int glu_mode = mode & MODE_GLU;
     const int64_t item = w_dtype == F32 ? 4 : 2, out_cols = glu_mode ? n / 2 : n;
     const int64_t blocks = glu_mode ? (out_cols + 1) / 2 : (n + RW - 1) / RW;
     int64_t block0 = 0;  /* the first block the vector path computes (past what the tiles did) */
@@ -356,15 +440,23 @@ int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int
 #endif
     const int64_t tasks = (blocks - block0 + NB - 1) / NB;
 #ifdef __AVX512BF16__
-    const int dot = io_dtype == BF16 && w_dtype == BF16;
+    const int dot = io_dtype == BF16 && w_dtype == BF16 && !(mode & PRODUCTS_WIDEN);
 #else
     const int dot = 0;
 #endif
+#ifdef VW
+    const int split = !dot && w_dtype == BF16;  /* x reordered for the bfloat16 blocks */
+#else
+    const int split = 0;
+#endif
     const float *xf = (const float *)x;
-    if (!dot && io_dtype != F32) {
+    if (!dot && (io_dtype != F32 || split)) {
         float *converted = thread_scratch((size_t)(m * k) * sizeof(float));
         if (!converted) return 2;
         load_floats(x, io_dtype, 0, m * k, converted);
+#ifdef VW
+        if (split) split_pairs(converted, m, k);
+#endif
         xf = converted;
     }
 #pragma omp parallel num_threads(num_threads) if (m * n * k >= 65536)
@@ -375,35 +467,30 @@ int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t first_block = block0 + task * NB, count = MIN(NB, blocks - first_block);
-            /* A block's weight rows: four consecutive ones, or two of the gate's and the same two of the up's;
-             * a row past the end repeats the last real one (its sums are not stored). */
-            int64_t rows_of[NB * RW];
-            for (int64_t b = 0; b < count; b++) {
-                int64_t *r = rows_of + b * RW;
-                if (glu_mode) {
-                    const int64_t j = 2 * (first_block + b), j1 = MIN(j + 1, out_cols - 1);
-                    r[0] = j, r[1] = j1, r[2] = out_cols + j, r[3] = out_cols + j1;
-                } else {
-                    for (int c = 0; c < RW; c++) r[c] = MIN(RW * (first_block + b) + c, n - 1);
-                }
-            }
+            int64_t rows_of[(NB + 1) * RW];  /* and the block after the task's, to prefetch */
+            for (int64_t b = 0; b <= count; b++) block_rows(first_block + b, glu_mode, n, out_cols, rows_of + b * RW);
             float sums[MC * NB * RW];
             memset(sums, 0, sizeof(float) * (size_t)(chunk * NB * RW));
             for (int64_t b = 0; b < count; b++) {
-                const void *wr[RW];
-                for (int c = 0; c < RW; c++) wr[c] = (const char *)w + rows_of[b * RW + c] * w_stride * item;
+                const void *wr[RW], *wn[RW];
+                for (int c = 0; c < RW; c++) {
+                    wr[c] = (const char *)w + rows_of[b * RW + c] * w_stride * item;
+                    wn[c] = (const char *)w + rows_of[(b + 1) * RW + c] * w_stride * item;
+                }
                 for (int64_t i = i0; i < i0 + chunk; i += per_block) {
                     const int rows = (int)MIN(per_block, i0 + chunk - i);
+                    const void *const *ahead = i == i0 ? wn : wr;  /* later passes find the block in the cache */
                     float *out = sums + (i - i0) * NB * RW + b * RW;
 #ifdef __AVX512BF16__
                     if (dot) {
-                        DP_FNS[rows - 1]((const uint16_t *)x + i * k, k, wr, out, NB * RW);
+                        DP_FNS[rows - 1]((const uint16_t *)x + i * k, k, wr, ahead, out, NB * RW);
                         continue;
                     }
 #endif
 #ifdef VW
-                    BLOCK_FNS[w_dtype][rows - 1](xf + i * k, k, wr, out, NB * RW);
+                    BLOCK_FNS[w_dtype][rows - 1](xf + i * k, k, wr, ahead, out, NB * RW);
 #else
+                    (void)ahead;
                     tail(xf + i * k, k, 0, wr, w_dtype, rows, out, NB * RW);
 #endif
                 }

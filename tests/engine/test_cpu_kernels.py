@@ -30,39 +30,56 @@ def test_the_engine_uses_the_best_build_this_cpu_runs():
     print(f"CPU kernels: running {RUNNABLE} of {list(cpu_kernel.VARIANTS)}")
 
 
-def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool) -> torch.Tensor:
-    return cpu_kernel._run_linear(cpu_kernel.load_variant(name), x, weight, bias, glu)
+# Each build with each way it can multiply bfloat16 ("dot", "widen"; None: the only one it has).
+LOOPS = [(name, products) for name in RUNNABLE
+         for products in (cpu_kernel.PRODUCTS if name in cpu_kernel.DOT_BUILDS else (None,))]
 
 
-@pytest.mark.parametrize("name", RUNNABLE)
+def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool,
+         products: str | None = None) -> torch.Tensor:
+    return cpu_kernel._run_linear(cpu_kernel.load_variant(name), x, weight, bias, glu, products=products)
+
+
+@pytest.mark.parametrize(("name", "products"), LOOPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 5, 7, 17, 50])
-def test_linear_of_each_build_equals_torch(name, dtype, rows):
-    """Widths that are not multiples of any vector (k = 100 and 33), output counts that are not multiples of the
-    four-row blocks (n = 37), a bias, row counts around the six-row blocks, a 16-row tile and a 48-row pass; and
-    (AMX) tile pairs with vector blocks after them (n = 100, k = 64)."""
+def test_linear_of_each_build_equals_torch(name, products, dtype, rows):
+    """Widths that are not multiples of any vector (k = 100 and 33; bfloat16's even/odd pairs: k = 64 and 576,
+    and 100 with a tail), output counts that are not multiples of the four-row blocks (n = 37), a bias, row
+    counts around the six-row blocks, a 16-row tile and a 48-row pass; and (AMX) tile pairs with vector blocks
+    after them (n = 100, k = 64)."""
     torch.manual_seed(0)
     for n, k in ((37, 100), (64, 576), (10, 33), (100, 64)):
         x = torch.randn(rows, k).to(dtype)
         weight = (torch.randn(n, k) * 0.1).to(dtype)
         bias = torch.randn(n)
         expected = F.linear(x.float(), weight.float(), bias)
-        got = _run(name, x, weight, bias, False)
+        got = _run(name, x, weight, bias, False, products)
         assert got.dtype == dtype and got.shape == (rows, n)
         scale = expected.abs().max().item()
         assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype] * scale, (name, dtype, n, k)
 
 
-@pytest.mark.parametrize("name", RUNNABLE)
+def test_each_build_multiplies_bfloat16_one_measured_way():
+    """A build with the dot products measures once which loop is faster here; the others only widen."""
+    for name in RUNNABLE:
+        lib = cpu_kernel.load_variant(name)
+        chosen = cpu_kernel.bf16_products(lib)
+        assert chosen in cpu_kernel.PRODUCTS and cpu_kernel.bf16_products(lib) == chosen
+        assert chosen == "widen" or name in cpu_kernel.DOT_BUILDS, (name, chosen)
+        print(f"CPU kernels: the {name} build multiplies bfloat16 by {chosen}")
+
+
+@pytest.mark.parametrize(("name", "products"), LOOPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_glu_of_each_build_equals_llama_s_mlp_activation(name, dtype):
+def test_glu_of_each_build_equals_llama_s_mlp_activation(name, products, dtype):
     """`glu`: SiLU(x gate^T) * (x up^T) from one stacked matrix, an odd number of outputs included."""
     torch.manual_seed(1)
     for half, k in ((7, 64), (48, 100), (40, 96)):
         x = torch.randn(9, k).to(dtype)
         weight = (torch.randn(2 * half, k) * 0.2).to(dtype)
         expected = (F.silu(F.linear(x, weight[:half])) * F.linear(x, weight[half:])).float()
-        got = _run(name, x, weight, None, True)
+        got = _run(name, x, weight, None, True, products)
         assert got.shape == (9, half)
         assert (got.float() - expected).abs().max().item() <= 2 * TOLERANCE[dtype] * expected.abs().max().item()
 
@@ -215,6 +232,7 @@ def test_an_engine_runs_the_build_it_is_given(make_engine, oracle, photos, best_
 
     engine = make_engine(cpu_kernels=name, max_num_batched_tokens=13, max_num_seqs=8)
     assert engine.stats().cpu_kernels == cpu_kernel.variant() == name
+    assert engine.stats().cpu_bf16_products == cpu_kernel.bf16_products(cpu_kernel.load_variant(name))
     jobs = mixed_jobs(photos)
     tokens, _ = run_jobs(engine, jobs)
     for i, job in enumerate(jobs):
