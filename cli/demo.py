@@ -15,7 +15,7 @@ import threading
 import typer
 
 from bench.configs import SAMPLE_VIDEO
-from cli.options import PORT, stop_on_sigterm
+from cli.options import PORT, stop_on_sigterm, terminated
 
 HUB_MODEL = "HuggingFaceTB/SmolVLM-256M-Instruct"
 CAMERA = "sample-cam"
@@ -80,6 +80,8 @@ async def _print_captions(redis_url: str, pipeline_done: threading.Event, timeou
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s if timeout_s is not None else float("inf")
         while loop.time() < deadline:
+            if terminated():  # SIGTERM's KeyboardInterrupt can be lost (cli/options.py `stop_on_sigterm`)
+                raise KeyboardInterrupt
             try:
                 result = await asyncio.wait_for(arrived.get(), timeout=1.0)
             except asyncio.TimeoutError:

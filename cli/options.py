@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import signal
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -15,10 +16,25 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 PORT = 8000  # the API server's TCP port: `vlmcap serve` and `vlmcap demo`
 
 
+_terminated = threading.Event()
+
+
 def stop_on_sigterm() -> None:
     """SIGTERM (docker stop, systemd, `timeout`) ends the command as Ctrl-C does: a KeyboardInterrupt in the main
-    thread, so the command's cleanup runs (an embedded Redis stopped, a camera released)."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    thread, so the command's cleanup runs (an embedded Redis stopped, a camera released). The signal is also
+    remembered (`terminated`) for the loops that wait in the main thread to poll: Python drops an exception
+    raised while the main thread runs a finalizer (a garbage collection's `__del__`), and so the interrupt."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    _terminated.set()
+    raise KeyboardInterrupt
+
+
+def terminated() -> bool:
+    """Whether SIGTERM has come since `stop_on_sigterm`."""
+    return _terminated.is_set()
 
 
 def fail(message: str) -> typer.Exit:

@@ -61,6 +61,11 @@ def stopped(command: subprocess.Popen, seen: list[str], timeout: float = 90) -> 
     """The rest of the command's output once it has exited (it must, within `timeout`)."""
     try:
         rest, _ = command.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as late:
+        command.kill()
+        late_output = late.output or ""
+        output = "".join(seen) + (late_output if isinstance(late_output, str) else late_output.decode(errors="replace"))
+        raise AssertionError(f"still running {timeout:.0f} s after the signal: {output[-3000:]}") from None
     finally:
         if command.poll() is None:
             command.kill()
@@ -146,3 +151,25 @@ def test_sigterm_ends_a_soak_with_its_server_and_redis(tmp_path):
     stopped(soak, [], timeout=120)
     wait_for(lambda: not running(found["server"]) and not running(found["redis"]),
              "the soak's server and Redis to stop", timeout=60)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped interrupt, shown
+def test_a_sigterm_whose_interrupt_a_finalizer_drops_is_still_seen():
+    """Python drops an exception raised in a `__del__`, the KeyboardInterrupt of a signal handled there too: the
+    signal is remembered, and the demo's wait loop polls it (cli/options.py `terminated`)."""
+    from cli import options
+
+    class Finalized:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):  # the handler runs between these bytecodes, here
+                time.sleep(0.001)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        options.stop_on_sigterm()
+        Finalized()  # no KeyboardInterrupt comes out of this line
+        assert options.terminated()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        options._terminated.clear()
