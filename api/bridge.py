@@ -13,6 +13,7 @@ import asyncio
 import ctypes
 import functools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -121,13 +122,19 @@ def _openmp() -> ctypes.CDLL | None:
         return None
 
 
-def one_thread_here() -> None:
-    """Torch's parallel regions started on this thread run on it alone. Only OpenMP's setting for this thread
-    changes (`torch.set_num_threads` would also change MKL's, which is the whole process's)."""
+def set_threads_here(threads: int) -> None:
+    """Torch's parallel regions started on this thread (and the CPU kernels, which ask torch) run on `threads`.
+    Only OpenMP's setting for this thread changes (`torch.set_num_threads` would also change MKL's, which is
+    the whole process's)."""
     torch.get_num_threads()  # torch sets this thread's OpenMP threads at its first use: before, not after us
     runtime = _openmp()
     if runtime is not None:
-        runtime.omp_set_num_threads(1)
+        runtime.omp_set_num_threads(threads)
+
+
+def one_thread_here() -> None:
+    """Torch's parallel regions started on this thread run on it alone (`set_threads_here`)."""
+    set_threads_here(1)
 
 
 def build_engine(config: Any) -> Engine:
@@ -158,7 +165,11 @@ class EngineBridge:
     thread that starts parallel work keeps an OpenMP pool of its own, and while more pool threads live than
     the machine has cores, OpenMP's barriers stop spinning: every parallel region of the step then waits on
     the kernel (a decode step of 20 ms took 30 in a thread beside another pool; `build_engine` keeps the
-    loading thread's pool from living on).
+    loading thread's pool from living on). Likewise while requests are being preprocessed: where the step's
+    threads and those would be more than the cores, a step runs on one thread fewer for each (`step_threads`),
+    since a parallel region waits for its slowest thread, and one that shares a core waits for a time slice
+    in every region of the step (8 decodes of SmolVLM-256M on 2 cores: 17 ms a step alone, up to 220 ms
+    while two photos were preprocessed beside two threads, 31-39 ms on one; the preprocessing got faster too).
 
     After each step the thread waits (at most `HANDOVER_S`) until the event loop has sent what the step
     produced, and only then starts the next one: the loop's work for a step (events, JSON, socket writes)
@@ -181,6 +192,7 @@ class EngineBridge:
         self._thread: threading.Thread | None = None
         self.stats: EngineStats = engine.stats()
         self.num_threads = getattr(engine, "num_threads", None) or torch.get_num_threads()
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -234,15 +246,18 @@ class EngineBridge:
         stream = RequestStream(uuid.uuid4().hex, loop, self.metrics)
         with self._cond:
             self._streams[stream.request_id] = stream
-        self._adding += 1
+            self._adding += 1
 
         def add() -> None:
             one_thread_here()  # this thread's torch work (preprocessing) starts no pool of threads
-            self.engine.add_request(prompt=prompt, messages=messages, images=images, sampling=sampling,
-                                    priority=priority, request_id=stream.request_id, cache_salt=cache_salt,
-                                    videos=videos, mm_processor_kwargs=mm_processor_kwargs)
-            with self._cond:
-                self._cond.notify()
+            try:
+                self.engine.add_request(prompt=prompt, messages=messages, images=images, sampling=sampling,
+                                        priority=priority, request_id=stream.request_id, cache_salt=cache_salt,
+                                        videos=videos, mm_processor_kwargs=mm_processor_kwargs)
+            finally:  # here, not once the event loop resumes: the next step must not still count it
+                with self._cond:
+                    self._adding -= 1
+                    self._cond.notify()
 
         # Preprocessing (template, tokens, image tiles) runs on a worker thread; shielded so that a
         # client leaving meanwhile still gets its request aborted once it is in the engine.
@@ -258,8 +273,6 @@ class EngineBridge:
         except Exception:
             self._forget(stream.request_id)
             raise
-        finally:
-            self._adding -= 1
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -280,8 +293,18 @@ class EngineBridge:
             self._streams.pop(request_id, None)
 
     # -- the step thread ------------------------------------------------------------------------
+    def step_threads(self) -> int:
+        """The threads of the next step: the engine's, less one for each request being preprocessed beyond
+        the cores the step's threads leave free (at least one)."""
+        preparing = self._adding
+        if not preparing:
+            return self.num_threads
+        spare = max(0, self.cores - self.num_threads)
+        return max(1, self.num_threads - max(0, preparing - spare))
+
     def _run(self) -> None:
         torch.set_num_threads(self.num_threads)
+        threads = self.num_threads
         log.info("step loop started")
         while True:
             with self._cond:
@@ -295,6 +318,9 @@ class EngineBridge:
             if not self.engine.has_unfinished_requests():
                 self.stats = self.engine.stats()
                 continue
+            if self.step_threads() != threads:
+                threads = self.step_threads()
+                set_threads_here(threads)
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # the engine's state for these requests is unknown: fail them
