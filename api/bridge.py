@@ -318,8 +318,9 @@ class EngineBridge:
             if not self.engine.has_unfinished_requests():
                 self.stats = self.engine.stats()
                 continue
-            if self.step_threads() != threads:
-                threads = self.step_threads()
+            wanted = self.step_threads()
+            if wanted != threads:
+                threads = wanted
                 set_threads_here(threads)
             try:
                 outputs = self.engine.step()

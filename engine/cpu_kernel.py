@@ -259,7 +259,8 @@ def _run_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: t
     return out
 
 
-DOT_BUILDS = frozenset({"amx_bf16", "avx512_bf16"})  # the builds with AVX-512's bfloat16 dot products
+# The builds with AVX-512's bfloat16 dot products: those compiled for them.
+DOT_BUILDS = frozenset(name for name, (flags, _) in VARIANTS.items() if "-mavx512bf16" in flags)
 
 
 def has_dot_products(lib: ctypes.CDLL) -> bool:
