@@ -95,6 +95,36 @@ static inline __attribute__((always_inline)) __m512 widen16(const void *p, int d
 }
 #endif
 
+#if defined(VECTOR) && !defined(__AVX512F__)
+/* e^x, 8 at a time, as exp16 computes it (2^n built in the exponent bits: n stays within [-126, 0] for x <= 0,
+ * the softmax's range). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+/* 8 consecutive values from element `at` of `p` (in `dtype`) as float32. */
+static inline __attribute__((always_inline)) __m256 widen8(const void *p, int dtype, int64_t at) {
+    if (dtype == BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + at))), 16));
+    if (dtype == F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + at)));
+    return _mm256_loadu_ps((const float *)p + at);
+}
+#endif
+
 /* A growable buffer of the calling thread, kept across calls (one per source file): no allocation per call. */
 static inline void *thread_scratch(size_t bytes) {
     static __thread void *buffer = NULL;

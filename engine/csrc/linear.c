@@ -67,13 +67,7 @@ typedef __m256 vf;
 static inline vf vzero(void) { return _mm256_setzero_ps(); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline __attribute__((always_inline)) vf vload(const void *p, int dtype, int64_t at) {
-    if (dtype == BF16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + at))), 16));
-#ifdef __F16C__
-    if (dtype == F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + at)));
-#endif
-    return _mm256_loadu_ps((const float *)p + at);
+    return widen8(p, dtype, at);
 }
 #define XLOAD(p) _mm256_loadu_ps(p)
 typedef __m256i vi;

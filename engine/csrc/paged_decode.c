@@ -5,8 +5,9 @@
  * its context length and first is 0 (or n - window in a sliding-window layer). Key p lies in the cache at slot
  * block_tables[i][p / block_size] * block_size + p % block_size. The query heads that share a KV head are one
  * task's `groups` rows, so each key and value is read once per KV head; tasks (sequence, KV head) run in
- * parallel. Scores are kept for the whole context (a thread's scratch), then softmaxed in float32 and used to
- * sum the values: two passes, one over the keys, one over the values, with no copy of either.
+ * parallel. The vector builds (AVX2, AVX-512) take one pass with an online softmax (`attend_vec`); the plain C
+ * build keeps the scores of the whole context (a thread's scratch), then softmaxes them in float32 and sums the
+ * values: two passes, one over the keys, one over the values, with no copy of either.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -88,12 +89,21 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
+#ifdef VECTOR
+/* The vector path of `attend` for d a multiple of the vector width VW (up to 256): one pass over the positions
+ * with an online softmax, VW positions at a time. Their keys and values are widened once per KV head into K and
+ * V; each query row's VW scores come from one vector per position reduced together (`sums`), exponentials VW
+ * at a time, and the row's output is accumulated a vector at a time over the VW values. */
 #ifdef __AVX512F__
-/* The AVX-512 path of `attend` for d a multiple of 16 (up to 256): one pass over the positions with an online
- * softmax, sixteen positions at a time. Their keys and values are widened once per KV head into K and V; each
- * query row's sixteen scores come from one vector per position reduced together (`sums16`), exponentials
- * sixteen at a time (`exp16`), and the row's output stays in registers while the sixteen values are added. */
-static inline __m512 sums16(__m512 *a) {  /* r[i] = a[i][0] + ... + a[i][15] */
+typedef __m512 vf;
+#define VW 16
+#define vwiden widen16
+#define vexp exp16
+#define vmax_of _mm512_reduce_max_ps
+#define vsum_of _mm512_reduce_add_ps
+#define vloadu _mm512_loadu_ps
+#define vstoreu _mm512_storeu_ps
+static inline vf sums(const vf *a) {  /* r[i] = a[i][0] + ... + a[i][15] */
     __m512 b[8], c[4];
     for (int i = 0; i < 8; i++)
         b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
@@ -106,64 +116,112 @@ static inline __m512 sums16(__m512 *a) {  /* r[i] = a[i][0] + ... + a[i][15] */
     const __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xdd));
     return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88), _mm512_shuffle_f32x4(e01, e23, 0xdd));
 }
+/* v's first `run` lanes, `fill` in the others */
+static inline vf first_lanes(vf v, int64_t run, float fill) {
+    return _mm512_mask_mov_ps(_mm512_set1_ps(fill), (__mmask16)((1u << run) - 1u), v);
+}
+#else
+typedef __m256 vf;
+#define VW 8
+#define vwiden widen8
+#define vexp exp8
+#define vloadu _mm256_loadu_ps
+#define vstoreu _mm256_storeu_ps
+static inline float vmax_of(vf v) {
+    __m128 q = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
+}
+static inline float vsum_of(vf v) {
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+static inline vf sums(const vf *a) {  /* r[i] = a[i][0] + ... + a[i][7] */
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+static inline vf first_lanes(vf v, int64_t run, float fill) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)run), lane));
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), v, live);
+}
+#endif
 
-static inline __attribute__((always_inline)) void attend512(
+enum { GMAX = 3 };  /* query heads whose outputs add one run of values together */
+
+/* o[g] = c[g] o[g] + sum over r < run of w[g][r] * values[r] for the `count` (<= GMAX) rows o[g] = out + g * d:
+ * every value vector loaded once for them all. */
+static inline __attribute__((always_inline)) void add_values(float *out, const float c[GMAX], const float w[GMAX][VW],
+                                                             int64_t count, const float *values, int64_t run,
+                                                             const int64_t d) {
+    for (int64_t v = 0; v < d / VW; v++) {
+        vf o0 = vloadu(out + v * VW) * c[0], o1 = o0, o2 = o0;
+        if (count > 1) o1 = vloadu(out + d + v * VW) * c[1];
+        if (count > 2) o2 = vloadu(out + 2 * d + v * VW) * c[2];
+        for (int64_t r = 0; r < run; r++) {
+            const vf value = *(const vf *)(values + r * d + v * VW);
+            o0 += w[0][r] * value;
+            if (count > 1) o1 += w[1][r] * value;
+            if (count > 2) o2 += w[2][r] * value;
+        }
+        vstoreu(out + v * VW, o0);
+        if (count > 1) vstoreu(out + d + v * VW, o1);
+        if (count > 2) vstoreu(out + 2 * d + v * VW, o2);
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_vec(
         int64_t i, int64_t h0, int64_t h1, const float *qi, const void *key_cache, const void *value_cache,
         int dtype, const int64_t *block_tables, const int64_t *context_lens, int64_t kv_heads, int64_t groups,
         const int64_t d, int64_t block_size, int64_t table_width, float scale, int64_t window, float *oi) {
-    enum { MAXV = 16 };
+    enum { MAXV = 256 / VW };
     const int64_t n = context_lens[i];
     const int64_t first = (window > 0 && n > window) ? n - window : 0;
-    const int64_t rows = (h1 - h0) * groups, width = kv_heads * d, vectors = d / 16;
+    const int64_t rows = (h1 - h0) * groups, width = kv_heads * d, vectors = d / VW;
     const int64_t *table = block_tables + i * table_width;
     float top[rows], total[rows];
     for (int64_t x = 0; x < rows; x++) top[x] = -INFINITY, total[x] = 0.0f;
     memset(oi, 0, (size_t)(rows * d) * sizeof(float));
-    float keys[16 * 256] __attribute__((aligned(64))), values[16 * 256] __attribute__((aligned(64)));
+    float keys[VW * 256] __attribute__((aligned(64))), values[VW * 256] __attribute__((aligned(64)));
     for (int64_t p = first; p < n;) {
         const int64_t offset = p % block_size;
-        const int64_t run = MIN(MIN(block_size - offset, n - p), 16);
+        const int64_t run = MIN(MIN(block_size - offset, n - p), VW);
         const int64_t slot = table[p / block_size] * block_size + offset;
         if (offset + run == block_size && p + run < n) {  /* the next block's keys and values, read next */
             prefetch_block(key_cache, table[(p + run) / block_size], block_size, width, dtype, h0, h1 - h0, d);
             prefetch_block(value_cache, table[(p + run) / block_size], block_size, width, dtype, h0, h1 - h0, d);
         }
-        const __mmask16 live = (__mmask16)((1u << run) - 1u);
         for (int64_t h = h0; h < h1; h++) {
             for (int64_t r = 0; r < run; r++)
                 for (int64_t v = 0; v < vectors; v++) {
-                    const int64_t at = (slot + r) * width + h * d + v * 16;
-                    _mm512_store_ps(keys + r * d + v * 16, widen16(key_cache, dtype, at));
-                    _mm512_store_ps(values + r * d + v * 16, widen16(value_cache, dtype, at));
+                    const int64_t at = (slot + r) * width + h * d + v * VW;
+                    *(vf *)(keys + r * d + v * VW) = vwiden(key_cache, dtype, at);
+                    *(vf *)(values + r * d + v * VW) = vwiden(value_cache, dtype, at);
                 }
+            float w[GMAX][VW] __attribute__((aligned(64))), c[GMAX];  /* the groups' weights, corrections */
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t x = (h - h0) * groups + g;
                 const float *qx = qi + x * d;
-                __m512 q[MAXV], acc[16];
-                for (int64_t v = 0; v < vectors; v++) q[v] = _mm512_loadu_ps(qx + v * 16);
-                for (int64_t r = 0; r < 16; r++) {
-                    __m512 sum = _mm512_setzero_ps();
+                vf q[MAXV], acc[VW];
+                for (int64_t v = 0; v < vectors; v++) q[v] = vloadu(qx + v * VW);
+                for (int64_t r = 0; r < VW; r++) {
+                    vf sum = (vf){0};
                     if (r < run)
-                        for (int64_t v = 0; v < vectors; v++)
-                            sum = _mm512_fmadd_ps(q[v], _mm512_load_ps(keys + r * d + v * 16), sum);
+                        for (int64_t v = 0; v < vectors; v++) sum += q[v] * *(const vf *)(keys + r * d + v * VW);
                     acc[r] = sum;
                 }
-                const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
-                                                         _mm512_mul_ps(sums16(acc), _mm512_set1_ps(scale)));
-                const float best = _mm512_reduce_max_ps(scores), shifted = best > top[x] ? best : top[x];
+                const vf scores = first_lanes(sums(acc) * scale, run, -INFINITY);
+                const float best = vmax_of(scores), shifted = best > top[x] ? best : top[x];
                 const float correction = top[x] == -INFINITY ? 0.0f : expf(top[x] - shifted);
-                const __m512 weights = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(shifted))));
-                total[x] = total[x] * correction + _mm512_reduce_add_ps(weights);
+                const vf weights = first_lanes(vexp(scores - shifted), run, 0.0f);
+                total[x] = total[x] * correction + vsum_of(weights);
                 top[x] = shifted;
-                float w[16] __attribute__((aligned(64)));
-                _mm512_store_ps(w, weights);
-                float *ox = oi + x * d;
-                for (int64_t v = 0; v < vectors; v++) {
-                    __m512 o = _mm512_mul_ps(_mm512_loadu_ps(ox + v * 16), _mm512_set1_ps(correction));
-                    for (int64_t r = 0; r < run; r++)
-                        o = _mm512_fmadd_ps(_mm512_set1_ps(w[r]), _mm512_load_ps(values + r * d + v * 16), o);
-                    _mm512_storeu_ps(ox + v * 16, o);
-                }
+                *(vf *)w[g % GMAX] = weights;
+                c[g % GMAX] = correction;
+                if (g % GMAX == GMAX - 1 || g == groups - 1)  /* each value read once for up to GMAX groups */
+                    add_values(oi + (x - g % GMAX) * d, c, w, g % GMAX + 1, values, run, d);
             }
         }
         p += run;
@@ -210,8 +268,8 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
             for (int64_t x = 0; x < rows; x++)
                 load_floats(q, q_dtype, (h0 * groups + x) * q_head_stride + token * q_token_stride, d, qi + x * d);
             switch (d) {
-#ifdef __AVX512F__
-#define CASE(D) case D: attend512(i, h0, h1, qi, key_cache, value_cache, dtype, block_tables, context_lens, \
+#ifdef VECTOR
+#define CASE(D) case D: attend_vec(i, h0, h1, qi, key_cache, value_cache, dtype, block_tables, context_lens, \
                                   kv_heads, groups, D, block_size, table_width, scale, window, oi); break;
 #else
 #define CASE(D) case D: attend(i, h0, h1, qi, key_cache, value_cache, dtype, block_tables, context_lens, \

@@ -167,15 +167,17 @@ def test_a_layer_takes_the_kernel_only_inside_its_row_range(monkeypatch):
 @pytest.mark.parametrize("name", RUNNABLE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [None, 21])
-def test_decode_attention_of_each_build_equals_the_gathered_reference(monkeypatch, name, dtype, window):
+@pytest.mark.parametrize("groups", [1, 2, 3, 7])
+def test_decode_attention_of_each_build_equals_the_gathered_reference(monkeypatch, name, dtype, window, groups):
     """Contexts from 1 key to several blocks (a block's end, a partial block, runs of sixteen and fewer),
-    grouped-query heads, a sliding window; a head size with a vector path (64) and one without (20)."""
+    grouped-query heads (as many as the vector path adds values for at once, fewer, and more: 1, 2, 3, 7), a
+    sliding window; a head size with a vector path (64) and one without (20)."""
     from engine.attention import AttentionBatch, DecodeGroup, reference_attention
     from engine.kv_cache import KVCache
 
     monkeypatch.setattr(cpu_kernel, "variant", lambda: name)
     torch.manual_seed(4)
-    block_size, kv_heads, groups = 16, 2, 3
+    block_size, kv_heads = 16, 2
     lens = [1, 15, 16, 17, 40, 70, 33, 5, 64]
     width = -(-max(lens) // block_size)
     for head_dim in (64, 20):
