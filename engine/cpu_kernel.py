@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 FOLDER = Path(__file__).with_name("csrc")
 SOURCES = [FOLDER / "paged_decode.c", FOLDER / "linear.c", FOLDER / "rms_norm.c", FOLDER / "rope_store.c",
-           FOLDER / "gelu.c"]
+           FOLDER / "gelu.c", FOLDER / "decode_layers.c"]
 HEADERS = [FOLDER / "dtypes.h"]
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
@@ -61,8 +61,33 @@ VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "avx2": (_AVX2, frozenset({"avx2", "fma", "f16c"})),
     "generic": ((), frozenset()),
 }
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernels' dtype codes (dtypes.h)
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+class ProjectionArgs(ctypes.Structure):
+    """decode_layers.c's `projection`: one weight as `linear` reads it."""
+
+    _fields_ = [("weight", _P), ("n", _I64), ("k", _I64), ("stride", _I64), ("bias", _P), ("dtype", _INT)]
+
+
+class LeanLayerArgs(ctypes.Structure):
+    """decode_layers.c's `lean_layer`: one layer's weights and KV cache."""
+
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("input_eps", _F), ("post_eps", _F),
+                ("qkv", ProjectionArgs), ("o", ProjectionArgs), ("gate_up", ProjectionArgs),
+                ("down", ProjectionArgs), ("key_cache", _P), ("value_cache", _P), ("scaling", _F)]
+
+
+class DecodeStepArgs(ctypes.Structure):
+    """decode_layers.c's `decode_step`: a step's buffers, rotary tables, attention metadata and sizes."""
+
+    _fields_ = [*((name, _P) for name in ("h", "normed", "qkv", "attended", "o", "gate_up", "down", "cos", "sin",
+                                          "slots", "query_index", "block_tables", "context_lens", "final_norm")),
+                ("final_eps", _F),
+                *((name, _I64) for name in ("tokens", "hidden", "heads", "kv_heads", "head_dim", "num_seqs",
+                                            "block_size", "table_width")),
+                *((name, _INT) for name in ("io_dtype", "cache_dtype", "mode", "num_threads"))]
+
+
 _SIGNATURES = {  # function -> argument types (every one returns an int: 0, or why it refused)
     "paged_decode_attention": [_P, _INT, _I64, _I64, _P, _P, _P, _INT, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
                                _F, _I64, _P, _INT],
@@ -71,6 +96,7 @@ _SIGNATURES = {  # function -> argument types (every one returns an int: 0, or w
     "add_rms_norm": [_P, _P, _INT, _I64, _I64, _P, _INT, _F, _P, _INT],
     "rope_store": [_P, _INT, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _INT, _INT],
     "gelu_tanh": [_P, _INT, _I64, _INT],
+    "decode_layers": [ctypes.POINTER(DecodeStepArgs), ctypes.POINTER(LeanLayerArgs), _I64],
 }
 
 
@@ -192,7 +218,7 @@ def paged_decode_attention(
     blocks `block_tables[i]` of the [slots, kv_heads, d] caches, and its output goes to out[query_index[i]]
     ([tokens, heads, d], contiguous, q's dtype). Integer tensors are int64 and contiguous."""
     lib = _lib()
-    if key_cache.dtype not in _DTYPES or key_cache.dtype != value_cache.dtype or q.dtype not in _DTYPES:
+    if key_cache.dtype not in DTYPE_CODES or key_cache.dtype != value_cache.dtype or q.dtype not in DTYPE_CODES:
         raise ValueError(f"the CPU decode kernel reads float32, bfloat16 or float16 tensors, got cache "
                          f"{key_cache.dtype} and queries {q.dtype}")
     heads, _, d = q.shape
@@ -203,8 +229,8 @@ def paged_decode_attention(
     if out.dtype != q.dtype or not out.is_contiguous() or q.stride(2) != 1:
         raise ValueError("the output must be contiguous in q's dtype, and q's rows contiguous")
     failed = lib.paged_decode_attention(
-        q.data_ptr(), _DTYPES[q.dtype], q.stride(0), q.stride(1), query_index.data_ptr(), key_cache.data_ptr(),
-        value_cache.data_ptr(), _DTYPES[key_cache.dtype], block_tables.data_ptr(), context_lens.data_ptr(),
+        q.data_ptr(), DTYPE_CODES[q.dtype], q.stride(0), q.stride(1), query_index.data_ptr(), key_cache.data_ptr(),
+        value_cache.data_ptr(), DTYPE_CODES[key_cache.dtype], block_tables.data_ptr(), context_lens.data_ptr(),
         query_index.shape[0], kv_heads, heads // kv_heads, d, block_size, block_tables.shape[1], float(scale),
         int(window or 0), out.data_ptr(), torch.get_num_threads(),
     )
@@ -215,7 +241,7 @@ def paged_decode_attention(
 
 
 def _check_weight(weight: torch.Tensor) -> None:
-    if weight.dtype not in _DTYPES or weight.dim() != 2 or weight.stride(1) != 1 or weight.device.type != "cpu":
+    if weight.dtype not in DTYPE_CODES or weight.dim() != 2 or weight.stride(1) != 1 or weight.device.type != "cpu":
         raise ValueError(f"the Linear kernel reads a 2-d CPU float32, bfloat16 or float16 weight with contiguous "
                          f"rows, got {weight.dtype} {tuple(weight.shape)} strides {weight.stride()} on "
                          f"{weight.device}")
@@ -227,7 +253,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (engine/csrc/linear.c). With `glu`, weight is [gate; up] and the result SiLU(x gate^T) * (x up^T), [..., n/2].
     `out`, when given, receives the result (contiguous, x's dtype)."""
     _check_weight(weight)
-    if x.dtype not in _DTYPES or x.shape[-1] != weight.shape[1]:
+    if x.dtype not in DTYPE_CODES or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"input {x.dtype} {tuple(x.shape)} does not fit a [{weight.shape[0]}, {weight.shape[1]}] "
                          "weight")
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
@@ -251,12 +277,36 @@ def _run_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: t
     if out is None:
         out = torch.empty(*x.shape[:-1], width, dtype=x.dtype)
     widen = (products or bf16_products(lib)) == "widen"
-    if lib.linear(rows.data_ptr(), _DTYPES[x.dtype], rows.shape[0], k, weight.data_ptr(), _DTYPES[weight.dtype],
+    if lib.linear(rows.data_ptr(), DTYPE_CODES[x.dtype], rows.shape[0], k, weight.data_ptr(), DTYPE_CODES[weight.dtype],
                   weight.stride(0), n, None if bias is None else bias.data_ptr(),
                   (_MODE_GLU if glu else 0) | (_PRODUCTS_WIDEN if widen else 0), out.data_ptr(),
                   torch.get_num_threads()):
         raise MemoryError(f"the Linear kernel could not allocate its buffer ({rows.shape[0]} x {k} floats)")
     return out
+
+
+def projection_args(weight: torch.Tensor, bias: torch.Tensor | None) -> ProjectionArgs:
+    """A layer's own weight (checked) and float32 bias as decode_layers.c reads them."""
+    _check_weight(weight)
+    return ProjectionArgs(weight.data_ptr(), weight.shape[0], weight.shape[1], weight.stride(0),
+                          None if bias is None else bias.data_ptr(), DTYPE_CODES[weight.dtype])
+
+
+def decode_layers(step: DecodeStepArgs, layers: ctypes.Array) -> None:
+    """Every lean decoder layer of a decode step, then the final norm, in one call (engine/csrc/decode_layers.c;
+    engine/lean_layers.py fills `step` and `layers`, whose tensors it checked): the layer-by-layer kernels'
+    results, bit for bit."""
+    lib = _lib()
+    step.mode = _PRODUCTS_WIDEN if bf16_products(lib) == "widen" else 0
+    step.num_threads = torch.get_num_threads()
+    failed = lib.decode_layers(ctypes.byref(step), layers, len(layers))
+    if failed:
+        layer, code = divmod(failed, 10)
+        what = f"layer {layer - 1} of {len(layers)}" if layer <= len(layers) else "the final norm"
+        lens = ctypes.cast(step.context_lens, ctypes.POINTER(ctypes.c_int64))[:step.num_seqs]
+        why = (f"context lengths {lens} past the block tables' {step.table_width} x {step.block_size} positions"
+               if code == 1 else "out of memory")
+        raise ValueError(f"decode_layers: a kernel of {what} refused its inputs: {why}")
 
 
 # The builds with AVX-512's bfloat16 dot products: those compiled for them.
@@ -294,10 +344,10 @@ def bf16_products(lib: ctypes.CDLL) -> str:
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """x (contiguous, float32, bfloat16 or float16, on the CPU) replaced in place by GELU's tanh approximation
     (transformers' "gelu_pytorch_tanh"), computed in float32; returns x."""
-    if x.dtype not in _DTYPES or not x.is_contiguous() or x.device.type != "cpu":
+    if x.dtype not in DTYPE_CODES or not x.is_contiguous() or x.device.type != "cpu":
         raise ValueError(f"gelu_tanh takes a contiguous CPU float32, bfloat16 or float16 tensor, got {x.dtype} "
                          f"{tuple(x.shape)} on {x.device} (contiguous: {x.is_contiguous()})")
-    if _lib().gelu_tanh(x.data_ptr(), _DTYPES[x.dtype], x.numel(), torch.get_num_threads()):
+    if _lib().gelu_tanh(x.data_ptr(), DTYPE_CODES[x.dtype], x.numel(), torch.get_num_threads()):
         raise MemoryError("gelu_tanh could not allocate its buffer")
     return x
 
@@ -413,8 +463,8 @@ class KernelLinear(torch.nn.Linear):
         # A decode step calls this some 200 times: only what the call needs (the weight was checked once).
         width = x.shape[-1]  # a wrong width goes to F.linear, which says so
         low, high = self.rows
-        if (width == self.in_features and low * width <= x.numel() <= high * width and x.dtype in _DTYPES
-                and x.device.type == "cpu" and self.weight.dtype in _DTYPES):
+        if (width == self.in_features and low * width <= x.numel() <= high * width and x.dtype in DTYPE_CODES
+                and x.device.type == "cpu" and self.weight.dtype in DTYPE_CODES):
             if torch.compiler.is_compiling():  # an opaque operator in the graph (engine/compiled.py)
                 return torch.ops.vlmcap.linear(x, self.weight, self.bias32)
             return _run_linear(load_variant(variant()), x, self.weight, self.bias32, False)
@@ -430,7 +480,7 @@ class KernelPatchConv(torch.nn.Conv2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kh, kw = self.kernel_size
-        if x.dim() != 4 or x.shape[1] != self.in_channels or x.dtype not in _DTYPES or x.device.type != "cpu":
+        if x.dim() != 4 or x.shape[1] != self.in_channels or x.dtype not in DTYPE_CODES or x.device.type != "cpu":
             return super().forward(x)
         batch, channels, height, width = x.shape
         rows_h, rows_w = (height - kh) // kh + 1, (width - kw) // kw + 1
@@ -457,7 +507,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm's forward (engine/csrc/rms_norm.c): x / sqrt(mean(x^2) + eps) in float32, rounded to x's
     dtype, times `weight` (of x's dtype) and rounded again."""
     lib = _lib()
-    if x.dtype not in _DTYPES or weight.dtype != x.dtype or weight.shape != x.shape[-1:] or x.device.type != "cpu":
+    if x.dtype not in DTYPE_CODES or weight.dtype != x.dtype or weight.shape != x.shape[-1:] or x.device.type != "cpu":
         raise ValueError(f"rms_norm takes a CPU float32, bfloat16 or float16 input and a weight of its last "
                          f"dimension and dtype, got {x.dtype} {tuple(x.shape)} and {weight.dtype} "
                          f"{tuple(weight.shape)}")
@@ -468,7 +518,7 @@ def _run_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: floa
     dim = x.shape[-1]
     rows = x.reshape(-1, dim).contiguous()
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    code = _DTYPES[x.dtype]
+    code = DTYPE_CODES[x.dtype]
     if lib.rms_norm(rows.data_ptr(), code, rows.shape[0], dim, weight.data_ptr(), code, eps, out.data_ptr(),
                     torch.get_num_threads()):
         raise MemoryError(f"rms_norm could not allocate its buffer ({dim} floats a thread)")
@@ -486,7 +536,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
                                                              and delta.dtype == h.dtype))):
         raise ValueError(f"add_rms_norm takes contiguous [rows, {dim}] tensors and weight of one dtype, got "
                          f"{h.dtype} {tuple(h.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
-    code = _DTYPES[h.dtype]
+    code = DTYPE_CODES[h.dtype]
     if lib.add_rms_norm(h.data_ptr(), None if delta is None else delta.data_ptr(), code, rows, dim,
                         weight.data_ptr(), code, eps, out.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"add_rms_norm could not allocate its buffer ({dim} floats a thread)")
@@ -503,14 +553,14 @@ def rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int, co
             and sin.shape == cos.shape and cos.is_contiguous() and sin.is_contiguous() and cos.dtype == qkv.dtype
             and sin.dtype == qkv.dtype and slots.dtype == torch.int64 and slots.is_contiguous()
             and slots.shape == (tokens,) and key_cache.is_contiguous() and value_cache.is_contiguous()
-            and key_cache.dtype == value_cache.dtype and key_cache.dtype in _DTYPES
+            and key_cache.dtype == value_cache.dtype and key_cache.dtype in DTYPE_CODES
             and key_cache.shape[1:] == (kv_heads, head_dim)):
         raise ValueError(f"rope_store got qkv {tuple(qkv.shape)} {qkv.dtype}, cos {tuple(cos.shape)} {cos.dtype}, "
                          f"slots {tuple(slots.shape)} {slots.dtype}, cache {tuple(key_cache.shape)} "
                          f"{key_cache.dtype} for {q_heads}/{kv_heads} heads of {head_dim}")
-    if lib.rope_store(qkv.data_ptr(), _DTYPES[qkv.dtype], tokens, width, q_heads, kv_heads, head_dim,
+    if lib.rope_store(qkv.data_ptr(), DTYPE_CODES[qkv.dtype], tokens, width, q_heads, kv_heads, head_dim,
                       cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                      _DTYPES[key_cache.dtype], torch.get_num_threads()):
+                      DTYPE_CODES[key_cache.dtype], torch.get_num_threads()):
         raise MemoryError(f"rope_store could not allocate its buffer ({4 * head_dim} floats a thread)")
 
 
@@ -563,7 +613,7 @@ class KernelRMSNorm(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight, dtype = self.weight, hidden_states.dtype
-        if (hidden_states.device.type == "cpu" and dtype is weight.dtype and dtype in _DTYPES
+        if (hidden_states.device.type == "cpu" and dtype is weight.dtype and dtype in DTYPE_CODES
                 and not torch.compiler.is_compiling()):
             return _run_norm(load_variant(variant()), hidden_states, weight, self.variance_epsilon)
         variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)

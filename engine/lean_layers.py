@@ -15,10 +15,16 @@ each layer is fused into the next norm. A step's buffers are made once per step 
 the rotary embedding's cos and sin come from the model's own module, M-RoPE sections included. Layers that do
 not fit run stock, on the same residual stream. Attention is the engine's own (engine/attention.py), so the
 results are those of the stock layers: tests compare greedy tokens with both and with transformers' generate.
+
+A step of decodes only (the steady state of every chat) runs all the layers and the final norm in one C call
+(engine/csrc/decode_layers.c): the same kernels in the same order on the same buffers, so the same bits, without
+the Python between 8 kernels a layer (`LeanTextModel.one_call`; a step with a prefill chunk, or rows past a
+projection's kernel range, goes layer by layer).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 
@@ -141,6 +147,15 @@ class LeanTextModel:
         norm = text_model.norm
         self.final_norm = (norm.weight, float(norm.variance_epsilon)) if cpu_kernel.is_llama_norm(type(norm)) else None
         self.count = sum(layer is not None for layer in self.layers)
+        self.one_call = True  # decode steps through cpu_kernel.decode_layers (False: a call per kernel)
+        self._projections = self.projections()
+        self._args: tuple[object, ctypes.Array | None] | None = None  # (KV cache, its layers' arguments)
+        self._step: cpu_kernel.DecodeStepArgs | None = None  # refilled every step that runs in one call
+
+    def __getstate__(self) -> dict:
+        """A copy (copy.deepcopy of the adapter) leaves the one call's arguments behind: they point at this
+        object's weights and cache; the copy makes its own."""
+        return {**self.__dict__, "_args": None, "_step": None}
 
     @staticmethod
     def applies(text_model: torch.nn.Module) -> bool:
@@ -151,6 +166,44 @@ class LeanTextModel:
 
     def projections(self) -> list[Projection]:
         return [p for layer in self.layers if layer is not None for p in layer.projections()]
+
+    def _layer_args(self, batch: AttentionBatch) -> ctypes.Array | None:
+        """Every layer's weights and KV cache as one C call reads them (cpu_kernel.decode_layers), made once per
+        KV cache; None where a layer runs stock, the layers differ in MLP width or the model's last norm is not
+        Llama's."""
+        cache = batch.kv_cache
+        if self._args is not None and self._args[0] is cache:
+            return self._args[1]
+        args = None
+        widths = {layer.intermediate for layer in self.layers if layer is not None}
+        norms = [norm for layer in self.layers if layer is not None for norm in (layer.input_norm, layer.post_norm)]
+        norms += [self.final_norm] if self.final_norm is not None else []
+        norm_dtypes = {weight.dtype for weight, _ in norms}
+        if self.count == len(self.layers) and self.final_norm is not None and len(widths) == 1:
+            if len(norm_dtypes) != 1 or not all(weight.is_contiguous() for weight, _ in norms):
+                raise ValueError(f"the lean layers' norm weights must be contiguous, of one dtype, got {norm_dtypes}")
+            args = (cpu_kernel.LeanLayerArgs * self.count)()
+            for index, layer in enumerate(self.layers):
+                key_cache, value_cache = cache.keys[index], cache.values[index]
+                if not (key_cache.is_contiguous() and value_cache.is_contiguous()
+                        and key_cache.shape[1:] == (self.kv_heads, self.head_dim)):
+                    raise ValueError(f"layer {index}'s KV cache {tuple(key_cache.shape)} is not contiguous "
+                                     f"[slots, {self.kv_heads}, {self.head_dim}]")
+                args[index] = cpu_kernel.LeanLayerArgs(
+                    layer.input_norm[0].data_ptr(), layer.post_norm[0].data_ptr(), layer.input_norm[1],
+                    layer.post_norm[1], *(cpu_kernel.projection_args(p.weight, p.bias32) for p in layer.projections()),
+                    key_cache.data_ptr(), value_cache.data_ptr(), layer.scaling)
+        self._args = (cache, args)
+        return args
+
+    def _in_one_call(self, batch: AttentionBatch, tokens: int) -> ctypes.Array | None:
+        """The layers' arguments where this step runs them in one C call (`one_call`, a step of decodes only,
+        in one group read by the CPU's decode kernel, every projection's kernel rows including `tokens`)."""
+        if not self.one_call or batch.prefills or len(batch.decodes) != 1 or batch.decodes[0].context_lens is None:
+            return None
+        if not all(p.rows[0] <= tokens <= p.rows[1] for p in self._projections):
+            return None
+        return self._layer_args(batch)
 
     def measure(self) -> dict[str, tuple[int, int]]:
         """Each projection's `rows` measured here (cpu_kernel.measure_row_range), one per shape."""
@@ -171,6 +224,11 @@ class LeanTextModel:
         queries = qkv[:, :q_width].view(tokens, self.heads, self.head_dim).transpose(0, 1)  # [heads, T, d]
         attended_rows = attended.view(tokens, q_width)
         gate_up = None
+        layer_args = self._in_one_call(batch, tokens)
+        if layer_args is not None:
+            gate_up = new(tokens, self.layers[0].intermediate)
+            self._run_in_one_call(layer_args, batch, h, (normed, qkv, attended, o, gate_up, down), cos, sin)
+            return normed
         pending: torch.Tensor | None = None  # the last layer's output, not yet added to h
         keys, values = batch.kv_cache.keys, batch.kv_cache.values
         for index, layer in enumerate(self.layers):
@@ -200,3 +258,33 @@ class LeanTextModel:
             return self.text_model.norm(h)
         cpu_kernel.add_rms_norm(h, pending, *self.final_norm, normed)
         return normed
+
+    def _run_in_one_call(self, layer_args: ctypes.Array, batch: AttentionBatch, h: torch.Tensor,
+                         buffers: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """forward's layers and final norm in one C call: h and the buffers (normed, qkv, attended, o, gate_up,
+        down) as forward made them, the step's attention metadata checked as each kernel's wrapper checks it."""
+        if self._step is None:
+            self._step = cpu_kernel.DecodeStepArgs()
+        group, step, cache = batch.decodes[0], self._step, batch.kv_cache.keys[0]
+        metadata = (batch.slot_mapping, group.query_index, group.block_tables, group.context_lens)
+        if not all(t.dtype == torch.int64 and t.is_contiguous() for t in metadata):
+            raise ValueError(f"the decode step's slots, query index, block tables and context lengths must be "
+                             f"contiguous int64, got {[t.dtype for t in metadata]}")
+        tokens, hidden = h.shape
+        norm_dtype = self.final_norm[0].dtype
+        codes = cpu_kernel.DTYPE_CODES
+        if cache.dtype not in codes or h.dtype not in codes or not h.dtype == cos.dtype == sin.dtype == norm_dtype:
+            raise ValueError(f"one call runs the layers on hidden states, rotary tables and norm weights of one "
+                             f"dtype and a float32, bfloat16 or float16 cache, got {h.dtype}, {cos.dtype}, "
+                             f"{norm_dtype} and {cache.dtype}")
+        step.h, step.normed, step.qkv, step.attended, step.o, step.gate_up, step.down = (
+            t.data_ptr() for t in (h, *buffers))
+        step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
+        step.slots, step.query_index, step.block_tables, step.context_lens = (t.data_ptr() for t in metadata)
+        step.final_norm, step.final_eps = self.final_norm[0].data_ptr(), self.final_norm[1]
+        step.tokens, step.hidden, step.heads, step.kv_heads, step.head_dim = (
+            tokens, hidden, self.heads, self.kv_heads, self.head_dim)
+        step.num_seqs, step.block_size, step.table_width = (
+            group.query_index.shape[0], batch.kv_cache.block_size, group.block_tables.shape[1])
+        step.io_dtype, step.cache_dtype = cpu_kernel.DTYPE_CODES[h.dtype], cpu_kernel.DTYPE_CODES[cache.dtype]
+        cpu_kernel.decode_layers(step, layer_args)

@@ -3,6 +3,8 @@ transformers' own weights held once; greedy tokens equal `generate` whichever mu
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -110,3 +112,69 @@ def test_a_decode_step_is_a_few_operators_a_layer():
     assert engine.adapter.num_layers == 30
     assert counts[0] <= 400
     assert counts[ALWAYS_KERNEL] <= 100, counts
+
+
+def _decode_outputs(engine: Engine, one_call: bool, calls: list[int], monkeypatch) -> list[torch.Tensor]:
+    """The text model's outputs of every step of 4 requests (steps of decodes only in one call or not)."""
+    from engine import cpu_kernel
+
+    engine.adapter.lean.one_call = one_call
+    run = cpu_kernel.decode_layers
+    monkeypatch.setattr(cpu_kernel, "decode_layers", lambda *a: (calls.append(1), run(*a)))
+    forward, seen = engine.adapter.forward_text, []
+
+    def recorded(embeds, positions, batch):
+        out = forward(embeds, positions, batch)
+        seen.append(out.clone())
+        return out
+
+    engine.adapter.forward_text = recorded
+    for i in range(4):
+        engine.add_request(prompt=f"camera {i} sees a person " * (3 + i), sampling=SamplingParams(max_tokens=6))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return seen
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["smolvlm", "tiny-qwen2-vl"])
+def test_a_decode_step_in_one_call_is_the_layer_by_layer_path_bit_for_bit(checkpoint, families, monkeypatch, dtype,
+                                                                          name):
+    """engine/csrc/decode_layers.c runs the same kernels in the same order: the same bits as a call per kernel
+    (Qwen2-VL: M-RoPE's tables and q/k/v biases), and it is what ran the decode steps."""
+    outputs, calls = {}, {}
+    for one_call in (True, False):
+        calls[one_call] = []
+        config = dict(dtype=dtype, lean_layers=True, cpu_linear_rows=ALWAYS_KERNEL, max_num_seqs=4)
+        model = checkpoint if name == "smolvlm" else families(name).checkpoint
+        engine = Engine(EngineConfig(model=model, device=DEVICE, **config))
+        outputs[one_call] = _decode_outputs(engine, one_call, calls[one_call], monkeypatch)
+    assert len(calls[True]) >= 5 and not calls[False]
+    assert len(outputs[True]) == len(outputs[False])
+    for step, (one, each) in enumerate(zip(outputs[True], outputs[False])):
+        assert torch.equal(one, each), f"step {step}"
+
+
+def test_one_call_names_the_layer_whose_kernel_refused(checkpoint, caplog):
+    """A context past its block table fails the step with the layer and the lengths in the log, ends the
+    requests it carried, and the engine serves the next ones."""
+    engine = Engine(EngineConfig(model=checkpoint, device=DEVICE, lean_layers=True, cpu_linear_rows=ALWAYS_KERNEL))
+    engine.add_request(prompt="a person at the door " * 4, sampling=SamplingParams(max_tokens=8))
+    while not engine.scheduler.running or engine.scheduler.running[0].num_computed_tokens < \
+            engine.scheduler.running[0].num_prompt_tokens:
+        engine.step()
+    lean, run = engine.adapter.lean, engine.adapter.lean._run_in_one_call
+
+    def too_long(layer_args, batch, *rest):
+        batch.decodes[0].context_lens.fill_(batch.decodes[0].block_tables.shape[1] * batch.kv_cache.block_size + 1)
+        return run(layer_args, batch, *rest)
+
+    lean._run_in_one_call = too_long
+    [output] = engine.step()
+    assert output.finished and output.finish_reason == "error" and engine.num_step_failures == 1
+    assert re.search(r"layer 0 of \d+ refused .*context lengths \[\d+\] past the block tables", caplog.text)
+    lean._run_in_one_call = run
+    request = engine.add_request(prompt="a person at the door", sampling=SamplingParams(max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(engine.requests) == 0 and engine.num_step_failures == 1, request
