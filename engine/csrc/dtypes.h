@@ -67,21 +67,29 @@ static inline float rounded(float v, int dtype) {
     return v;
 }
 
+#ifdef VECTOR
+/* e^x to about a float's precision, a vector at a time (P: the intrinsics' prefix, _mm512 or _mm256): 2^n e^r,
+ * |r| <= ln 2 / 2, e^r by a polynomial into p (below -87: e^-87); ROUND rounds to the nearest integer. The caller
+ * then scales p by 2^n. */
+#define EXP_POLYNOMIAL(P, V, ROUND) \
+    x = P##_max_ps(x, P##_set1_ps(-87.0f)); \
+    const V n = ROUND(P##_mul_ps(x, P##_set1_ps(1.44269504088896341f)), \
+                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); \
+    V r = P##_fnmadd_ps(n, P##_set1_ps(0.693145751953125f), x); \
+    r = P##_fnmadd_ps(n, P##_set1_ps(1.428606765330187045e-06f), r); \
+    V p = P##_set1_ps(1.9875691500e-4f); \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.3981999507e-3f)); \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(8.3334519073e-3f)); \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(4.1665795894e-2f)); \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.6666665459e-1f)); \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(5.0000001201e-1f)); \
+    p = P##_fmadd_ps(p, P##_mul_ps(r, r), P##_add_ps(r, P##_set1_ps(1.0f)));
+#endif
+
 #ifdef __AVX512F__
-/* e^x, 16 at a time, to about a float's precision: 2^n e^r, |r| <= ln 2 / 2 (below -87: e^-87). */
+/* e^x, 16 at a time (EXP_POLYNOMIAL). */
 static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    EXP_POLYNOMIAL(_mm512, __m512, _mm512_roundscale_ps)
     return _mm512_scalef_ps(p, n);
 }
 
@@ -96,21 +104,10 @@ static inline __attribute__((always_inline)) __m512 widen16(const void *p, int d
 #endif
 
 #if defined(VECTOR) && !defined(__AVX512F__)
-/* e^x, 8 at a time, as exp16 computes it (2^n built in the exponent bits: n stays within [-126, 0] for x <= 0,
- * the softmax's range). */
+/* e^x, 8 at a time (EXP_POLYNOMIAL; 2^n built in the exponent bits: n stays within [-126, 0] for x <= 0, the
+ * softmax's range). */
 static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    EXP_POLYNOMIAL(_mm256, __m256, _mm256_round_ps)
     const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
