@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 FOLDER = Path(__file__).with_name("csrc")
 SOURCES = [FOLDER / "paged_decode.c", FOLDER / "linear.c", FOLDER / "rms_norm.c", FOLDER / "rope_store.c",
            FOLDER / "gelu.c", FOLDER / "decode_layers.c"]
-HEADERS = [FOLDER / "dtypes.h"]
+HEADERS = [FOLDER / "dtypes.h", FOLDER / "kernels.h"]
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
@@ -263,7 +263,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _run_linear(_lib(), x, weight, bias, glu, out)
 
 
-_MODE_GLU, _PRODUCTS_WIDEN = 1, 2  # linear.c's `mode` bits
+_MODE_GLU, _PRODUCTS_WIDEN = 1, 2  # kernels.h's `mode` bits of linear()
 PRODUCTS = ("dot", "widen")  # bfloat16 products: vdpbf16ps, or float32 FMAs on widened weights
 
 
@@ -276,13 +276,17 @@ def _run_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: t
     width = n // 2 if glu else n
     if out is None:
         out = torch.empty(*x.shape[:-1], width, dtype=x.dtype)
-    widen = (products or bf16_products(lib)) == "widen"
     if lib.linear(rows.data_ptr(), DTYPE_CODES[x.dtype], rows.shape[0], k, weight.data_ptr(), DTYPE_CODES[weight.dtype],
                   weight.stride(0), n, None if bias is None else bias.data_ptr(),
-                  (_MODE_GLU if glu else 0) | (_PRODUCTS_WIDEN if widen else 0), out.data_ptr(),
+                  (_MODE_GLU if glu else 0) | products_mode(lib, products), out.data_ptr(),
                   torch.get_num_threads()):
         raise MemoryError(f"the Linear kernel could not allocate its buffer ({rows.shape[0]} x {k} floats)")
     return out
+
+
+def products_mode(lib: ctypes.CDLL, products: str | None = None) -> int:
+    """linear()'s `mode` bit for bfloat16 products as `products` says (None: `bf16_products(lib)`)."""
+    return _PRODUCTS_WIDEN if (products or bf16_products(lib)) == "widen" else 0
 
 
 def projection_args(weight: torch.Tensor, bias: torch.Tensor | None) -> ProjectionArgs:
@@ -297,7 +301,7 @@ def decode_layers(step: DecodeStepArgs, layers: ctypes.Array) -> None:
     engine/lean_layers.py fills `step` and `layers`, whose tensors it checked): the layer-by-layer kernels'
     results, bit for bit."""
     lib = _lib()
-    step.mode = _PRODUCTS_WIDEN if bf16_products(lib) == "widen" else 0
+    step.mode = products_mode(lib)
     step.num_threads = torch.get_num_threads()
     failed = lib.decode_layers(ctypes.byref(step), layers, len(layers))
     if failed:

@@ -149,7 +149,8 @@ class LeanTextModel:
         self.count = sum(layer is not None for layer in self.layers)
         self.one_call = True  # decode steps through cpu_kernel.decode_layers (False: a call per kernel)
         self._projections = self.projections()
-        self._args: tuple[object, ctypes.Array | None] | None = None  # (KV cache, its layers' arguments)
+        # (KV cache, its layers' arguments, the rows every projection's kernel takes)
+        self._args: tuple[object, ctypes.Array | None, tuple[int, int]] | None = None
         self._step: cpu_kernel.DecodeStepArgs | None = None  # refilled every step that runs in one call
 
     def __getstate__(self) -> dict:
@@ -167,13 +168,13 @@ class LeanTextModel:
     def projections(self) -> list[Projection]:
         return [p for layer in self.layers if layer is not None for p in layer.projections()]
 
-    def _layer_args(self, batch: AttentionBatch) -> ctypes.Array | None:
-        """Every layer's weights and KV cache as one C call reads them (cpu_kernel.decode_layers), made once per
-        KV cache; None where a layer runs stock, the layers differ in MLP width or the model's last norm is not
-        Llama's."""
+    def _layer_args(self, batch: AttentionBatch) -> tuple[ctypes.Array | None, tuple[int, int]]:
+        """Every layer's weights and KV cache as one C call reads them (cpu_kernel.decode_layers), and the row
+        counts every projection's kernel takes (their ranges, measured at start-up), made once per KV cache; None
+        where a layer runs stock, the layers differ in MLP width or the model's last norm is not Llama's."""
         cache = batch.kv_cache
         if self._args is not None and self._args[0] is cache:
-            return self._args[1]
+            return self._args[1:]
         args = None
         widths = {layer.intermediate for layer in self.layers if layer is not None}
         norms = [norm for layer in self.layers if layer is not None for norm in (layer.input_norm, layer.post_norm)]
@@ -193,17 +194,17 @@ class LeanTextModel:
                     layer.input_norm[0].data_ptr(), layer.post_norm[0].data_ptr(), layer.input_norm[1],
                     layer.post_norm[1], *(cpu_kernel.projection_args(p.weight, p.bias32) for p in layer.projections()),
                     key_cache.data_ptr(), value_cache.data_ptr(), layer.scaling)
-        self._args = (cache, args)
-        return args
+        rows = (max(p.rows[0] for p in self._projections), min(p.rows[1] for p in self._projections))
+        self._args = (cache, args, rows)
+        return args, rows
 
     def _in_one_call(self, batch: AttentionBatch, tokens: int) -> ctypes.Array | None:
         """The layers' arguments where this step runs them in one C call (`one_call`, a step of decodes only,
         in one group read by the CPU's decode kernel, every projection's kernel rows including `tokens`)."""
         if not self.one_call or batch.prefills or len(batch.decodes) != 1 or batch.decodes[0].context_lens is None:
             return None
-        if not all(p.rows[0] <= tokens <= p.rows[1] for p in self._projections):
-            return None
-        return self._layer_args(batch)
+        args, (low, high) = self._layer_args(batch)
+        return args if low <= tokens <= high else None
 
     def measure(self) -> dict[str, tuple[int, int]]:
         """Each projection's `rows` measured here (cpu_kernel.measure_row_range), one per shape."""
@@ -221,14 +222,14 @@ class LeanTextModel:
         new = embeds.new_empty
         normed, o, down = new(tokens, hidden), new(tokens, hidden), new(tokens, hidden)
         qkv, attended = new(tokens, q_width + 2 * kv_width), new(tokens, self.heads, self.head_dim)
-        queries = qkv[:, :q_width].view(tokens, self.heads, self.head_dim).transpose(0, 1)  # [heads, T, d]
-        attended_rows = attended.view(tokens, q_width)
-        gate_up = None
         layer_args = self._in_one_call(batch, tokens)
         if layer_args is not None:
             gate_up = new(tokens, self.layers[0].intermediate)
             self._run_in_one_call(layer_args, batch, h, (normed, qkv, attended, o, gate_up, down), cos, sin)
             return normed
+        queries = qkv[:, :q_width].view(tokens, self.heads, self.head_dim).transpose(0, 1)  # [heads, T, d]
+        attended_rows = attended.view(tokens, q_width)
+        gate_up = None
         pending: torch.Tensor | None = None  # the last layer's output, not yet added to h
         keys, values = batch.kv_cache.keys, batch.kv_cache.values
         for index, layer in enumerate(self.layers):

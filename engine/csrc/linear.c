@@ -28,10 +28,9 @@
 #endif
 
 #include "dtypes.h"
+#include "kernels.h"
 
 #define RW 4   /* weight rows per block */
-#define MODE_GLU 1        /* `mode` bits of linear(): act(x W_g^T) * (x W_u^T) */
-#define PRODUCTS_WIDEN 2  /* bfloat16 products by float32 FMAs even where the build has vdpbf16ps */
 #define MC 48  /* rows of x per pass over the weights */
 #define NB 8   /* blocks per task: 32 output columns (16 in glu mode), finished together */
 

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 
 #include "dtypes.h"
+#include "kernels.h"
 
 /* Row `offset` of the cache as float32: in place for a float32 cache, else converted into `dst`. */
 static inline const float *row_as_float(const void *cache, int dtype, int64_t offset, int64_t d, float *dst) {

@@ -14,6 +14,7 @@
 #endif
 
 #include "dtypes.h"
+#include "kernels.h"
 
 #define PARALLEL_ROWS 32 /* fewer rows than this run on the calling thread */
 

@@ -13,6 +13,7 @@
 #endif
 
 #include "dtypes.h"
+#include "kernels.h"
 
 /* One head's d values x (float32), rotated into `out`. */
 static inline void rotate(const float *x, const float *c, const float *s, int64_t d, int dtype, float *out) {
