@@ -15,7 +15,7 @@ import threading
 import typer
 
 from bench.configs import SAMPLE_VIDEO
-from cli.options import PORT, stop_on_sigterm, terminated
+from cli.options import PORT, run_until_signalled, stop_on_sigterm
 
 HUB_MODEL = "HuggingFaceTB/SmolVLM-256M-Instruct"
 CAMERA = "sample-cam"
@@ -61,27 +61,29 @@ def choose_detector(detector: str | None) -> str:
 
 
 async def _print_captions(redis_url: str, pipeline_done: threading.Event, timeout_s: float | None,
-                          printed: list[int]) -> None:
+                          printed: list[int], stop: asyncio.Event) -> None:
     """Print each finished caption of the demo camera as it arrives, counting them in `printed[0]`; return
-    when the camera is done and every job has its caption (never, while the camera loops)."""
+    when `stop` is set (Ctrl-C, SIGTERM), or when the camera is done and every job has its caption (never,
+    while the camera loops)."""
     from jobqueue.connection import connect
     from jobqueue.contract import camera_captions_stream
     from jobqueue.results import queue_stats, tail_captions
 
     redis = connect(redis_url)
     arrived: asyncio.Queue = asyncio.Queue()
+    ended = asyncio.Event()  # the follower's own stop: it ends within a second, nothing is cancelled
 
     async def follow() -> None:
-        async for _, result in tail_captions(redis, camera=CAMERA, after="0-0", block_seconds=1.0):
+        async for _, result in tail_captions(redis, camera=CAMERA, after="0-0", block_seconds=1.0, stop=ended):
             await arrived.put(result)
 
     follower = asyncio.create_task(follow())
     try:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s if timeout_s is not None else float("inf")
-        while loop.time() < deadline:
-            if terminated():  # SIGTERM's KeyboardInterrupt can be lost (cli/options.py `stop_on_sigterm`)
-                raise KeyboardInterrupt
+        while not stop.is_set():
+            if loop.time() >= deadline:
+                raise TimeoutError(f"captions were still arriving after {timeout_s:.0f} s")
             try:
                 result = await asyncio.wait_for(arrived.get(), timeout=1.0)
             except asyncio.TimeoutError:
@@ -101,9 +103,8 @@ async def _print_captions(redis_url: str, pipeline_done: threading.Event, timeou
                 print(f"caption camera={result.camera_id} t={result.frame_ts:.1f}s persons={result.person_count}"
                       f"{' fall' if result.fall else ''}: {(text or '').strip()!r}", flush=True)
             printed[0] += 1
-        raise TimeoutError(f"captions were still arriving after {timeout_s:.0f} s")
     finally:
-        follower.cancel()
+        ended.set()
         await asyncio.gather(follower, return_exceptions=True)
         await redis.aclose()
 
@@ -151,8 +152,11 @@ def run_demo(model: str | None, detector: str | None, source: str | None, timeou
             thread.start()
             printed = [0]
             try:
-                asyncio.run(_print_captions(redis.url, done, timeout_s if once else None, printed))
-            except KeyboardInterrupt:
+                _, signalled = run_until_signalled(
+                    lambda stop: _print_captions(redis.url, done, timeout_s if once else None, printed, stop))
+                if signalled:
+                    print("demo: stopping (Ctrl-C)", flush=True)
+            except KeyboardInterrupt:  # before or after the loop
                 print("demo: stopping (Ctrl-C)", flush=True)
             finally:
                 stop.set()

@@ -3,12 +3,13 @@ a default is written once, where it takes effect; the log format; the exit on a 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import inspect
 import signal
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import typer
 
@@ -23,18 +24,65 @@ def stop_on_sigterm() -> None:
     """SIGTERM (docker stop, systemd, `timeout`) ends the command as Ctrl-C does: a KeyboardInterrupt in the main
     thread, so the command's cleanup runs (an embedded Redis stopped, a camera released). The signal is also
     remembered (`terminated`) for the loops that wait in the main thread to poll: Python drops an exception
-    raised while the main thread runs a finalizer (a garbage collection's `__del__`), and so the interrupt."""
+    raised while the main thread runs a finalizer (a garbage collection's `__del__`), and so the interrupt.
+    An event loop running in the main thread gets the interrupt from a callback of its own rather than at
+    whatever line of its internals the signal lands on, where it can lose a task's wake-up (the loop's
+    shutdown then waits for that task forever); `run_until_signalled` is the way to stop a loop's work."""
     signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
     _terminated.set()
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise KeyboardInterrupt from None
+    loop.call_soon_threadsafe(_interrupt)
+
+
+def _interrupt() -> None:
     raise KeyboardInterrupt
 
 
 def terminated() -> bool:
     """Whether SIGTERM has come since `stop_on_sigterm`."""
     return _terminated.is_set()
+
+
+T = TypeVar("T")
+
+
+def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[T]]) -> tuple[T, bool]:
+    """Run `main(stop)` in a new event loop, where Ctrl-C or SIGTERM only sets `stop`: `main` watches it and
+    returns, its own cleanup awaited like any other step. No exception is thrown into its tasks, so none can be
+    swallowed on the way (Python 3.11's `asyncio.wait_for` loses a cancellation that comes as its awaitable
+    finishes, and a loop around it then never ends). Returns main's result and whether a signal stopped it.
+    The signals' handlers from before (`stop_on_sigterm`'s, Ctrl-C's) are back once `main` has returned."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signalled: list[int] = []
+
+    async def watched() -> T:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_signal(sig: int) -> None:
+            if sig == signal.SIGTERM:
+                _terminated.set()
+            signalled.append(sig)
+            stop.set()
+
+        for sig in before:
+            loop.add_signal_handler(sig, on_signal, sig)
+        if _terminated.is_set():  # a SIGTERM came before, its interrupt dropped (`stop_on_sigterm`)
+            on_signal(signal.SIGTERM)
+        try:
+            return await main(stop)
+        finally:
+            for sig, handler in before.items():
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, handler)
+
+    return asyncio.run(watched()), bool(signalled)
 
 
 def fail(message: str) -> typer.Exit:

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from typing import Any
 
 import typer
 
 from cli.declared import Rename, command, from_dataclass, hand_option
-from cli.options import LOG_FORMAT, default, fail, stop_on_sigterm
+from cli.options import LOG_FORMAT, default, fail, run_until_signalled, stop_on_sigterm
 from jobqueue.consumer import QueueWorker
 from jobqueue.openai_captioner import OpenAICaptioner
 from jobqueue.settings import QueueSettings
@@ -42,7 +41,7 @@ def run_worker(**options: Any) -> None:
 
     queue = QueueSettings(**{setting.name: options[setting.name] for setting in QUEUE})
 
-    async def main(url: str) -> QueueWorker:
+    async def main(url: str, stop: asyncio.Event) -> QueueWorker:
         captioner = OpenAICaptioner(options["vlm_url"], options["api_key"], options["model"], options["max_tokens"])
         webhook = AlertWebhook(queue.alert_webhook) if queue.alert_webhook else None
         queue_worker = QueueWorker(url, captioner, consumer_name=queue.consumer_name,
@@ -51,10 +50,6 @@ def run_worker(**options: Any) -> None:
                                    fall_priority=queue.fall_priority, on_alert=webhook.notify if webhook else None)
         if webhook is not None:
             webhook.start()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         try:
             await queue_worker.run(stop)
         finally:
@@ -66,7 +61,7 @@ def run_worker(**options: Any) -> None:
 
     try:
         with redis_url_or_embedded(options["redis_url"]) as url:
-            stopped = asyncio.run(main(url))
+            stopped, _ = run_until_signalled(lambda stop: main(url, stop))
     except ValueError as err:
         raise fail(str(err)) from None
     typer.echo(f"worker {stopped.consumer_name} stopped: {stopped.stats}")

@@ -4,6 +4,7 @@ writer's) are skipped, logged, never fatal."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
@@ -72,16 +73,17 @@ async def recent_captions(redis_client: aioredis.Redis, camera: str | None = Non
 
 
 async def tail_captions(redis_client: aioredis.Redis, camera: str | None = None, after: str = "$",
-                        block_seconds: float = 5.0, feed: str | None = None
+                        block_seconds: float = 5.0, feed: str | None = None, stop: asyncio.Event | None = None
                         ) -> AsyncIterator[tuple[str, CaptionResult]]:
     """Finished results as they arrive, as (feed entry id, result); `after` is a feed entry id to resume
     after (e.g. an SSE Last-Event-ID), or "$" for only new ones; `feed` another feed than the camera's or
-    all captions (the alerts feed). Runs until the consumer stops iterating."""
+    all captions (the alerts feed). Runs until the consumer stops iterating, or until `stop` is set (within
+    `block_seconds`, with nothing cancelled)."""
     feed = feed or captions_feed(camera)
     if after == "$":
         newest = await redis_client.xrevrange(feed, count=1)
         after = as_text(newest[0][0]) if newest else "0-0"
-    while True:
+    while stop is None or not stop.is_set():
         reply = await redis_client.xread({feed: after}, count=100, block=int(block_seconds * 1000))
         for _, entries in reply or []:
             for entry_id, fields in entries:
