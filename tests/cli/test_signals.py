@@ -209,7 +209,7 @@ def test_a_signal_stops_an_event_loop_wherever_it_lands():
         await producer
         return taken
 
-    previous = signal.getsignal(signal.SIGTERM)
+    previous, interrupt = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     rng = random.Random(7)
     try:
         options.stop_on_sigterm()
@@ -222,7 +222,7 @@ def test_a_signal_stops_an_event_loop_wherever_it_lands():
             options._terminated.clear()  # the next run waits for its own signal
             assert signalled and taken > 0
             assert signal.getsignal(signal.SIGTERM) is options._on_sigterm
-            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            assert signal.getsignal(signal.SIGINT) is interrupt
     finally:
         signal.signal(signal.SIGTERM, previous)
         options._terminated.clear()
