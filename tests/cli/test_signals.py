@@ -226,3 +226,28 @@ def test_a_signal_stops_an_event_loop_wherever_it_lands():
     finally:
         signal.signal(signal.SIGTERM, previous)
         options._terminated.clear()
+
+
+def test_sigterm_in_a_running_event_loop_comes_out_as_the_interrupt():
+    """`stop_on_sigterm` raises into a running event loop from a callback of its own: the KeyboardInterrupt
+    comes out of `asyncio.run`, and the main coroutine's cleanup ran on the way."""
+    from cli import options
+
+    cleaned: list[str] = []
+
+    async def main() -> None:
+        try:
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            await asyncio.sleep(30)
+        finally:
+            cleaned.append("main")
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        options.stop_on_sigterm()
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(main())
+        assert cleaned == ["main"] and options.terminated()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        options._terminated.clear()
