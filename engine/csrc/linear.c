@@ -30,6 +30,56 @@
 #include "dtypes.h"
 #include "kernels.h"
 
+#ifdef _OPENMP
+static inline int team_size(void) { return omp_get_num_threads(); }
+static inline int team_index(void) { return omp_get_thread_num(); }
+#else
+static inline int team_size(void) { return 1; }
+static inline int team_index(void) { return 0; }
+#endif
+
+/* Tasks [0, count) shared by a team as contiguous runs: each thread starts on a share of its own and goes front
+ * to back, one stream through the weights that the prefetchers follow (faster than tasks dealt one at a time,
+ * which interleave the threads' reads); a thread done with its share takes the back half of another's, and goes
+ * on with it front to back, so a thread that loses its core leaves its work to the others. A share is one 64-bit
+ * word, next | end << 32, changed by compare-and-swap. `deal` runs once (omp single) before any `next_task`. */
+static void deal(uint64_t *shares, int count_of_shares, int64_t count) {
+    for (int s = 0; s < count_of_shares; s++)
+        shares[s] = (uint64_t)(count * s / count_of_shares) | (uint64_t)(count * (s + 1) / count_of_shares) << 32;
+}
+
+/* Share `share` less its first task (returned), or, `halve`, less its back half (set in *taken); -1 or 0 when it
+ * has no task left. */
+static int64_t take(uint64_t *share, int halve, uint64_t *taken) {
+    uint64_t seen = __atomic_load_n(share, __ATOMIC_ACQUIRE);
+    for (;;) {
+        const uint64_t next = seen & 0xffffffffu, end = seen >> 32;
+        if (next >= end) return halve ? 0 : -1;
+        const uint64_t mid = end - ((end - next + 1) / 2);
+        const uint64_t left = halve ? next | mid << 32 : seen + 1;
+        if (__atomic_compare_exchange_n(share, &seen, left, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            if (!halve) return (int64_t)next;
+            *taken = mid | end << 32;
+            return 1;
+        }
+    }
+}
+
+/* The calling thread's next task: its own share's first, else the first of the back half it takes from another
+ * share; -1 when no share has a task left. */
+static int64_t next_task(uint64_t *shares) {
+    const int count_of_shares = team_size(), own = team_index();
+    for (;;) {
+        const int64_t task = take(shares + own, 0, NULL);
+        if (task >= 0) return task;
+        uint64_t taken = 0;
+        int other = 1;
+        while (other < count_of_shares && !take(shares + (own + other) % count_of_shares, 1, &taken)) other++;
+        if (other == count_of_shares) return -1;
+        __atomic_store_n(shares + own, taken, __ATOMIC_RELEASE);
+    }
+}
+
 #define RW 4   /* weight rows per block */
 #define MC 48  /* rows of x per pass over the weights */
 #define NB 8   /* blocks per task: 32 output columns (16 in glu mode), finished together */
@@ -369,12 +419,14 @@ static void amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
                 packed[(rb * pairs + p) * AMX_ROWS + r] = pair;
             }
     const int64_t tasks = glu_mode ? amx_cols / 16 : amx_cols / 32;
+    uint64_t shares[num_threads];
 #pragma omp parallel num_threads(num_threads)
     {
         float sums[2][16][16] __attribute__((aligned(64)));
         int64_t configured = -1;  /* rows of x the tiles are configured for (other code may reconfigure them) */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; task++) {
+#pragma omp single
+        deal(shares, team_size(), tasks);
+        for (int64_t task; (task = next_task(shares)) >= 0;) {
             const int64_t first = glu_mode ? 16 * task : 32 * task;  /* first weight row of each tile */
             const int64_t second = glu_mode ? out_cols + first : first + 16;
             for (int64_t rb = 0; rb < row_blocks; rb++) {  /* the task's weights stay in the cache meanwhile */
@@ -452,13 +504,15 @@ int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int
 #endif
         xf = converted;
     }
+    uint64_t shares[num_threads];
 #pragma omp parallel num_threads(num_threads) if (m * n * k >= 65536)
     for (int64_t i0 = 0; i0 < m; i0 += MC) {
         const int64_t chunk = MIN(MC, m - i0);
         /* the chunk's rows in blocks of equal size (8 rows: 4 + 4, not 6 + 2) */
         const int64_t per_block = (chunk + (chunk + RX - 1) / RX - 1) / ((chunk + RX - 1) / RX);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; task++) {
+#pragma omp single
+        deal(shares, team_size(), tasks);
+        for (int64_t task; (task = next_task(shares)) >= 0;) {
             const int64_t first_block = block0 + task * NB, count = MIN(NB, blocks - first_block);
             int64_t rows_of[(NB + 1) * RW];  /* and the block after the task's, to prefetch */
             for (int64_t b = 0; b <= count; b++) block_rows(first_block + b, glu_mode, n, out_cols, rows_of + b * RW);
@@ -496,6 +550,7 @@ int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int
                 store_floats(done, cols, y, io_dtype, (i0 + s) * out_cols + first_col);
             }
         }
+#pragma omp barrier
     }
     return 0;
 }

@@ -71,6 +71,34 @@ def test_each_build_multiplies_bfloat16_one_measured_way():
 
 
 @pytest.mark.parametrize(("name", "products"), LOOPS)
+def test_linear_gives_the_same_bits_on_any_number_of_threads(name, products):
+    """The output columns' tasks go out in shares, and a thread done with its own takes the back half of
+    another's (linear.c `next_task`): with more threads than cores, as when a thread loses its core, every column
+    is computed once, to the bits one thread gives, glu included, past a 48-row pass (each pass deals its tasks
+    anew), through AMX tiles where they run and the vector blocks after them."""
+    torch.manual_seed(3)
+    previous = torch.get_num_threads()
+    try:
+        for glu in (False, True):
+            x = torch.randn(53, 64).bfloat16()
+            weight = (torch.randn(1000, 64) * 0.1).bfloat16()
+            results = []
+            for threads in (1, 2, 3, 7):
+                torch.set_num_threads(threads)
+                results.append(_run(name, x, weight, None, glu, products))
+            if glu:
+                expected = (F.silu(F.linear(x, weight[:500])) * F.linear(x, weight[500:])).float()
+            else:
+                expected = F.linear(x.float(), weight.float())
+            scale = expected.abs().max().item()
+            assert (results[0].float() - expected).abs().max().item() <= 2 * TOLERANCE[torch.bfloat16] * scale
+            for threads, result in zip((2, 3, 7), results[1:]):
+                assert torch.equal(result, results[0]), (name, glu, threads)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize(("name", "products"), LOOPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_glu_of_each_build_equals_llama_s_mlp_activation(name, products, dtype):
     """`glu`: SiLU(x gate^T) * (x up^T) from one stacked matrix, an odd number of outputs included."""
