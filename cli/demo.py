@@ -155,8 +155,8 @@ def run_demo(model: str | None, detector: str | None, source: str | None, timeou
                 _, signalled = run_until_signalled(
                     lambda stop: _print_captions(redis.url, done, timeout_s if once else None, printed, stop))
                 if signalled:
-                    print("demo: stopping (Ctrl-C)", flush=True)
-            except KeyboardInterrupt:  # before or after the loop
+                    raise KeyboardInterrupt  # as an interrupt that comes before or after the loop
+            except KeyboardInterrupt:
                 print("demo: stopping (Ctrl-C)", flush=True)
             finally:
                 stop.set()

@@ -25,9 +25,9 @@ def stop_on_sigterm() -> None:
     thread, so the command's cleanup runs (an embedded Redis stopped, a camera released). The signal is also
     remembered (`terminated`) for the loops that wait in the main thread to poll: Python drops an exception
     raised while the main thread runs a finalizer (a garbage collection's `__del__`), and so the interrupt.
-    An event loop running in the main thread gets the interrupt from a callback of its own rather than at
-    whatever line of its internals the signal lands on, where it can lose a task's wake-up (the loop's
-    shutdown then waits for that task forever); `run_until_signalled` is the way to stop a loop's work."""
+    An event loop running in the main thread gets the interrupt from a callback of its own, between two of its
+    steps, not inside its own bookkeeping; a loop whose work must end cleanly is run with `run_until_signalled`,
+    which throws nothing into it."""
     signal.signal(signal.SIGTERM, _on_sigterm)
 
 
