@@ -138,13 +138,18 @@ def test_sigterm_ends_a_soak_with_its_server_and_redis(tmp_path):
     found: dict[str, psutil.Process] = {}
 
     def serving() -> bool:
-        """The soak's server listens and its Redis (named by its reaper's command line) runs."""
+        """The soak's server listens and its Redis (named by its reaper's command line) runs. Short-lived
+        children (a compiler building the CPU kernels on a fresh clone) may be gone before they are read."""
         for child in psutil.Process(soak.pid).children(recursive=True):
-            command = " ".join(child.cmdline())
-            if "reap(" in command:
-                found["redis"] = psutil.Process(int(re.search(r"reap\((\d+)", command).group(1)))
-            elif " serve " in command and any(c.status == psutil.CONN_LISTEN for c in child.net_connections("tcp")):
-                found["server"] = child
+            try:
+                command = " ".join(child.cmdline())
+                if "reap(" in command:
+                    found["redis"] = psutil.Process(int(re.search(r"reap\((\d+)", command).group(1)))
+                elif " serve " in command and any(c.status == psutil.CONN_LISTEN
+                                                  for c in child.net_connections("tcp")):
+                    found["server"] = child
+            except psutil.NoSuchProcess:
+                continue
         return len(found) == 2
 
     try:
