@@ -23,7 +23,7 @@ _terminated = threading.Event()
 def stop_on_sigterm() -> None:
     """SIGTERM (docker stop, systemd, `timeout`) ends the command as Ctrl-C does: a KeyboardInterrupt in the main
     thread, so the command's cleanup runs (an embedded Redis stopped, a camera released). The signal is also
-    remembered (`terminated`) for the loops that wait in the main thread to poll: Python drops an exception
+    remembered (`terminated`), so that the next `run_until_signalled` stops at once: Python drops an exception
     raised while the main thread runs a finalizer (a garbage collection's `__del__`), and so the interrupt.
     An event loop running in the main thread gets the interrupt from a callback of its own, between two of its
     steps, not inside its own bookkeeping; a loop whose work must end cleanly is run with `run_until_signalled`,
@@ -73,7 +73,7 @@ def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[T]]) -> tuple[
 
         for sig in before:
             loop.add_signal_handler(sig, on_signal, sig)
-        if _terminated.is_set():  # a SIGTERM came before, its interrupt dropped (`stop_on_sigterm`)
+        if terminated():  # a SIGTERM came before, its interrupt dropped (`stop_on_sigterm`)
             on_signal(signal.SIGTERM)
         try:
             return await main(stop)
