@@ -22,14 +22,19 @@ static inline const float *row_as_float(const void *cache, int dtype, int64_t of
     return dst;
 }
 
-/* Ask for the next block's rows (heads h0.. of each) while this block's are used: a sequence's blocks lie
- * anywhere in the cache, so the hardware's stride prefetching stops at each block's end. */
+/* `count` values of the cache from element `at`, asked for ahead of their use: a sequence's blocks lie anywhere
+ * in the cache, so the hardware's stride prefetching stops at each block's end. */
+static inline void prefetch_values(const void *cache, int64_t at, int64_t count, int dtype) {
+    const int64_t item = dtype == F32 ? 4 : 2;
+    const char *base = (const char *)cache + at * item;
+    for (int64_t b = 0; b < count * item; b += 64) __builtin_prefetch(base + b);
+}
+
+/* The plain C path asks for the next block's rows (heads h0.. of each) while this block's are used. */
 static inline void prefetch_block(const void *cache, int64_t block, int64_t block_size, int64_t width, int dtype,
                                   int64_t h0, int64_t heads, int64_t d) {
-    const int64_t item = dtype == F32 ? 4 : 2;
-    const char *base = (const char *)cache + (block * block_size * width + h0 * d) * item;
     for (int64_t r = 0; r < block_size; r++)
-        for (int64_t b = 0; b < heads * d * item; b += 64) __builtin_prefetch(base + r * width * item + b);
+        prefetch_values(cache, (block * block_size + r) * width + h0 * d, heads * d, dtype);
 }
 
 /* One task: sequence i's KV heads h0..h1-1 (a cache row holds every head of a position, so a task that takes
@@ -91,17 +96,6 @@ static inline __attribute__((always_inline)) void attend(
 }
 
 #ifdef VECTOR
-/* The `d` values of one head's key or value from element `at` of the cache, asked for ahead of their use. The
- * vector path asks for each row a block ahead as it widens the row there: one head's row at a time, spread
- * over the work. Asking for a whole block at once (up to 192 lines) stalled the loop on the prefetches, a
- * sixth of its time (8 sequences x 300 positions x 30 layers of SmolVLM-256M: 3.4 ms instead of 4.6 on AVX2,
- * 3.4 instead of 3.8 on AVX-512). */
-static inline void prefetch_head(const void *cache, int64_t at, int64_t d, int dtype) {
-    const int64_t item = dtype == F32 ? 4 : 2;
-    const char *base = (const char *)cache + at * item;
-    for (int64_t b = 0; b < d * item; b += 64) __builtin_prefetch(base + b);
-}
-
 /* The vector path of `attend` for d a multiple of the vector width VW (up to 256): one pass over the positions
  * with an online softmax, VW positions at a time. Their keys and values are widened once per KV head into K and
  * V; each query row's VW scores come from one vector per position reduced together (`sums`), exponentials VW
@@ -201,13 +195,17 @@ static inline __attribute__((always_inline)) void attend_vec(
         const int64_t offset = p % block_size;
         const int64_t run = MIN(MIN(block_size - offset, n - p), VW);
         const int64_t slot = table[p / block_size] * block_size + offset;
-        /* the slot a block ahead (the same position of the next block), or -1 in the last block */
+        /* The slot a block ahead (the same position of the next block), or -1 in the last block: each row widened
+         * below asks for that one's, one head at a time, spread over the work. Asking for the whole next block at
+         * once (up to 192 lines) stalled the loop on the prefetches, a sixth of its time (the kernel alone, 8
+         * sequences x 300 positions x 30 layers of SmolVLM-256M: 3.6-4.0 ms instead of 4.4-5.0 on AVX2, 3.2-3.3
+         * instead of 3.6 on AVX-512). */
         const int64_t ahead = p - offset + block_size < n ? table[p / block_size + 1] * block_size + offset : -1;
         for (int64_t h = h0; h < h1; h++) {
             for (int64_t r = 0; r < run; r++) {
                 if (ahead >= 0) {
-                    prefetch_head(key_cache, (ahead + r) * width + h * d, d, dtype);
-                    prefetch_head(value_cache, (ahead + r) * width + h * d, d, dtype);
+                    prefetch_values(key_cache, (ahead + r) * width + h * d, d, dtype);
+                    prefetch_values(value_cache, (ahead + r) * width + h * d, d, dtype);
                 }
                 for (int64_t v = 0; v < vectors; v++) {
                     const int64_t at = (slot + r) * width + h * d + v * VW;
