@@ -122,16 +122,19 @@ static inline __attribute__((always_inline)) __m256 widen8(const void *p, int dt
 }
 #endif
 
-/* A growable buffer of the calling thread, kept across calls (one per source file): no allocation per call. */
-static inline void *thread_scratch(size_t bytes) {
-    static __thread void *buffer = NULL;
-    static __thread size_t held = 0;
-    if (bytes > held) {
-        free(buffer);
-        buffer = malloc(bytes);
-        held = buffer ? bytes : 0;
+/* Growable buffers of the calling thread (SCRATCH_SLOTS of them, one set per source file), kept across calls: no
+ * allocation per call. */
+#define SCRATCH_SLOTS 2
+static inline void *thread_scratch_at(int slot, size_t bytes) {
+    static __thread void *buffer[SCRATCH_SLOTS];
+    static __thread size_t held[SCRATCH_SLOTS];
+    if (bytes > held[slot]) {
+        free(buffer[slot]);
+        buffer[slot] = malloc(bytes);
+        held[slot] = buffer[slot] ? bytes : 0;
     }
-    return buffer;
+    return buffer[slot];
 }
+static inline void *thread_scratch(size_t bytes) { return thread_scratch_at(0, bytes); }
 
 #endif

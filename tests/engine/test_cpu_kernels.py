@@ -42,16 +42,18 @@ def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 @pytest.mark.parametrize(("name", "products"), LOOPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 5, 7, 17, 50])
+@pytest.mark.parametrize("rows", [1, 5, 7, 17, 50, 70, 131])
 def test_linear_of_each_build_equals_torch(name, products, dtype, rows):
     """Widths that are not multiples of any vector (k = 100 and 33; bfloat16's even/odd pairs: k = 64 and 576,
     and 100 with a tail), output counts that are not multiples of the four-row blocks (n = 37), a bias, row
     counts around the six-row blocks, a 16-row tile and a 48-row pass; and (AMX) tile pairs with vector blocks
-    after them (n = 100, k = 64)."""
+    after them (n = 100, k = 64). From 64 rows the vector builds multiply by tiles of packed panels: row counts
+    past the last whole tile, panels past the last column (n = 37, 10), weights whose rows are an odd number of
+    elements apart (a view of a wider matrix: packed without gathers)."""
     torch.manual_seed(0)
-    for n, k in ((37, 100), (64, 576), (10, 33), (100, 64)):
+    for n, k, stride in ((37, 100, 100), (64, 576, 576), (10, 33, 33), (100, 64, 64), (37, 64, 67)):
         x = torch.randn(rows, k).to(dtype)
-        weight = (torch.randn(n, k) * 0.1).to(dtype)
+        weight = (torch.randn(n, stride) * 0.1).to(dtype)[:, :k]
         bias = torch.randn(n)
         expected = F.linear(x.float(), weight.float(), bias)
         got = _run(name, x, weight, bias, False, products)
@@ -71,16 +73,17 @@ def test_each_build_multiplies_bfloat16_one_measured_way():
 
 
 @pytest.mark.parametrize(("name", "products"), LOOPS)
-def test_linear_gives_the_same_bits_on_any_number_of_threads(name, products):
+@pytest.mark.parametrize("rows", [53, 130])
+def test_linear_gives_the_same_bits_on_any_number_of_threads(name, products, rows):
     """The output columns' tasks go out in shares, and a thread done with its own takes the back half of
     another's (linear.c `next_task`): with more threads than cores, as when a thread loses its core, every column
     is computed once, to the bits one thread gives, glu included, past a 48-row pass (each pass deals its tasks
-    anew), through AMX tiles where they run and the vector blocks after them."""
+    anew), through AMX tiles where they run and the vector blocks after them, and (130 rows) by packed panels."""
     torch.manual_seed(3)
     previous = torch.get_num_threads()
     try:
         for glu in (False, True):
-            x = torch.randn(53, 64).bfloat16()
+            x = torch.randn(rows, 64).bfloat16()
             weight = (torch.randn(1000, 64) * 0.1).bfloat16()
             results = []
             for threads in (1, 2, 3, 7):
@@ -100,15 +103,17 @@ def test_linear_gives_the_same_bits_on_any_number_of_threads(name, products):
 
 @pytest.mark.parametrize(("name", "products"), LOOPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_glu_of_each_build_equals_llama_s_mlp_activation(name, products, dtype):
-    """`glu`: SiLU(x gate^T) * (x up^T) from one stacked matrix, an odd number of outputs included."""
+@pytest.mark.parametrize("rows", [9, 77])
+def test_glu_of_each_build_equals_llama_s_mlp_activation(name, products, dtype, rows):
+    """`glu`: SiLU(x gate^T) * (x up^T) from one stacked matrix, an odd number of outputs included; by blocks and
+    (77 rows) by packed panels."""
     torch.manual_seed(1)
     for half, k in ((7, 64), (48, 100), (40, 96)):
-        x = torch.randn(9, k).to(dtype)
+        x = torch.randn(rows, k).to(dtype)
         weight = (torch.randn(2 * half, k) * 0.2).to(dtype)
         expected = (F.silu(F.linear(x, weight[:half])) * F.linear(x, weight[half:])).float()
         got = _run(name, x, weight, None, True, products)
-        assert got.shape == (9, half)
+        assert got.shape == (rows, half)
         assert (got.float() - expected).abs().max().item() <= 2 * TOLERANCE[dtype] * expected.abs().max().item()
 
 
