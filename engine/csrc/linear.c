@@ -599,20 +599,30 @@ static void pair_tile(const uint32_t *xp, int64_t pairs, const uint32_t *wp, flo
 }
 #endif
 
-/* Blocks [block0, blocks) of y (see linear), one panel a task, from x packed by MR rows into `xp` (k * MR floats
- * a group of rows); `panels` holds a panel's floats for each thread, and a cache line more. */
+/* Panels a task packs and then runs together, each x group once for them all (x comes from the L3 cache, the
+ * panels stay in L2): as many as fit in PANELS_BYTES, at most MAX_SPAN. */
+#define MAX_SPAN 4
+#define PANELS_BYTES (1 << 20)
+static inline int64_t panel_span(int64_t k) {
+    const int64_t fit = PANELS_BYTES / (k * NR * 4);
+    return fit < 1 ? 1 : MIN(MAX_SPAN, fit);
+}
+
+/* Blocks [block0, blocks) of y (see linear), `panel_span` panels a task, from x packed by MR rows into `xp`
+ * (k * MR floats a group of rows); `panels` holds a task's panels for each thread, and a cache line more. */
 static void gemm(const void *x, int64_t m, int64_t k, const void *w, int w_dtype, int64_t w_stride, int64_t n,
                  const float *bias, int glu_mode, int64_t block0, int64_t blocks, void *y, int io_dtype, int dot,
                  float *xp, float *panels, int num_threads) {
-    const int64_t out_cols = glu_mode ? n / 2 : n, tasks = (blocks - block0 + PANEL_BLOCKS - 1) / PANEL_BLOCKS;
-    const int64_t groups = (m + MR - 1) / MR;
+    const int64_t out_cols = glu_mode ? n / 2 : n, span = panel_span(k);
+    const int64_t panel_count = (blocks - block0 + PANEL_BLOCKS - 1) / PANEL_BLOCKS;
+    const int64_t tasks = (panel_count + span - 1) / span, groups = (m + MR - 1) / MR;
 #ifndef __AVX512BF16__
     (void)dot;
 #endif
     uint64_t shares[num_threads];
 #pragma omp parallel num_threads(num_threads)
     {
-        float *wp = (float *)(((uintptr_t)(panels + team_index() * (k * NR + 16)) + 63) & ~(uintptr_t)63);  /* lines */
+        float *wp = (float *)(((uintptr_t)(panels + team_index() * (span * k * NR + 16)) + 63) & ~(uintptr_t)63);
 #pragma omp for
         for (int64_t g = 0; g < groups; g++) {
 #ifdef __AVX512BF16__
@@ -626,28 +636,35 @@ static void gemm(const void *x, int64_t m, int64_t k, const void *w, int w_dtype
 #pragma omp single
         deal(shares, team_size(), tasks);
         for (int64_t task; (task = next_task(shares)) >= 0;) {
-            const int64_t first_block = block0 + task * PANEL_BLOCKS, count = MIN(PANEL_BLOCKS, blocks - first_block);
-            int64_t rows_of[NR];
-            for (int b = 0; b < PANEL_BLOCKS; b++) block_rows(first_block + b, glu_mode, n, out_cols, rows_of + b * RW);
+            const int64_t here = MIN(span, panel_count - task * span);
+            int64_t rows_of[MAX_SPAN][NR], count[MAX_SPAN], first_col[MAX_SPAN], cols[MAX_SPAN];
+            for (int64_t j = 0; j < here; j++) {
+                const int64_t first_block = block0 + (task * span + j) * PANEL_BLOCKS;
+                for (int b = 0; b < PANEL_BLOCKS; b++)
+                    block_rows(first_block + b, glu_mode, n, out_cols, rows_of[j] + b * RW);
 #ifdef __AVX512BF16__
-            if (dot) pack_pair_panel(w, w_stride, rows_of, k, (uint32_t *)wp);
-            else
-#endif
-                pack_panel(w, w_dtype, w_stride, rows_of, k, wp);
-            const int64_t first_col = glu_mode ? 2 * first_block : RW * first_block;
-            const int64_t cols = MIN(glu_mode ? 2 * count : RW * count, out_cols - first_col);
-            for (int64_t g = 0; g < groups; g++) {
-                float tile[MR * NR], done[NR];
-#ifdef __AVX512BF16__
-                if (dot) pair_tile((const uint32_t *)xp + g * k * MR, (k + 1) / 2, (const uint32_t *)wp, tile);
+                if (dot) pack_pair_panel(w, w_stride, rows_of[j], k, (uint32_t *)wp + j * k * NR);
                 else
 #endif
-                    panel_tile(xp + g * k * MR, k, wp, tile);
-                for (int64_t s = 0; s < MIN(MR, m - g * MR); s++) {
-                    finish_row(tile + s * NR, count, glu_mode, bias, rows_of, io_dtype, done);
-                    store_floats(done, cols, y, io_dtype, (g * MR + s) * out_cols + first_col);
-                }
+                    pack_panel(w, w_dtype, w_stride, rows_of[j], k, wp + j * k * NR);
+                count[j] = MIN(PANEL_BLOCKS, blocks - first_block);
+                first_col[j] = glu_mode ? 2 * first_block : RW * first_block;
+                cols[j] = MIN(glu_mode ? 2 * count[j] : RW * count[j], out_cols - first_col[j]);
             }
+            for (int64_t g = 0; g < groups; g++)
+                for (int64_t j = 0; j < here; j++) {
+                    float tile[MR * NR], done[NR];
+#ifdef __AVX512BF16__
+                    if (dot)
+                        pair_tile((const uint32_t *)xp + g * k * MR, (k + 1) / 2, (const uint32_t *)wp + j * k * NR, tile);
+                    else
+#endif
+                        panel_tile(xp + g * k * MR, k, wp + j * k * NR, tile);
+                    for (int64_t s = 0; s < MIN(MR, m - g * MR); s++) {
+                        finish_row(tile + s * NR, count[j], glu_mode, bias, rows_of[j], io_dtype, done);
+                        store_floats(done, cols[j], y, io_dtype, (g * MR + s) * out_cols + first_col[j]);
+                    }
+                }
         }
     }
 }
@@ -687,9 +704,9 @@ int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int
     const int many = 0, split = 0;
 #endif
 #ifdef VW
-    if (many) {  /* x packed by groups of rows, and a panel's buffer per thread */
+    if (many) {  /* x packed by groups of rows, and a task's panels' buffer per thread */
         float *xp = thread_scratch((size_t)((m + MR - 1) / MR * MR * k) * sizeof(float));
-        float *panels = thread_scratch_at(1, (size_t)(num_threads * (k * NR + 16)) * sizeof(float));
+        float *panels = thread_scratch_at(1, (size_t)(num_threads * (panel_span(k) * k * NR + 16)) * sizeof(float));
         if (!xp || !panels) return 2;
         gemm(x, m, k, w, w_dtype, w_stride, n, bias, glu_mode, block0, blocks, y, io_dtype, dot, xp, panels,
              num_threads);
