@@ -301,7 +301,9 @@ def vision_tile_ms(engine: Engine, tiles: int, repeats: int = 2) -> dict[str, fl
 def run_host(cfg: HostConfig) -> dict[str, Any]:
     if cfg.decodes < 1 or cfg.context < 2 or cfg.steps < 1 or cfg.later < 0:
         raise ValueError(f"decodes, steps must be positive, context at least 2 and later non-negative: {cfg}")
-    extra = cfg.warmup + 2 * cfg.steps + cfg.counted_steps + cfg.later + 8
+    # tokens a request may need: the measured steps, and as many as the prompt's length for the steps of the others'
+    # prefill (a step budgeted by time can give each prompt only a chunk while the first ones already decode)
+    extra = cfg.warmup + 2 * cfg.steps + cfg.counted_steps + cfg.later + 8 + cfg.context
     engine = Engine(EngineConfig(
         model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_batched_tokens=max(cfg.budget, cfg.decodes),
         max_num_seqs=cfg.decodes, max_model_len=cfg.context + extra + 16, num_threads=cfg.threads,
