@@ -486,26 +486,35 @@ static void block_rows(int64_t block, int glu_mode, int64_t n, int64_t out_cols,
  * (`pack_rows`, each value then one broadcast), the weights one panel of NR columns at a time as float32
  * (`pack_panel`, in each thread's own buffer: no copy of the whole weight). A panel is PANEL_BLOCKS blocks of
  * `block_rows`, so finish_row finishes its tiles as it does the blocks. A scratch timing of a vision tile's
- * products (1,024 rows, 2 AVX-512 cores): 250-290 GFLOP/s by tiles, 185-250 by the blocks. */
+ * products (1,024 rows, 2 AVX-512 cores): 255-300 GFLOP/s by tiles, 185-250 by the blocks. */
 #define MR (2 * RX)  /* rows of x per tile: 12 (AVX-512: 24 sums), 6 (AVX2: 12) */
 #define NR (2 * VW)  /* output columns (weight rows) per panel: 32, 16 */
 #define PANEL_BLOCKS (NR / RW)
 
+/* Whether rows[0..NR) of a weight, `words` 32-bit words apart, can be gathered (each row's first word within
+ * 2^31 words), and then each VW of them as a vector of word offsets. */
+static int gather_lanes(const int64_t rows[NR], int64_t words, vi lanes[NR / VW]) {
+    int32_t at[NR];
+    for (int q = 0; q < NR; q++) {
+        if (rows[q] * words > INT32_MAX) return 0;
+        at[q] = (int32_t)(rows[q] * words);
+    }
+    for (int h = 0; h < NR / VW; h++) lanes[h] = lanes_of(at + h * VW);
+    return 1;
+}
+
 /* Weight rows rows[0..NR) (each k long) as float32, k-major: wp[t * NR + q] = w[rows[q]][t]. bfloat16 (rows an
  * even number of elements apart) and float32 by gathers, VW rows at a time (a bfloat16 gather takes two k). */
 static void pack_panel(const void *w, int dtype, int64_t w_stride, const int64_t rows[NR], int64_t k, float *wp) {
-    const int64_t words = dtype == F32 ? w_stride : w_stride / 2;  /* 32-bit words between rows */
-    int gathers = dtype == F32 || (dtype == BF16 && w_stride % 2 == 0);
-    for (int q = 0; q < NR; q++) gathers &= rows[q] * words <= INT32_MAX;
-    if (!gathers) {
+    vi lanes_by_half[NR / VW];
+    if (!(dtype == F32 || (dtype == BF16 && w_stride % 2 == 0)) ||
+        !gather_lanes(rows, dtype == F32 ? w_stride : w_stride / 2, lanes_by_half)) {
         for (int64_t t = 0; t < k; t++)
             for (int q = 0; q < NR; q++) wp[t * NR + q] = wvalue(w, dtype, rows[q] * w_stride + t);
         return;
     }
     for (int h = 0; h < NR / VW; h++) {
-        int32_t at[VW];
-        for (int l = 0; l < VW; l++) at[l] = (int32_t)(rows[h * VW + l] * words);
-        const vi lanes = lanes_of(at);
+        const vi lanes = lanes_by_half[h];
         float *out = wp + h * VW;
         int64_t t = 0;
         if (dtype == F32) {
@@ -560,16 +569,14 @@ static inline uint32_t pair_at(const uint16_t *row, int64_t t, int64_t k) {
 
 static void pack_pair_panel(const uint16_t *w, int64_t w_stride, const int64_t rows[NR], int64_t k, uint32_t *wp) {
     const int64_t pairs = (k + 1) / 2, whole = k / 2;
-    int gathers = w_stride % 2 == 0;
-    for (int q = 0; q < NR; q++) gathers &= rows[q] * (w_stride / 2) <= INT32_MAX;
+    vi lanes_by_half[NR / VW];
+    const int gathers = w_stride % 2 == 0 && gather_lanes(rows, w_stride / 2, lanes_by_half);
     for (int h = 0; h < NR / VW; h++) {
-        int32_t at[VW];
-        for (int l = 0; l < VW; l++) at[l] = (int32_t)(rows[h * VW + l] * (w_stride / 2));
-        const vi lanes = lanes_of(at);
         uint32_t *out = wp + h * VW;
         int64_t p = 0;
         if (gathers)
-            for (; p < whole; p++) _mm512_storeu_si512((void *)(out + p * NR), gather_words(lanes, w + 2 * p));
+            for (; p < whole; p++)
+                _mm512_storeu_si512((void *)(out + p * NR), gather_words(lanes_by_half[h], w + 2 * p));
         for (; p < pairs; p++)
             for (int l = 0; l < VW; l++) out[p * NR + l] = pair_at(w + rows[h * VW + l] * w_stride, 2 * p, k);
     }
