@@ -3,9 +3,9 @@
  * views, so one call computes them all).
  *
  * A decode step multiplies a few rows of x by every weight of the model: its cost is reading the weights once.
- * Four weight rows at a time stream through registers against up to six rows of x (their chunks come from the
- * L1 cache), 24 float32 sums kept in named vector registers: each weight is loaded once per six rows of x, each
- * chunk of x once per four weight rows. The reduction runs along k, so every sum is a vector that is reduced
+ * Four weight rows at a time stream through registers against up to RX rows of x (their chunks come from the
+ * L1 cache; RX is six with AVX-512's 32 registers, two with AVX2's 16), 4 RX float32 sums kept in named vector
+ * registers: each weight is loaded once per RX rows of x, each chunk of x once per four weight rows. The reduction runs along k, so every sum is a vector that is reduced
  * once, at the end of the row. With a few rows of x the loop does enough arithmetic per byte that the loads of
  * the weights no longer run ahead of it by themselves: each block prefetches the next block's weight rows.
  * Many rows of x (GEMM_ROWS or more: a prefill chunk, a vision tile) are arithmetic, not reading: they go by tiles
@@ -90,6 +90,7 @@ static int64_t next_task(uint64_t *shares) {
 typedef __m512 vf;
 #define VW 16
 #define RX 6   /* rows of x per block: 24 sums, 4 weights and x in 32 registers */
+#define MR 12  /* rows of x per tile (gemm): 24 sums */
 #ifndef GEMM_ROWS
 #define GEMM_ROWS 64  /* rows of x from which tiles of packed panels beat the blocks (a scratch timing, 2 threads) */
 #endif
@@ -121,7 +122,9 @@ static inline __m128 reduce4(vf a, vf b, vf c, vf d) {
 #elif defined(VECTOR)
 typedef __m256 vf;
 #define VW 8
-#define RX 3   /* rows of x per block: 12 sums and 4 weights in 16 registers, x read from memory */
+#define RX 2   /* rows of x per block: 8 sums, 4 weights, x and the odd columns' mask in 16 registers (with 3 rows,
+                  the compiler spills sums to the stack: 1.45x slower at 8 rows, a scratch timing on one core) */
+#define MR 6   /* rows of x per tile (gemm): 12 sums */
 #ifndef GEMM_ROWS
 #define GEMM_ROWS 32
 #endif
@@ -184,7 +187,7 @@ static void tail(const float *x, int64_t k, int64_t from, const void *const w[RW
 #if RX == 6
 #define EACH_ROW(M) M(0) M(1) M(2) M(3) M(4) M(5)
 #else
-#define EACH_ROW(M) M(0) M(1) M(2)
+#define EACH_ROW(M) M(0) M(1)
 #endif
 /* Float32 x (rows 0..R-1, each k long) against weight rows w[0..3] of dtype D, the four sums of x row i into
  * out[i * stride ..], the rows `next` prefetched meanwhile: one function per D and R. */
@@ -239,9 +242,9 @@ static void tail(const float *x, int64_t k, int64_t from, const void *const w[RW
 #define PAIR_BLOCKS PAIR_BLOCK(1) PAIR_BLOCK(2) PAIR_BLOCK(3) PAIR_BLOCK(4) PAIR_BLOCK(5) PAIR_BLOCK(6)
 #define FNS(D) {block_##D##_1, block_##D##_2, block_##D##_3, block_##D##_4, block_##D##_5, block_##D##_6}
 #else
-#define BLOCKS(D) BLOCK(D, 1) BLOCK(D, 2) BLOCK(D, 3)
-#define PAIR_BLOCKS PAIR_BLOCK(1) PAIR_BLOCK(2) PAIR_BLOCK(3)
-#define FNS(D) {block_##D##_1, block_##D##_2, block_##D##_3}
+#define BLOCKS(D) BLOCK(D, 1) BLOCK(D, 2)
+#define PAIR_BLOCKS PAIR_BLOCK(1) PAIR_BLOCK(2)
+#define FNS(D) {block_##D##_1, block_##D##_2}
 #endif
 BLOCKS(F32)
 PAIR_BLOCKS
@@ -487,7 +490,6 @@ static void block_rows(int64_t block, int glu_mode, int64_t n, int64_t out_cols,
  * (`pack_panel`, in each thread's own buffer: no copy of the whole weight). A panel is PANEL_BLOCKS blocks of
  * `block_rows`, so finish_row finishes its tiles as it does the blocks. A scratch timing of a vision tile's
  * products (1,024 rows, 2 AVX-512 cores): 255-300 GFLOP/s by tiles, 185-250 by the blocks. */
-#define MR (2 * RX)  /* rows of x per tile: 12 (AVX-512: 24 sums), 6 (AVX2: 12) */
 #define NR (2 * VW)  /* output columns (weight rows) per panel: 32, 16 */
 #define PANEL_BLOCKS (NR / RW)
 
