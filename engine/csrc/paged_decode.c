@@ -96,10 +96,7 @@ static inline __attribute__((always_inline)) void attend(
 }
 
 #ifdef VECTOR
-/* The vector path of `attend` for d a multiple of the vector width VW (up to 256): one pass over the positions
- * with an online softmax, VW positions at a time. Their keys and values are widened once per KV head into K and
- * V; each query row's VW scores come from one vector per position reduced together (`sums`), exponentials VW
- * at a time, and the row's output is accumulated a vector at a time over the VW values. */
+/* The vector path of `attend` for d a multiple of the vector width VW (up to 256): `attend_vec` below. */
 #ifdef __AVX512F__
 typedef __m512 vf;
 #define VW 16
@@ -155,29 +152,17 @@ static inline vf first_lanes(vf v, int64_t run, float fill) {
 }
 #endif
 
-enum { GMAX = 3 };  /* query heads whose outputs add one run of values together */
+enum { GMAX = 3 };  /* query heads (of one KV head) scored and summed together: each key and value widened once */
+enum { OB = VW == 16 ? 4 : 3 };  /* output vectors of a head that its values are summed into at a time: GMAX x OB sums,
+                                     OB values and a weight in registers (32 with AVX-512, 16 with AVX2) */
 
-/* o[g] = c[g] o[g] + sum over r < run of w[g][r] * values[r] for the `count` (<= GMAX) rows o[g] = out + g * d:
- * every value vector loaded once for them all. */
-static inline __attribute__((always_inline)) void add_values(float *out, const float c[GMAX], const float w[GMAX][VW],
-                                                             int64_t count, const float *values, int64_t run,
-                                                             const int64_t d) {
-    for (int64_t v = 0; v < d / VW; v++) {
-        vf o0 = vloadu(out + v * VW) * c[0], o1 = o0, o2 = o0;
-        if (count > 1) o1 = vloadu(out + d + v * VW) * c[1];
-        if (count > 2) o2 = vloadu(out + 2 * d + v * VW) * c[2];
-        for (int64_t r = 0; r < run; r++) {
-            const vf value = *(const vf *)(values + r * d + v * VW);
-            o0 += w[0][r] * value;
-            if (count > 1) o1 += w[1][r] * value;
-            if (count > 2) o2 += w[2][r] * value;
-        }
-        vstoreu(out + v * VW, o0);
-        if (count > 1) vstoreu(out + d + v * VW, o1);
-        if (count > 2) vstoreu(out + 2 * d + v * VW, o2);
-    }
-}
-
+/* One pass over the positions with an online softmax, VW positions (a run within one block) at a time, GMAX query
+ * heads of a KV head at a time. Each key is widened once, into registers, and scored against each of the heads:
+ * one product vector per position and head, the run's VW of them reduced together (`sums`). Each value is
+ * widened once into registers too and added to the heads' sums, OB vectors of each (kept in registers over the
+ * run). Widening the run's keys and values into a buffer first, then scoring and summing the heads one at a
+ * time from it, left the loop waiting on chains of dependent FMAs: 70 cycles a position and KV head, twice its
+ * reading from memory (a scratch timing of SmolVLM-256M's step, 8 sequences x 300 positions x 30 layers). */
 static inline __attribute__((always_inline)) void attend_vec(
         int64_t i, int64_t h0, int64_t h1, const float *qi, const void *key_cache, const void *value_cache,
         int dtype, const int64_t *block_tables, const int64_t *context_lens, int64_t kv_heads, int64_t groups,
@@ -187,54 +172,84 @@ static inline __attribute__((always_inline)) void attend_vec(
     const int64_t first = (window > 0 && n > window) ? n - window : 0;
     const int64_t rows = (h1 - h0) * groups, width = kv_heads * d, vectors = d / VW;
     const int64_t *table = block_tables + i * table_width;
+    const int64_t item = dtype == F32 ? 4 : 2, lines = (d * item + 63) / 64;  /* cache lines of a head's row */
+    const char *keys = key_cache, *values = value_cache;
     float top[rows], total[rows];
     for (int64_t x = 0; x < rows; x++) top[x] = -INFINITY, total[x] = 0.0f;
     memset(oi, 0, (size_t)(rows * d) * sizeof(float));
-    float keys[VW * 256] __attribute__((aligned(64))), values[VW * 256] __attribute__((aligned(64)));
     for (int64_t p = first; p < n;) {
         const int64_t offset = p % block_size;
         const int64_t run = MIN(MIN(block_size - offset, n - p), VW);
         const int64_t slot = table[p / block_size] * block_size + offset;
-        /* The slot a block ahead (the same position of the next block), or -1 in the last block: each row widened
+        /* The slot a block ahead (the same position of the next block), or -1 in the last block: each key scored
          * below asks for that one's, one head at a time, spread over the work. Asking for the whole next block at
-         * once (up to 192 lines) stalled the loop on the prefetches, a sixth of its time (the kernel alone, 8
-         * sequences x 300 positions x 30 layers of SmolVLM-256M: 3.6-4.0 ms instead of 4.4-5.0 on AVX2, 3.2-3.3
-         * instead of 3.6 on AVX-512). */
+         * once (up to 192 lines) stalled the loop on the prefetches, a sixth of its time. */
         const int64_t ahead = p - offset + block_size < n ? table[p / block_size + 1] * block_size + offset : -1;
         for (int64_t h = h0; h < h1; h++) {
-            for (int64_t r = 0; r < run; r++) {
-                if (ahead >= 0) {
-                    prefetch_values(key_cache, (ahead + r) * width + h * d, d, dtype);
-                    prefetch_values(value_cache, (ahead + r) * width + h * d, d, dtype);
-                }
-                for (int64_t v = 0; v < vectors; v++) {
-                    const int64_t at = (slot + r) * width + h * d + v * VW;
-                    *(vf *)(keys + r * d + v * VW) = vwiden(key_cache, dtype, at);
-                    *(vf *)(values + r * d + v * VW) = vwiden(value_cache, dtype, at);
-                }
-            }
-            float w[GMAX][VW] __attribute__((aligned(64))), c[GMAX];  /* the groups' weights, corrections */
-            for (int64_t g = 0; g < groups; g++) {
-                const int64_t x = (h - h0) * groups + g;
-                const float *qx = qi + x * d;
-                vf q[MAXV], acc[VW];
-                for (int64_t v = 0; v < vectors; v++) q[v] = vloadu(qx + v * VW);
+            const int64_t row0 = slot * width + h * d;  /* the run's position r: row0 + r * width */
+            for (int64_t g0 = 0; g0 < groups; g0 += GMAX) {
+                const int64_t count = MIN(GMAX, groups - g0), x0 = (h - h0) * groups + g0;
+                vf prod[GMAX][VW];
                 for (int64_t r = 0; r < VW; r++) {
-                    vf sum = (vf){0};
-                    if (r < run)
-                        for (int64_t v = 0; v < vectors; v++) sum += q[v] * *(const vf *)(keys + r * d + v * VW);
-                    acc[r] = sum;
+                    if (r >= run) {
+                        for (int g = 0; g < GMAX; g++) prod[g][r] = (vf){0};
+                        continue;
+                    }
+                    if (g0 == 0 && ahead >= 0) {
+                        const int64_t at = ((ahead + r) * width + h * d) * item;
+                        for (int64_t line = 0; line < lines; line++)
+                            __builtin_prefetch(keys + at + 64 * line), __builtin_prefetch(values + at + 64 * line);
+                    }
+                    vf key[MAXV];
+                    for (int64_t v = 0; v < vectors; v++) key[v] = vwiden(key_cache, dtype, row0 + r * width + v * VW);
+#pragma GCC unroll 3
+                    for (int g = 0; g < GMAX; g++) {
+                        if (g >= count) break;
+                        const float *qx = qi + (x0 + g) * d;
+                        vf sum[2] = {(vf){0}, (vf){0}};  /* two chains of FMAs, each half as long */
+                        for (int64_t v = 0; v < vectors; v++) sum[v % 2] += key[v] * vloadu(qx + v * VW);
+                        prod[g][r] = sum[0] + sum[1];
+                    }
                 }
-                const vf scores = first_lanes(sums(acc) * scale, run, -INFINITY);
-                const float best = vmax_of(scores), shifted = best > top[x] ? best : top[x];
-                const float correction = top[x] == -INFINITY ? 0.0f : expf(top[x] - shifted);
-                const vf weights = first_lanes(vexp(scores - shifted), run, 0.0f);
-                total[x] = total[x] * correction + vsum_of(weights);
-                top[x] = shifted;
-                *(vf *)w[g % GMAX] = weights;
-                c[g % GMAX] = correction;
-                if (g % GMAX == GMAX - 1 || g == groups - 1)  /* each value read once for up to GMAX groups */
-                    add_values(oi + (x - g % GMAX) * d, c, w, g % GMAX + 1, values, run, d);
+                float w[GMAX][VW] __attribute__((aligned(64))), c[GMAX];  /* the heads' weights, corrections */
+                for (int g = 0; g < count; g++) {
+                    const int64_t x = x0 + g;
+                    const vf scores = first_lanes(sums(prod[g]) * scale, run, -INFINITY);
+                    const float best = vmax_of(scores), shifted = best > top[x] ? best : top[x];
+                    c[g] = top[x] == -INFINITY ? 0.0f : vexp((vf){0} + (top[x] - shifted))[0];
+                    const vf weights = first_lanes(vexp(scores - shifted), run, 0.0f);
+                    total[x] = total[x] * c[g] + vsum_of(weights);
+                    top[x] = shifted;
+                    *(vf *)w[g] = weights;
+                }
+                for (int64_t v0 = 0; v0 < vectors; v0 += OB) {
+                    const int64_t span = MIN(OB, vectors - v0);
+                    vf o[GMAX][OB];
+#pragma GCC unroll 3
+                    for (int g = 0; g < GMAX; g++)
+#pragma GCC unroll 4
+                        for (int b = 0; b < OB; b++)
+                            if (g < count && b < span) o[g][b] = vloadu(oi + (x0 + g) * d + (v0 + b) * VW) * c[g];
+                    for (int64_t r = 0; r < run; r++) {
+                        vf value[OB];
+#pragma GCC unroll 4
+                        for (int b = 0; b < OB; b++)
+                            if (b < span) value[b] = vwiden(value_cache, dtype, row0 + r * width + (v0 + b) * VW);
+#pragma GCC unroll 3
+                        for (int g = 0; g < GMAX; g++) {
+                            if (g >= count) break;
+                            const float weight = w[g][r];
+#pragma GCC unroll 4
+                            for (int b = 0; b < OB; b++)
+                                if (b < span) o[g][b] += weight * value[b];
+                        }
+                    }
+#pragma GCC unroll 3
+                    for (int g = 0; g < GMAX; g++)
+#pragma GCC unroll 4
+                        for (int b = 0; b < OB; b++)
+                            if (g < count && b < span) vstoreu(oi + (x0 + g) * d + (v0 + b) * VW, o[g][b]);
+                }
             }
         }
         p += run;
