@@ -55,16 +55,21 @@ static inline void store_floats(const float *src, int64_t count, void *dst, int 
     }
 }
 
-/* v rounded to `dtype` and widened back (float32: v), as torch rounds a result to its dtype. */
-static inline float rounded(float v, int dtype) {
-    if (dtype == F32) return v;
-    if (dtype == F16) return (float)(_Float16)v;
+/* v rounded to bfloat16 (nearest even, as torch rounds) and widened back. */
+static inline float rounded_bf16(float v) {
     uint32_t bits;
     memcpy(&bits, &v, sizeof(bits));
     bits = (bits & 0x7fffffffu) > 0x7f800000u ? (bits | 0x00400000u) & 0xffff0000u  /* NaN stays NaN */
                                               : (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
     memcpy(&v, &bits, sizeof(bits));
     return v;
+}
+
+/* v rounded to `dtype` and widened back (float32: v), as torch rounds a result to its dtype. */
+static inline float rounded(float v, int dtype) {
+    if (dtype == F32) return v;
+    if (dtype == F16) return (float)(_Float16)v;
+    return rounded_bf16(v);
 }
 
 #ifdef VECTOR

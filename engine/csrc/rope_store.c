@@ -15,13 +15,22 @@
 #include "dtypes.h"
 #include "kernels.h"
 
-/* One head's d values x (float32), rotated into `out`. */
-static inline void rotate(const float *x, const float *c, const float *s, int64_t d, int dtype, float *out) {
+/* One head's d values x (float32), rotated into `out`: each half its own loop, bfloat16's apart, so that the
+ * compiler vectorises them. */
+static inline void rotate(const float *restrict x, const float *restrict c, const float *restrict s, int64_t d,
+                          int dtype, float *restrict out) {
     const int64_t half = d / 2;
-    for (int64_t j = 0; j < d; j++) {
-        const float other = j < half ? -x[j + half] : x[j - half];
-        out[j] = rounded(rounded(x[j] * c[j], dtype) + rounded(other * s[j], dtype), dtype);
+    if (dtype == BF16) {
+        for (int64_t j = 0; j < half; j++)
+            out[j] = rounded_bf16(rounded_bf16(x[j] * c[j]) + rounded_bf16(-x[j + half] * s[j]));
+        for (int64_t j = half; j < d; j++)
+            out[j] = rounded_bf16(rounded_bf16(x[j] * c[j]) + rounded_bf16(x[j - half] * s[j]));
+        return;
     }
+    for (int64_t j = 0; j < half; j++)
+        out[j] = rounded(rounded(x[j] * c[j], dtype) + rounded(-x[j + half] * s[j], dtype), dtype);
+    for (int64_t j = half; j < d; j++)
+        out[j] = rounded(rounded(x[j] * c[j], dtype) + rounded(x[j - half] * s[j], dtype), dtype);
 }
 
 int rope_store(void *qkv, int dtype, int64_t tokens, int64_t width, int64_t nq, int64_t nkv, int64_t d,
