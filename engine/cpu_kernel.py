@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 FOLDER = Path(__file__).with_name("csrc")
 SOURCES = [FOLDER / "paged_decode.c", FOLDER / "linear.c", FOLDER / "rms_norm.c", FOLDER / "rope_store.c",
-           FOLDER / "gelu.c", FOLDER / "decode_layers.c"]
+           FOLDER / "gelu.c", FOLDER / "decode_layers.c", FOLDER / "full_attention.c"]
 HEADERS = [FOLDER / "dtypes.h", FOLDER / "kernels.h"]
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
@@ -96,6 +96,7 @@ _SIGNATURES = {  # function -> argument types (every one returns an int: 0, or w
     "add_rms_norm": [_P, _P, _INT, _I64, _I64, _P, _INT, _F, _P, _INT],
     "rope_store": [_P, _INT, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _INT, _INT],
     "gelu_tanh": [_P, _INT, _I64, _INT],
+    "full_attention": [_P, _P, _P, _INT, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _INT],
     "decode_layers": [ctypes.POINTER(DecodeStepArgs), ctypes.POINTER(LeanLayerArgs), _I64],
 }
 
@@ -343,6 +344,25 @@ def bf16_products(lib: ctypes.CDLL) -> str:
              lib.linear_isa().decode(), chosen, seconds["dot"] * 5e4, seconds["widen"] * 5e4)
     return chosen
 
+
+
+def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Every position's attention to every position of its input, no mask (a vision tower's layer): q, k, v
+    [batch, heads, n, d] views of one packed projection (the same strides, each row contiguous) ->
+    [batch, n, heads, d], contiguous, q's dtype (engine/csrc/full_attention.c). None where the kernel does not
+    take these inputs (a head size it has no loop for, other strides), so that the caller runs SDPA."""
+    batch, heads, n, d = q.shape
+    if (q.dtype not in DTYPE_CODES or not q.dtype == k.dtype == v.dtype or q.stride() != k.stride() != v.stride()
+            or k.stride() != v.stride() or q.stride(3) != 1 or q.device.type != "cpu"):
+        return None
+    out = torch.empty(batch, n, heads, d, dtype=q.dtype)
+    lib = _lib()
+    failed = lib.full_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), DTYPE_CODES[q.dtype], batch, heads, n, d,
+                                q.stride(0), q.stride(1), q.stride(2), float(scale), out.data_ptr(),
+                                torch.get_num_threads())
+    if failed == 2:
+        raise MemoryError(f"full attention could not allocate its buffers ({n} positions of {d})")
+    return None if failed else out
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

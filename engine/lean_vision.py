@@ -6,16 +6,17 @@ nanosecond a value (1,024 x 3,072 values a layer), the residual adds, three sepa
 here: a layer that fits (`fits`: LayerNorm before attention and MLP, q/k/v/out projections, an MLP fc1 ->
 GELU (tanh) -> fc2) runs as
 
-    layer_norm -> linear(qkv) -> SDPA on views of its heads -> linear(out) + residual -> layer_norm
+    layer_norm -> linear(qkv) -> attention on views of its heads -> linear(out) + residual -> layer_norm
     -> linear(fc1), GELU in place -> linear(fc2) + residual
 
 reading transformers' own weights: q/k/v are copied once into one matrix whose row ranges become the modules'
 weights (`lean_layers.fuse`), so the weights stay held once. Each product goes through the CPU's Linear kernel
 for the row counts where it wins (measured at start-up, as the decoder's), else through oneDNN (torch's own CPU
 library: the bias and the residual add in its epilogue) where it runs for the dtype no slower than F.linear
-(`fused_products`), else through F.linear and an add; GELU is the C kernel (engine/csrc/gelu.c). The
-arithmetic is the stock layer's (float32 sums; in bfloat16 a fused residual add rounds once instead of twice):
-tests compare the features with the stock tower's and greedy tokens with transformers' generate. An adapter
+(`fused_products`), else through F.linear and an add; GELU is the C kernel (engine/csrc/gelu.c); attention is
+the C kernel (engine/csrc/full_attention.c) where it beats SDPA here (`own_attention`), else SDPA. The arithmetic
+is the stock layer's (float32 sums; in bfloat16 a fused residual add rounds once instead of twice): tests compare
+the features with the stock tower's and greedy tokens with transformers' generate. An adapter
 that runs its tower in slices (engine/models/smolvlm.py) calls the slice functions below on the layers that
 fit.
 """
@@ -91,6 +92,30 @@ def fused_products(dtype: torch.dtype) -> bool:
     return True
 
 
+@functools.cache
+def own_attention(dtype: torch.dtype, heads: int, head_dim: int, patches: int = 1024) -> bool:
+    """Whether the CPU kernel's attention (engine/csrc/full_attention.c) runs a tile's attention (`patches`
+    positions, 1,024 for a 512 px SigLIP tile) faster than torch's SDPA here, timed once per shape, and gives
+    SDPA's result on it (where the build's vectors are narrow, SDPA's own kernels can be the faster)."""
+    generator = torch.Generator().manual_seed(0)
+    both = torch.randn(1, patches, 3, heads, head_dim, generator=generator).to(dtype)
+    queries, keys, values = both.permute(2, 0, 3, 1, 4)
+    scale = head_dim ** -0.5
+    with torch.inference_mode():
+        got = cpu_kernel.full_attention(queries, keys, values, scale)
+        if got is None:
+            return False
+        expected = F.scaled_dot_product_attention(queries, keys, values, scale=scale).transpose(1, 2)
+        if not torch.allclose(got.float(), expected.float(), atol=1e-4 if dtype == torch.float32 else 2e-2):
+            log.warning("the CPU kernel's attention differs from SDPA's for %s: the vision tower uses SDPA", dtype)
+            return False
+        own = median_seconds(lambda: cpu_kernel.full_attention(queries, keys, values, scale))
+        sdpa = median_seconds(lambda: F.scaled_dot_product_attention(queries, keys, values, scale=scale))
+    log.info("vision attention (%d heads of %d, %d patches, %s): the CPU kernel %.1f ms, SDPA %.1f ms: %s",
+             heads, head_dim, patches, dtype, own * 1e3, sdpa * 1e3, "the kernel" if own < sdpa else "SDPA")
+    return own < sdpa
+
+
 class LeanVisionLayer:
     """A fitting encoder layer's weights as the slice functions read them: each product a `Projection` (the
     CPU kernel for the row counts where it wins, measured at start-up like the decoder's), else oneDNN's fused
@@ -128,7 +153,12 @@ class LeanVisionLayer:
 
     def attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
                ) -> torch.Tensor:
-        """Some heads' attention ([batch, heads, patches, head_dim] each) -> [batch, patches, heads, head_dim]."""
+        """Some heads' attention ([batch, heads, patches, head_dim] each) -> [batch, patches, heads, head_dim]:
+        the CPU kernel's where it is the faster here (`own_attention`) and there is no mask, else SDPA's."""
+        if mask is None and own_attention(queries.dtype, self.heads, self.head_dim):
+            attended = cpu_kernel.full_attention(queries, keys, values, self.scale)
+            if attended is not None:
+                return attended
         return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale).transpose(1, 2)
 
     def attended_out(self, attended: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

@@ -238,6 +238,30 @@ def test_decode_attention_of_each_build_equals_the_gathered_reference(monkeypatc
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_full_attention_of_each_build_equals_sdpa(monkeypatch, name, dtype):
+    """Views of one packed projection as a vision layer makes them ([batch, patches, 3, heads, d] permuted), two
+    inputs at once, a subset of the heads (as a slice takes them); one position, fewer than a tile of queries,
+    more than a panel of keys past the last whole one, head sizes of one to four vectors and above; the result
+    [batch, patches, heads, d]. Head sizes the build has no loop for are refused (None), not miscomputed."""
+    monkeypatch.setattr(cpu_kernel, "variant", lambda: name)
+    torch.manual_seed(5)
+    for batch, patches, heads, d in ((2, 1, 2, 64), (2, 5, 3, 32), (1, 37, 2, 64), (2, 77, 3, 128), (1, 40, 1, 256)):
+        both = torch.randn(batch, patches, 3, heads, d).to(dtype)
+        queries, keys, values = (part[:, 1:] if heads > 1 else part for part in both.permute(2, 0, 3, 1, 4))
+        scale = d ** -0.5
+        expected = F.scaled_dot_product_attention(queries.float(), keys.float(), values.float(), scale=scale)
+        got = cpu_kernel.full_attention(queries, keys, values, scale)
+        assert got.dtype == dtype and got.shape == (batch, patches, queries.shape[1], d) and got.is_contiguous()
+        assert (got.float() - expected.transpose(1, 2)).abs().max().item() < (
+            2e-6 if dtype == torch.float32 else 2e-2), (batch, patches, heads, d)
+    both = torch.randn(1, 9, 3, 2, 18).to(dtype)
+    assert cpu_kernel.full_attention(*both.permute(2, 0, 3, 1, 4), 0.2) is None  # no loop for 18
+    queries, keys, values = both.permute(2, 0, 3, 1, 4)
+    assert cpu_kernel.full_attention(queries, keys.contiguous(), values, 0.2) is None  # strides that differ
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gelu_of_each_build_is_torch_s_tanh_gelu(monkeypatch, name, dtype):
     """Every value class: large negatives (0), large positives (x), around 0, in float32 to rounding, in

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from engine import lean_vision
 from engine.lean_vision import fits
 from tests.engine.conftest import run_jobs
 from tests.engine.test_exactness import mixed_jobs
@@ -27,8 +28,10 @@ def test_the_tiny_tower_runs_lean_by_default(make_engine):
 
 
 @pytest.mark.parametrize("slices", [None, 1, 3])
-def test_lean_towers_give_generate_s_tokens(make_engine, oracle, photos, slices):
-    """The whole tower in one call, a slice a step, and three slices a step (slices cut across layers)."""
+def test_lean_towers_give_generate_s_tokens(make_engine, oracle, photos, slices, monkeypatch):
+    """The whole tower in one call, a slice a step, and three slices a step (slices cut across layers); attention
+    by the CPU kernel."""
+    monkeypatch.setattr(lean_vision, "own_attention", lambda *_: True)
     jobs = mixed_jobs(photos)
     engine = make_engine(max_num_batched_tokens=13, max_num_seqs=8, encoder_slices_per_step=slices)
     assert engine.stats().lean_vision_layers > 0
@@ -37,10 +40,13 @@ def test_lean_towers_give_generate_s_tokens(make_engine, oracle, photos, slices)
         assert tokens[i] == oracle(job.prompt, job.images, job.max_tokens), f"job {i}, {slices} slices a step"
 
 
+@pytest.mark.parametrize("own", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lean_features_equal_the_stock_tower_s(make_engine, photos, dtype):
+def test_lean_features_equal_the_stock_tower_s(make_engine, photos, dtype, own, monkeypatch):
     """Features of the lean tower (whole, and five slices a call) against transformers' get_image_features on an
-    untouched copy of the model: float32 to rounding, bfloat16 within its precision."""
+    untouched copy of the model: float32 to rounding, bfloat16 within its precision; attention by the CPU kernel
+    and by SDPA (whichever `own_attention` would pick here)."""
+    monkeypatch.setattr(lean_vision, "own_attention", lambda *_: own)
     engine = make_engine(dtype="float32" if dtype == torch.float32 else "bfloat16")
     adapter = engine.adapter
     stock = copy.deepcopy(adapter)
