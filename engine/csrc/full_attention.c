@@ -23,7 +23,7 @@
 #elif defined(VECTOR)
 #define FW 8
 #define MR 6
-#define RO 3
+#define RO 2   /* 2 x 4 sums, 4 values and a weight in 16 registers (3 rows spill: 1.2x slower) */
 #else
 #define FW 4
 #define MR 4
