@@ -352,8 +352,8 @@ def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     [batch, n, heads, d], contiguous, q's dtype (engine/csrc/full_attention.c). None where the kernel does not
     take these inputs (a head size it has no loop for, other strides), so that the caller runs SDPA."""
     batch, heads, n, d = q.shape
-    if (q.dtype not in DTYPE_CODES or not q.dtype == k.dtype == v.dtype or q.stride() != k.stride() != v.stride()
-            or k.stride() != v.stride() or q.stride(3) != 1 or q.device.type != "cpu"):
+    if (q.dtype not in DTYPE_CODES or not q.dtype == k.dtype == v.dtype or not q.stride() == k.stride() == v.stride()
+            or q.stride(3) != 1 or q.device.type != "cpu"):
         return None
     out = torch.empty(batch, n, heads, d, dtype=q.dtype)
     lib = _lib()

@@ -53,7 +53,7 @@ static void scores(const float *qp, const float *kt, int64_t d, int64_t n_pad, f
     }
 }
 
-/* Rows of s [rows][n_pad] as softmax weights over their first n values; returns nothing, the sums in `total`. */
+/* Rows of s [rows][n_pad]: their first n values exponentiated less the row's largest, their sums in `total`. */
 static void softmax_rows(float *s, int64_t rows, int64_t n, int64_t n_pad, float *total) {
     for (int64_t r = 0; r < rows; r++) {
         float *row = s + r * n_pad, top = row[0], sum = 0.0f;
