@@ -92,11 +92,18 @@ def fused_products(dtype: torch.dtype) -> bool:
     return True
 
 
+def own_attention(dtype: torch.dtype, heads: int, head_dim: int) -> bool:
+    """Whether the CPU kernel's attention (engine/csrc/full_attention.c), in the build this process uses, runs a
+    tile's attention (1,024 positions: a 512 px SigLIP tile) faster than torch's SDPA here and gives SDPA's result
+    on it (where the build's vectors are narrow, SDPA's own kernels can be the faster): timed once per build and
+    shape."""
+    return _own_attention(cpu_kernel.variant(), dtype, heads, head_dim)
+
+
 @functools.cache
-def own_attention(dtype: torch.dtype, heads: int, head_dim: int, patches: int = 1024) -> bool:
-    """Whether the CPU kernel's attention (engine/csrc/full_attention.c) runs a tile's attention (`patches`
-    positions, 1,024 for a 512 px SigLIP tile) faster than torch's SDPA here, timed once per shape, and gives
-    SDPA's result on it (where the build's vectors are narrow, SDPA's own kernels can be the faster)."""
+def _own_attention(build: str | None, dtype: torch.dtype, heads: int, head_dim: int, patches: int = 1024) -> bool:
+    if build is None:
+        return False
     generator = torch.Generator().manual_seed(0)
     both = torch.randn(1, patches, 3, heads, head_dim, generator=generator).to(dtype)
     queries, keys, values = both.permute(2, 0, 3, 1, 4)
@@ -111,8 +118,8 @@ def own_attention(dtype: torch.dtype, heads: int, head_dim: int, patches: int = 
             return False
         own = median_seconds(lambda: cpu_kernel.full_attention(queries, keys, values, scale))
         sdpa = median_seconds(lambda: F.scaled_dot_product_attention(queries, keys, values, scale=scale))
-    log.info("vision attention (%d heads of %d, %d patches, %s): the CPU kernel %.1f ms, SDPA %.1f ms: %s",
-             heads, head_dim, patches, dtype, own * 1e3, sdpa * 1e3, "the kernel" if own < sdpa else "SDPA")
+    log.info("vision attention (%d heads of %d, %d patches, %s, %s build): the CPU kernel %.1f ms, SDPA %.1f ms: %s",
+             heads, head_dim, patches, dtype, build, own * 1e3, sdpa * 1e3, "the kernel" if own < sdpa else "SDPA")
     return own < sdpa
 
 

@@ -5,8 +5,8 @@
  * A decode step multiplies a few rows of x by every weight of the model: its cost is reading the weights once.
  * Four weight rows at a time stream through registers against up to RX rows of x (their chunks come from the
  * L1 cache; RX is six with AVX-512's 32 registers, two with AVX2's 16), 4 RX float32 sums kept in named vector
- * registers: each weight is loaded once per RX rows of x, each chunk of x once per four weight rows. The reduction runs along k, so every sum is a vector that is reduced
- * once, at the end of the row. With a few rows of x the loop does enough arithmetic per byte that the loads of
+ * registers: each weight is loaded once per RX rows of x, each chunk of x once per four weight rows. The
+ * reduction runs along k, so every sum is a vector that is reduced once, at the end of the row. With a few rows of x the loop does enough arithmetic per byte that the loads of
  * the weights no longer run ahead of it by themselves: each block prefetches the next block's weight rows.
  * Many rows of x (GEMM_ROWS or more: a prefill chunk, a vision tile) are arithmetic, not reading: they go by tiles
  * of packed panels instead (`gemm`, below).

@@ -110,3 +110,10 @@ def test_every_product_path_gives_the_stock_features(make_engine, photos, fused,
     inputs = _tile_inputs(engine, photos)
     for want, got in zip(stock.encode(inputs), adapter.encode(inputs)):
         assert (want - got).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+def test_the_attention_kernel_is_not_chosen_for_a_head_size_it_refuses():
+    """`own_attention` asks the kernel on the shape first: a head size with no loop (18) keeps SDPA, whatever the
+    timing would say."""
+    assert lean_vision.own_attention(torch.float32, 2, 18) is False
+    assert lean_vision.own_attention(torch.bfloat16, 2, 18) is False
