@@ -42,6 +42,7 @@ class HostConfig:
     cpu_linear: the CPU's Linear kernel (default: the engine's).
     cpu_kernels: the C kernels' build (default: the best this CPU runs).
     compile_model: compile the decoder layers at start-up.
+    lean_layers: the CPU's lean decoder and vision layers (default: the engine's, where they fit).
     vision_tiles: encoder inputs (a 512 px tile each for SmolVLM) timed through the vision tower together, lean
         and stock (0: not timed).
     """
@@ -61,6 +62,7 @@ class HostConfig:
     cpu_linear: bool | None = None
     cpu_kernels: str | None = None
     compile_model: bool = False
+    lean_layers: bool | None = None
     vision_tiles: int = 4
 
 

@@ -307,7 +307,7 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
     engine = Engine(EngineConfig(
         model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_batched_tokens=max(cfg.budget, cfg.decodes),
         max_num_seqs=cfg.decodes, max_model_len=cfg.context + extra + 16, num_threads=cfg.threads,
-        compile_model=cfg.compile_model, cpu_kernels=cfg.cpu_kernels,
+        compile_model=cfg.compile_model, cpu_kernels=cfg.cpu_kernels, lean_layers=cfg.lean_layers,
         **({} if cfg.cpu_linear is None else {"cpu_linear": cfg.cpu_linear}),
         **({} if cfg.attention_backend is None else {"attention_backend": cfg.attention_backend}),
     ))

@@ -77,9 +77,9 @@ class EngineConfig:
     cuda_graphs: replay decode-only steps from CUDA graphs captured at start-up (`None`: where the kernel runs on
         CUDA). Graphs are captured at padded batch sizes (1, 2, 4, 8, then multiples of 8 up to `max_num_seqs`);
         they need the kernel backend.
-    lean_layers: on the CPU, run Llama-style decoder layers as a few C calls (`None`: where the layers fit). A
-        stock layer's some 60 small operators a step become fused projections, RoPE with the KV write, and norms
-        with the residual adds (engine/lean_layers.py); `True` refuses a model with no such layer. A sliced
+    lean_layers: on the CPU, run Llama-style and Gemma 3 decoder layers as a few C calls (`None`: where the layers
+        fit). A stock layer's some 60 small operators a step become fused projections, RoPE with the KV write, and
+        norms with the residual adds (engine/lean_layers.py); `True` refuses a model with no such layer. A sliced
         SigLIP tower's encoder layers run fused likewise (engine/lean_vision.py: q/k/v as one product, bias and
         residual add in oneDNN's epilogue, GELU in C).
     cpu_linear_rows: the most rows a Linear goes through the CPU kernel for (`None`: measured per weight shape

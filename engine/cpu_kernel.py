@@ -8,12 +8,15 @@
   are a few rows times every weight of the model: their cost is reading the weights. `route_linears` sends a
   model's Linear layers and patch embeddings (a Conv2d whose stride is its kernel: a Linear over the image's
   patches) through it for the row counts where it beats torch's own GEMM on this machine (`measure_row_ranges`).
-  Its `glu` mode computes a Llama MLP's SiLU(gate) * up from one matrix of both (engine/lean_layers.py). Where
+  Its `glu` mode computes a gated MLP's act(gate) * up from one matrix of both, act SiLU (Llama) or GELU's tanh
+  approximation (Gemma) (engine/lean_layers.py). Where
   the build has AVX-512's bfloat16 dot products, `bf16_products` measures once whether they or float32 FMAs on
   widened weights are faster on this CPU (some run the dot products at half their FMAs' rate) and uses those.
-- `rms_norm` / `add_rms_norm` (rms_norm.c): Llama's RMSNorm in one call instead of seven small operators, and
-  the residual add before it; `route_norms` swaps it in for every norm whose forward is LlamaRMSNorm's code.
-- `rope_store` (rope_store.c): a layer's rotary embedding and KV cache write in one call.
+- `rms_norm` / `add_rms_norm` (rms_norm.c): an RMSNorm (Llama's, or Gemma's `1 + weight`: `Norm`) in one call
+  instead of seven small operators, and the residual add before it (Gemma's sandwich norm of the added output
+  too); `route_norms` swaps it in for every norm whose forward is LlamaRMSNorm's code.
+- `rope_store` (rope_store.c): a layer's rotary embedding and KV cache write in one call (Gemma's per-head q and k
+  norms before it).
 - `gelu_tanh` (gelu.c): GELU's tanh approximation in place, vectorized (a vision tower's MLP activation:
   torch's own costs as much as the matrix product before it; engine/lean_vision.py).
 
@@ -36,6 +39,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,6 +67,12 @@ VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
 }
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernels' dtype codes (dtypes.h)
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+class NormArgs(ctypes.Structure):
+    """kernels.h's `norm_weights`: one RMSNorm's weight, its dtype, flavor and epsilon (a NULL weight: none)."""
+
+    _fields_ = [("weight", _P), ("dtype", _INT), ("flavor", _INT), ("eps", _F)]
+
+
 class ProjectionArgs(ctypes.Structure):
     """decode_layers.c's `projection`: one weight as `linear` reads it."""
 
@@ -72,17 +82,20 @@ class ProjectionArgs(ctypes.Structure):
 class LeanLayerArgs(ctypes.Structure):
     """decode_layers.c's `lean_layer`: one layer's weights and KV cache."""
 
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("input_eps", _F), ("post_eps", _F),
-                ("qkv", ProjectionArgs), ("o", ProjectionArgs), ("gate_up", ProjectionArgs),
-                ("down", ProjectionArgs), ("key_cache", _P), ("value_cache", _P), ("scaling", _F)]
+    _fields_ = [*((name, NormArgs) for name in ("input_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm", "q_norm",
+                                                "k_norm")),
+                *((name, ProjectionArgs) for name in ("qkv", "o", "gate_up", "down")),
+                ("key_cache", _P), ("value_cache", _P), ("scaling", _F), ("window", _I64), ("act", _INT),
+                ("local_rope", _INT)]
 
 
 class DecodeStepArgs(ctypes.Structure):
     """decode_layers.c's `decode_step`: a step's buffers, rotary tables, attention metadata and sizes."""
 
     _fields_ = [*((name, _P) for name in ("h", "normed", "qkv", "attended", "o", "gate_up", "down", "cos", "sin",
-                                          "slots", "query_index", "block_tables", "context_lens", "final_norm")),
-                ("final_eps", _F),
+                                          "local_cos", "local_sin", "slots", "query_index", "block_tables",
+                                          "context_lens")),
+                ("final_norm", NormArgs),
                 *((name, _I64) for name in ("tokens", "hidden", "heads", "kv_heads", "head_dim", "num_seqs",
                                             "block_size", "table_width")),
                 *((name, _INT) for name in ("io_dtype", "cache_dtype", "mode", "num_threads"))]
@@ -93,8 +106,9 @@ _SIGNATURES = {  # function -> argument types (every one returns an int: 0, or w
                                _F, _I64, _P, _INT],
     "linear": [_P, _INT, _I64, _I64, _P, _INT, _I64, _I64, _P, _INT, _P, _INT],
     "rms_norm": [_P, _INT, _I64, _I64, _P, _INT, _F, _P, _INT],
-    "add_rms_norm": [_P, _P, _INT, _I64, _I64, _P, _INT, _F, _P, _INT],
-    "rope_store": [_P, _INT, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _INT, _INT],
+    "add_rms_norm": [_P, _P, ctypes.POINTER(NormArgs), _INT, _I64, _I64, ctypes.POINTER(NormArgs), _P, _INT],
+    "rope_store": [_P, _INT, _I64, _I64, _I64, _I64, _I64, ctypes.POINTER(NormArgs), ctypes.POINTER(NormArgs), _P,
+                   _P, _P, _P, _P, _INT, _INT],
     "gelu_tanh": [_P, _INT, _I64, _INT],
     "full_attention": [_P, _P, _P, _INT, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _INT],
     "decode_layers": [ctypes.POINTER(DecodeStepArgs), ctypes.POINTER(LeanLayerArgs), _I64],
@@ -248,28 +262,41 @@ def _check_weight(weight: torch.Tensor) -> None:
                          f"{weight.device}")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False,
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, glu: str | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., k] @ weight [n, k]^T (+ bias, float32), summed in float32 and returned in x's dtype
-    (engine/csrc/linear.c). With `glu`, weight is [gate; up] and the result SiLU(x gate^T) * (x up^T), [..., n/2].
-    `out`, when given, receives the result (contiguous, x's dtype)."""
+    (engine/csrc/linear.c). With `glu` (an activation of `GLU_ACTIVATIONS`), weight is [gate; up] and the result
+    act(x gate^T) * (x up^T), [..., n/2]. `out`, when given, receives the result (contiguous, x's dtype)."""
     _check_weight(weight)
     if x.dtype not in DTYPE_CODES or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"input {x.dtype} {tuple(x.shape)} does not fit a [{weight.shape[0]}, {weight.shape[1]}] "
                          "weight")
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         raise ValueError(f"the Linear kernel takes a contiguous float32 bias, got {bias.dtype}")
+    if glu is not None and glu not in GLU_ACTIVATIONS:
+        raise ValueError(f"glu is one of {list(GLU_ACTIVATIONS)} (the gate's activation), got {glu!r}")
     if glu and weight.shape[0] % 2:
         raise ValueError(f"a glu weight stacks gate and up rows: an even count, got {weight.shape[0]}")
     return _run_linear(_lib(), x, weight, bias, glu, out)
 
 
-_MODE_GLU, _PRODUCTS_WIDEN = 1, 2  # kernels.h's `mode` bits of linear()
+_PRODUCTS_WIDEN = 2  # kernels.h's `mode` bits of linear()
+# A gated MLP's activations (linear()'s `glu`) -> kernels.h's `mode` bits for it.
+GLU_ACTIVATIONS = {"silu": 1, "gelu_tanh": 1 | 4}
 PRODUCTS = ("dot", "widen")  # bfloat16 products: vdpbf16ps, or float32 FMAs on widened weights
+# transformers' activation modules by what they compute (a class of either kind computes exactly that function).
+ACTIVATION_CLASSES = {"silu": frozenset({"SiLU", "SiLUActivation"}),
+                      "gelu_tanh": frozenset({"GELUTanh", "PytorchGELUTanh", "NewGELUActivation"})}
 
 
-def _run_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool,
-                out: torch.Tensor | None = None, products: str | None = None) -> torch.Tensor:
+def activation_of(module: torch.nn.Module | None) -> str | None:
+    """What activation `module` computes ("silu", "gelu_tanh"), None where it is neither."""
+    name = type(module).__name__
+    return next((act for act, classes in ACTIVATION_CLASSES.items() if name in classes), None)
+
+
+def _run_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                glu: str | None, out: torch.Tensor | None = None, products: str | None = None) -> torch.Tensor:
     """`linear` on inputs already checked (a layer's own weight: checked once, at routing); bfloat16 products
     as `products` says (None: `bf16_products(lib)`)."""
     n, k = weight.shape
@@ -279,7 +306,7 @@ def _run_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: t
         out = torch.empty(*x.shape[:-1], width, dtype=x.dtype)
     if lib.linear(rows.data_ptr(), DTYPE_CODES[x.dtype], rows.shape[0], k, weight.data_ptr(), DTYPE_CODES[weight.dtype],
                   weight.stride(0), n, None if bias is None else bias.data_ptr(),
-                  (_MODE_GLU if glu else 0) | products_mode(lib, products), out.data_ptr(),
+                  (GLU_ACTIVATIONS[glu] if glu else 0) | products_mode(lib, products), out.data_ptr(),
                   torch.get_num_threads()):
         raise MemoryError(f"the Linear kernel could not allocate its buffer ({rows.shape[0]} x {k} floats)")
     return out
@@ -336,7 +363,7 @@ def bf16_products(lib: ctypes.CDLL) -> str:
     weight = torch.randn(1024, 576, generator=generator).bfloat16()
     rows = 3 if lib.linear_isa().decode() == "amx_bf16" else 8
     x = torch.randn(rows, 576, generator=generator).bfloat16()
-    seconds = {products: median_seconds(lambda p=products: [_run_linear(lib, x, weight, None, False, products=p)
+    seconds = {products: median_seconds(lambda p=products: [_run_linear(lib, x, weight, None, None, products=p)
                                                            for _ in range(20)], repeats=5)
                for products in PRODUCTS}
     chosen = min(PRODUCTS, key=seconds.__getitem__)
@@ -405,7 +432,7 @@ def measure_row_range(weight: torch.Tensor) -> tuple[int, int]:
         if rows * n * k > MEASURE_MACS and won:
             break
         x = torch.randn(rows, k).to(weight.dtype)
-        own = median_seconds(lambda x=x: _run_linear(lib, x, weight, None, False))
+        own = median_seconds(lambda x=x: _run_linear(lib, x, weight, None, None))
         theirs = median_seconds(lambda x=x: F.linear(x, weight))
         won.append(own <= theirs)
     if True not in won:
@@ -491,7 +518,7 @@ class KernelLinear(torch.nn.Linear):
                 and x.device.type == "cpu" and self.weight.dtype in DTYPE_CODES):
             if torch.compiler.is_compiling():  # an opaque operator in the graph (engine/compiled.py)
                 return torch.ops.vlmcap.linear(x, self.weight, self.bias32)
-            return _run_linear(load_variant(variant()), x, self.weight, self.bias32, False)
+            return _run_linear(load_variant(variant()), x, self.weight, self.bias32, None)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -513,7 +540,7 @@ class KernelPatchConv(torch.nn.Conv2d):
         patches = (x[:, :, : rows_h * kh, : rows_w * kw].reshape(batch, channels, rows_h, kh, rows_w, kw)
                    .permute(0, 2, 4, 1, 3, 5).reshape(batch, rows_h * rows_w, channels * kh * kw))
         weight = self.weight.view(self.out_channels, -1)
-        out = _run_linear(load_variant(variant()), patches, weight, self.bias32, False)
+        out = _run_linear(load_variant(variant()), patches, weight, self.bias32, None)
         return out.transpose(1, 2).reshape(batch, self.out_channels, rows_h, rows_w).contiguous()
 
 
@@ -549,28 +576,71 @@ def _run_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: floa
     return out
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 out: torch.Tensor) -> None:
-    """h += delta (rounded to h's dtype, as torch's add), then out = rms_norm(h) (engine/csrc/rms_norm.c); all
-    [rows, dim], contiguous, one dtype."""
+NORM_LLAMA, NORM_GEMMA = 0, 1  # kernels.h's norm flavors
+
+
+@dataclass
+class Norm:
+    """One RMSNorm as rms_norm.c applies it: `weight` [dim] as the kernel reads it (Llama's own weight; Gemma's
+    `1 + weight` in float32, made once), its epsilon and flavor (NORM_LLAMA: x * scale rounded to the input's dtype,
+    times the weight, rounded again; NORM_GEMMA: x * scale * weight rounded once)."""
+
+    weight: torch.Tensor
+    eps: float
+    flavor: int
+
+    def __post_init__(self) -> None:
+        if self.weight.dtype not in DTYPE_CODES or self.weight.dim() != 1 or not self.weight.is_contiguous():
+            raise ValueError(f"a norm's weight is a contiguous 1-d float32, bfloat16 or float16 tensor, got "
+                             f"{self.weight.dtype} {tuple(self.weight.shape)}")
+
+    @property
+    def args(self) -> NormArgs:
+        """As the kernels read it (made on each use: a copy of the norm points at its own weight)."""
+        return NormArgs(self.weight.data_ptr(), DTYPE_CODES[self.weight.dtype], self.flavor, self.eps)
+
+    @staticmethod
+    def of(module: torch.nn.Module | None) -> Norm | None:
+        """`module`'s norm where its forward is LlamaRMSNorm's or Gemma's RMSNorm's code (None elsewhere)."""
+        kind = type(module)
+        if is_llama_norm(kind):
+            return Norm(module.weight.detach(), float(module.variance_epsilon), NORM_LLAMA)
+        if is_gemma_norm(kind):
+            return Norm((1.0 + module.weight.detach().float()).contiguous(), float(module.eps), NORM_GEMMA)
+        return None
+
+
+def norm_args(norm: Norm | None) -> NormArgs:
+    """`norm` as the kernels read it; None: a NULL weight, no norm."""
+    return NormArgs() if norm is None else norm.args
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, norm: Norm, out: torch.Tensor,
+                 delta_norm: Norm | None = None) -> None:
+    """h += delta (normalised by `delta_norm` first where given, rounded to h's dtype, as torch's add), then
+    out = norm(h) (engine/csrc/rms_norm.c); all [rows, dim], contiguous, one dtype."""
     lib = _lib()
     rows, dim = h.shape
-    if not (h.is_contiguous() and out.is_contiguous() and weight.shape == (dim,) and weight.dtype == h.dtype
-            and out.dtype == h.dtype and (delta is None or (delta.is_contiguous() and delta.shape == h.shape
-                                                             and delta.dtype == h.dtype))):
-        raise ValueError(f"add_rms_norm takes contiguous [rows, {dim}] tensors and weight of one dtype, got "
-                         f"{h.dtype} {tuple(h.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
-    code = DTYPE_CODES[h.dtype]
-    if lib.add_rms_norm(h.data_ptr(), None if delta is None else delta.data_ptr(), code, rows, dim,
-                        weight.data_ptr(), code, eps, out.data_ptr(), torch.get_num_threads()):
+    if not (h.is_contiguous() and out.is_contiguous() and norm.weight.shape == (dim,) and out.shape == h.shape
+            and out.dtype == h.dtype
+            and h.dtype in DTYPE_CODES and (delta_norm is None or delta_norm.weight.shape == (dim,))
+            and (delta is None or (delta.is_contiguous() and delta.shape == h.shape and delta.dtype == h.dtype))):
+        raise ValueError(f"add_rms_norm takes contiguous [rows, {dim}] tensors of one dtype and weights of {dim}, "
+                         f"got {h.dtype} {tuple(h.shape)}, out {out.dtype} {tuple(out.shape)}, weight "
+                         f"{tuple(norm.weight.shape)}")
+    if lib.add_rms_norm(h.data_ptr(), None if delta is None else delta.data_ptr(),
+                        None if delta_norm is None else ctypes.byref(delta_norm.args), DTYPE_CODES[h.dtype], rows,
+                        dim, ctypes.byref(norm.args), out.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"add_rms_norm could not allocate its buffer ({dim} floats a thread)")
 
 
 def rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
-               sin: torch.Tensor, slots: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+               sin: torch.Tensor, slots: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               q_norm: Norm | None = None, k_norm: Norm | None = None) -> None:
     """Rotary embedding of the queries (in place) and keys of qkv [T, (q_heads + 2 kv_heads) head_dim], keys and
     values written to the cache rows `slots` (int64 [T]) of [slots, kv_heads, head_dim] caches
-    (engine/csrc/rope_store.c); cos and sin [T, head_dim] in qkv's dtype."""
+    (engine/csrc/rope_store.c); cos and sin [T, head_dim] in qkv's dtype; each query and key head normalised by
+    `q_norm` / `k_norm` before its rotation where given (Gemma 3)."""
     lib = _lib()
     tokens, width = qkv.shape
     if not (width == (q_heads + 2 * kv_heads) * head_dim and qkv.is_contiguous() and cos.shape == (tokens, head_dim)
@@ -578,41 +648,52 @@ def rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int, co
             and sin.dtype == qkv.dtype and slots.dtype == torch.int64 and slots.is_contiguous()
             and slots.shape == (tokens,) and key_cache.is_contiguous() and value_cache.is_contiguous()
             and key_cache.dtype == value_cache.dtype and key_cache.dtype in DTYPE_CODES
-            and key_cache.shape[1:] == (kv_heads, head_dim)):
+            and key_cache.shape[1:] == (kv_heads, head_dim)
+            and all(norm is None or norm.weight.shape == (head_dim,) for norm in (q_norm, k_norm))):
         raise ValueError(f"rope_store got qkv {tuple(qkv.shape)} {qkv.dtype}, cos {tuple(cos.shape)} {cos.dtype}, "
                          f"slots {tuple(slots.shape)} {slots.dtype}, cache {tuple(key_cache.shape)} "
                          f"{key_cache.dtype} for {q_heads}/{kv_heads} heads of {head_dim}")
-    if lib.rope_store(qkv.data_ptr(), DTYPE_CODES[qkv.dtype], tokens, width, q_heads, kv_heads, head_dim,
+    norms = [None if norm is None else ctypes.byref(norm.args) for norm in (q_norm, k_norm)]
+    if lib.rope_store(qkv.data_ptr(), DTYPE_CODES[qkv.dtype], tokens, width, q_heads, kv_heads, head_dim, *norms,
                       cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                       DTYPE_CODES[key_cache.dtype], torch.get_num_threads()):
-        raise MemoryError(f"rope_store could not allocate its buffer ({4 * head_dim} floats a thread)")
+        raise MemoryError(f"rope_store could not allocate its buffer ({6 * head_dim} floats a thread)")
 
 
-def _llama_norm_code() -> str | None:
-    """The source of LlamaRMSNorm's forward, which `KernelRMSNorm` computes (None where it cannot be read)."""
+def _norm_code(module_path: str, class_name: str) -> str | None:
+    """The source of transformers' `class_name`.forward in `module_path` (None where it cannot be read)."""
+    import importlib
     import inspect
 
     try:
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-        return inspect.getsource(LlamaRMSNorm.forward)
-    except (ImportError, OSError, TypeError):
+        return inspect.getsource(getattr(importlib.import_module(module_path), class_name).forward)
+    except (ImportError, AttributeError, OSError, TypeError):
         return None
 
 
-@functools.cache
-def is_llama_norm(kind: type) -> bool:
-    """Whether modules of class `kind` compute LlamaRMSNorm's forward (its copies in Qwen2, Mistral, ...)."""
+def _computes(kind: type, module_path: str, class_name: str) -> bool:
+    """Whether class `kind` is an RMSNorm whose forward is the code of transformers' `class_name` (a copy of it in
+    another model counts)."""
     import inspect
 
-    if kind is KernelRMSNorm:
-        return True
-    reference = _llama_norm_code()
+    reference = _norm_code(module_path, class_name)
     try:
         return (reference is not None and kind.__name__.endswith("RMSNorm")
                 and inspect.getsource(kind.forward) == reference)
     except (OSError, TypeError):
         return False
+
+
+@functools.cache
+def is_llama_norm(kind: type) -> bool:
+    """Whether modules of class `kind` compute LlamaRMSNorm's forward (its copies in Qwen2, Mistral, ...)."""
+    return kind is KernelRMSNorm or _computes(kind, "transformers.models.llama.modeling_llama", "LlamaRMSNorm")
+
+
+@functools.cache
+def is_gemma_norm(kind: type) -> bool:
+    """Whether modules of class `kind` compute Gemma 3's RMSNorm's forward (x * (1 + weight) in float32)."""
+    return _computes(kind, "transformers.models.gemma3.modeling_gemma3", "Gemma3RMSNorm")
 
 
 def route_norms(model: torch.nn.Module) -> int:

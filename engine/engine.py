@@ -193,9 +193,9 @@ class Engine:
             adapter.lean = LeanTextModel(adapter.text_model, adapter.num_heads, adapter.num_kv_heads,
                                          adapter.head_dim)
         elif self.config.lean_layers:
-            raise ValueError(f"lean_layers: no decoder layer of {type(adapter.text_model).__name__} is Llama-style "
-                             f"(engine/lean_layers.py `fits`), or the attention backend is {self.attention_backend!r} "
-                             "(lean layers run the CPU's attention)")
+            raise ValueError(f"lean_layers: no decoder layer of {type(adapter.text_model).__name__} is Llama-style or "
+                             f"Gemma 3's (engine/lean_layers.py `fits`), or the attention backend is "
+                             f"{self.attention_backend!r} (lean layers run the CPU's attention)")
         if self.config.lean_layers is not False and adapter.vision_layers is not None:
             layers = lean_vision_layers(adapter.vision_layers)
             adapter.lean_vision = layers if any(layer is not None for layer in layers) else None

@@ -1,20 +1,22 @@
-"""Llama-style decoder layers run as a handful of C calls on the CPU (`EngineConfig.lean_layers`).
+"""Llama-style and Gemma 3 decoder layers run as a handful of C calls on the CPU (`EngineConfig.lean_layers`).
 
 A stock transformers decoder layer runs some 60 small operators a step (projections, rotary embedding, views,
 residual adds, norms, activation): on a CPU a decode step's few rows make each cost more to dispatch than to
-compute. The rule here: a layer that fits (`fits`: Llama's structure: RMSNorm before attention and MLP, q/k/v/o
-projections with rotate-half RoPE and no norms of their own, a SiLU-gated MLP, full causal attention; Llama,
-Qwen2, Qwen2-VL, Mistral text models) runs as
+compute. The rule here: a layer that fits (`fits`: RMSNorms of Llama's or Gemma's arithmetic before attention and
+MLP, and in Gemma 3 after each too; q/k/v/o projections with rotate-half RoPE, per-head q and k norms where the
+layer has them; a gated MLP whose activation is SiLU or GELU's tanh approximation; causal attention, full or in a
+sliding window; no logit soft-capping: Llama, Qwen2, Qwen2-VL, Mistral and Gemma 3 text models) runs as
 
-    add_rms_norm -> linear(qkv) -> rope_store -> attention -> linear(o) -> add_rms_norm -> linear(gate_up, glu)
-    -> linear(down)
+    add_rms_norm -> linear(qkv) -> rope_store (q/k norms) -> attention -> linear(o) -> add_rms_norm
+    -> linear(gate_up, glu) -> linear(down)
 
 reading transformers' own weights: q/k/v (and gate/up) are copied once into one matrix whose row ranges become
 the modules' weights (views), so one call computes them and the weights stay held once. The residual add of
-each layer is fused into the next norm. A step's buffers are made once per step and shared by every layer;
-the rotary embedding's cos and sin come from the model's own module, M-RoPE sections included. Layers that do
-not fit run stock, on the same residual stream. Attention is the engine's own (engine/attention.py), so the
-results are those of the stock layers: tests compare greedy tokens with both and with transformers' generate.
+each block is fused into the next norm (with Gemma's norm of the block's output before it). A step's buffers are
+made once per step and shared by every layer; the rotary embedding's cos and sin come from the model's own
+module (M-RoPE's sections, Gemma's local and global tables included). Layers that do not fit run stock, on the
+same residual stream. Attention is the engine's own (engine/attention.py), so the results are those of the
+stock layers: tests compare greedy tokens with both and with transformers' generate.
 
 A step of decodes only (the steady state of every chat) runs all the layers and the final norm in one C call
 (engine/csrc/decode_layers.c): the same kernels in the same order on the same buffers, so the same bits, without
@@ -25,6 +27,7 @@ projection's kernel range, goes layer by layer).
 from __future__ import annotations
 
 import ctypes
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -33,15 +36,41 @@ import torch.nn.functional as F
 
 from engine import cpu_kernel
 from engine.attention import AttentionBatch, reference_attention
+from engine.cpu_kernel import Norm
 
 log = logging.getLogger(__name__)
 
 LEAN_LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen2VLDecoderLayer",
-                                "Qwen2_5_VLDecoderLayer", "MistralDecoderLayer"})
+                                "Qwen2_5_VLDecoderLayer", "MistralDecoderLayer", "Gemma3DecoderLayer"})
+# Where a layer's norms sit: before attention, before the MLP, after attention and after the MLP (Gemma's
+# sandwich norms of each block's output), per query and key head.
+NORM_PLACES = ("input", "mlp", "attn_out", "mlp_out", "q", "k")
 
 
-def _silu(module: torch.nn.Module) -> bool:
-    return type(module).__name__ in ("SiLU", "SiLUActivation")
+def _norm_modules(layer: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
+    attn = layer.self_attn
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: a norm before and after each block
+        modules = dict(input=getattr(layer, "input_layernorm", None), mlp=layer.pre_feedforward_layernorm,
+                       attn_out=getattr(layer, "post_attention_layernorm", None),
+                       mlp_out=getattr(layer, "post_feedforward_layernorm", None))
+    else:
+        modules = dict(input=getattr(layer, "input_layernorm", None),
+                       mlp=getattr(layer, "post_attention_layernorm", None), attn_out=None, mlp_out=None)
+    return {**modules, "q": getattr(attn, "q_norm", None), "k": getattr(attn, "k_norm", None)}
+
+
+def _norms(layer: torch.nn.Module, dtype: torch.dtype) -> dict[str, Norm | None] | None:
+    """The layer's norms by place (None where it has none there), or None where one is of another arithmetic, a
+    Llama-style one's weight is not of the layer's `dtype`, or it lacks a norm before attention or the MLP."""
+    modules = _norm_modules(layer)
+    norms = {place: None if module is None else Norm.of(module) for place, module in modules.items()}
+    if any(modules[place] is not None and norms[place] is None for place in NORM_PLACES):
+        return None
+    if norms["input"] is None or norms["mlp"] is None:
+        return None
+    if any(n is not None and n.flavor == cpu_kernel.NORM_LLAMA and n.weight.dtype != dtype for n in norms.values()):
+        return None
+    return norms
 
 
 def fits(layer: torch.nn.Module) -> bool:
@@ -54,11 +83,19 @@ def fits(layer: torch.nn.Module) -> bool:
     if not all(isinstance(m, torch.nn.Linear) for m in linears):
         return False
     dtypes = {m.weight.dtype for m in linears}
-    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
-    return (len(dtypes) == 1 and dtypes <= set(cpu_kernel.KERNEL_ROWS)
-            and all(n is not None and cpu_kernel.is_llama_norm(type(n)) for n in norms)
-            and not hasattr(attn, "q_norm") and getattr(attn, "sliding_window", None) is None
-            and getattr(attn, "is_causal", True) and _silu(getattr(mlp, "act_fn", None)))
+    window = getattr(attn, "sliding_window", None)
+    return (len(dtypes) == 1 and dtypes <= set(cpu_kernel.KERNEL_ROWS) and _norms(layer, next(iter(dtypes)))
+            is not None and getattr(attn, "is_causal", True) and getattr(attn, "attn_logit_softcapping", None) is None
+            and (window is None or (isinstance(window, int) and window > 0))
+            and isinstance(getattr(attn, "scaling", None), float)
+            and cpu_kernel.activation_of(getattr(mlp, "act_fn", None)) in cpu_kernel.GLU_ACTIVATIONS)
+
+
+def _rope_kind(text_model: torch.nn.Module, layer: torch.nn.Module) -> str | None:
+    """Which of the model's rotary tables `layer` takes: its layer type where the rotary embedding makes one per
+    type (Gemma 3: local and global), else None (one table)."""
+    takes_type = "layer_type" in inspect.signature(text_model.rotary_emb.forward).parameters
+    return getattr(layer.self_attn, "layer_type", None) if takes_type else None
 
 
 @dataclass
@@ -73,12 +110,13 @@ class Projection:
         self.weight_t = self.weight.t()  # torch's path multiplies by this view, made once
         self.bias = None if self.bias32 is None else self.bias32.to(self.weight.dtype)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor, glu: bool = False) -> None:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, glu: str | None = None) -> None:
+        """out = x W^T (+ b); with `glu` (an activation), act(x W_g^T) * (x W_u^T)."""
         if self.rows[0] <= x.shape[0] <= self.rows[1]:
             cpu_kernel._run_linear(cpu_kernel.load_variant(cpu_kernel.variant()), x, self.weight, self.bias32,
                                    glu, out)
             return
-        if not glu:
+        if glu is None:
             if self.bias is None:
                 torch.mm(x, self.weight_t, out=out)
             else:
@@ -86,7 +124,8 @@ class Projection:
             return
         both = F.linear(x, self.weight, self.bias)
         half = both.shape[-1] // 2
-        torch.mul(F.silu(both[:, :half]), both[:, half:], out=out)
+        gate = F.silu(both[:, :half]) if glu == "silu" else F.gelu(both[:, :half], approximate="tanh")
+        torch.mul(gate, both[:, half:], out=out)
 
 
 def fuse(modules: list[torch.nn.Linear]) -> Projection:
@@ -122,19 +161,36 @@ def measure_projections(projections: list[Projection]) -> dict[str, tuple[int, i
 class LeanLayer:
     """A fitting decoder layer's weights as the lean forward reads them."""
 
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: torch.nn.Module, rope: str | None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o = fuse([attn.o_proj])
         self.gate_up = fuse([mlp.gate_proj, mlp.up_proj])
         self.down = fuse([mlp.down_proj])
-        self.input_norm = (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon))
-        self.post_norm = (layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon))
+        norms = _norms(layer, self.qkv.weight.dtype)
+        self.input_norm, self.mlp_norm = norms["input"], norms["mlp"]
+        self.attn_out_norm, self.mlp_out_norm = norms["attn_out"], norms["mlp_out"]
+        self.q_norm, self.k_norm = norms["q"], norms["k"]
+        self.mlp_out_module = _norm_modules(layer)["mlp_out"]  # for a stock layer after this one
         self.scaling = float(attn.scaling)
+        self.window: int | None = getattr(attn, "sliding_window", None)
+        self.act: str = cpu_kernel.activation_of(mlp.act_fn)
+        self.rope = rope
         self.intermediate = mlp.gate_proj.out_features
 
     def projections(self) -> list[Projection]:
         return [self.qkv, self.o, self.gate_up, self.down]
+
+    def args(self, key_cache: torch.Tensor, value_cache: torch.Tensor, local_rope: bool) -> cpu_kernel.LeanLayerArgs:
+        """This layer as decode_layers.c reads it."""
+        norm = cpu_kernel.norm_args
+        return cpu_kernel.LeanLayerArgs(
+            input_norm=norm(self.input_norm), mlp_norm=norm(self.mlp_norm), attn_out_norm=norm(self.attn_out_norm),
+            mlp_out_norm=norm(self.mlp_out_norm), q_norm=norm(self.q_norm), k_norm=norm(self.k_norm),
+            **{name: cpu_kernel.projection_args(p.weight, p.bias32)
+               for name, p in zip(("qkv", "o", "gate_up", "down"), self.projections())},
+            key_cache=key_cache.data_ptr(), value_cache=value_cache.data_ptr(), scaling=self.scaling,
+            window=self.window or 0, act=cpu_kernel.GLU_ACTIVATIONS[self.act], local_rope=int(local_rope))
 
 
 class LeanTextModel:
@@ -142,10 +198,12 @@ class LeanTextModel:
 
     def __init__(self, text_model: torch.nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.text_model = text_model
-        self.layers = [LeanLayer(layer) if fits(layer) else None for layer in text_model.layers]
+        self.ropes = [_rope_kind(text_model, layer) for layer in text_model.layers]
+        self.rope_kinds = sorted(set(self.ropes), key=str)  # the rotary tables a step makes
+        self.layers = [LeanLayer(layer, rope) if fits(layer) else None
+                       for layer, rope in zip(text_model.layers, self.ropes)]
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        norm = text_model.norm
-        self.final_norm = (norm.weight, float(norm.variance_epsilon)) if cpu_kernel.is_llama_norm(type(norm)) else None
+        self.final_norm = Norm.of(text_model.norm)
         self.count = sum(layer is not None for layer in self.layers)
         self.one_call = True  # decode steps through cpu_kernel.decode_layers (False: a call per kernel)
         self._projections = self.projections()
@@ -171,18 +229,15 @@ class LeanTextModel:
     def _layer_args(self, batch: AttentionBatch) -> tuple[ctypes.Array | None, tuple[int, int]]:
         """Every layer's weights and KV cache as one C call reads them (cpu_kernel.decode_layers), and the row
         counts every projection's kernel takes (their ranges, measured at start-up), made once per KV cache; None
-        where a layer runs stock, the layers differ in MLP width or the model's last norm is not Llama's."""
+        where a layer runs stock, the layers differ in MLP width, the model's last norm is of another arithmetic
+        or it has more than two rotary tables."""
         cache = batch.kv_cache
         if self._args is not None and self._args[0] is cache:
             return self._args[1:]
         args = None
         widths = {layer.intermediate for layer in self.layers if layer is not None}
-        norms = [norm for layer in self.layers if layer is not None for norm in (layer.input_norm, layer.post_norm)]
-        norms += [self.final_norm] if self.final_norm is not None else []
-        norm_dtypes = {weight.dtype for weight, _ in norms}
-        if self.count == len(self.layers) and self.final_norm is not None and len(widths) == 1:
-            if len(norm_dtypes) != 1 or not all(weight.is_contiguous() for weight, _ in norms):
-                raise ValueError(f"the lean layers' norm weights must be contiguous, of one dtype, got {norm_dtypes}")
+        if (self.count == len(self.layers) and self.final_norm is not None and len(widths) == 1
+                and len(self.rope_kinds) <= 2):
             args = (cpu_kernel.LeanLayerArgs * self.count)()
             for index, layer in enumerate(self.layers):
                 key_cache, value_cache = cache.keys[index], cache.values[index]
@@ -190,10 +245,7 @@ class LeanTextModel:
                         and key_cache.shape[1:] == (self.kv_heads, self.head_dim)):
                     raise ValueError(f"layer {index}'s KV cache {tuple(key_cache.shape)} is not contiguous "
                                      f"[slots, {self.kv_heads}, {self.head_dim}]")
-                args[index] = cpu_kernel.LeanLayerArgs(
-                    layer.input_norm[0].data_ptr(), layer.post_norm[0].data_ptr(), layer.input_norm[1],
-                    layer.post_norm[1], *(cpu_kernel.projection_args(p.weight, p.bias32) for p in layer.projections()),
-                    key_cache.data_ptr(), value_cache.data_ptr(), layer.scaling)
+                args[index] = layer.args(key_cache, value_cache, self.rope_kinds.index(layer.rope) == 1)
         rows = (max(p.rows[0] for p in self._projections), min(p.rows[1] for p in self._projections))
         self._args = (cache, args, rows)
         return args, rows
@@ -210,14 +262,25 @@ class LeanTextModel:
         """Each projection's `rows` measured here (cpu_kernel.measure_row_range), one per shape."""
         return measure_projections(self.projections())
 
+    def _rotary_tables(self, embeds: torch.Tensor, position_ids: torch.Tensor
+                       ) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """Each rotary table the layers take (`rope_kinds`): cos and sin [T, head_dim], contiguous."""
+        tokens = embeds.shape[0]
+        tables = {}
+        for kind in self.rope_kinds:
+            extra = () if kind is None else (kind,)
+            cos, sin = self.text_model.rotary_emb(embeds[None], position_ids.unsqueeze(-2), *extra)
+            tables[kind] = (cos.reshape(tokens, self.head_dim).contiguous(),
+                            sin.reshape(tokens, self.head_dim).contiguous())
+        return tables
+
     def forward(self, embeds: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """[T, hidden] embeddings -> [T, hidden] final hidden states (after the model's last norm)."""
         if batch.kernel is not None:
             raise RuntimeError("lean layers run the CPU's attention, not the paged kernel's metadata")
         tokens, hidden = embeds.shape
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        cos, sin = self.text_model.rotary_emb(embeds[None], position_ids.unsqueeze(-2))
-        cos, sin = cos.reshape(tokens, self.head_dim).contiguous(), sin.reshape(tokens, self.head_dim).contiguous()
+        tables = self._rotary_tables(embeds, position_ids)
         h = embeds.contiguous()  # the residual stream, updated in place
         new = embeds.new_empty
         normed, o, down = new(tokens, hidden), new(tokens, hidden), new(tokens, hidden)
@@ -225,45 +288,54 @@ class LeanTextModel:
         layer_args = self._in_one_call(batch, tokens)
         if layer_args is not None:
             gate_up = new(tokens, self.layers[0].intermediate)
-            self._run_in_one_call(layer_args, batch, h, (normed, qkv, attended, o, gate_up, down), cos, sin)
+            self._run_in_one_call(layer_args, batch, h, (normed, qkv, attended, o, gate_up, down), tables)
             return normed
         queries = qkv[:, :q_width].view(tokens, self.heads, self.head_dim).transpose(0, 1)  # [heads, T, d]
         attended_rows = attended.view(tokens, q_width)
         gate_up = None
         pending: torch.Tensor | None = None  # the last layer's output, not yet added to h
+        pending_layer: LeanLayer | None = None  # the lean layer that made it (its norm of it is still to apply)
         keys, values = batch.kv_cache.keys, batch.kv_cache.values
         for index, layer in enumerate(self.layers):
             if layer is None:
                 if pending is not None:
-                    h.add_(pending)
+                    norm = pending_layer.mlp_out_module
+                    h.add_(pending if norm is None else norm(pending))
                     pending = None
                 stock = self.text_model.layers[index]
+                cos, sin = tables[self.ropes[index]]
                 h = stock(h[None], position_embeddings=(cos[None], sin[None]), position_ids=position_ids.unsqueeze(-2),
                           vlmcap_batch=batch)[0].contiguous()
                 continue
             if gate_up is None or gate_up.shape[1] != layer.intermediate:
                 gate_up = new(tokens, layer.intermediate)
-            cpu_kernel.add_rms_norm(h, pending, *layer.input_norm, normed)
+            cos, sin = tables[layer.rope]
+            cpu_kernel.add_rms_norm(h, pending, layer.input_norm, normed,
+                                    pending_layer.mlp_out_norm if pending is not None else None)
             layer.qkv(normed, qkv)
             cpu_kernel.rope_store(qkv, self.heads, self.kv_heads, self.head_dim, cos, sin, batch.slot_mapping,
-                                  keys[index], values[index])
-            reference_attention(queries, keys[index], values[index], batch, None, layer.scaling, attended)
+                                  keys[index], values[index], layer.q_norm, layer.k_norm)
+            reference_attention(queries, keys[index], values[index], batch, layer.window, layer.scaling, attended)
             layer.o(attended_rows, o)
-            cpu_kernel.add_rms_norm(h, o, *layer.post_norm, normed)
-            layer.gate_up(normed, gate_up, glu=True)
+            cpu_kernel.add_rms_norm(h, o, layer.mlp_norm, normed, layer.attn_out_norm)
+            layer.gate_up(normed, gate_up, glu=layer.act)
             layer.down(gate_up, down)
-            pending = down
+            pending, pending_layer = down, layer
         if self.final_norm is None:
             if pending is not None:
-                h.add_(pending)
+                norm = pending_layer.mlp_out_module
+                h.add_(pending if norm is None else norm(pending))
             return self.text_model.norm(h)
-        cpu_kernel.add_rms_norm(h, pending, *self.final_norm, normed)
+        cpu_kernel.add_rms_norm(h, pending, self.final_norm, normed,
+                                pending_layer.mlp_out_norm if pending is not None else None)
         return normed
 
     def _run_in_one_call(self, layer_args: ctypes.Array, batch: AttentionBatch, h: torch.Tensor,
-                         buffers: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor) -> None:
+                         buffers: tuple[torch.Tensor, ...],
+                         tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """forward's layers and final norm in one C call: h and the buffers (normed, qkv, attended, o, gate_up,
-        down) as forward made them, the step's attention metadata checked as each kernel's wrapper checks it."""
+        down) as forward made them, the rotary tables (the first kind's the step's cos and sin, the second's its
+        local ones), the step's attention metadata checked as each kernel's wrapper checks it."""
         if self._step is None:
             self._step = cpu_kernel.DecodeStepArgs()
         group, step, cache = batch.decodes[0], self._step, batch.kv_cache.keys[0]
@@ -272,17 +344,17 @@ class LeanTextModel:
             raise ValueError(f"the decode step's slots, query index, block tables and context lengths must be "
                              f"contiguous int64, got {[t.dtype for t in metadata]}")
         tokens, hidden = h.shape
-        norm_dtype = self.final_norm[0].dtype
+        (cos, sin), (local_cos, local_sin) = tables[self.rope_kinds[0]], tables[self.rope_kinds[-1]]
         codes = cpu_kernel.DTYPE_CODES
-        if cache.dtype not in codes or h.dtype not in codes or not h.dtype == cos.dtype == sin.dtype == norm_dtype:
-            raise ValueError(f"one call runs the layers on hidden states, rotary tables and norm weights of one "
-                             f"dtype and a float32, bfloat16 or float16 cache, got {h.dtype}, {cos.dtype}, "
-                             f"{norm_dtype} and {cache.dtype}")
+        if cache.dtype not in codes or h.dtype not in codes or not h.dtype == cos.dtype == local_cos.dtype:
+            raise ValueError(f"one call runs the layers on hidden states and rotary tables of one dtype and a "
+                             f"float32, bfloat16 or float16 cache, got {h.dtype}, {cos.dtype}, {local_cos.dtype} and "
+                             f"{cache.dtype}")
         step.h, step.normed, step.qkv, step.attended, step.o, step.gate_up, step.down = (
             t.data_ptr() for t in (h, *buffers))
-        step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
+        step.cos, step.sin, step.local_cos, step.local_sin = (t.data_ptr() for t in (cos, sin, local_cos, local_sin))
         step.slots, step.query_index, step.block_tables, step.context_lens = (t.data_ptr() for t in metadata)
-        step.final_norm, step.final_eps = self.final_norm[0].data_ptr(), self.final_norm[1]
+        step.final_norm = self.final_norm.args
         step.tokens, step.hidden, step.heads, step.kv_heads, step.head_dim = (
             tokens, hidden, self.heads, self.kv_heads, self.head_dim)
         step.num_seqs, step.block_size, step.table_width = (

@@ -35,9 +35,6 @@ from engine.lean_layers import Projection, fuse, measure_projections
 
 log = logging.getLogger(__name__)
 
-TANH_GELU_CLASSES = frozenset({"GELUTanh", "PytorchGELUTanh", "NewGELUActivation"})
-
-
 def fits(layer: torch.nn.Module) -> bool:
     """Whether `layer` computes exactly what `LeanVisionLayer` computes (see the module's docstring)."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -50,7 +47,7 @@ def fits(layer: torch.nn.Module) -> bool:
         return False
     dtypes = {m.weight.dtype for m in linears}
     return (len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16}
-            and type(getattr(mlp, "activation_fn", None)).__name__ in TANH_GELU_CLASSES
+            and cpu_kernel.activation_of(getattr(mlp, "activation_fn", None)) == "gelu_tanh"
             and all(m.weight.device.type == "cpu" for m in linears)
             and not getattr(attn, "is_causal", False) and hasattr(attn, "head_dim") and hasattr(attn, "scale"))
 

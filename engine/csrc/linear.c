@@ -20,8 +20,9 @@
  *     in the same order (`split_pairs`);
  *   - AVX2 + FMA: 8 lanes, likewise;
  *   - anything else: plain C.
- * `glu` mode computes act(x W_g^T) * (x W_u^T) for W = [W_g; W_u] (n = 2 * half), SiLU, rounded to the output
- * dtype between operators as torch rounds them, so a Llama MLP's gate and up projections are one pass.
+ * `glu` mode computes act(x W_g^T) * (x W_u^T) for W = [W_g; W_u] (n = 2 * half), act SiLU (Llama) or with
+ * MODE_GELU GELU's tanh approximation (Gemma), rounded to the output dtype between operators as torch rounds them,
+ * so a gated MLP's gate and up projections are one pass.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -327,7 +328,17 @@ static inline void round_to(float *v, int64_t count, int dtype) {
     }
 }
 
-/* The sums of one task's columns for one row of x, finished: bias, then (glu) SiLU(gate) * up with each
+enum { GLU_SILU = 1, GLU_GELU = 2 }; /* `glu_mode` below: which act, or 0 (no glu) */
+
+/* act(gate) in float32: SiLU, gate / (1 + e^-gate); or GELU's tanh approximation,
+ * 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3). */
+static inline float activation(float gate, int glu_mode) {
+    if (glu_mode == GLU_GELU)
+        return gate / (1.0f + expf(-2.0f * 0.7978845608028654f * (gate + 0.044715f * gate * gate * gate)));
+    return gate / (1.0f + expf(-gate));
+}
+
+/* The sums of one task's columns for one row of x, finished: bias, then (glu) act(gate) * up with each
  * operator's result rounded to the output dtype as torch's `act(gate) * up` rounds it. gate_up holds per block
  * [gate j, gate j+1, up j, up j+1]. */
 static void finish_row(float *sums, int64_t blocks, int glu_mode, const float *bias, const int64_t *rows_of,
@@ -345,7 +356,7 @@ static void finish_row(float *sums, int64_t blocks, int glu_mode, const float *b
         }
     round_to(gate, count, dtype);
     round_to(up, count, dtype);
-    for (int64_t c = 0; c < count; c++) out[c] = gate[c] / (1.0f + expf(-gate[c]));
+    for (int64_t c = 0; c < count; c++) out[c] = activation(gate[c], glu_mode);
     round_to(out, count, dtype);
     for (int64_t c = 0; c < count; c++) out[c] *= up[c];
 }
@@ -396,8 +407,8 @@ static inline __m512 bf16_round16(__m512 v) {
 }
 
 /* One task's sums ([tile][weight row][row of x]) into y rows row0.. (bfloat16): plain, the 32 columns from
- * `first` (the second tile's 16 follow the first's); glu, SiLU(gate) * up for the 16 outputs from `first`, each
- * operator rounded as torch rounds it. */
+ * `first` (the second tile's 16 follow the first's); glu, act(gate) * up for the 16 outputs from `first`, each
+ * operator rounded as torch rounds it (`activation`, 16 at a time). */
 static void amx_finish(float sums[2][16][16], int64_t rows, int64_t first, int64_t second, int glu_mode,
                        const float *bias, void *y, int64_t out_cols, int64_t row0) {
     float across[2][16][16] __attribute__((aligned(64)));  /* [tile][row of x][weight row] */
@@ -413,8 +424,13 @@ static void amx_finish(float sums[2][16][16], int64_t rows, int64_t first, int64
         if (glu_mode) {
             const __m512 gate = bf16_round16(a);
             const __m512 one = _mm512_set1_ps(1.0f);
-            const __m512 act = bf16_round16(_mm512_div_ps(gate, _mm512_add_ps(one, exp16(_mm512_sub_ps(
-                _mm512_setzero_ps(), gate)))));
+            __m512 minus = _mm512_sub_ps(_mm512_setzero_ps(), gate);  /* SiLU: e^-gate */
+            if (glu_mode == GLU_GELU) {  /* e^(-2u), u = sqrt(2 / pi) (g + 0.044715 g^3) */
+                const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(gate, gate), gate);
+                minus = _mm512_mul_ps(_mm512_set1_ps(-2.0f * 0.7978845608028654f),
+                                      _mm512_fmadd_ps(cube, _mm512_set1_ps(0.044715f), gate));
+            }
+            const __m512 act = bf16_round16(_mm512_div_ps(gate, _mm512_add_ps(one, exp16(minus))));
             _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(act, bf16_round16(b))));
         } else {
             _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(a));
@@ -680,11 +696,11 @@ static void gemm(const void *x, int64_t m, int64_t k, const void *w, int w_dtype
 #endif
 
 /* x [m, k] in io_dtype, w [n, k] in w_dtype (rows `w_stride` elements apart), bias n floats or NULL; y [m, n]
- * (or [m, n / 2] with MODE_GLU) in io_dtype; `mode`: MODE_GLU | PRODUCTS_WIDEN bits. Returns 2 where memory
- * runs out. */
+ * (or [m, n / 2] with MODE_GLU) in io_dtype; `mode`: MODE_GLU | MODE_GELU | PRODUCTS_WIDEN bits. Returns 2 where
+ * memory runs out. */
 int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int w_dtype, int64_t w_stride,
            int64_t n, const float *bias, int mode, void *y, int num_threads) {
-    const int glu_mode = mode & MODE_GLU;
+    const int glu_mode = !(mode & MODE_GLU) ? 0 : (mode & MODE_GELU) ? GLU_GELU : GLU_SILU;
     const int64_t item = w_dtype == F32 ? 4 : 2, out_cols = glu_mode ? n / 2 : n;
     const int64_t blocks = glu_mode ? (out_cols + 1) / 2 : (n + RW - 1) / RW;
     int64_t block0 = 0;  /* the first block the vector path computes (past what the tiles did) */

@@ -6,6 +6,8 @@
  * RoPE does, `x * cos + rotate_half(x) * sin` with each product and the sum rounded to the dtype as torch rounds
  * them; queries in place, keys into the cache row of their token's slot, values copied there as they are.
  * cos and sin [T, d] are the model's own (its rotary embedding module made them, M-RoPE's sections included).
+ * Where the layer normalises each query and key head before the rotation (Gemma 3's q_norm and k_norm), `q_norm`
+ * and `k_norm` are those norms (NULL, or a NULL weight: none), applied as rms_norm.c applies them.
  */
 #include <stdlib.h>
 #ifdef _OPENMP
@@ -34,16 +36,21 @@ static inline void rotate(const float *restrict x, const float *restrict c, cons
 }
 
 int rope_store(void *qkv, int dtype, int64_t tokens, int64_t width, int64_t nq, int64_t nkv, int64_t d,
-               const void *cos, const void *sin, const int64_t *slots, void *key_cache, void *value_cache,
-               int cache_dtype, int num_threads) {
+               const norm_weights *q_norm, const norm_weights *k_norm, const void *cos, const void *sin,
+               const int64_t *slots, void *key_cache, void *value_cache, int cache_dtype, int num_threads) {
     int failed = 0;
+    const int norm_q = q_norm && q_norm->weight, norm_k = k_norm && k_norm->weight;
 #pragma omp parallel num_threads(num_threads) if (tokens >= 16)
     {
-        float *buffer = thread_scratch((size_t)(4 * d) * sizeof(float));
+        float *buffer = thread_scratch((size_t)(6 * d) * sizeof(float));
         float *c = buffer, *s = buffer ? buffer + d : NULL, *x = s ? s + d : NULL, *y = x ? x + d : NULL;
+        float *qw = y ? y + d : NULL, *kw = qw ? qw + d : NULL;
         if (!buffer) {
 #pragma omp atomic write
             failed = 2;
+        } else {
+            if (norm_q) load_floats(q_norm->weight, q_norm->dtype, 0, d, qw);
+            if (norm_k) load_floats(k_norm->weight, k_norm->dtype, 0, d, kw);
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tokens; t++) {
@@ -53,12 +60,14 @@ int rope_store(void *qkv, int dtype, int64_t tokens, int64_t width, int64_t nq, 
             const int64_t row = t * width;
             for (int64_t h = 0; h < nq; h++) {
                 load_floats(qkv, dtype, row + h * d, d, x);
+                if (norm_q) normalize_row(x, d, qw, q_norm->eps, q_norm->flavor, dtype);
                 rotate(x, c, s, d, dtype, y);
                 store_floats(y, d, qkv, dtype, row + h * d);
             }
             const int64_t slot = slots[t] * nkv * d;
             for (int64_t h = 0; h < nkv; h++) {
                 load_floats(qkv, dtype, row + (nq + h) * d, d, x);
+                if (norm_k) normalize_row(x, d, kw, k_norm->eps, k_norm->flavor, dtype);
                 rotate(x, c, s, d, dtype, y);
                 store_floats(y, d, key_cache, cache_dtype, slot + h * d);
                 load_floats(qkv, dtype, row + (nq + nkv + h) * d, d, x);

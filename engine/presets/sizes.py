@@ -184,6 +184,15 @@ PRESETS: dict[str, Preset] = {
         min_pixels=56 * 56, max_pixels=28 * 28 * 1280, mrope_section=(16, 24, 24), vision_out_hidden=2048,
         window_px=112, full_attention_blocks=(7, 15, 23, 31),
     ),
+    # google/gemma-3-4b-it: SigLIP-so400m at 896 px pooled to 256 tokens an image; a 34-layer text model, five
+    # local layers (1,024-token window) to one global.
+    "gemma3-4b": Gemma3Preset(
+        **_DUMMY,
+        text=TextSizes(hidden=2560, layers=34, heads=8, kv_heads=4, intermediate=10240, vocab_size=262208,
+                       max_positions=131072, tie_embeddings=True),
+        vision=VisionSizes(hidden=1152, layers=27, heads=16, intermediate=4304, patch_px=14, image_px=896),
+        mm_tokens_per_image=256, sliding_window=1024, local_per_global=5, head_dim=256,
+    ),
     # llava-hf/llava-onevision-qwen2-0.5b-ov-hf: SigLIP-so400m at 384 px (729 tokens a view), Qwen2-0.5B.
     "llava-onevision-0.5b": LlavaOnevisionPreset(
         **_DUMMY,

@@ -35,7 +35,7 @@ LOOPS = [(name, products) for name in RUNNABLE
          for products in (cpu_kernel.PRODUCTS if name in cpu_kernel.DOT_BUILDS else (None,))]
 
 
-def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool,
+def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: str | None,
          products: str | None = None) -> torch.Tensor:
     return cpu_kernel._run_linear(cpu_kernel.load_variant(name), x, weight, bias, glu, products=products)
 
@@ -56,7 +56,7 @@ def test_linear_of_each_build_equals_torch(name, products, dtype, rows):
         weight = (torch.randn(n, stride) * 0.1).to(dtype)[:, :k]
         bias = torch.randn(n)
         expected = F.linear(x.float(), weight.float(), bias)
-        got = _run(name, x, weight, bias, False, products)
+        got = _run(name, x, weight, bias, None, products)
         assert got.dtype == dtype and got.shape == (rows, n)
         scale = expected.abs().max().item()
         assert (got.float() - expected).abs().max().item() <= TOLERANCE[dtype] * scale, (name, dtype, n, k)
@@ -82,7 +82,7 @@ def test_linear_gives_the_same_bits_on_any_number_of_threads(name, products, row
     torch.manual_seed(3)
     previous = torch.get_num_threads()
     try:
-        for glu in (False, True):
+        for glu in (None, "silu", "gelu_tanh"):
             x = torch.randn(rows, 64).bfloat16()
             weight = (torch.randn(1000, 64) * 0.1).bfloat16()
             results = []
@@ -90,7 +90,7 @@ def test_linear_gives_the_same_bits_on_any_number_of_threads(name, products, row
                 torch.set_num_threads(threads)
                 results.append(_run(name, x, weight, None, glu, products))
             if glu:
-                expected = (F.silu(F.linear(x, weight[:500])) * F.linear(x, weight[500:])).float()
+                expected = (ACTIVATIONS[glu](F.linear(x, weight[:500])) * F.linear(x, weight[500:])).float()
             else:
                 expected = F.linear(x.float(), weight.float())
             scale = expected.abs().max().item()
@@ -101,18 +101,22 @@ def test_linear_gives_the_same_bits_on_any_number_of_threads(name, products, row
         torch.set_num_threads(previous)
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 @pytest.mark.parametrize(("name", "products"), LOOPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [9, 77])
-def test_glu_of_each_build_equals_llama_s_mlp_activation(name, products, dtype, rows):
-    """`glu`: SiLU(x gate^T) * (x up^T) from one stacked matrix, an odd number of outputs included; by blocks and
-    (77 rows) by packed panels."""
+@pytest.mark.parametrize("act", list(cpu_kernel.GLU_ACTIVATIONS))
+def test_glu_of_each_build_equals_a_gated_mlp_s_activation(name, products, dtype, rows, act):
+    """`glu`: act(x gate^T) * (x up^T) from one stacked matrix, SiLU (Llama) or GELU's tanh approximation (Gemma),
+    an odd number of outputs included; by blocks, (bfloat16 on AMX) by tiles and (77 rows) by packed panels."""
     torch.manual_seed(1)
-    for half, k in ((7, 64), (48, 100), (40, 96)):
+    for half, k in ((7, 64), (48, 100), (40, 96), (32, 64)):
         x = torch.randn(rows, k).to(dtype)
         weight = (torch.randn(2 * half, k) * 0.2).to(dtype)
-        expected = (F.silu(F.linear(x, weight[:half])) * F.linear(x, weight[half:])).float()
-        got = _run(name, x, weight, None, True, products)
+        expected = (ACTIVATIONS[act](F.linear(x, weight[:half])) * F.linear(x, weight[half:])).float()
+        got = _run(name, x, weight, None, act, products)
         assert got.shape == (rows, half)
         assert (got.float() - expected).abs().max().item() <= 2 * TOLERANCE[dtype] * expected.abs().max().item()
 
@@ -129,9 +133,40 @@ def test_add_rms_norm_is_the_residual_add_then_llama_s_norm(dtype):
     expected_h = h + delta
     expected = norm(expected_h)
     out = torch.empty_like(h)
-    cpu_kernel.add_rms_norm(h, delta, norm.weight.detach(), 1e-6, out)
+    cpu_kernel.add_rms_norm(h, delta, cpu_kernel.Norm.of(norm), out)
     assert torch.equal(h, expected_h)  # the add rounds as torch's does
     assert (out.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * 4
+
+
+def _gemma_norm(dim: int, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    torch.manual_seed(seed)
+    norm = Gemma3RMSNorm(dim, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim) * 0.5)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_gemma_s_sandwich(dtype):
+    """Gemma 3's block end: the block's output normalised (post norm), added to the residual stream, the sum
+    normalised for the next block (pre norm), each norm x * (1 + weight) in float32, rounded once."""
+    post, pre = _gemma_norm(96, dtype, 4), _gemma_norm(96, dtype, 5)
+    assert cpu_kernel.Norm.of(post).flavor == cpu_kernel.NORM_GEMMA
+    h, delta = (torch.randn(37, 96) * 3).to(dtype), (torch.randn(37, 96) * 3).to(dtype)
+    with torch.no_grad():
+        expected_h = h + post(delta)
+        expected = pre(expected_h)
+    out = torch.empty_like(h)
+    cpu_kernel.add_rms_norm(h, delta, cpu_kernel.Norm.of(pre), out, delta_norm=cpu_kernel.Norm.of(post))
+    for got, want in ((h, expected_h), (out, expected)):
+        assert (got.float() - want.float()).abs().max().item() <= TOLERANCE[dtype] * 4 * want.abs().max().item()
+        if dtype == torch.bfloat16:  # rounded once, as torch rounds: nearly every value identical
+            assert (got != want).float().mean() < 0.02
+    wrong = torch.empty(37, 95, dtype=dtype)
+    with pytest.raises(ValueError, match="96"):
+        cpu_kernel.add_rms_norm(h, delta, cpu_kernel.Norm.of(pre), wrong)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -163,11 +198,42 @@ def test_rope_store_rotates_as_transformers_and_writes_the_cache(dtype):
     assert not keys[[1, 3]].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_normalises_each_head_first_as_gemma_does(dtype):
+    """Gemma 3's q_norm and k_norm (over each head's d values) before the rotation, values left as they are."""
+    from transformers.models.gemma3.modeling_gemma3 import apply_rotary_pos_emb
+
+    tokens, q_heads, kv_heads, d = 5, 4, 2, 32
+    q_norm, k_norm = _gemma_norm(d, dtype, 6), _gemma_norm(d, dtype, 7)
+    qkv = (torch.randn(tokens, (q_heads + 2 * kv_heads) * d) * 2).to(dtype)
+    angles = torch.rand(tokens, d // 2) * 6
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+    q = qkv[:, : q_heads * d].view(1, tokens, q_heads, d).transpose(1, 2)
+    k = qkv[:, q_heads * d : (q_heads + kv_heads) * d].view(1, tokens, kv_heads, d).transpose(1, 2)
+    v = qkv[:, (q_heads + kv_heads) * d :].reshape(tokens, kv_heads, d).clone()
+    with torch.no_grad():
+        expected_q, expected_k = apply_rotary_pos_emb(q_norm(q), k_norm(k), cos[None], sin[None])
+    expected_q, expected_k = expected_q[0].transpose(0, 1).clone(), expected_k[0].transpose(0, 1).clone()
+    slots = torch.tensor([3, 8, 1, 0, 6])
+    keys, values = torch.zeros(9, kv_heads, d, dtype=dtype), torch.zeros(9, kv_heads, d, dtype=dtype)
+    cpu_kernel.rope_store(qkv, q_heads, kv_heads, d, cos, sin, slots, keys, values, cpu_kernel.Norm.of(q_norm),
+                          cpu_kernel.Norm.of(k_norm))
+    got_q = qkv[:, : q_heads * d].view(tokens, q_heads, d)
+    for got, want in ((got_q, expected_q), (keys[slots], expected_k)):
+        assert (got.float() - want.float()).abs().max().item() <= TOLERANCE[dtype] * 4 * want.abs().max().item()
+        if dtype == torch.bfloat16:
+            assert (got != want).float().mean() < 0.02
+    assert torch.equal(values[slots], v)
+
+
 def test_refuses_inputs_that_do_not_fit_naming_them():
     with pytest.raises(ValueError, match="does not fit"):
         cpu_kernel.linear(torch.zeros(2, 5), torch.zeros(3, 4))
     with pytest.raises(ValueError, match="even count"):
-        cpu_kernel.linear(torch.zeros(2, 4), torch.zeros(3, 4), glu=True)
+        cpu_kernel.linear(torch.zeros(2, 4), torch.zeros(3, 4), glu="silu")
+    with pytest.raises(ValueError, match="'relu'"):
+        cpu_kernel.linear(torch.zeros(2, 4), torch.zeros(4, 4), glu="relu")
     with pytest.raises(ValueError, match="rope_store got"):
         cpu_kernel.rope_store(torch.zeros(2, 10), 1, 1, 4, torch.zeros(2, 4), torch.zeros(2, 4),
                               torch.zeros(2, dtype=torch.long), torch.zeros(4, 1, 4), torch.zeros(4, 1, 4))

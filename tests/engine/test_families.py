@@ -138,6 +138,7 @@ def test_tiny_presets_resolve_by_name_and_load_with_their_adapter(name, monkeypa
         ("llava-onevision-0.5b", 894e6),
         ("smolvlm-256m", 256e6),
         ("smolvlm-500m", 507e6),
+        ("gemma3-4b", 4_300_079_472),
     ],
 )
 def test_dummy_presets_have_the_real_models_sizes(name, params):

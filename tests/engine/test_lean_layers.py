@@ -1,5 +1,7 @@
 """Lean decoder layers (engine/lean_layers.py): the stock layers' results from a handful of C calls a layer, on
-transformers' own weights held once; greedy tokens equal `generate` whichever multiply each shape takes."""
+transformers' own weights held once; greedy tokens equal `generate` whichever multiply each shape takes, for
+Llama-style layers (SmolVLM, Qwen2-VL, LLaVA-OneVision) and Gemma 3's (sandwich norms, q/k norms, GELU, local
+layers with their own window and rotary table)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from bench.host import OpCounter
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, SamplingParams, lean_layers
 from engine.lean_layers import LeanTextModel, fits
 from tests.engine.conftest import DEVICE, run_jobs
 from tests.engine.test_exactness import mixed_jobs
@@ -30,9 +32,10 @@ def test_lean_layers_give_generate_s_tokens(make_engine, oracle, photos, rows):
         assert tokens[i] == oracle(job.prompt, job.images, job.max_tokens), f"job {i}, kernel rows {rows}"
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-llava-onevision"])
-def test_lean_layers_are_exact_for_qwen_families(families, images, name):
-    """Qwen2-VL's M-RoPE (cos and sin from the model's own sections) and Qwen2's q/k/v biases."""
+@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-llava-onevision", "tiny-gemma3"])
+def test_lean_layers_are_exact_for_other_families(families, images, name):
+    """Qwen2-VL's M-RoPE (cos and sin from the model's own sections) and Qwen2's q/k/v biases; Gemma 3's norms,
+    GELU, sliding windows, two rotary tables and images attended both ways."""
     family = families(name)
     jobs = family_jobs(family, images)
     engine = family.engine(max_num_batched_tokens=13, max_num_seqs=4, lean_layers=True, cpu_linear_rows=ALWAYS_KERNEL)
@@ -42,11 +45,13 @@ def test_lean_layers_are_exact_for_qwen_families(families, images, name):
         assert tokens[i] == family.oracle(job.prompt, job.images, job.max_tokens), f"{name} job {i}"
 
 
-def test_lean_forward_equals_the_stock_layers_in_bfloat16(checkpoint):
+@pytest.mark.parametrize("name", ["smolvlm", "tiny-gemma3"])
+def test_lean_forward_equals_the_stock_layers_in_bfloat16(checkpoint, families, name):
     """The same hidden states as transformers' layers over the engine's attention, rounding included."""
     hidden: dict[bool, list[torch.Tensor]] = {}
+    model = checkpoint if name == "smolvlm" else families(name).checkpoint
     for lean in (False, True):
-        engine = Engine(EngineConfig(model=checkpoint, device=DEVICE, dtype="bfloat16", lean_layers=lean,
+        engine = Engine(EngineConfig(model=model, device=DEVICE, dtype="bfloat16", lean_layers=lean,
                                      cpu_linear_rows=ALWAYS_KERNEL))
         forward, seen = engine.adapter.forward_text, []
 
@@ -83,13 +88,26 @@ def test_weights_are_held_once(make_engine):
         * fused.shape[1] * fused.element_size()
 
 
-def test_only_llama_style_layers_fit(families):
-    gemma = families("tiny-gemma3").engine()
-    assert not any(fits(layer) for layer in gemma.adapter.text_model.layers)
-    assert gemma.stats().lean_layers == 0 and gemma.adapter.lean is None
+def test_gemma_layers_fit_and_layers_of_another_kind_run_stock(families, images, monkeypatch):
+    """Gemma 3's layers fit; a layer that does not (here layer 1, as if its arithmetic were another) runs stock
+    between lean ones, its neighbours' sandwich norms applied across it, and the tokens stay generate's; a model
+    with no fitting layer is refused by name when lean layers are asked for."""
+    family = families("tiny-gemma3")
+    gemma = family.engine()
+    assert all(fits(layer) for layer in gemma.adapter.text_model.layers)
+    assert gemma.stats().lean_layers == gemma.adapter.num_layers
+    real_fits = lean_layers.fits
+    monkeypatch.setattr(lean_layers, "fits", lambda layer: real_fits(layer) and layer.self_attn.layer_idx != 1)
+    engine = family.engine(max_num_batched_tokens=13, max_num_seqs=4, cpu_linear_rows=ALWAYS_KERNEL)
+    assert engine.adapter.lean.layers[1] is None and engine.stats().lean_layers == engine.adapter.num_layers - 1
+    jobs = family_jobs(family, images)
+    tokens, _ = run_jobs(engine, jobs)
+    for i, job in enumerate(jobs):
+        assert tokens[i] == family.oracle(job.prompt, job.images, job.max_tokens), f"job {i}"
+    monkeypatch.setattr(lean_layers, "fits", lambda layer: False)
     assert not LeanTextModel.applies(gemma.adapter.text_model)
     with pytest.raises(ValueError, match="Llama-style"):
-        families("tiny-gemma3").engine(lean_layers=True)
+        family.engine(lean_layers=True)
 
 
 def test_a_decode_step_is_a_few_operators_a_layer():
@@ -137,11 +155,12 @@ def _decode_outputs(engine: Engine, one_call: bool, calls: list[int], monkeypatc
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["smolvlm", "tiny-qwen2-vl"])
+@pytest.mark.parametrize("name", ["smolvlm", "tiny-qwen2-vl", "tiny-gemma3"])
 def test_a_decode_step_in_one_call_is_the_layer_by_layer_path_bit_for_bit(checkpoint, families, monkeypatch, dtype,
                                                                           name):
     """engine/csrc/decode_layers.c runs the same kernels in the same order: the same bits as a call per kernel
-    (Qwen2-VL: M-RoPE's tables and q/k/v biases), and it is what ran the decode steps."""
+    (Qwen2-VL: M-RoPE's tables and q/k/v biases; Gemma 3: its four norms a layer, q/k norms, GELU, local layers'
+    windows and tables), and it is what ran the decode steps."""
     outputs, calls = {}, {}
     for one_call in (True, False):
         calls[one_call] = []
