@@ -138,6 +138,14 @@ def test_add_rms_norm_is_the_residual_add_then_llama_s_norm(dtype):
     assert (out.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * 4
 
 
+def _assert_rounded_alike(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Close to torch's result, and (rounded as torch rounds) nearly every bfloat16 value identical."""
+    assert got.dtype == want.dtype
+    assert (got.float() - want.float()).abs().max().item() <= TOLERANCE[got.dtype] * 4 * want.abs().max().item()
+    if got.dtype == torch.bfloat16:
+        assert (got != want).float().mean() < 0.02
+
+
 def _gemma_norm(dim: int, dtype: torch.dtype, seed: int) -> torch.nn.Module:
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
@@ -160,13 +168,24 @@ def test_add_rms_norm_is_gemma_s_sandwich(dtype):
         expected = pre(expected_h)
     out = torch.empty_like(h)
     cpu_kernel.add_rms_norm(h, delta, cpu_kernel.Norm.of(pre), out, delta_norm=cpu_kernel.Norm.of(post))
-    for got, want in ((h, expected_h), (out, expected)):
-        assert (got.float() - want.float()).abs().max().item() <= TOLERANCE[dtype] * 4 * want.abs().max().item()
-        if dtype == torch.bfloat16:  # rounded once, as torch rounds: nearly every value identical
-            assert (got != want).float().mean() < 0.02
+    _assert_rounded_alike(h, expected_h)
+    _assert_rounded_alike(out, expected)
     wrong = torch.empty(37, 95, dtype=dtype)
     with pytest.raises(ValueError, match="96"):
         cpu_kernel.add_rms_norm(h, delta, cpu_kernel.Norm.of(pre), wrong)
+
+
+def _rope_inputs(tokens: int, q_heads: int, kv_heads: int, d: int, dtype: torch.dtype, scale: float):
+    """qkv [tokens, (q_heads + 2 kv_heads) d] (values times `scale`), cos and sin [tokens, d], and views of the
+    queries and keys [1, heads, tokens, d] as transformers holds them, with a copy of the values."""
+    qkv = (torch.randn(tokens, (q_heads + 2 * kv_heads) * d) * scale).to(dtype)
+    angles = torch.rand(tokens, d // 2) * 6
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+    q = qkv[:, : q_heads * d].view(1, tokens, q_heads, d).transpose(1, 2)
+    k = qkv[:, q_heads * d : (q_heads + kv_heads) * d].view(1, tokens, kv_heads, d).transpose(1, 2)
+    v = qkv[:, (q_heads + kv_heads) * d :].reshape(tokens, kv_heads, d).clone()
+    return qkv, cos, sin, (q, k, v)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -177,13 +196,7 @@ def test_rope_store_rotates_as_transformers_and_writes_the_cache(dtype):
 
     torch.manual_seed(3)
     tokens, q_heads, kv_heads, d = 6, 4, 2, 16
-    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * d).to(dtype)
-    angles = torch.rand(tokens, d // 2) * 6
-    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
-    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
-    q = qkv[:, : q_heads * d].view(1, tokens, q_heads, d).transpose(1, 2)
-    k = qkv[:, q_heads * d : (q_heads + kv_heads) * d].view(1, tokens, kv_heads, d).transpose(1, 2)
-    v = qkv[:, (q_heads + kv_heads) * d :].reshape(tokens, kv_heads, d).clone()
+    qkv, cos, sin, (q, k, v) = _rope_inputs(tokens, q_heads, kv_heads, d, dtype, 1.0)
     expected_q, expected_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
     expected_q, expected_k = expected_q[0].transpose(0, 1).clone(), expected_k[0].transpose(0, 1).clone()
     slots = torch.tensor([9, 2, 14, 0, 5, 7])
@@ -205,13 +218,7 @@ def test_rope_store_normalises_each_head_first_as_gemma_does(dtype):
 
     tokens, q_heads, kv_heads, d = 5, 4, 2, 32
     q_norm, k_norm = _gemma_norm(d, dtype, 6), _gemma_norm(d, dtype, 7)
-    qkv = (torch.randn(tokens, (q_heads + 2 * kv_heads) * d) * 2).to(dtype)
-    angles = torch.rand(tokens, d // 2) * 6
-    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
-    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
-    q = qkv[:, : q_heads * d].view(1, tokens, q_heads, d).transpose(1, 2)
-    k = qkv[:, q_heads * d : (q_heads + kv_heads) * d].view(1, tokens, kv_heads, d).transpose(1, 2)
-    v = qkv[:, (q_heads + kv_heads) * d :].reshape(tokens, kv_heads, d).clone()
+    qkv, cos, sin, (q, k, v) = _rope_inputs(tokens, q_heads, kv_heads, d, dtype, 2.0)
     with torch.no_grad():
         expected_q, expected_k = apply_rotary_pos_emb(q_norm(q), k_norm(k), cos[None], sin[None])
     expected_q, expected_k = expected_q[0].transpose(0, 1).clone(), expected_k[0].transpose(0, 1).clone()
@@ -219,11 +226,8 @@ def test_rope_store_normalises_each_head_first_as_gemma_does(dtype):
     keys, values = torch.zeros(9, kv_heads, d, dtype=dtype), torch.zeros(9, kv_heads, d, dtype=dtype)
     cpu_kernel.rope_store(qkv, q_heads, kv_heads, d, cos, sin, slots, keys, values, cpu_kernel.Norm.of(q_norm),
                           cpu_kernel.Norm.of(k_norm))
-    got_q = qkv[:, : q_heads * d].view(tokens, q_heads, d)
-    for got, want in ((got_q, expected_q), (keys[slots], expected_k)):
-        assert (got.float() - want.float()).abs().max().item() <= TOLERANCE[dtype] * 4 * want.abs().max().item()
-        if dtype == torch.bfloat16:
-            assert (got != want).float().mean() < 0.02
+    _assert_rounded_alike(qkv[:, : q_heads * d].view(tokens, q_heads, d), expected_q)
+    _assert_rounded_alike(keys[slots], expected_k)
     assert torch.equal(values[slots], v)
 
 
