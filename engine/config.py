@@ -43,8 +43,10 @@ class EngineConfig:
         chunks and vision-tower slices only as far as the step's predicted time (engine/step_costs.py: fitted
         at start-up on a few steps, kept up to date from every step's time) stays within it, so that running
         chats stay smooth while image prompts are prefilled, on any machine, with no tuning; the token and
-        encoder budgets stay upper bounds. `None`: the device's default (250 ms on a CPU, 60 ms on CUDA);
-        0: steps budgeted by tokens only.
+        encoder budgets stay upper bounds. `None`: the device's default (250 ms on a CPU, 60 ms on CUDA), and
+        where the running decodes alone take most of it (a large model on a small machine) a prompt still gets as
+        much of each step as they take, so that chats' gaps at most double (engine/scheduler.py); 0: steps
+        budgeted by tokens only.
     block_size: tokens per KV cache block.
     num_kv_blocks: the KV cache's size in blocks (`None`: from free memory). `None` sizes it from
         `kv_cache_memory_fraction` of the device memory that is free after the model is loaded (capped at what

@@ -25,8 +25,12 @@ decodes first, whatever they cost; then chunks and encoder slices only as far as
 stays within the target; the first prefill chunk of a step still gets `block_size` tokens, and the first
 encoder work one slice (or one whole input, for towers that run whole), so that prompts always progress. A
 prompt's inputs then run in lockstep: the next ones in order that stand at the same slice (up to
-`ENCODER_GROUP`) run as many slices together as fit (at most `encoder_slices_per_step`, when set). The token
-and encoder budgets stay upper bounds.
+`ENCODER_GROUP`) run as many slices together as fit (at most `encoder_slices_per_step`, when set). Under the
+default target (`itl_target_ms` not set), where the decodes leave the rest of the step less time than they take
+themselves (a large model on a small machine, whose decodes alone reach the target), chunks and encoder work
+still get as much time as the decodes (at most the planned share of the target): a chat's gap at most doubles
+while a prompt is prefilled, and the prompt keeps a share of the machine whatever the model's size; a target
+that is set is kept to. The token and encoder budgets stay upper bounds.
 
 When a running request needs a block and none is free, the lowest-priority, newest running request not yet
 scheduled this step is preempted (possibly the one asking): its blocks are freed and it is recomputed later
@@ -114,13 +118,18 @@ class StepBudget:
     costs: StepCosts | None = None
     prefill_scheduled: bool = False
     encoder_scheduled: bool = False
+    decode_seconds: float = 0.0  # the predicted time of the step's decodes (the step's fixed cost included)
+    balanced: bool = False  # the default target: see `balance`
 
     @classmethod
     def for_step(cls, config: EngineConfig, costs: StepCosts | None = None) -> StepBudget:
         encoder = config.max_encoder_tokens_per_step
         timed = costs is not None and costs.ready and config.enable_chunked_prefill
-        seconds = costs.planned - costs.forward_seconds(0, 0) if timed else None
-        return cls(config.max_num_batched_tokens, encoder, encoder, seconds, costs if timed else None)
+        if not timed:
+            return cls(config.max_num_batched_tokens, encoder, encoder)
+        fixed = costs.forward_seconds(0, 0)
+        return cls(config.max_num_batched_tokens, encoder, encoder, costs.planned - fixed, costs,
+                   decode_seconds=fixed, balanced=config.itl_target_ms is None)
 
     @property
     def spent(self) -> bool:
@@ -134,7 +143,15 @@ class StepBudget:
     def spend_decode(self, context: int) -> None:
         self.tokens -= 1
         if self.seconds is not None:
-            self.seconds -= self._token_seconds(context, 1)
+            seconds = self._token_seconds(context, 1)
+            self.seconds -= seconds
+            self.decode_seconds += seconds
+
+    def balance(self) -> None:
+        """After the decodes, under the default target: the rest of the step gets at least as much time as the
+        decodes took, at most the planned share of the target (see the module's docstring)."""
+        if self.balanced and self.seconds is not None:
+            self.seconds = max(self.seconds, min(self.decode_seconds, self.costs.planned))
 
     def spend_prefill(self, start: int, num_tokens: int, work: list[EncoderWork]) -> None:
         self.tokens = max(self.tokens - num_tokens, 0)  # a whole atomic span may take more than was left
@@ -238,6 +255,7 @@ class Scheduler:
         scheduled: set[str] = set()
         by_priority = sorted(self.running, key=Request.sort_key)
         self._schedule_decodes([r for r in by_priority if r.is_decoding], budget, scheduled, out)
+        budget.balance()
         self._schedule_prefills([r for r in by_priority if not r.is_decoding], budget, scheduled, out)
         self._admit_waiting(budget, scheduled, out)
         return out

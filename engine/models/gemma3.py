@@ -2,7 +2,10 @@
 tokens between `<start_of_image>` and `<end_of_image>`; a Gemma 3 text model whose local layers attend within
 a sliding window and whose image tokens attend to all tokens of their own image, both ways. The scheduler
 keeps each image's span in one chunk (`atomic_units`), and the runner gives the attention that block
-(see `ReferenceMetadataBuilder.prefill_masks`, engine/attention_metadata.py)."""
+(see `ReferenceMetadataBuilder.prefill_masks`, engine/attention_metadata.py). The tower (4,096 patches of an
+896 px view through 27 layers at google/gemma-3-4b-it's sizes: seconds of a CPU's time) runs a slice of a layer
+at a time (engine/models/sliced_tower.py), so that an image prompt's encoding is spread over the steps of the
+chats running beside it."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Any
 import torch
 
 from engine.models.llava import LlavaAdapter
+from engine.models.sliced_tower import SLICES_PER_LAYER, in_groups, join, run_slices, split
 
 
 class Gemma3Adapter(LlavaAdapter):
@@ -36,8 +40,45 @@ class Gemma3Adapter(LlavaAdapter):
                              "pan-and-scan crops are not supported (set do_pan_and_scan false)")
         return super().encoder_input(batch, image, num_images)
 
+    @property
+    def vision_layers(self) -> torch.nn.ModuleList:
+        return self.model.model.vision_tower.encoder.layers
+
+    @property
+    def encoder_slices(self) -> int:
+        """`SLICES_PER_LAYER` slices per layer of the SigLIP tower; the embeddings run with the first slice, the
+        final norm and the projector (pooling, norm, projection) with the last."""
+        return SLICES_PER_LAYER * len(self.vision_layers)
+
+    slices_per_layer = SLICES_PER_LAYER
+
     @torch.inference_mode()
     def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        if self.lean_vision is not None:  # the same slices, all of them: the lean layers' path
+            return self.encode_slices(inputs, [None] * len(inputs), 0, self.encoder_slices)
         pixel_values = torch.cat([i["pixel_values"] for i in inputs]).to(self.device, self.dtype)
         out = self.model.get_image_features(pixel_values=pixel_values)
         return list(getattr(out, "pooler_output", out).unbind(0))
+
+    @torch.inference_mode()
+    def encode_slices(
+        self, inputs: list[dict[str, torch.Tensor]], states: list[Any], first: int, end: int
+    ) -> list[Any]:
+        """The same operations as Gemma 3's `get_image_features` (SigLIP's embeddings, encoder layers and final
+        norm, then the projector), a range of slices at a time. A state is (hidden states [1, patches, dim], what
+        the last slice left for the next one or None); the tower has no attention mask (every view is whole)."""
+        return in_groups(inputs, states, self.model.model.vision_tower.config, self.dtype,
+                         lambda group, held: self._encode_group(group, held, first, end))
+
+    def _encode_group(self, inputs: list[dict[str, torch.Tensor]], states: list[Any], first: int, end: int
+                      ) -> list[Any]:
+        tower = self.model.model.vision_tower
+        if first == 0:
+            states = [(tower.embeddings(item["pixel_values"].to(self.device, self.dtype)), None) for item in inputs]
+        hidden = join([state[0] for state in states])
+        hidden, carried = run_slices(tower.encoder.layers, self.lean_vision, first, end, hidden, None,
+                                     join([state[1] for state in states]))
+        if end < self.encoder_slices:
+            return list(zip(hidden.split(1), split(carried, len(states))))
+        features = self.model.model.multi_modal_projector(tower.post_layernorm(hidden))
+        return list(features.unbind(0))

@@ -15,6 +15,7 @@ from engine.models import ADAPTERS, resolve_checkpoint
 from engine.models.base import image_tokens_attend_bidirectionally
 from engine.presets import PRESETS
 from engine.presets.checkpoints import FAMILY_BUILDERS
+from engine.step_costs import ENCODER_GROUP
 from tests.engine.conftest import Family, Job, run_jobs
 
 FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-llava", "tiny-llava-onevision", "tiny-gemma3"]
@@ -72,6 +73,50 @@ def test_greedy_tokens_equal_generate_under_preemption(families, images, name):
     for i, job in enumerate(jobs):
         assert tokens[i] == family.oracle(job.prompt, job.images, job.max_tokens), f"{name} job {i}"
     assert engine.stats().kv_blocks_used == 0
+
+
+SLICED_TOWERS = ["tiny-gemma3"]  # families whose vision tower runs a slice of a layer at a time (besides SmolVLM)
+
+
+@pytest.mark.parametrize("lean", [False, True])
+@pytest.mark.parametrize("name", SLICED_TOWERS)
+def test_a_sliced_tower_gives_the_whole_tower_s_features(families, images, name, lean):
+    """Slice by slice (a fifth of a layer each), the features of transformers' own get_image_features, bit for bit
+    with the stock layers and to float32's rounding with the lean ones (engine/lean_vision.py)."""
+    engine = families(name).engine(lean_layers=lean)
+    adapter = engine.adapter
+    assert (adapter.lean_vision is not None) == lean and adapter.encoder_slices == 5 * len(adapter.vision_layers)
+    _, mm = adapter.process(families(name).prompt(2, "Compare."), [images["bus"], images["zidane"]])
+    inputs = mm.encoder_inputs
+    with torch.inference_mode():
+        whole = list(getattr(out := adapter.model.get_image_features(
+            pixel_values=torch.cat([i["pixel_values"] for i in inputs])), "pooler_output", out).unbind(0))
+    sliced = [None] * len(inputs)
+    for stage in range(adapter.encoder_slices):
+        sliced = adapter.encode_slices(inputs, sliced, stage, stage + 1)
+    assert len(sliced) == len(whole) == 2
+    for want, got in zip(whole, sliced):
+        if lean:
+            assert (want - got).abs().max().item() <= 1e-4 * want.abs().max().item()
+        else:
+            assert torch.equal(want, got)
+
+
+@pytest.mark.parametrize("name", SLICED_TOWERS)
+def test_greedy_tokens_equal_generate_with_the_tower_a_slice_a_step(families, images, name):
+    """One slice of the tower a step: the image prompts' encodings spread over the steps of the others' decodes,
+    every slice run once an input, the tokens generate's."""
+    family = families(name)
+    jobs = mixed_jobs(family, images)
+    engine = family.engine(max_num_batched_tokens=13, max_num_seqs=4, encoder_slices_per_step=1)
+    tokens, trace = run_jobs(engine, jobs)
+    for i, job in enumerate(jobs):
+        assert tokens[i] == family.oracle(job.prompt, job.images, job.max_tokens), f"{name} job {i}"
+    stats = engine.stats()
+    assert stats.encoder_slices_run == engine.adapter.encoder_slices * stats.encoder_inputs_encoded > 0
+    slices = [b.encoder_slices_run - a.encoder_slices_run for (_, a), (_, b) in zip(trace, trace[1:])]
+    # one slice a step of each input in lockstep (at most ENCODER_GROUP of them), over as many steps as slices
+    assert max(slices) <= ENCODER_GROUP and sum(1 for n in slices if n) >= engine.adapter.encoder_slices
 
 
 @pytest.mark.parametrize("name", QWEN_FAMILIES)

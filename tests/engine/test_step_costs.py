@@ -68,17 +68,28 @@ def test_chunks_fill_each_step_up_to_the_target_and_decodes_always_run():
     assert max(sizes) == 90 and len(sizes) == 5  # 85 prompt tokens a step beside 5 decodes
 
 
-def test_a_prompt_progresses_even_when_the_decodes_alone_reach_the_target():
-    model = costs(planned_ms=20, per_token_ms=1, fixed_ms=10)  # room for 10 tokens; 12 chats decode
-    s = scheduler(model)
+@pytest.mark.parametrize("target_set", [True, False])
+def test_a_prompt_progresses_even_when_the_decodes_alone_reach_the_target(target_set):
+    """12 chats' decodes take 22 ms of a step planned to 20. A target that was set is kept to: the prompt gets
+    its one block a step. Under the default target it gets as much time as the decodes take, up to the planned
+    20 ms: 20 tokens, or (an image) 20 ms of tower slices; the chats' gaps at most double."""
+    model = costs(planned_ms=20, per_token_ms=1, fixed_ms=10, per_encoder_row_ms=1)  # a 50th of 100 rows: 2 ms
+    s = scheduler(model, itl_target_ms=model.target * 1e3 if target_set else None)
     chats = [request(f"chat{i}", 2, arrival=i) for i in range(12)]
     for chat in chats:
         s.add(chat)
     while not all(chat.is_decoding for chat in chats):
         step(s)
-    s.add(request("prompt", 20, arrival=20))
+    prompt = request("prompt", 40, arrival=20)
+    s.add(prompt)
     out = step(s)
-    assert [c.num_tokens for c in out.chunks if c.request.request_id == "prompt"] == [BS]  # one block
+    assert [c.num_tokens for c in out.chunks if c.request.request_id == "prompt"] == [BS if target_set else 20]
+    decodes = model.fixed + 12 * model.per_token
+    assert predicted(model, out) <= decodes + (BS * model.per_token if target_set else model.planned) + 1e-9
+    while not prompt.is_decoding:
+        step(s)
+    s.add(request("image", 110, arrival=21, mm=image_prompt(first=2, inputs=1, rows=100, slices=50)))
+    assert [(w.first, w.end) for w in step(s).encoder_work] == [(0, 1) if target_set else (0, 10)]
 
 
 def test_without_a_fitted_model_the_token_budget_alone_decides():

@@ -1,0 +1,119 @@
+"""A SigLIP-style vision tower run a slice of a layer at a time, so that a step carries only as much of an
+image's encoding as the step's budget allows (engine/scheduler.py; `VLMAdapter.encode_slices`): SmolVLM's and
+Idefics3's 512 px tiles, Gemma 3's 896 px views.
+
+An encoder layer (LayerNorm, q/k/v/out projections, an MLP fc1 -> act -> fc2; SigLIP's, and CLIP's likewise)
+runs in five slices of similar work: (0) the normed input's query, key and value projections; (1) attention of
+the first half of the heads; (2) attention of the other half and the output projection, added to the residual;
+(3) the MLP's first linear layer and activation on the normed sum; (4) its second linear layer, added to the
+residual. A slice leaves what the next one needs (`carried`). Each slice runs the very operations the layer's
+own forward runs (each head's attention is computed on its own, whichever heads run beside it), or their fused
+equivalents where the layer runs lean (engine/lean_vision.py): the features are those of the whole tower.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.host_memory import MMAP_THRESHOLD
+from engine.lean_vision import LeanVisionLayer
+
+SLICES_PER_LAYER = 5
+
+
+def run_slice(layer: torch.nn.Module, which: int, hidden: torch.Tensor, mask: Any, carried: Any,
+              lean: LeanVisionLayer | None = None) -> tuple[Any, Any]:
+    """Slice `which` (0-4, see the module's docstring) of `layer`'s forward: (hidden, carried) -> the same after
+    it."""
+    attention, mlp = layer.self_attn, layer.mlp
+    if which == 0:
+        if lean is not None:
+            return hidden, lean.project(hidden)
+        normed = layer.layer_norm1(hidden)
+        heads = (*normed.shape[:-1], -1, attention.head_dim)
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        return hidden, tuple(project(normed).view(heads).transpose(1, 2) for project in projections)
+    if which in (1, 2):
+        queries, keys, values, *done = carried
+        count = queries.shape[1]
+        half = (count + 1) // 2  # the first slice takes the odd head (a one-head tower's only one)
+        heads = slice(0, half) if which == 1 else slice(half, count)
+        if heads.start < heads.stop:
+            if lean is not None:
+                attended = lean.attend(queries[:, heads], keys[:, heads], values[:, heads], mask)
+            else:
+                attended, _ = _attention_function(attention)(
+                    attention, queries[:, heads], keys[:, heads], values[:, heads], mask,
+                    is_causal=False, scaling=attention.scale, dropout=0.0,
+                )  # [batch, patches, heads, head_dim]
+            done.append(attended)
+        if which == 1:
+            return hidden, (queries, keys, values, *done)
+        attended = torch.cat(done, dim=2).reshape(*hidden.shape[:-1], -1).contiguous()
+        if lean is not None:
+            return lean.attended_out(attended, hidden), None
+        return hidden + attention.out_proj(attended), None
+    if which == 3:
+        if lean is not None:
+            return hidden, lean.mlp_in(hidden)
+        return hidden, mlp.activation_fn(mlp.fc1(layer.layer_norm2(hidden)))
+    if lean is not None:
+        return lean.mlp_out(carried, hidden), None
+    return hidden + mlp.fc2(carried), None
+
+
+def run_slices(layers: torch.nn.ModuleList, lean: list[LeanVisionLayer | None] | None, first: int, end: int,
+               hidden: torch.Tensor, mask: Any, carried: Any) -> tuple[torch.Tensor, Any]:
+    """Slices first..end-1 of the tower whose encoder layers are `layers` (each lean where `lean` has it)."""
+    for index in range(first, end):
+        layer = index // SLICES_PER_LAYER
+        hidden, carried = run_slice(layers[layer], index % SLICES_PER_LAYER, hidden, mask, carried,
+                                    lean[layer] if lean is not None else None)
+    return hidden, carried
+
+
+def _attention_function(attention: torch.nn.Module) -> Any:
+    """The attention function the module's own forward picks for the model's attention implementation."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    implementation = attention.config._attn_implementation
+    if implementation == "eager":
+        return sys.modules[type(attention).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def join(carried: list[Any]) -> Any:
+    """The carried tensors of inputs at the same slice, batched (a tuple of tensors stays a tuple)."""
+    if carried[0] is None:
+        return None
+    if len(carried) == 1:  # one input: its own tensors, no copy
+        return carried[0]
+    if isinstance(carried[0], tuple):
+        return tuple(torch.cat(tensors) for tensors in zip(*carried))
+    return torch.cat(carried)
+
+
+def split(carried: Any, count: int) -> list[Any]:
+    """`join`'s inverse: each input's carried tensors."""
+    if carried is None:
+        return [None] * count
+    if isinstance(carried, tuple):
+        return list(zip(*(tensor.split(1) for tensor in carried)))
+    return list(carried.split(1))
+
+
+def in_groups(inputs: list[Any], states: list[Any], vision_config: Any, dtype: torch.dtype,
+              run: Callable[[list[Any], list[Any]], list[Any]]) -> list[Any]:
+    """`run` over the inputs (and their states) in groups whose largest tensor (the MLP's activations of a tower
+    of `vision_config` in `dtype`) stays within what the heap serves (engine/host_memory.py): more inputs at once
+    would not multiply faster, only fault in fresh pages."""
+    patches = (vision_config.image_size // vision_config.patch_size) ** 2
+    group = max(1, MMAP_THRESHOLD // (patches * vision_config.intermediate_size * dtype.itemsize))
+    results: list[Any] = []
+    for at in range(0, len(inputs), group):
+        results += run(inputs[at : at + group], states[at : at + group])
+    return results
