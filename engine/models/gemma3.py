@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from engine.models.llava import LlavaAdapter
-from engine.models.sliced_tower import SLICES_PER_LAYER, in_groups, join, run_slices, split
+from engine.models.sliced_tower import join
 
 
 class Gemma3Adapter(LlavaAdapter):
@@ -40,17 +40,12 @@ class Gemma3Adapter(LlavaAdapter):
                              "pan-and-scan crops are not supported (set do_pan_and_scan false)")
         return super().encoder_input(batch, image, num_images)
 
-    @property
-    def vision_layers(self) -> torch.nn.ModuleList:
-        return self.model.model.vision_tower.encoder.layers
+    def _depth(self) -> int:
+        return len(self._tower.encoder.layers)  # the features come after the whole tower
 
-    @property
-    def encoder_slices(self) -> int:
-        """`SLICES_PER_LAYER` slices per layer of the SigLIP tower; the embeddings run with the first slice, the
-        final norm and the projector (pooling, norm, projection) with the last."""
-        return SLICES_PER_LAYER * len(self.vision_layers)
-
-    slices_per_layer = SLICES_PER_LAYER
+    def _finish(self, items: list[dict[str, torch.Tensor]], hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tower's final norm, then the projector (pooling, norm, projection), as `get_image_features`."""
+        return list(self.model.model.multi_modal_projector(self._tower.post_layernorm(join(hidden))).unbind(0))
 
     @torch.inference_mode()
     def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -59,26 +54,3 @@ class Gemma3Adapter(LlavaAdapter):
         pixel_values = torch.cat([i["pixel_values"] for i in inputs]).to(self.device, self.dtype)
         out = self.model.get_image_features(pixel_values=pixel_values)
         return list(getattr(out, "pooler_output", out).unbind(0))
-
-    @torch.inference_mode()
-    def encode_slices(
-        self, inputs: list[dict[str, torch.Tensor]], states: list[Any], first: int, end: int
-    ) -> list[Any]:
-        """The same operations as Gemma 3's `get_image_features` (SigLIP's embeddings, encoder layers and final
-        norm, then the projector), a range of slices at a time. A state is (hidden states [1, patches, dim], what
-        the last slice left for the next one or None); the tower has no attention mask (every view is whole)."""
-        return in_groups(inputs, states, self.model.model.vision_tower.config, self.dtype,
-                         lambda group, held: self._encode_group(group, held, first, end))
-
-    def _encode_group(self, inputs: list[dict[str, torch.Tensor]], states: list[Any], first: int, end: int
-                      ) -> list[Any]:
-        tower = self.model.model.vision_tower
-        if first == 0:
-            states = [(tower.embeddings(item["pixel_values"].to(self.device, self.dtype)), None) for item in inputs]
-        hidden = join([state[0] for state in states])
-        hidden, carried = run_slices(tower.encoder.layers, self.lean_vision, first, end, hidden, None,
-                                     join([state[1] for state in states]))
-        if end < self.encoder_slices:
-            return list(zip(hidden.split(1), split(carried, len(states))))
-        features = self.model.model.multi_modal_projector(tower.post_layernorm(hidden))
-        return list(features.unbind(0))

@@ -6,14 +6,22 @@ multi-image prompt as its base view alone. Tiles are packed row by row across th
 rows are not contiguous in the prompt: the encoder input is one image for both. A OneVision video is its
 frames through the tower, each frame's features pooled 2x2, then one newline row: the encoder input is the
 whole video (its rows end with that newline, which follows the last frame). LLaVA-1.5 has no video path.
+
+The tower (CLIP or SigLIP) runs a slice of a layer at a time (engine/models/sliced_tower.py), through the layers
+whose output the features are taken from (`vision_feature_layer`: LLaVA-1.5's second-to-last, so its last layer
+is never run); the views of an input (its tiles, or a video's frames) go through it together. Features taken from
+several layers at once make the tower run whole.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from PIL import Image
 
 from engine.models.base import EncoderUnit, VLMAdapter, place_units, video_processor_kwargs
+from engine.models.sliced_tower import SLICES_PER_LAYER, in_groups, join, run_slices, split
 from engine.request import MultimodalPrompt
 from engine.video import Video
 
@@ -67,8 +75,75 @@ class LlavaAdapter(VLMAdapter):
 
     @torch.inference_mode()
     def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        if self.lean_vision is not None:  # the same slices, all of them: the lean layers' path
+            return self.encode_slices(inputs, [None] * len(inputs), 0, self.encoder_slices)
         pixel_values = torch.cat([i["pixel_values"] for i in inputs]).to(self.device, self.dtype)
         return self._image_features(pixel_values=pixel_values)
+
+    # -- the tower in slices (engine/models/sliced_tower.py) --------------------------------------------------
+    @property
+    def _tower(self) -> torch.nn.Module:
+        return self.model.model.vision_tower
+
+    def _depth(self) -> int | None:
+        """How many of the tower's layers the features come after (None: they come from several layers)."""
+        layer, count = self.model.config.vision_feature_layer, len(self._tower.encoder.layers)
+        if not isinstance(layer, int):
+            return None
+        return layer if layer >= 0 else count + 1 + layer
+
+    @property
+    def vision_layers(self) -> torch.nn.ModuleList | None:
+        depth = self._depth()
+        return None if depth is None else self._tower.encoder.layers[:depth]
+
+    @property
+    def encoder_slices(self) -> int:
+        """`SLICES_PER_LAYER` slices per layer the features need; the embeddings run with the first slice, the
+        feature selection and the projector with the last (1: the tower runs whole)."""
+        depth = self._depth()
+        return 1 if depth is None else max(SLICES_PER_LAYER * depth, 1)
+
+    slices_per_layer = SLICES_PER_LAYER
+
+    def _views(self, item: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The input's views through the tower, [views, channels, H, W]."""
+        return item["pixel_values"]
+
+    def _embed(self, views: torch.Tensor) -> torch.Tensor:
+        """The tower's embeddings of the views (CLIP's pre-layer norm included): its first layer's input."""
+        tower = self._tower
+        hidden = tower.embeddings(views.to(self.device, self.dtype))
+        norm = getattr(tower, "pre_layrnorm", None)
+        return hidden if norm is None else norm(hidden)
+
+    def _finish(self, items: list[dict[str, torch.Tensor]], hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Features of the inputs from their last needed layer's output (each [views, patches, dim])."""
+        selected = join(hidden)
+        if self.model.config.vision_feature_select_strategy == "default":
+            selected = selected[:, 1:]
+        return list(self.model.model.multi_modal_projector(selected).unbind(0))
+
+    @torch.inference_mode()
+    def encode_slices(
+        self, inputs: list[dict[str, torch.Tensor]], states: list[Any], first: int, end: int
+    ) -> list[Any]:
+        """The same operations as the model's own image (and video) features, a range of slices at a time. A state
+        is (the views' hidden states [views, patches, dim], what the last slice left for the next one or None)."""
+        views = [self._views(item).shape[0] for item in inputs]
+        return in_groups(inputs, states, self._tower.config, self.dtype,
+                         lambda group, held: self._encode_group(group, held, first, end), views)
+
+    def _encode_group(self, inputs: list[dict[str, torch.Tensor]], states: list[Any], first: int, end: int
+                      ) -> list[Any]:
+        if first == 0:
+            states = [(self._embed(self._views(item)), None) for item in inputs]
+        sizes = [state[0].shape[0] for state in states]
+        hidden, carried = run_slices(self.vision_layers, self.lean_vision, first, end, join([s[0] for s in states]),
+                                     None, join([s[1] for s in states]))
+        if end < self.encoder_slices:
+            return list(zip(hidden.split(sizes), split(carried, sizes)))
+        return self._finish(inputs, list(hidden.split(sizes)))
 
 
 class LlavaOnevisionAdapter(LlavaAdapter):
@@ -86,6 +161,8 @@ class LlavaOnevisionAdapter(LlavaAdapter):
     @torch.inference_mode()
     def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         # One image or video a call: images differ in their number of views and in whether they are tiled.
+        if self.lean_vision is not None:  # the same slices, all of them: the lean layers' path
+            return self.encode_slices(inputs, [None] * len(inputs), 0, self.encoder_slices)
         return [self._video_features(i["pixel_values_videos"]) if "pixel_values_videos" in i else
                 self._image_features(
                     pixel_values=i["pixel_values"].to(self.device, self.dtype),
@@ -104,3 +181,39 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             vision_feature_select_strategy=config.vision_feature_select_strategy,
         )
         return getattr(out, "pooler_output", out)[0]
+
+    def _views(self, item: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A video's frames; an image's views as the model takes them: all of its tiles where it is its prompt's
+        only image, else its base view (the processor pads every image to as many views as the most tiled)."""
+        if "pixel_values_videos" in item:
+            return item["pixel_values_videos"][0]
+        from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
+
+        config = self.model.config
+        views = 1
+        if int(item["batch_num_images"][0]) == 1:
+            views = image_size_to_num_patches(image_size=item["image_sizes"][0],
+                                              grid_pinpoints=config.image_grid_pinpoints,
+                                              patch_size=config.vision_config.image_size)
+        return item["pixel_values"][0, :views]
+
+    def _finish(self, items: list[dict[str, torch.Tensor]], hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each input's rows, as `_image_features` and `_video_features` make them: projected, then an image's
+        views packed (unpadded, a newline row a tile row), a video's frames pooled 2x2 and one newline row."""
+        model, config = self.model.model, self.model.config
+        features = []
+        for item, views in zip(items, hidden):
+            if config.vision_feature_select_strategy == "default":
+                views = views[:, 1:]
+            projected = model.multi_modal_projector(views)
+            if "pixel_values_videos" in item:
+                pooled = model.apply_pooling(projected)
+                pooled = pooled.reshape(1, pooled.shape[0] * pooled.shape[1], -1)
+                newline = model.image_newline[None, None, :].to(pooled.device)
+                features.append(torch.cat((pooled, newline), dim=1)[0])
+            else:
+                packed, _ = model.pack_image_features([projected], item["image_sizes"].to(self.device),
+                                                      image_newline=model.image_newline,
+                                                      vision_aspect_ratio=config.vision_aspect_ratio)
+                features.append(packed[0])
+        return features

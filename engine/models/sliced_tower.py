@@ -1,6 +1,6 @@
 """A SigLIP-style vision tower run a slice of a layer at a time, so that a step carries only as much of an
 image's encoding as the step's budget allows (engine/scheduler.py; `VLMAdapter.encode_slices`): SmolVLM's and
-Idefics3's 512 px tiles, Gemma 3's 896 px views.
+Idefics3's 512 px tiles, Gemma 3's 896 px views, LLaVA's and LLaVA-OneVision's views (CLIP and SigLIP towers).
 
 An encoder layer (LayerNorm, q/k/v/out projections, an MLP fc1 -> act -> fc2; SigLIP's, and CLIP's likewise)
 runs in five slices of similar work: (0) the normed input's query, key and value projections; (1) attention of
@@ -97,23 +97,31 @@ def join(carried: list[Any]) -> Any:
     return torch.cat(carried)
 
 
-def split(carried: Any, count: int) -> list[Any]:
-    """`join`'s inverse: each input's carried tensors."""
+def split(carried: Any, sizes: list[int]) -> list[Any]:
+    """`join`'s inverse: each input's carried tensors, `sizes[i]` rows (views) of them for input i."""
     if carried is None:
-        return [None] * count
+        return [None] * len(sizes)
     if isinstance(carried, tuple):
-        return list(zip(*(tensor.split(1) for tensor in carried)))
-    return list(carried.split(1))
+        return list(zip(*(tensor.split(sizes) for tensor in carried)))
+    return list(carried.split(sizes))
 
 
 def in_groups(inputs: list[Any], states: list[Any], vision_config: Any, dtype: torch.dtype,
-              run: Callable[[list[Any], list[Any]], list[Any]]) -> list[Any]:
+              run: Callable[[list[Any], list[Any]], list[Any]], views: list[int] | None = None) -> list[Any]:
     """`run` over the inputs (and their states) in groups whose largest tensor (the MLP's activations of a tower
-    of `vision_config` in `dtype`) stays within what the heap serves (engine/host_memory.py): more inputs at once
-    would not multiply faster, only fault in fresh pages."""
+    of `vision_config` in `dtype`, for `views[i]` views of input i, one each by default) stays within what the heap
+    serves (engine/host_memory.py): more inputs at once would not multiply faster, only fault in fresh pages. A
+    group holds one input at least."""
     patches = (vision_config.image_size // vision_config.patch_size) ** 2
-    group = max(1, MMAP_THRESHOLD // (patches * vision_config.intermediate_size * dtype.itemsize))
+    per_view = patches * vision_config.intermediate_size * dtype.itemsize
+    views = views or [1] * len(inputs)
     results: list[Any] = []
-    for at in range(0, len(inputs), group):
-        results += run(inputs[at : at + group], states[at : at + group])
+    start = 0
+    while start < len(inputs):
+        end, held = start + 1, views[start] * per_view
+        while end < len(inputs) and held + views[end] * per_view <= MMAP_THRESHOLD:
+            held += views[end] * per_view
+            end += 1
+        results += run(inputs[start:end], states[start:end])
+        start = end
     return results

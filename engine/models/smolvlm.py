@@ -108,7 +108,7 @@ class SmolVLMAdapter(VLMAdapter):
         hidden, carried = run_slices(vision.encoder.layers, self.lean_vision, first, end, hidden, mask,
                                      join([state[2] for state in states]))
         if end < self.encoder_slices:
-            return list(zip(hidden.split(1), masks, split(carried, len(states))))
+            return list(zip(hidden.split(1), masks, split(carried, [1] * len(states))))
         features = self.model.model.connector(vision.post_layernorm(hidden))
         return list(features.unbind(0))
 

@@ -75,28 +75,34 @@ def test_greedy_tokens_equal_generate_under_preemption(families, images, name):
     assert engine.stats().kv_blocks_used == 0
 
 
-SLICED_TOWERS = ["tiny-gemma3"]  # families whose vision tower runs a slice of a layer at a time (besides SmolVLM)
+# Families whose vision tower runs a slice of a layer at a time (besides SmolVLM), and the layers it runs
+# (LLaVA-1.5's features come from its second-to-last layer: the last never runs).
+SLICED_TOWERS = {"tiny-llava": 1, "tiny-llava-onevision": 2, "tiny-gemma3": 2}
 
 
 @pytest.mark.parametrize("lean", [False, True])
 @pytest.mark.parametrize("name", SLICED_TOWERS)
-def test_a_sliced_tower_gives_the_whole_tower_s_features(families, images, name, lean):
-    """Slice by slice (a fifth of a layer each), the features of transformers' own get_image_features, bit for bit
-    with the stock layers and to float32's rounding with the lean ones (engine/lean_vision.py)."""
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_sliced_tower_gives_the_whole_tower_s_features(families, images, name, lean, count):
+    """Slice by slice (a fifth of a layer each), the features of transformers' own get_image_features (a lone
+    image, which LLaVA-OneVision tiles, and two), bit for bit with the stock layers and to float32's rounding
+    with the lean ones (engine/lean_vision.py: SigLIP's layers)."""
     engine = families(name).engine(lean_layers=lean)
     adapter = engine.adapter
-    assert (adapter.lean_vision is not None) == lean and adapter.encoder_slices == 5 * len(adapter.vision_layers)
-    _, mm = adapter.process(families(name).prompt(2, "Compare."), [images["bus"], images["zidane"]])
+    assert adapter.encoder_slices == 5 * SLICED_TOWERS[name] == 5 * len(adapter.vision_layers)
+    assert (adapter.lean_vision is not None) == (lean and name != "tiny-llava")  # CLIP's quick GELU runs stock
+    photos = [images["bus"], images["zidane"]][:count]
+    _, mm = adapter.process(families(name).prompt(count, "Compare."), photos)
     inputs = mm.encoder_inputs
-    with torch.inference_mode():
-        whole = list(getattr(out := adapter.model.get_image_features(
-            pixel_values=torch.cat([i["pixel_values"] for i in inputs])), "pooler_output", out).unbind(0))
+    lean_layers, adapter.lean_vision = adapter.lean_vision, None
+    whole = adapter.encode(inputs)  # transformers' own features
+    adapter.lean_vision = lean_layers
     sliced = [None] * len(inputs)
     for stage in range(adapter.encoder_slices):
         sliced = adapter.encode_slices(inputs, sliced, stage, stage + 1)
-    assert len(sliced) == len(whole) == 2
+    assert len(sliced) == len(whole) == count
     for want, got in zip(whole, sliced):
-        if lean:
+        if adapter.lean_vision is not None:
             assert (want - got).abs().max().item() <= 1e-4 * want.abs().max().item()
         else:
             assert torch.equal(want, got)
