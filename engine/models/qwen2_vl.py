@@ -8,9 +8,18 @@ across the patches of one image or one temporal patch of a video (Qwen2.5-VL wit
 a few blocks), never further, so the encoder input is one image or one temporal patch, encoded alike.
 Text positions follow M-RoPE: three streams (time, height, width), from the model's own `get_rope_index`
 over all of the prompt's grids (Qwen2.5-VL spaces a video's time by its frame rate), computed once.
+
+The tower runs two slices a block (its attention with the norm before it and the residual add, then its MLP
+likewise: `SLICES_PER_BLOCK`), so that an image's encoding spreads over the steps of the chats beside it; the
+per-input metadata (rotary positions, attention segments, Qwen2.5-VL's windows) comes from transformers' own
+`vision_utils`, and where those are missing (older transformers) the tower runs whole.
 """
 
 from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 from PIL import Image
@@ -18,6 +27,25 @@ from PIL import Image
 from engine.models.base import EncoderUnit, VLMAdapter, place_units, video_processor_kwargs
 from engine.request import MultimodalPrompt
 from engine.video import Video
+
+SLICES_PER_BLOCK = 2
+
+
+@functools.cache
+def _vision_utils() -> SimpleNamespace | None:
+    """transformers' helpers for a vision tower's per-input metadata (None where this version lacks them)."""
+    try:
+        from transformers.utils.generic import get_max_seqlen
+        from transformers.vision_utils import (
+            get_vision_attention_seqlens,
+            get_vision_position_ids,
+            get_vision_window_index,
+        )
+    except ImportError:
+        return None
+    return SimpleNamespace(get_max_seqlen=get_max_seqlen, get_vision_attention_seqlens=get_vision_attention_seqlens,
+                           get_vision_position_ids=get_vision_position_ids,
+                           get_vision_window_index=get_vision_window_index)
 
 
 class Qwen2VLAdapter(VLMAdapter):
@@ -82,6 +110,56 @@ class Qwen2VLAdapter(VLMAdapter):
                     **timing}))
                 row += h * w
         return units
+
+    @property
+    def encoder_slices(self) -> int:
+        return SLICES_PER_BLOCK * len(self.visual.blocks) if _vision_utils() is not None else 1
+
+    slices_per_layer = SLICES_PER_BLOCK
+
+    @torch.inference_mode()
+    def encode_slices(
+        self, inputs: list[dict[str, torch.Tensor]], states: list[Any], first: int, end: int
+    ) -> list[Any]:
+        """The same operations as the tower's own forward, slices first..end-1 (`SLICES_PER_BLOCK` a block) on
+        the inputs together (attention never crosses an input's patches). A state is an input's hidden states
+        [patches, dim] (Qwen2.5-VL: in its windows' order)."""
+        visual, utils = self.visual, _vision_utils()
+        grids = torch.cat([i["image_grid_thw"] for i in inputs]).to(self.device)
+        windowed = hasattr(visual, "fullatt_block_indexes")  # Qwen2.5-VL
+        if windowed:
+            window_index, cu_window = utils.get_vision_window_index(
+                grids, spatial_merge_size=visual.spatial_merge_size, window_size=visual.window_size,
+                patch_size=visual.patch_size)
+            max_window = utils.get_max_seqlen(cu_window, visual.config, kwarg_name="max_window_seqlen")
+        if first == 0:
+            hidden = visual.patch_embed(torch.cat([i["pixel_values"] for i in inputs]).to(self.device, self.dtype))
+            if windowed:
+                hidden = visual.permute_input_for_window_attn(hidden, window_index, seq_len=hidden.shape[0])
+        else:
+            hidden = torch.cat(states)
+        cu, max_length = utils.get_vision_attention_seqlens(grids, visual.config)
+        rotary = visual.rotary_pos_emb(hidden, utils.get_vision_position_ids(grids, visual.spatial_merge_size))
+        if windowed:
+            rotary = tuple(visual.permute_input_for_window_attn(f, window_index, seq_len=hidden.shape[0])
+                           for f in rotary)
+        for index in range(first, end):
+            number = index // SLICES_PER_BLOCK
+            block = visual.blocks[number]
+            whole = not windowed or number in visual.fullatt_block_indexes
+            if index % SLICES_PER_BLOCK == 0:
+                hidden = hidden + block.attn(block.norm1(hidden), cu_seqlens=cu if whole else cu_window,
+                                             position_embeddings=rotary,
+                                             max_seqlen=max_length if whole else max_window)
+            else:
+                hidden = hidden + block.mlp(block.norm2(hidden))
+        patches = grids.prod(-1).tolist()
+        if end < self.encoder_slices:
+            return list(hidden.split(patches))
+        merged = visual.merger(hidden)
+        if windowed:
+            merged = merged[torch.argsort(window_index)]
+        return list(merged.split([count // visual.spatial_merge_size**2 for count in patches]))
 
     @torch.inference_mode()
     def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:

@@ -75,22 +75,25 @@ def test_greedy_tokens_equal_generate_under_preemption(families, images, name):
     assert engine.stats().kv_blocks_used == 0
 
 
-# Families whose vision tower runs a slice of a layer at a time (besides SmolVLM), and the layers it runs
-# (LLaVA-1.5's features come from its second-to-last layer: the last never runs).
-SLICED_TOWERS = {"tiny-llava": 1, "tiny-llava-onevision": 2, "tiny-gemma3": 2}
+# Families whose vision tower runs a slice of a layer at a time (besides SmolVLM), and its slices: five a layer of
+# the CLIP and SigLIP towers (LLaVA-1.5's features come from its second-to-last layer: the last never runs), two a
+# block of Qwen2-VL's.
+SLICED_TOWERS = {"tiny-llava": 5, "tiny-llava-onevision": 10, "tiny-gemma3": 10, "tiny-qwen2-vl": 4,
+                 "tiny-qwen2.5-vl": 4}
+LEAN_TOWERS = {"tiny-llava-onevision", "tiny-gemma3"}  # SigLIP's layers (CLIP's quick GELU and Qwen's run stock)
 
 
 @pytest.mark.parametrize("lean", [False, True])
 @pytest.mark.parametrize("name", SLICED_TOWERS)
 @pytest.mark.parametrize("count", [1, 2])
 def test_a_sliced_tower_gives_the_whole_tower_s_features(families, images, name, lean, count):
-    """Slice by slice (a fifth of a layer each), the features of transformers' own get_image_features (a lone
-    image, which LLaVA-OneVision tiles, and two), bit for bit with the stock layers and to float32's rounding
-    with the lean ones (engine/lean_vision.py: SigLIP's layers)."""
+    """Slice by slice, the features of transformers' own get_image_features (a lone image, which LLaVA-OneVision
+    tiles, and two of different sizes, which Qwen2-VL gives grids of their own), bit for bit with the stock
+    layers and to float32's rounding with the lean ones (engine/lean_vision.py)."""
     engine = families(name).engine(lean_layers=lean)
     adapter = engine.adapter
-    assert adapter.encoder_slices == 5 * SLICED_TOWERS[name] == 5 * len(adapter.vision_layers)
-    assert (adapter.lean_vision is not None) == (lean and name != "tiny-llava")  # CLIP's quick GELU runs stock
+    assert adapter.encoder_slices == SLICED_TOWERS[name]
+    assert (adapter.lean_vision is not None) == (lean and name in LEAN_TOWERS)
     photos = [images["bus"], images["zidane"]][:count]
     _, mm = adapter.process(families(name).prompt(count, "Compare."), photos)
     inputs = mm.encoder_inputs
