@@ -81,7 +81,7 @@ class EngineCaptioner:
         await compile_ahead(self.bridge.engine, grammar, "schema")  # GrammarRefused: a job is dead-lettered at once
         default = self.max_tokens if grammar is None else self.structured_max_tokens
         return await self.bridge.add(
-            messages=[{"role": "user", "content": content}],
+            prompt=self.bridge.engine.user_prompt(content),  # any checkpoint: with or without a chat template
             images=images,
             videos=videos,
             sampling=SamplingParams(max_tokens=max_tokens or default, temperature=0.0, grammar=grammar),

@@ -58,16 +58,25 @@ def calibrate(costs: StepCosts, config: EngineConfig, pool: BlockPool, runner: M
                 seconds.append(runner.timings.total - runner.timings.encode)
 
     requests = [add(min(32, longest))]
-    run(2, timed=False)  # first calls: lazy initialisation, caches
-    requests.append(add(longest))
-    run(1 + DECODE_STEPS)
-    requests += [add(max(longest // 8, 1)) for _ in range(4)]
-    run(1 + DECODE_STEPS)
-    for request in requests:
-        scheduler.finish(request, "abort")
+    try:
+        run(2, timed=False)  # first calls: lazy initialisation, caches
+        requests.append(add(longest))
+        run(1 + DECODE_STEPS)
+        requests += [add(max(longest // 8, 1)) for _ in range(4)]
+        run(1 + DECODE_STEPS)
+    except Exception:  # the fit only sizes steps better: serve without it rather than not at all
+        log.exception("step costs not fitted: a calibration step failed; steps are sized by token budgets")
+        return
+    finally:
+        for request in requests:
+            scheduler.finish(request, "abort")
     if len({(s.tokens, s.keys) for s in shapes}) >= 3:
         costs.fit(shapes, seconds)
-        calibrate_encoder(costs, runner.adapter)
+        try:
+            calibrate_encoder(costs, runner.adapter)
+        except Exception:
+            log.exception("encoder cost not measured at start-up: the vision tower's probe failed; the first "
+                          "steps that encode measure it")
         log.info("step costs: %s", costs.as_dict())
 
 
@@ -80,7 +89,7 @@ def calibrate_encoder(costs: StepCosts, adapter: VLMAdapter) -> None:
     timed (the whole tower, again, where it runs whole)."""
     if adapter.image_marker is None:
         return
-    prompt = adapter.render_messages([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}])
+    prompt = adapter.plain_prompt([{"type": "image"}, {"type": "text", "text": "?"}])  # no chat template needed
     photo = Image.new("RGB", (512, 512), (120, 90, 60))
     _, mm = adapter.process(prompt, [photo], options=dict(adapter.single_input_options) or None)
     if mm is None or not mm.encoder_inputs:

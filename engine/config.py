@@ -22,6 +22,9 @@ class EngineConfig:
     model: the model to load. A local Hugging Face checkpoint directory, a hub id, `tiny` / `tiny-<family>`
         (small random offline models: `tiny-qwen2-vl`, `tiny-qwen2.5-vl`, `tiny-llava`, `tiny-llava-onevision`)
         or `dummy:<preset>` (a real architecture at real size with random weights).
+    chat_template: a Jinja chat template file for chat requests, over the checkpoint's own (`None`: the
+        processor's template, else the tokenizer's; a checkpoint with neither serves prompts only, and answers
+        chat requests with a ValueError that names this option).
     device: the torch device (cpu, cuda, cuda:1, ...).
     dtype: the weights' and KV cache's dtype (float32, bfloat16 or float16).
     max_num_batched_tokens: the step budget, in tokens (decode tokens plus prefill chunk tokens).
@@ -93,6 +96,7 @@ class EngineConfig:
     """
 
     model: str = "tiny"
+    chat_template: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
     max_num_batched_tokens: int = 2048

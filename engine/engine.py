@@ -75,7 +75,7 @@ class Engine:
             cpu_kernel.choose_variant(config.cpu_kernels)
         elif config.cpu_kernels is not None:
             raise ValueError(f"cpu_kernels chooses the CPU's kernels; the device is {config.device!r}")
-        self.adapter = load_adapter(config.model, self.device, config.torch_dtype)
+        self.adapter = load_adapter(config.model, self.device, config.torch_dtype, config.chat_template)
         self.tokenizer = self.adapter.tokenizer
         self.eos_token_ids = self.adapter.eos_token_ids
 
@@ -280,6 +280,8 @@ class Engine:
             raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters, got "
                              f"{str(cache_salt)[:80]!r}")
         if messages is not None:
+            if not self.has_chat_template:
+                self.adapter.render_messages(messages)  # its ValueError says what to send instead
             try:
                 prompt = self.adapter.render_messages(messages)
             except Exception as exc:  # the template rejects malformed messages in many ways
@@ -409,6 +411,19 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
         )
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether chat requests (`messages`) can be rendered: a checkpoint without a template serves prompts only."""
+        return self.adapter.chat_template is not None
+
+    def user_prompt(self, content: list[dict[str, Any]]) -> str:
+        """One user turn of `content` parts (text, `{"type": "image"}`, `{"type": "video"}`) as a prompt: through
+        the chat template where the model has one, else the family's own markers and the text
+        (`VLMAdapter.plain_prompt`), so that captions run on any checkpoint."""
+        if self.has_chat_template:
+            return self.adapter.render_messages([{"role": "user", "content": content}])
+        return self.adapter.plain_prompt(content)
 
     @property
     def grammars(self) -> GrammarCompiler:

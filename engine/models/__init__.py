@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -12,6 +14,8 @@ from engine.models.llava import LlavaAdapter, LlavaOnevisionAdapter
 from engine.models.qwen2_vl import Qwen2VLAdapter
 from engine.models.smolvlm import SmolVLMAdapter
 from engine.presets import PRESETS, preset_checkpoint
+
+log = logging.getLogger(__name__)
 
 ADAPTERS: dict[str, type[VLMAdapter]] = {
     arch: cls
@@ -38,7 +42,35 @@ def resolve_checkpoint(model: str) -> str:
     return model
 
 
-def load_adapter(model: str, device: torch.device, dtype: torch.dtype) -> VLMAdapter:
+def read_chat_template(source: str) -> str:
+    """A chat template from `source`: a file's text, or the template itself where `source` is Jinja text (as
+    vLLM's --chat-template takes either). ValueError for a file that cannot be read or a template that does not
+    parse, naming it."""
+    from jinja2 import Environment, TemplateSyntaxError
+
+    is_text = "{{" in source or "{%" in source
+    if is_text:
+        text = source
+    else:
+        try:
+            text = Path(source).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"chat_template {source!r} could not be read: {exc}") from exc
+    try:
+        Environment().parse(text)
+    except TemplateSyntaxError as exc:
+        where = "the chat template given" if is_text else f"chat_template {source!r}"
+        raise ValueError(f"{where} is not a Jinja template: line {exc.lineno}: {exc.message}") from exc
+    if not text.strip():
+        raise ValueError(f"chat_template {source!r} is empty")
+    return text
+
+
+def load_adapter(model: str, device: torch.device, dtype: torch.dtype,
+                 chat_template: str | None = None) -> VLMAdapter:
+    """The model's adapter. `chat_template` (a file or Jinja text, `read_chat_template`) replaces the
+    checkpoint's own template."""
+    template = read_chat_template(chat_template) if chat_template is not None else None
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
     from transformers.utils import logging as hf_logging
 
@@ -58,7 +90,13 @@ def load_adapter(model: str, device: torch.device, dtype: torch.dtype) -> VLMAda
         )
     processor = AutoProcessor.from_pretrained(path)
     hf_model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
-    return adapter_cls(hf_model, processor, device, dtype)
+    adapter = adapter_cls(hf_model, processor, device, dtype)
+    if template is not None:
+        adapter.chat_template = template
+    elif adapter.chat_template is None:
+        log.warning("model %r has no chat template: prompts are served, chat requests are refused "
+                    "(give one with --chat-template FILE)", model)
+    return adapter
 
 
-__all__ = ["ADAPTERS", "VLMAdapter", "load_adapter", "resolve_checkpoint"]
+__all__ = ["ADAPTERS", "VLMAdapter", "load_adapter", "read_chat_template", "resolve_checkpoint"]

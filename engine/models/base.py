@@ -33,6 +33,18 @@ class EncoderUnit:
     inputs: dict[str, torch.Tensor]
 
 
+def checkpoint_chat_template(processor: Any) -> str | None:
+    """The chat template a checkpoint came with: its processor's, else its tokenizer's (a dict of named templates
+    gives its "default"); None where it has none."""
+    for owner in (processor, getattr(processor, "tokenizer", None)):
+        template = getattr(owner, "chat_template", None)
+        if isinstance(template, dict):
+            template = template.get("default")
+        if isinstance(template, str) and template.strip():
+            return template
+    return None
+
+
 def video_processor_kwargs(videos: Sequence[Video]) -> dict[str, Any]:
     """What a transformers processor takes for videos whose frames are already sampled (engine/video.py), so that
     it samples none again; nothing without videos."""
@@ -84,6 +96,10 @@ class VLMAdapter:
     image_marker: ClassVar[str] = "<image>"
     # What a video is in a prompt; None for families without a video path (they refuse videos by name).
     video_marker: ClassVar[str | None] = None
+    # The markers as they stand in a prompt written without a chat template (`plain_prompt`), where a family's
+    # template wraps them (Qwen2-VL's vision start and end tokens); None: the marker alone.
+    image_prompt: ClassVar[str | None] = None
+    video_prompt: ClassVar[str | None] = None
     # Position streams of multimodal RoPE (3 for Qwen2-VL's time, height and width); None for plain RoPE.
     rope_streams: ClassVar[int | None] = None
 
@@ -91,6 +107,9 @@ class VLMAdapter:
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer
+        # The chat template `render_messages` uses: the processor's, else the tokenizer's (a checkpoint saved with
+        # its template only in tokenizer_config.json); None serves prompts only. `load_adapter` may override it.
+        self.chat_template: str | None = checkpoint_chat_template(processor)
         self.device = device
         self.dtype = dtype
         text_config = self.text_model.config
@@ -207,9 +226,33 @@ class VLMAdapter:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def render_messages(self, messages: list[dict]) -> str:
-        """The model's own chat template, ending with the assistant's turn."""
-        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def render_messages(self, messages: list[dict], **template_kwargs: Any) -> str:
+        """`messages` through the chat template (`self.chat_template`), ending with the assistant's turn;
+        `template_kwargs` go to the template as its variables (`tools=...`). ValueError where there is none."""
+        if self.chat_template is None:
+            raise ValueError(f"the model {self.family} has no chat template (neither its processor nor its tokenizer "
+                             "has one): send a prompt instead of messages, or start the server with "
+                             "--chat-template FILE")
+        return self.processor.apply_chat_template(messages, chat_template=self.chat_template,
+                                                  add_generation_prompt=True, tokenize=False, **template_kwargs)
+
+    def plain_prompt(self, content: list[dict]) -> str:
+        """A prompt of one user turn's `content` parts without a chat template: each image and video part as the
+        family's own marker (`image_prompt`, `video_prompt`), each text part as its text, one a line. Start-up's
+        probe (engine/calibration.py) and captions on a checkpoint without a chat template are built this way."""
+        lines: list[str] = []
+        for index, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image":
+                lines.append(self.image_prompt or self.image_marker)
+            elif kind == "video" and self.video_marker is not None:
+                lines.append(self.video_prompt or self.video_marker)
+            elif kind == "text" and isinstance(part.get("text"), str):
+                lines.append(part["text"])
+            else:
+                raise ValueError(f"content part {index} ({str(part)[:80]}) is not an image, a video or a text part "
+                                 f"that {self.family} takes")
+        return "\n".join(lines)
 
     def forward_text(
         self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch

@@ -52,6 +52,8 @@ class Qwen2VLAdapter(VLMAdapter):
     architectures = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
     image_marker = "<|image_pad|>"
     video_marker = "<|video_pad|>"
+    image_prompt = "<|vision_start|><|image_pad|><|vision_end|>"
+    video_prompt = "<|vision_start|><|video_pad|><|vision_end|>"
     rope_streams = 3
 
     @property

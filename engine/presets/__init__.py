@@ -11,7 +11,7 @@ The package: `sizes` (each family's preset dataclass and the `PRESETS` table), `
 chat templates), `checkpoints` (the builders and the cache of built checkpoints).
 """
 
-from engine.presets.checkpoints import build_checkpoint, preset_checkpoint
+from engine.presets.checkpoints import CHECKPOINT_SHAPES, build_checkpoint, preset_checkpoint, reshape_checkpoint
 from engine.presets.sizes import PRESETS, Preset
 
-__all__ = ["PRESETS", "Preset", "build_checkpoint", "preset_checkpoint"]
+__all__ = ["CHECKPOINT_SHAPES", "PRESETS", "Preset", "build_checkpoint", "preset_checkpoint", "reshape_checkpoint"]

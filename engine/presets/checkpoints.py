@@ -317,3 +317,54 @@ def preset_checkpoint(name: str, cache_dir: str | os.PathLike | None = None) -> 
         except OSError:  # another process built it first; theirs is as good as ours
             pass
     return path
+
+
+# The shapes real checkpoints come in besides the complete one `build_checkpoint` writes: a base model saved
+# without a chat template, one whose template sits only in tokenizer_config.json (no chat_template.jinja), one
+# without generation_config.json, one whose tokenizer names no pad token.
+CHECKPOINT_SHAPES = ("no_chat_template", "tokenizer_template_only", "no_generation_config", "no_pad_token")
+
+
+def reshape_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, shape: str) -> Path:
+    """A copy of checkpoint `source` in `out_dir`, its files changed into `shape` (`CHECKPOINT_SHAPES`) as such
+    checkpoints are saved, so that loading them runs transformers' and the engine's real code."""
+    import shutil
+
+    if shape not in CHECKPOINT_SHAPES:
+        raise ValueError(f"unknown checkpoint shape {shape!r}; known: {', '.join(CHECKPOINT_SHAPES)}")
+    out = Path(out_dir)
+    shutil.copytree(source, out, dirs_exist_ok=True)
+
+    def edit(name: str, change: Callable[[dict], None]) -> None:
+        path = out / name
+        if path.exists():
+            data = json.loads(path.read_text())
+            change(data)
+            path.write_text(json.dumps(data, indent=2))
+
+    template_file = out / "chat_template.jinja"
+    template = template_file.read_text() if template_file.exists() else None
+    if shape in ("no_chat_template", "tokenizer_template_only"):
+        for name in ("chat_template.jinja", "chat_template.json"):
+            (out / name).unlink(missing_ok=True)
+        for name in ("processor_config.json", "tokenizer_config.json"):
+            edit(name, lambda data: data.pop("chat_template", None))
+        if shape == "tokenizer_template_only":
+            if template is None:
+                raise ValueError(f"checkpoint {str(source)!r} has no chat_template.jinja to move into its tokenizer")
+            edit("tokenizer_config.json", lambda data: data.update(chat_template=template))
+    elif shape == "no_generation_config":
+        (out / "generation_config.json").unlink()
+    else:  # no_pad_token
+
+        def drop_pad(data: dict) -> None:
+            data.pop("pad_token_id", None)
+            data.pop("_pad_token_id", None)
+            for nested in data.values():
+                if isinstance(nested, dict):
+                    drop_pad(nested)
+
+        edit("tokenizer_config.json", lambda data: data.pop("pad_token", None))
+        edit("config.json", drop_pad)
+        edit("generation_config.json", drop_pad)
+    return out
