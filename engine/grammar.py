@@ -1,5 +1,6 @@
-"""Grammar-constrained decoding: a request may carry a JSON schema, "any JSON object" or a regex, and each
-step its allowed next tokens are masked before sampling.
+"""Grammar-constrained decoding: a request may carry a JSON schema, "any JSON object", a regex, a choice of
+strings, an EBNF grammar or a structural tag (free text with tagged, schema-held parts: tool calls), and each step
+its allowed next tokens are masked before sampling.
 
 Built on xgrammar (the library vLLM and SGLang use), imported lazily: the engine imports and serves
 requests without a grammar when xgrammar is not installed, and only a request that asks for one needs it.
@@ -24,25 +25,32 @@ from typing import Any
 
 import torch
 
-from engine.grammar_limits import GrammarLimits, check_regex, check_schema
+from engine.grammar_limits import GrammarLimitError, GrammarLimits, check_regex, check_schema
 from engine.grammar_pool import GrammarCancelled, GrammarPool, GrammarTimeout
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What a request's output must match: exactly one of a JSON schema (as JSON text), any JSON object,
-    or a regular expression. Build one from a parsed schema with `GrammarSpec.from_schema`."""
+    """What a request's output must match: exactly one of a JSON schema (as JSON text), any JSON object, a regular
+    expression, a choice of strings (`choice`, a tuple), an EBNF grammar (xgrammar's dialect, whose `root` rule is the
+    output) or a structural tag (xgrammar's, as JSON text: see `tool_calls_tag`). Build one from a parsed schema with
+    `GrammarSpec.from_schema`."""
 
     json_schema: str | None = None
     json_object: bool = False
     regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
-        given = [self.json_schema is not None, self.json_object is True, self.regex is not None]
         if not isinstance(self.json_object, bool):
             raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
+        given = [self.json_schema is not None, self.json_object is True, self.regex is not None,
+                 self.choice is not None, self.grammar is not None, self.structural_tag is not None]
         if sum(given) != 1:
-            raise ValueError("a grammar needs exactly one of json_schema, json_object=True or regex")
+            raise ValueError("a grammar needs exactly one of json_schema, json_object=True, regex, choice, grammar or "
+                             "structural_tag")
         if self.json_schema is not None:
             if not isinstance(self.json_schema, str):
                 raise ValueError(f"json_schema must be JSON text, got {type(self.json_schema).__name__}")
@@ -52,23 +60,107 @@ class GrammarSpec:
                 raise ValueError(f"json_schema is not valid JSON: {exc}") from exc
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"a JSON schema must be an object or a boolean, got {self.json_schema[:80]!r}")
-        if self.regex is not None:
-            if not isinstance(self.regex, str) or not self.regex:
-                raise ValueError(f"regex must be a non-empty string, got {self.regex!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {str(value)[:80]!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, tuple) or not self.choice or \
+                    not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"choice must be a non-empty tuple of non-empty strings, got {str(self.choice)[:80]}")
+        if self.structural_tag is not None:
+            if not isinstance(self.structural_tag, str):
+                raise ValueError(f"structural_tag must be JSON text, got {type(self.structural_tag).__name__}")
+            try:
+                tag = json.loads(self.structural_tag)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"structural_tag is not valid JSON: {exc}") from exc
+            if not isinstance(tag, dict) or tag.get("type") != "structural_tag" or "format" not in tag:
+                raise ValueError('a structural tag is an object {"type": "structural_tag", "format": ...}, got '
+                                 f"{self.structural_tag[:80]!r}")
 
     @classmethod
     def from_schema(cls, schema: dict[str, Any] | str) -> GrammarSpec:
-        """A spec for a JSON schema given parsed (a dict) or as JSON text."""
+        """A spec for a JSON schema given parsed (a dict) or as JSON text. Its properties keep their order: the
+        output's keys come in the schema's order."""
         if isinstance(schema, str):
             return cls(json_schema=schema)
         if not isinstance(schema, dict):
             raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        return cls(json_schema=json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls(json_schema=json.dumps(schema, separators=(",", ":")))
 
     def describe(self) -> str:
-        if self.json_schema is not None:
-            return "json_schema"
-        return "json_object" if self.json_object else "regex"
+        for name in ("json_schema", "regex", "choice", "grammar", "structural_tag"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+
+TOOL_CALL_BEGIN = "<tool_call>"  # the Qwen / Hermes markers of a tool call, around its JSON
+TOOL_CALL_END = "</tool_call>"
+
+
+def tool_call_begin(name: str) -> str:
+    """What a call of the function `name` starts with, up to its arguments' JSON."""
+    return f'{TOOL_CALL_BEGIN}\n{{"name": {json.dumps(name)}, "arguments": '
+
+
+def tool_call_end() -> str:
+    return f"}}\n{TOOL_CALL_END}"
+
+
+def tool_calls_tag(functions: list[tuple[str, dict[str, Any] | None]], mode: str, parallel: bool = True) -> GrammarSpec:
+    """A structural tag for tool calls, each `<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>` with
+    ARGS held to that function's parameter schema (None: any JSON object). `functions`: (name, schema) in order.
+    `mode` "auto": free text, in which each call (its start is the trigger) is held to its function; "required":
+    calls only, at least one. `parallel` False: at most one call."""
+    if mode not in ("auto", "required"):
+        raise ValueError(f"mode must be 'auto' or 'required', got {mode!r}")
+    if not functions:
+        raise ValueError("tool calls need at least one function")
+    tags = [{"type": "tag", "begin": tool_call_begin(name),
+             "content": {"type": "json_schema", "json_schema": schema if schema is not None else {"type": "object"}},
+             "end": tool_call_end()} for name, schema in functions]
+    if mode == "auto":
+        fmt: dict[str, Any] = {"type": "triggered_tags", "triggers": [TOOL_CALL_BEGIN], "tags": tags,
+                               "at_least_one": False, "stop_after_first": not parallel}
+    else:
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+               "stop_after_first": not parallel}
+    return GrammarSpec(structural_tag=json.dumps({"type": "structural_tag", "format": fmt}, separators=(",", ":")))
+
+
+def _ebnf_literal(text: str) -> str:
+    """`text` as a string literal of xgrammar's EBNF."""
+    return '"' + "".join(ch if ch.isprintable() and ch not in '"\\' else f"\\u{ord(ch):04x}" if ord(ch) < 0x10000
+                         else f"\\U{ord(ch):08x}" for ch in text) + '"'
+
+
+def choice_grammar(choice: tuple[str, ...]) -> str:
+    """The EBNF of exactly one of `choice`."""
+    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choice)
+
+
+def _tag_parts(node: Any, schemas: list[Any], regexes: list[str]) -> None:
+    """Every JSON schema and regex a structural tag holds its parts to."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            schemas.append(node["json_schema"])
+            return
+        if node.get("type") == "regex" and isinstance(node.get("pattern"), str):
+            regexes.append(node["pattern"])
+        for value in node.values():
+            _tag_parts(value, schemas, regexes)
+    elif isinstance(node, list):
+        for value in node:
+            _tag_parts(value, schemas, regexes)
+
+
+def _check_text(text: str, what: str, limits: GrammarLimits) -> None:
+    size = len(text.encode())
+    if size > limits.max_schema_bytes:
+        raise GrammarLimitError("max_schema_bytes", f"the {what}'s size is {size} bytes, over the limit of "
+                                                    f"{limits.max_schema_bytes} (max_schema_bytes)")
 
 
 # xgrammar 0.2.8 writes the characters of a string with minLength or maxLength as this class, which lets
@@ -79,14 +171,30 @@ _BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 
 
-def _compile_json_schema(xgr: Any, compiler: Any, schema: str) -> Any:
+def _json_schema_ebnf(xgr: Any, schema: str) -> str:
     """Compact JSON (no whitespace between tokens: a model may not spend its tokens on unbounded
-    whitespace) under `schema`, with strings of bounded length held to JSON's characters."""
+    whitespace) under `schema`, with strings of bounded length held to JSON's characters, as EBNF."""
+    return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False)).replace(_BOUNDED_STRING_CHAR,
+                                                                                    _JSON_STRING_CHAR)
+
+
+def _compile_json_schema(xgr: Any, compiler: Any, schema: str) -> Any:
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
-    fixed = ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
-    if fixed == ebnf:
+    if _BOUNDED_STRING_CHAR not in ebnf:
         return compiler.compile_json_schema(schema, any_whitespace=False)
-    return compiler.compile_grammar(fixed)
+    return compiler.compile_grammar(_json_schema_ebnf(xgr, schema))
+
+
+def _compact_tag(xgr: Any, node: Any) -> Any:
+    """A structural tag whose JSON schema parts are their compact EBNF (as `_compile_json_schema` compiles a
+    schema): xgrammar's own JSON in a tag allows any whitespace."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            return {"type": "grammar", "grammar": _json_schema_ebnf(xgr, json.dumps(node["json_schema"]))}
+        return {key: _compact_tag(xgr, value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_compact_tag(xgr, value) for value in node]
+    return node
 
 
 def _xgrammar():
@@ -145,6 +253,10 @@ def _compile_in_child(xgr: Any, compiler: Any, kind: str, text: str) -> Any:
     """What a compiler child runs (engine/grammar_pool.py): one spec's grammar."""
     if kind == "regex":
         return compiler.compile_regex(text)
+    if kind == "grammar":
+        return compiler.compile_grammar(text)
+    if kind == "structural_tag":
+        return compiler.compile_structural_tag(json.dumps(_compact_tag(xgr, json.loads(text))))
     return _compile_json_schema(xgr, compiler, text)
 
 
@@ -215,6 +327,26 @@ class GrammarCompiler:
         if spec.regex is not None:
             check_regex(spec.regex, self.limits)
             kind, text = "regex", spec.regex
+        elif spec.choice is not None:
+            if len(spec.choice) > self.limits.max_enum_values:
+                raise GrammarLimitError("max_enum_values", f"the choice's strings are {len(spec.choice)}, over the "
+                                                           f"limit of {self.limits.max_enum_values} (max_enum_values)")
+            kind, text = "grammar", choice_grammar(spec.choice)
+            _check_text(text, "choice", self.limits)
+        elif spec.grammar is not None:
+            _check_text(spec.grammar, "grammar", self.limits)
+            kind, text = "grammar", spec.grammar
+        elif spec.structural_tag is not None:
+            # The tag's schemas and regexes count together, as one schema: many tools or huge ones are refused
+            # by the same limits as one large response_format.
+            _check_text(spec.structural_tag, "structural tag", self.limits)
+            schemas: list[Any] = []
+            regexes: list[str] = []
+            _tag_parts(json.loads(spec.structural_tag), schemas, regexes)
+            check_schema(json.dumps({"anyOf": schemas}), self.limits)
+            for pattern in regexes:
+                check_regex(pattern, self.limits)
+            kind, text = "structural_tag", spec.structural_tag
         else:
             text = '{"type": "object"}' if spec.json_object else spec.json_schema
             check_schema(text, self.limits)

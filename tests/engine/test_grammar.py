@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.grammar import GrammarCompiler, GrammarSpec, apply_token_masks
+from engine.grammar import TOOL_CALL_BEGIN, GrammarCompiler, GrammarSpec, apply_token_masks, tool_calls_tag
 from tests.engine.conftest import DEVICE, PROMPTS
 
 xgrammar = pytest.importorskip("xgrammar")
@@ -205,3 +205,104 @@ def test_bounded_strings_refuse_raw_control_characters(checkpoint):
     logits = torch.zeros(1, 512)
     apply_token_masks(logits, [matcher])
     assert logits[0, tab] == float("-inf") and logits[0, letter] == 0.0
+
+
+def test_choice_output_is_one_of_the_strings(make_engine):
+    engine = make_engine()
+    choice = ("standing", "lying down", 'say "hi"', "é\n")
+    spec = GrammarSpec(choice=choice)
+    rids = [engine.add_request(prompt=p, sampling=SamplingParams(max_tokens=40, temperature=1.0, seed=i, grammar=spec))
+            for i, p in enumerate(TEXT_PROMPTS[:6])]
+    outputs = drain(engine)
+    assert all(outputs[rid].finish_reason == "stop" and outputs[rid].text in choice for rid in rids)
+
+
+def test_ebnf_grammar_output_matches(make_engine):
+    engine = make_engine()
+    spec = GrammarSpec(grammar='root ::= "count: " [0-9] [0-9]? (" person" | " people")')
+    rid = engine.add_request(prompt=TEXT_PROMPTS[0], sampling=SamplingParams(max_tokens=40, grammar=spec))
+    out = drain(engine)[rid]
+    assert out.finish_reason == "stop" and re.fullmatch(r"count: [0-9]{1,2} (person|people)", out.text), out.text
+
+
+def test_schema_properties_keep_their_order(make_engine):
+    schema = {"type": "object", "properties": {p: {"type": "integer", "minimum": 0, "maximum": 9}
+                                               for p in ("zebra", "apple", "mango")},
+              "required": ["zebra", "apple", "mango"], "additionalProperties": False}
+    assert json.loads(GrammarSpec.from_schema(schema).json_schema) == schema
+    assert list(json.loads(GrammarSpec.from_schema(schema).json_schema)["properties"]) == ["zebra", "apple", "mango"]
+    engine = make_engine()
+    rid = engine.add_request(prompt=TEXT_PROMPTS[1], sampling=SamplingParams(
+        max_tokens=80, grammar=GrammarSpec.from_schema(schema)))
+    assert list(json.loads(drain(engine)[rid].text)) == ["zebra", "apple", "mango"]
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+         "additionalProperties": False}
+
+
+def calls_in(text: str) -> list[dict]:
+    """The complete tool calls of a constrained output: each marker's JSON (the grammar put it there)."""
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(piece.lstrip("\n"))[0] for piece in text.split(TOOL_CALL_BEGIN)[1:]
+            if "</tool_call>" in piece]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_tool_calls_validate_against_their_function(make_engine, parallel):
+    engine = make_engine(max_num_seqs=8)
+    spec = tool_calls_tag([("weather", WEATHER), ("clock", CLOCK)], "required", parallel)
+    rids = [engine.add_request(prompt=p, sampling=SamplingParams(max_tokens=200, temperature=1.0, seed=i, grammar=spec))
+            for i, p in enumerate(TEXT_PROMPTS[:8])]
+    outputs = drain(engine)
+    validators = {"weather": jsonschema_rs.validator_for(WEATHER), "clock": jsonschema_rs.validator_for(CLOCK)}
+    for rid in rids:
+        out = outputs[rid]
+        # Parallel calls may go on until max_tokens (the random model does not stop): its complete calls count.
+        assert out.finish_reason == "stop" or parallel, out.text
+        assert out.text.startswith(TOOL_CALL_BEGIN), out.text
+        calls = calls_in(out.text)
+        assert calls and (parallel or len(calls) == 1)
+        for call in calls:
+            validators[call["name"]].validate(call["arguments"])
+
+
+def test_auto_tool_calls_allow_text_and_hold_each_call(make_engine):
+    engine = make_engine(max_num_seqs=8)
+    spec = tool_calls_tag([("weather", WEATHER)], "auto")
+    # The trigger is forced in after some free text, as a model would write it: the call must then validate.
+    rid = engine.add_request(prompt=TEXT_PROMPTS[0], sampling=SamplingParams(max_tokens=60, grammar=spec))
+    free = drain(engine)[rid]
+    assert TOOL_CALL_BEGIN not in free.text or calls_in(free.text)
+    compiler = engine.grammars
+    matcher = compiler.matcher(spec)
+    for token in engine.tokenizer.encode("Let me check." + TOOL_CALL_BEGIN + '\n{"name": "weather", "arguments": ',
+                                         add_special_tokens=False):
+        assert matcher.accept(token)
+    assert not matcher.accept(engine.tokenizer.encode("[", add_special_tokens=False)[0])  # not an object
+
+
+def test_tool_schemas_count_together_against_the_limits(make_engine):
+    from engine.grammar_limits import GrammarLimitError
+
+    engine = make_engine()
+    many = [(f"f{i}", {"type": "object", "properties": {f"p{j}": {"type": "integer"} for j in range(10)}})
+            for i in range(10)]  # 100 properties in all, over max_properties = 64, each tool within it
+    with pytest.raises(GrammarLimitError, match="max_properties"):
+        engine.grammars.compile(tool_calls_tag(many, "required"))
+    with pytest.raises(GrammarLimitError, match="max_enum_values"):
+        engine.grammars.compile(GrammarSpec(choice=tuple(str(i) for i in range(1000))))
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(choice=()), "non-empty tuple"), (dict(choice=("a", 3)), "non-empty tuple"),
+    (dict(grammar=""), "non-empty string"), (dict(structural_tag="{}"), "structural tag is an object"),
+    (dict(choice=("a",), regex="a"), "exactly one of"),
+])
+def test_new_spec_kinds_refuse_bad_values(fields, message):
+    with pytest.raises(ValueError, match=message):
+        GrammarSpec(**fields)
+    assert hash(GrammarSpec(choice=("a", "b"))) == hash(GrammarSpec(choice=("a", "b")))
