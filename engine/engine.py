@@ -425,6 +425,14 @@ class Engine:
             return self.adapter.render_messages([{"role": "user", "content": content}])
         return self.adapter.plain_prompt(content)
 
+    def embed(self, images: list[ImageInput] | None = None, texts: list[str] | None = None) -> list[list[float]]:
+        """Embeddings of `images` then `texts` from the model's own vision tower and input embeddings, L2-normalised
+        (engine/embeddings.py). Runs on the calling thread, not in the step loop; ValueError for a bad input."""
+        from engine.embeddings import embed
+
+        loaded = [_load_image(image, i) for i, image in enumerate(images or [])]
+        return embed(self.adapter, loaded, list(texts or []), self.max_model_len)
+
     @property
     def grammars(self) -> GrammarCompiler:
         """The engine's grammar compiler (its child processes and cache), built at first use over the model's
