@@ -16,7 +16,7 @@ Two paths compute the same function:
   masks where a chunk is not plain causal (a chunk after the first, image tokens that attend both ways,
   sliding windows). float32 anywhere, and everything on the CPU; the exactness reference.
 - **cpu**: every decode of the step in one call of a small C kernel that reads the cache blocks in place
-  (engine/cpu_kernel.py): on the CPU the gather's copy costs as much as the attention, and grows with
+  (engine/cpu/ops.py): on the CPU the gather's copy costs as much as the attention, and grows with
   context. Prefill chunks read the cache in place too (`PrefillSpan.prefix_runs`): the keys before the chunk,
   which every query of the chunk sees, as views of runs of consecutive cache blocks, no mask; the chunk's own
   keys (copied: as many as the chunk's tokens) with the chunk's causal mask; the pieces' results merged by their
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from engine.cpu_kernel import paged_decode_attention
+from engine.cpu.ops import paged_decode_attention
 from engine.kv_cache import KVCache
 
 ATTN_IMPLEMENTATION = "vlmcap_paged"
@@ -71,7 +71,7 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [B, max_blocks] padded with block 0
     mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] True where a key is real
     sliding_mask: torch.Tensor | None = None  # `mask` within the sliding window, for models that have one
-    context_lens: torch.Tensor | None = None  # [B] keys of each sequence, for engine/cpu_kernel.py
+    context_lens: torch.Tensor | None = None  # [B] keys of each sequence, for engine/cpu/ops.py
 
 
 @dataclass

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernel
 from engine.attention import AttentionBatch, reference_attention
-from engine.cpu_kernel import Norm
+from engine.cpu import abi, build, ops, routing, tuning
+from engine.cpu.routing import Norm
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def _norms(layer: torch.nn.Module, dtype: torch.dtype) -> dict[str, Norm | None]
         return None
     if norms["input"] is None or norms["mlp"] is None:
         return None
-    if any(n is not None and n.flavor == cpu_kernel.NORM_LLAMA and n.weight.dtype != dtype for n in norms.values()):
+    if any(n is not None and n.flavor == abi.NORM_LLAMA and n.weight.dtype != dtype for n in norms.values()):
         return None
     return norms
 
@@ -84,11 +84,11 @@ def fits(layer: torch.nn.Module) -> bool:
         return False
     dtypes = {m.weight.dtype for m in linears}
     window = getattr(attn, "sliding_window", None)
-    return (len(dtypes) == 1 and dtypes <= set(cpu_kernel.KERNEL_ROWS) and _norms(layer, next(iter(dtypes)))
+    return (len(dtypes) == 1 and dtypes <= set(routing.KERNEL_ROWS) and _norms(layer, next(iter(dtypes)))
             is not None and getattr(attn, "is_causal", True) and getattr(attn, "attn_logit_softcapping", None) is None
             and (window is None or (isinstance(window, int) and window > 0))
             and isinstance(getattr(attn, "scaling", None), float)
-            and cpu_kernel.activation_of(getattr(mlp, "act_fn", None)) in cpu_kernel.GLU_ACTIVATIONS)
+            and routing.activation_of(getattr(mlp, "act_fn", None)) in abi.GLU_ACTIVATIONS)
 
 
 def _rope_kind(text_model: torch.nn.Module, layer: torch.nn.Module) -> str | None:
@@ -104,7 +104,7 @@ class Projection:
 
     weight: torch.Tensor  # [n, k], contiguous rows
     bias32: torch.Tensor | None
-    rows: tuple[int, int]  # the row counts that go through the kernel (cpu_kernel.measure_row_range)
+    rows: tuple[int, int]  # the row counts that go through the kernel (tuning.measure_row_range)
 
     def __post_init__(self) -> None:
         self.weight_t = self.weight.t()  # torch's path multiplies by this view, made once
@@ -113,7 +113,7 @@ class Projection:
     def __call__(self, x: torch.Tensor, out: torch.Tensor, glu: str | None = None) -> None:
         """out = x W^T (+ b); with `glu` (an activation), act(x W_g^T) * (x W_u^T)."""
         if self.rows[0] <= x.shape[0] <= self.rows[1]:
-            cpu_kernel._run_linear(cpu_kernel.load_variant(cpu_kernel.variant()), x, self.weight, self.bias32,
+            ops.run_linear(build.load_variant(build.variant()), x, self.weight, self.bias32,
                                    glu, out)
             return
         if glu is None:
@@ -143,17 +143,17 @@ def fuse(modules: list[torch.nn.Linear]) -> Projection:
         if module.bias is not None:
             module.bias = torch.nn.Parameter(bias[start:end], requires_grad=False)
         start = end
-    return Projection(weight, None if bias is None else bias.to(torch.float32), cpu_kernel.KERNEL_ROWS[weight.dtype])
+    return Projection(weight, None if bias is None else bias.to(torch.float32), routing.KERNEL_ROWS[weight.dtype])
 
 
 def measure_projections(projections: list[Projection]) -> dict[str, tuple[int, int]]:
-    """Each projection's `rows` measured here (cpu_kernel.measure_row_range), one measurement per shape;
+    """Each projection's `rows` measured here (tuning.measure_row_range), one measurement per shape;
     returns them by shape ("n x k dtype")."""
     ranges: dict[str, tuple[int, int]] = {}
     for projection in projections:
-        key = cpu_kernel.shape_key(projection.weight)
+        key = tuning.shape_key(projection.weight)
         if key not in ranges:
-            ranges[key] = cpu_kernel.measure_row_range(projection.weight)
+            ranges[key] = tuning.measure_row_range(projection.weight)
         projection.rows = ranges[key]
     return ranges
 
@@ -174,23 +174,23 @@ class LeanLayer:
         self.mlp_out_module = _norm_modules(layer)["mlp_out"]  # for a stock layer after this one
         self.scaling = float(attn.scaling)
         self.window: int | None = getattr(attn, "sliding_window", None)
-        self.act: str = cpu_kernel.activation_of(mlp.act_fn)
+        self.act: str = routing.activation_of(mlp.act_fn)
         self.rope = rope
         self.intermediate = mlp.gate_proj.out_features
 
     def projections(self) -> list[Projection]:
         return [self.qkv, self.o, self.gate_up, self.down]
 
-    def args(self, key_cache: torch.Tensor, value_cache: torch.Tensor, local_rope: bool) -> cpu_kernel.LeanLayerArgs:
+    def args(self, key_cache: torch.Tensor, value_cache: torch.Tensor, local_rope: bool) -> abi.LeanLayerArgs:
         """This layer as decode_layers.c reads it."""
-        norm = cpu_kernel.norm_args
-        return cpu_kernel.LeanLayerArgs(
+        norm = routing.norm_args
+        return abi.LeanLayerArgs(
             input_norm=norm(self.input_norm), mlp_norm=norm(self.mlp_norm), attn_out_norm=norm(self.attn_out_norm),
             mlp_out_norm=norm(self.mlp_out_norm), q_norm=norm(self.q_norm), k_norm=norm(self.k_norm),
-            **{name: cpu_kernel.projection_args(p.weight, p.bias32)
+            **{name: ops.projection_args(p.weight, p.bias32)
                for name, p in zip(("qkv", "o", "gate_up", "down"), self.projections())},
             key_cache=key_cache.data_ptr(), value_cache=value_cache.data_ptr(), scaling=self.scaling,
-            window=self.window or 0, act=cpu_kernel.GLU_ACTIVATIONS[self.act], local_rope=int(local_rope))
+            window=self.window or 0, act=abi.GLU_ACTIVATIONS[self.act], local_rope=int(local_rope))
 
 
 class LeanTextModel:
@@ -205,11 +205,11 @@ class LeanTextModel:
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.final_norm = Norm.of(text_model.norm)
         self.count = sum(layer is not None for layer in self.layers)
-        self.one_call = True  # decode steps through cpu_kernel.decode_layers (False: a call per kernel)
+        self.one_call = True  # decode steps through ops.decode_layers (False: a call per kernel)
         self._projections = self.projections()
         # (KV cache, its layers' arguments, the rows every projection's kernel takes)
         self._args: tuple[object, ctypes.Array | None, tuple[int, int]] | None = None
-        self._step: cpu_kernel.DecodeStepArgs | None = None  # refilled every step that runs in one call
+        self._step: abi.DecodeStepArgs | None = None  # refilled every step that runs in one call
 
     def __getstate__(self) -> dict:
         """A copy (copy.deepcopy of the adapter) leaves the one call's arguments behind: they point at this
@@ -227,7 +227,7 @@ class LeanTextModel:
         return [p for layer in self.layers if layer is not None for p in layer.projections()]
 
     def _layer_args(self, batch: AttentionBatch) -> tuple[ctypes.Array | None, tuple[int, int]]:
-        """Every layer's weights and KV cache as one C call reads them (cpu_kernel.decode_layers), and the row
+        """Every layer's weights and KV cache as one C call reads them (ops.decode_layers), and the row
         counts every projection's kernel takes (their ranges, measured at start-up), made once per KV cache; None
         where a layer runs stock, the layers differ in MLP width, the model's last norm is of another arithmetic
         or it has more than two rotary tables."""
@@ -238,7 +238,7 @@ class LeanTextModel:
         widths = {layer.intermediate for layer in self.layers if layer is not None}
         if (self.count == len(self.layers) and self.final_norm is not None and len(widths) == 1
                 and len(self.rope_kinds) <= 2):
-            args = (cpu_kernel.LeanLayerArgs * self.count)()
+            args = (abi.LeanLayerArgs * self.count)()
             for index, layer in enumerate(self.layers):
                 key_cache, value_cache = cache.keys[index], cache.values[index]
                 if not (key_cache.is_contiguous() and value_cache.is_contiguous()
@@ -259,7 +259,7 @@ class LeanTextModel:
         return args if low <= tokens <= high else None
 
     def measure(self) -> dict[str, tuple[int, int]]:
-        """Each projection's `rows` measured here (cpu_kernel.measure_row_range), one per shape."""
+        """Each projection's `rows` measured here (tuning.measure_row_range), one per shape."""
         return measure_projections(self.projections())
 
     def _rotary_tables(self, embeds: torch.Tensor, position_ids: torch.Tensor
@@ -310,14 +310,14 @@ class LeanTextModel:
             if gate_up is None or gate_up.shape[1] != layer.intermediate:
                 gate_up = new(tokens, layer.intermediate)
             cos, sin = tables[layer.rope]
-            cpu_kernel.add_rms_norm(h, pending, layer.input_norm, normed,
+            ops.add_rms_norm(h, pending, layer.input_norm, normed,
                                     pending_layer.mlp_out_norm if pending is not None else None)
             layer.qkv(normed, qkv)
-            cpu_kernel.rope_store(qkv, self.heads, self.kv_heads, self.head_dim, cos, sin, batch.slot_mapping,
+            ops.rope_store(qkv, self.heads, self.kv_heads, self.head_dim, cos, sin, batch.slot_mapping,
                                   keys[index], values[index], layer.q_norm, layer.k_norm)
             reference_attention(queries, keys[index], values[index], batch, layer.window, layer.scaling, attended)
             layer.o(attended_rows, o)
-            cpu_kernel.add_rms_norm(h, o, layer.mlp_norm, normed, layer.attn_out_norm)
+            ops.add_rms_norm(h, o, layer.mlp_norm, normed, layer.attn_out_norm)
             layer.gate_up(normed, gate_up, glu=layer.act)
             layer.down(gate_up, down)
             pending, pending_layer = down, layer
@@ -326,7 +326,7 @@ class LeanTextModel:
                 norm = pending_layer.mlp_out_module
                 h.add_(pending if norm is None else norm(pending))
             return self.text_model.norm(h)
-        cpu_kernel.add_rms_norm(h, pending, self.final_norm, normed,
+        ops.add_rms_norm(h, pending, self.final_norm, normed,
                                 pending_layer.mlp_out_norm if pending is not None else None)
         return normed
 
@@ -337,7 +337,7 @@ class LeanTextModel:
         down) as forward made them, the rotary tables (the first kind's the step's cos and sin, the second's its
         local ones), the step's attention metadata checked as each kernel's wrapper checks it."""
         if self._step is None:
-            self._step = cpu_kernel.DecodeStepArgs()
+            self._step = abi.DecodeStepArgs()
         group, step, cache = batch.decodes[0], self._step, batch.kv_cache.keys[0]
         metadata = (batch.slot_mapping, group.query_index, group.block_tables, group.context_lens)
         if not all(t.dtype == torch.int64 and t.is_contiguous() for t in metadata):
@@ -345,7 +345,7 @@ class LeanTextModel:
                              f"contiguous int64, got {[t.dtype for t in metadata]}")
         tokens, hidden = h.shape
         (cos, sin), (local_cos, local_sin) = tables[self.rope_kinds[0]], tables[self.rope_kinds[-1]]
-        codes = cpu_kernel.DTYPE_CODES
+        codes = abi.DTYPE_CODES
         if cache.dtype not in codes or h.dtype not in codes or not h.dtype == cos.dtype == local_cos.dtype:
             raise ValueError(f"one call runs the layers on hidden states and rotary tables of one dtype and a "
                              f"float32, bfloat16 or float16 cache, got {h.dtype}, {cos.dtype}, {local_cos.dtype} and "
@@ -359,5 +359,5 @@ class LeanTextModel:
             tokens, hidden, self.heads, self.kv_heads, self.head_dim)
         step.num_seqs, step.block_size, step.table_width = (
             group.query_index.shape[0], batch.kv_cache.block_size, group.block_tables.shape[1])
-        step.io_dtype, step.cache_dtype = cpu_kernel.DTYPE_CODES[h.dtype], cpu_kernel.DTYPE_CODES[cache.dtype]
-        cpu_kernel.decode_layers(step, layer_args)
+        step.io_dtype, step.cache_dtype = abi.DTYPE_CODES[h.dtype], abi.DTYPE_CODES[cache.dtype]
+        ops.decode_layers(step, layer_args)

@@ -29,8 +29,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernel
-from engine.cpu_kernel import median_seconds
+from engine.cpu import build, ops, routing
+from engine.cpu.tuning import median_seconds
 from engine.lean_layers import Projection, fuse, measure_projections
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def fits(layer: torch.nn.Module) -> bool:
         return False
     dtypes = {m.weight.dtype for m in linears}
     return (len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16}
-            and cpu_kernel.activation_of(getattr(mlp, "activation_fn", None)) == "gelu_tanh"
+            and routing.activation_of(getattr(mlp, "activation_fn", None)) == "gelu_tanh"
             and all(m.weight.device.type == "cpu" for m in linears)
             and not getattr(attn, "is_causal", False) and hasattr(attn, "head_dim") and hasattr(attn, "scale"))
 
@@ -94,7 +94,7 @@ def own_attention(dtype: torch.dtype, heads: int, head_dim: int) -> bool:
     tile's attention (1,024 positions: a 512 px SigLIP tile) faster than torch's SDPA here and gives SDPA's result
     on it (where the build's vectors are narrow, SDPA's own kernels can be the faster): timed once per build and
     shape."""
-    return _own_attention(cpu_kernel.variant(), dtype, heads, head_dim)
+    return _own_attention(build.variant(), dtype, heads, head_dim)
 
 
 @functools.cache
@@ -106,14 +106,14 @@ def _own_attention(build: str | None, dtype: torch.dtype, heads: int, head_dim: 
     queries, keys, values = both.permute(2, 0, 3, 1, 4)
     scale = head_dim ** -0.5
     with torch.inference_mode():
-        got = cpu_kernel.full_attention(queries, keys, values, scale)
+        got = ops.full_attention(queries, keys, values, scale)
         if got is None:
             return False
         expected = F.scaled_dot_product_attention(queries, keys, values, scale=scale).transpose(1, 2)
         if not torch.allclose(got.float(), expected.float(), atol=1e-4 if dtype == torch.float32 else 2e-2):
             log.warning("the CPU kernel's attention differs from SDPA's for %s: the vision tower uses SDPA", dtype)
             return False
-        own = median_seconds(lambda: cpu_kernel.full_attention(queries, keys, values, scale))
+        own = median_seconds(lambda: ops.full_attention(queries, keys, values, scale))
         sdpa = median_seconds(lambda: F.scaled_dot_product_attention(queries, keys, values, scale=scale))
     log.info("vision attention (%d heads of %d, %d patches, %s, %s build): the CPU kernel %.1f ms, SDPA %.1f ms: %s",
              heads, head_dim, patches, dtype, build, own * 1e3, sdpa * 1e3, "the kernel" if own < sdpa else "SDPA")
@@ -160,7 +160,7 @@ class LeanVisionLayer:
         """Some heads' attention ([batch, heads, patches, head_dim] each) -> [batch, patches, heads, head_dim]:
         the CPU kernel's where it is the faster here (`own_attention`) and there is no mask, else SDPA's."""
         if mask is None and own_attention(queries.dtype, self.heads, self.head_dim):
-            attended = cpu_kernel.full_attention(queries, keys, values, self.scale)
+            attended = ops.full_attention(queries, keys, values, self.scale)
             if attended is not None:
                 return attended
         return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale).transpose(1, 2)
@@ -172,7 +172,7 @@ class LeanVisionLayer:
     def mlp_in(self, hidden: torch.Tensor) -> torch.Tensor:
         """GELU(fc1(layer_norm2(hidden)))."""
         normed = F.layer_norm(hidden, self.norm2.normalized_shape, self.norm2.weight, self.norm2.bias, self.norm2.eps)
-        return cpu_kernel.gelu_tanh(self._linear(normed, self.fc1).contiguous())
+        return ops.gelu_tanh(self._linear(normed, self.fc1).contiguous())
 
     def mlp_out(self, activated: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """hidden + fc2(activated)."""

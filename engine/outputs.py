@@ -65,7 +65,7 @@ class EngineStats:
     num_step_failures: int  # steps whose forward raised (their requests ended with "error")
     num_request_failures: int  # requests ended alone because their token could not be sampled
     compile_seconds: float = 0.0  # start-up time spent compiling the model (`EngineConfig.compile_model`)
-    cpu_kernels: str | None = None  # the CPU kernels' build (engine/cpu_kernel.py VARIANTS); None: not used
+    cpu_kernels: str | None = None  # the CPU kernels' build (engine/cpu/build.py VARIANTS); None: not used
     # How that build's Linear multiplies bfloat16: "dot" (vdpbf16ps) or "widen" (float32 FMAs), measured at start-up.
     cpu_bf16_products: str | None = None
     lean_layers: int = 0  # decoder layers run by engine/lean_layers.py

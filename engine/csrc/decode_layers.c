@@ -1,4 +1,4 @@
-/* A decode step's lean decoder layers in one call (engine/lean_layers.py makes it; engine/cpu_kernel.py's
+/* A decode step's lean decoder layers in one call (engine/lean_layers.py makes it; engine/cpu/ops.py's
  * `decode_layers` calls it): the same kernels, in the same order and on the same buffers as the layer-by-layer
  * forward, so the same bits, without a trip through Python between them. A step of 8 decodes through 30 layers
  * is 240 kernel calls; each one's Python wrapper (argument checks, tensors' data pointers, ctypes' conversions)
@@ -15,35 +15,6 @@
  */
 #include "dtypes.h"
 #include "kernels.h"
-
-/* One projection: weight [n, k] (rows `stride` elements apart, `dtype`), float32 bias or NULL. */
-typedef struct {
-    const void *weight;
-    int64_t n, k, stride;
-    const float *bias;
-    int dtype;
-} projection;
-
-/* One layer's weights and cache (engine/cpu_kernel.py's `LeanLayerArgs` mirrors it). */
-typedef struct {
-    norm_weights input_norm, mlp_norm, attn_out_norm, mlp_out_norm, q_norm, k_norm;
-    projection qkv, o, gate_up, down;
-    void *key_cache, *value_cache;
-    float scaling;
-    int64_t window;  /* keys more than this behind a query are hidden (0: none) */
-    int act;         /* linear()'s glu mode bits: MODE_GLU (SiLU) or MODE_GLU | MODE_GELU */
-    int local_rope;  /* 1: the step's local rotary tables */
-} lean_layer;
-
-/* What a step's call reads and writes besides the layers (engine/cpu_kernel.py's `DecodeStepArgs`). */
-typedef struct {
-    void *h, *normed, *qkv, *attended, *o, *gate_up, *down;  /* [tokens, width] buffers, io_dtype */
-    const void *cos, *sin, *local_cos, *local_sin;           /* [tokens, head_dim], io_dtype */
-    const int64_t *slots, *query_index, *block_tables, *context_lens;
-    norm_weights final_norm;
-    int64_t tokens, hidden, heads, kv_heads, head_dim, num_seqs, block_size, table_width;
-    int io_dtype, cache_dtype, mode, num_threads;
-} decode_step;
 
 /* Returns 0, or 10 * (the layer + 1) + what its failing kernel returned (the final norm: layer = count). */
 int decode_layers(const decode_step *s, const lean_layer *layers, int64_t count) {

@@ -6,12 +6,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VECTOR 1
 #endif
 
-enum { F32 = 0, BF16 = 1, F16 = 2 };  /* engine/cpu_kernel.py's _DTYPES */
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
 
 /* `count` values of `src` (from element `offset`, in `dtype`) as float32 into `dst`. */

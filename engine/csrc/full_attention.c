@@ -1,5 +1,5 @@
 /* Attention of every token to every token of the same input, no mask (a vision tower's layer), on the CPU
- * (engine/lean_vision.py calls it through engine/cpu_kernel.py).
+ * (engine/lean_vision.py calls it through engine/cpu/).
  *
  * q, k and v [batch, heads, n, d] are views of one packed projection (rows `row_stride` elements apart, heads
  * `head_stride`, inputs `batch_stride`), in `dtype`; out [batch, n, heads, d] contiguous, in `dtype`. A task is

@@ -1,5 +1,5 @@
-/* GELU with the tanh approximation (transformers' "gelu_pytorch_tanh"), in place (engine/cpu_kernel.py builds
- * and calls it).
+/* GELU with the tanh approximation (transformers' "gelu_pytorch_tanh"), in place (engine/cpu/ops.py
+ * calls it).
  *
  * torch's bfloat16 GELU runs at about a nanosecond a value on a small CPU, as long as the matrix product before
  * it (a SigLIP tower's first MLP layer: 1,024 x 3,072 values a tile and layer), and oneDNN's GELU post-op costs

@@ -1,6 +1,7 @@
-/* The kernels other kernels call (engine/csrc/decode_layers.c), declared once: each defining file includes this
- * too, so a definition that drifts from its declaration does not compile. Their contracts are at the
- * definitions. */
+/* The kernels' C interface, declared once: every function the engine calls (engine/cpu/abi.py types them,
+ * tests/engine/test_cpu_abi.py checks that file against this one), the structs it passes, the dtype codes and
+ * mode bits. Each defining file includes this, so a definition that drifts from its declaration does not compile.
+ * Their contracts are at the definitions. */
 #ifndef VLMCAP_KERNELS_H
 #define VLMCAP_KERNELS_H
 
@@ -10,15 +11,45 @@
 #define PRODUCTS_WIDEN 2  /* bfloat16 products by float32 FMAs even where the build has vdpbf16ps */
 #define MODE_GELU 4       /* with MODE_GLU: act is GELU's tanh approximation (Gemma's MLP) */
 
+enum { F32 = 0, BF16 = 1, F16 = 2 };     /* the tensors' dtypes */
 enum { NORM_LLAMA = 0, NORM_GEMMA = 1 }; /* how an RMSNorm applies its weight (rms_norm.c) */
 
-/* One RMSNorm's weight [dim] (in `dtype`; NORM_GEMMA: float32 1 + weight), flavor and epsilon; engine/cpu_kernel.py's
- * `NormArgs` mirrors it. A NULL weight: no norm. */
+/* One RMSNorm's weight [dim] (in `dtype`; NORM_GEMMA: float32 1 + weight), flavor and epsilon (`NormArgs`). A
+ * NULL weight: no norm. */
 typedef struct {
     const void *weight;
     int dtype, flavor;
     float eps;
 } norm_weights;
+
+/* One projection: weight [n, k] (rows `stride` elements apart, `dtype`), float32 bias or NULL. */
+typedef struct {
+    const void *weight;
+    int64_t n, k, stride;
+    const float *bias;
+    int dtype;
+} projection;
+
+/* One layer's weights and cache (`LeanLayerArgs`). */
+typedef struct {
+    norm_weights input_norm, mlp_norm, attn_out_norm, mlp_out_norm, q_norm, k_norm;
+    projection qkv, o, gate_up, down;
+    void *key_cache, *value_cache;
+    float scaling;
+    int64_t window;  /* keys more than this behind a query are hidden (0: none) */
+    int act;         /* linear()'s glu mode bits: MODE_GLU (SiLU) or MODE_GLU | MODE_GELU */
+    int local_rope;  /* 1: the step's local rotary tables */
+} lean_layer;
+
+/* What a step's call reads and writes besides the layers (`DecodeStepArgs`). */
+typedef struct {
+    void *h, *normed, *qkv, *attended, *o, *gate_up, *down;  /* [tokens, width] buffers, io_dtype */
+    const void *cos, *sin, *local_cos, *local_sin;           /* [tokens, head_dim], io_dtype */
+    const int64_t *slots, *query_index, *block_tables, *context_lens;
+    norm_weights final_norm;
+    int64_t tokens, hidden, heads, kv_heads, head_dim, num_seqs, block_size, table_width;
+    int io_dtype, cache_dtype, mode, num_threads;
+} decode_step;
 
 int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int w_dtype, int64_t w_stride,
            int64_t n, const float *bias, int mode, void *y, int num_threads);
@@ -38,5 +69,10 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
 int full_attention(const void *q, const void *k, const void *v, int dtype, int64_t batch, int64_t heads, int64_t n,
                    int64_t d, int64_t batch_stride, int64_t head_stride, int64_t row_stride, float scale, void *out,
                    int num_threads);
+int rms_norm(const void *x, int io_dtype, int64_t rows, int64_t dim, const void *weight, int w_dtype, float eps,
+             void *out, int num_threads);
+int gelu_tanh(void *x, int dtype, int64_t count, int num_threads);
+int decode_layers(const decode_step *s, const lean_layer *layers, int64_t count);
+const char *linear_isa(void);
 
 #endif

@@ -1,5 +1,5 @@
 /* y = x W^T (+ bias) on the CPU, reading W [n, k] where transformers keeps it: row-major, in its own dtype, no
- * packed copy (engine/cpu_kernel.py calls it; engine/lean_layers.py fuses q/k/v and gate/up into one matrix of
+ * packed copy (engine/cpu/ calls it; engine/lean_layers.py fuses q/k/v and gate/up into one matrix of
  * views, so one call computes them all).
  *
  * A decode step multiplies a few rows of x by every weight of the model: its cost is reading the weights once.
@@ -10,11 +10,11 @@
  * the weights no longer run ahead of it by themselves: each block prefetches the next block's weight rows.
  * Many rows of x (GEMM_ROWS or more: a prefill chunk, a vision tile) are arithmetic, not reading: they go by tiles
  * of packed panels instead (`gemm`, below).
- * What the build targets decides the inner loop (engine/cpu_kernel.py compiles one library per instruction set
+ * What the build targets decides the inner loop (engine/cpu/ compiles one library per instruction set
  * and picks the best the CPU has):
  *   - AVX-512 BF16 (`vdpbf16ps`): bfloat16 x against bfloat16 weights, 32 products per instruction; or, where
  *     the CPU runs that instruction slower than widening and FMAs (`PRODUCTS_WIDEN`, chosen by
- *     engine/cpu_kernel.py from a measurement at start-up), the float32 loop below;
+ *     engine/cpu/ from a measurement at start-up), the float32 loop below;
  *   - AVX-512F: 16 lanes of float32 FMAs, weights widened in registers; bfloat16 weights two per 32-bit word:
  *     the even columns by a shift, the odd ones by a mask (one instruction per 16 weights), against x laid out
  *     in the same order (`split_pairs`);
@@ -297,7 +297,7 @@ typedef void (*dp_fn)(const uint16_t *, int64_t, const void *const[RW], const vo
 static const dp_fn DP_FNS[RX] = {dp_block_1, dp_block_2, dp_block_3, dp_block_4, dp_block_5, dp_block_6};
 #endif
 
-/* The instruction set this build's inner loop uses (engine/cpu_kernel.py reports it). */
+/* The instruction set this build's inner loop uses (engine/cpu/ reports it). */
 const char *linear_isa(void) {
 #if defined(__AMX_BF16__)
     return "amx_bf16";

@@ -1,4 +1,4 @@
-/* Decode attention over the paged KV cache, read in place, for the CPU (engine/cpu_kernel.py builds and
+/* Decode attention over the paged KV cache, read in place, for the CPU (engine/cpu/ builds and
  * calls it).
  *
  * Sequence i has one query per query head, at its last position: it attends to keys first..n-1, where n is

@@ -1,4 +1,4 @@
-/* RMSNorm as transformers' decoder layers compute it, in one call (engine/cpu_kernel.py builds and calls it).
+/* RMSNorm as transformers' decoder layers compute it, in one call (engine/cpu/ops.py calls it).
  *
  * transformers' RMSNorm runs some seven small operators on a decode step's few rows (widen, square, mean, add,
  * rsqrt, multiply, narrow, then the weight); on a small CPU each costs more in dispatch than in work, and a model

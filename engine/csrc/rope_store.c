@@ -1,5 +1,5 @@
 /* Rotary embedding and the KV cache write of one decoder layer, in one call (engine/lean_layers.py calls it
- * through engine/cpu_kernel.py).
+ * through engine/cpu/).
  *
  * The packed projections of a step's T tokens, qkv [T, width] = [queries | keys | values] (nq, nkv and nkv
  * heads of d values), in the model's dtype: each query and key head is rotated as transformers' rotate-half

@@ -96,7 +96,7 @@ def test_gemma3_masks_are_transformers_own_block_and_window_rules(tmp_path, phot
 
 
 def test_cpu_decode_kernel_refuses_a_context_beyond_its_block_table():
-    from engine.cpu_kernel import paged_decode_attention
+    from engine.cpu.ops import paged_decode_attention
 
     cache = torch.zeros(64, 2, 16)
     with pytest.raises(ValueError, match="context lengths"):
@@ -109,7 +109,7 @@ def test_cpu_decode_kernel_refuses_a_context_beyond_its_block_table():
 def test_the_linear_kernel_takes_inputs_of_any_rank(dtype, rows):
     """The CPU's small-batch Linear: any dtype, row counts around the routing threshold, widths that are not
     multiples of its tiles (k = 100: 8-wide vectors and a tail; n = 37: 4-row tiles and a tail), a bias."""
-    from engine.cpu_kernel import linear
+    from engine.cpu.ops import linear
 
     torch.manual_seed(0)
     x = torch.randn(rows, 100).to(dtype)
@@ -123,7 +123,7 @@ def test_the_linear_kernel_takes_inputs_of_any_rank(dtype, rows):
 
 
 def test_engine_routes_the_model_s_linears_through_the_kernel(make_engine):
-    from engine.cpu_kernel import KernelLinear
+    from engine.cpu.routing import KernelLinear
 
     engine = make_engine()
     linears = [m for m in engine.adapter.model.modules() if isinstance(m, torch.nn.Linear)]
@@ -135,7 +135,7 @@ def test_engine_routes_the_model_s_linears_through_the_kernel(make_engine):
 
 def test_kernel_linear_follows_in_place_changes_of_its_weight():
     """The kernel reads a packed copy of the weight; changing the weight in place repacks it at the next call."""
-    from engine.cpu_kernel import KernelLinear, route_linears
+    from engine.cpu.routing import KernelLinear, route_linears
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(40, 24).to(torch.bfloat16)
@@ -158,7 +158,7 @@ def test_rms_norm_kernel_equals_llama_rms_norm(dtype, rows):
     """Llama's RMSNorm in one C call: the same arithmetic as transformers' own module, rounding included."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from engine.cpu_kernel import KernelRMSNorm, route_norms
+    from engine.cpu.routing import KernelRMSNorm, route_norms
 
     torch.manual_seed(0)
     norm = LlamaRMSNorm(100, eps=1e-5).to(dtype)
@@ -179,7 +179,7 @@ def test_rms_norm_kernel_equals_llama_rms_norm(dtype, rows):
 def test_norms_of_other_arithmetic_are_left_alone():
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
-    from engine.cpu_kernel import route_norms
+    from engine.cpu.routing import route_norms
 
     assert route_norms(torch.nn.Sequential(Gemma3RMSNorm(16), torch.nn.LayerNorm(16))) == 0
 
@@ -189,7 +189,7 @@ def test_norms_of_other_arithmetic_are_left_alone():
 def test_patch_embedding_through_the_kernel_equals_the_convolution(dtype, size):
     """A vision tower's patch embedding (stride = kernel) as rows of patches through the Linear kernel: the
     convolution's result, sizes that do not divide by the patch included (the edge is dropped, as conv2d does)."""
-    from engine.cpu_kernel import KERNEL_ROWS, KernelPatchConv, route_linears
+    from engine.cpu.routing import KERNEL_ROWS, KernelPatchConv, route_linears
 
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(3, 24, kernel_size=8, stride=8).to(dtype)
@@ -205,7 +205,7 @@ def test_patch_embedding_through_the_kernel_equals_the_convolution(dtype, size):
 
 
 def test_convolutions_that_are_not_patch_embeddings_are_left_alone():
-    from engine.cpu_kernel import route_linears
+    from engine.cpu.routing import route_linears
 
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(3, 8, 4, stride=2))
     assert route_linears(model) == 0

@@ -7,37 +7,37 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernel
+from engine.cpu import abi, build, ops, routing, tuning
 
-RUNNABLE = cpu_kernel.runnable_variants()
+RUNNABLE = build.runnable_variants()
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
-@pytest.mark.parametrize("name", list(cpu_kernel.VARIANTS))
+@pytest.mark.parametrize("name", list(build.VARIANTS))
 def test_every_build_compiles(name):
     """Builds this CPU cannot run are compiled too, so that an instruction set's code never rots unseen."""
-    path = cpu_kernel.compile_variant(name)
+    path = build.compile_variant(name)
     assert path is not None and path.exists(), f"the {name} build did not compile"
 
 
 def test_the_engine_uses_the_best_build_this_cpu_runs():
-    flags = cpu_kernel.cpu_flags()
+    flags = build.cpu_flags()
     assert RUNNABLE[-1] == "generic"
-    assert cpu_kernel.variant() == RUNNABLE[0]
-    assert cpu_kernel.load_variant(RUNNABLE[0]).linear_isa().decode() == RUNNABLE[0]
+    assert build.variant() == RUNNABLE[0]
+    assert build.load_variant(RUNNABLE[0]).linear_isa().decode() == RUNNABLE[0]
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= flags:
-        assert cpu_kernel.variant() == ("amx_bf16" if {"amx_tile", "amx_bf16"} <= flags else "avx512_bf16")
-    print(f"CPU kernels: running {RUNNABLE} of {list(cpu_kernel.VARIANTS)}")
+        assert build.variant() == ("amx_bf16" if {"amx_tile", "amx_bf16"} <= flags else "avx512_bf16")
+    print(f"CPU kernels: running {RUNNABLE} of {list(build.VARIANTS)}")
 
 
 # Each build with each way it can multiply bfloat16 ("dot", "widen"; None: the only one it has).
 LOOPS = [(name, products) for name in RUNNABLE
-         for products in (cpu_kernel.PRODUCTS if name in cpu_kernel.DOT_BUILDS else (None,))]
+         for products in (ops.PRODUCTS if name in build.DOT_BUILDS else (None,))]
 
 
 def _run(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: str | None,
          products: str | None = None) -> torch.Tensor:
-    return cpu_kernel._run_linear(cpu_kernel.load_variant(name), x, weight, bias, glu, products=products)
+    return ops.run_linear(build.load_variant(name), x, weight, bias, glu, products=products)
 
 
 @pytest.mark.parametrize(("name", "products"), LOOPS)
@@ -65,10 +65,10 @@ def test_linear_of_each_build_equals_torch(name, products, dtype, rows):
 def test_each_build_multiplies_bfloat16_one_measured_way():
     """A build with the dot products measures once which loop is faster here; the others only widen."""
     for name in RUNNABLE:
-        lib = cpu_kernel.load_variant(name)
-        chosen = cpu_kernel.bf16_products(lib)
-        assert chosen in cpu_kernel.PRODUCTS and cpu_kernel.bf16_products(lib) == chosen
-        assert chosen == "widen" or name in cpu_kernel.DOT_BUILDS, (name, chosen)
+        lib = build.load_variant(name)
+        chosen = tuning.bf16_products(lib)
+        assert chosen in ops.PRODUCTS and tuning.bf16_products(lib) == chosen
+        assert chosen == "widen" or name in build.DOT_BUILDS, (name, chosen)
         print(f"CPU kernels: the {name} build multiplies bfloat16 by {chosen}")
 
 
@@ -107,7 +107,7 @@ ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tan
 @pytest.mark.parametrize(("name", "products"), LOOPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [9, 77])
-@pytest.mark.parametrize("act", list(cpu_kernel.GLU_ACTIVATIONS))
+@pytest.mark.parametrize("act", list(abi.GLU_ACTIVATIONS))
 def test_glu_of_each_build_equals_a_gated_mlp_s_activation(name, products, dtype, rows, act):
     """`glu`: act(x gate^T) * (x up^T) from one stacked matrix, SiLU (Llama) or GELU's tanh approximation (Gemma),
     an odd number of outputs included; by blocks, (bfloat16 on AMX) by tiles and (77 rows) by packed panels."""
@@ -133,7 +133,7 @@ def test_add_rms_norm_is_the_residual_add_then_llama_s_norm(dtype):
     expected_h = h + delta
     expected = norm(expected_h)
     out = torch.empty_like(h)
-    cpu_kernel.add_rms_norm(h, delta, cpu_kernel.Norm.of(norm), out)
+    ops.add_rms_norm(h, delta, routing.Norm.of(norm), out)
     assert torch.equal(h, expected_h)  # the add rounds as torch's does
     assert (out.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * 4
 
@@ -161,18 +161,18 @@ def test_add_rms_norm_is_gemma_s_sandwich(dtype):
     """Gemma 3's block end: the block's output normalised (post norm), added to the residual stream, the sum
     normalised for the next block (pre norm), each norm x * (1 + weight) in float32, rounded once."""
     post, pre = _gemma_norm(96, dtype, 4), _gemma_norm(96, dtype, 5)
-    assert cpu_kernel.Norm.of(post).flavor == cpu_kernel.NORM_GEMMA
+    assert routing.Norm.of(post).flavor == abi.NORM_GEMMA
     h, delta = (torch.randn(37, 96) * 3).to(dtype), (torch.randn(37, 96) * 3).to(dtype)
     with torch.no_grad():
         expected_h = h + post(delta)
         expected = pre(expected_h)
     out = torch.empty_like(h)
-    cpu_kernel.add_rms_norm(h, delta, cpu_kernel.Norm.of(pre), out, delta_norm=cpu_kernel.Norm.of(post))
+    ops.add_rms_norm(h, delta, routing.Norm.of(pre), out, delta_norm=routing.Norm.of(post))
     _assert_rounded_alike(h, expected_h)
     _assert_rounded_alike(out, expected)
     wrong = torch.empty(37, 95, dtype=dtype)
     with pytest.raises(ValueError, match="96"):
-        cpu_kernel.add_rms_norm(h, delta, cpu_kernel.Norm.of(pre), wrong)
+        ops.add_rms_norm(h, delta, routing.Norm.of(pre), wrong)
 
 
 def _rope_inputs(tokens: int, q_heads: int, kv_heads: int, d: int, dtype: torch.dtype, scale: float):
@@ -201,7 +201,7 @@ def test_rope_store_rotates_as_transformers_and_writes_the_cache(dtype):
     expected_q, expected_k = expected_q[0].transpose(0, 1).clone(), expected_k[0].transpose(0, 1).clone()
     slots = torch.tensor([9, 2, 14, 0, 5, 7])
     keys, values = torch.zeros(16, kv_heads, d, dtype=dtype), torch.zeros(16, kv_heads, d, dtype=dtype)
-    cpu_kernel.rope_store(qkv, q_heads, kv_heads, d, cos, sin, slots, keys, values)
+    ops.rope_store(qkv, q_heads, kv_heads, d, cos, sin, slots, keys, values)
     got_q = qkv[:, : q_heads * d].view(tokens, q_heads, d)
     if dtype == torch.bfloat16:  # each product and the sum rounded as torch rounds them: the same bits
         assert torch.equal(got_q, expected_q) and torch.equal(keys[slots], expected_k)
@@ -224,8 +224,8 @@ def test_rope_store_normalises_each_head_first_as_gemma_does(dtype):
     expected_q, expected_k = expected_q[0].transpose(0, 1).clone(), expected_k[0].transpose(0, 1).clone()
     slots = torch.tensor([3, 8, 1, 0, 6])
     keys, values = torch.zeros(9, kv_heads, d, dtype=dtype), torch.zeros(9, kv_heads, d, dtype=dtype)
-    cpu_kernel.rope_store(qkv, q_heads, kv_heads, d, cos, sin, slots, keys, values, cpu_kernel.Norm.of(q_norm),
-                          cpu_kernel.Norm.of(k_norm))
+    ops.rope_store(qkv, q_heads, kv_heads, d, cos, sin, slots, keys, values, routing.Norm.of(q_norm),
+                   routing.Norm.of(k_norm))
     _assert_rounded_alike(qkv[:, : q_heads * d].view(tokens, q_heads, d), expected_q)
     _assert_rounded_alike(keys[slots], expected_k)
     assert torch.equal(values[slots], v)
@@ -233,35 +233,35 @@ def test_rope_store_normalises_each_head_first_as_gemma_does(dtype):
 
 def test_refuses_inputs_that_do_not_fit_naming_them():
     with pytest.raises(ValueError, match="does not fit"):
-        cpu_kernel.linear(torch.zeros(2, 5), torch.zeros(3, 4))
+        ops.linear(torch.zeros(2, 5), torch.zeros(3, 4))
     with pytest.raises(ValueError, match="even count"):
-        cpu_kernel.linear(torch.zeros(2, 4), torch.zeros(3, 4), glu="silu")
+        ops.linear(torch.zeros(2, 4), torch.zeros(3, 4), glu="silu")
     with pytest.raises(ValueError, match="'relu'"):
-        cpu_kernel.linear(torch.zeros(2, 4), torch.zeros(4, 4), glu="relu")
+        ops.linear(torch.zeros(2, 4), torch.zeros(4, 4), glu="relu")
     with pytest.raises(ValueError, match="rope_store got"):
-        cpu_kernel.rope_store(torch.zeros(2, 10), 1, 1, 4, torch.zeros(2, 4), torch.zeros(2, 4),
-                              torch.zeros(2, dtype=torch.long), torch.zeros(4, 1, 4), torch.zeros(4, 1, 4))
+        ops.rope_store(torch.zeros(2, 10), 1, 1, 4, torch.zeros(2, 4), torch.zeros(2, 4),
+                       torch.zeros(2, dtype=torch.long), torch.zeros(4, 1, 4), torch.zeros(4, 1, 4))
 
 
 def test_row_ranges_are_measured_per_weight_shape():
     """Each shape gets the rows for which the kernel beat torch here: a range starting at 1 or after a bucket,
     ending at a bucket or at every row count; (0, 0) when torch won everywhere."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 64), torch.nn.Linear(64, 32))
-    assert cpu_kernel.route_linears(model) == 3
-    ranges = cpu_kernel.measure_row_ranges(model)
+    assert routing.route_linears(model) == 3
+    ranges = tuning.measure_row_ranges(model)
     assert set(ranges) == {"32x64 float32", "64x32 float32"}
-    starts = {0, 1} | {b + 1 for b in cpu_kernel.ROW_BUCKETS}
-    ends = {0, cpu_kernel.ALL_ROWS} | set(cpu_kernel.ROW_BUCKETS)
+    starts = {0, 1} | {b + 1 for b in tuning.ROW_BUCKETS}
+    ends = {0, routing.ALL_ROWS} | set(tuning.ROW_BUCKETS)
     assert all(low in starts and high in ends and low <= max(high, 1) for low, high in ranges.values())
     assert model[0].rows == model[2].rows == ranges["32x64 float32"]
 
 
 def test_a_layer_takes_the_kernel_only_inside_its_row_range(monkeypatch):
     layer = torch.nn.Linear(64, 32)
-    cpu_kernel.route_linears(layer)
+    routing.route_linears(layer)
     calls = []
-    run = cpu_kernel._run_linear
-    monkeypatch.setattr(cpu_kernel, "_run_linear", lambda *args: calls.append(args[1].shape[0]) or run(*args))
+    run = ops.run_linear
+    monkeypatch.setattr(ops, "run_linear", lambda *args: calls.append(args[1].shape[0]) or run(*args))
     layer.rows = (2, 8)
     with torch.inference_mode():
         for rows in (1, 2, 8, 9):
@@ -280,7 +280,7 @@ def test_decode_attention_of_each_build_equals_the_gathered_reference(monkeypatc
     from engine.attention import AttentionBatch, DecodeGroup, reference_attention
     from engine.kv_cache import KVCache
 
-    monkeypatch.setattr(cpu_kernel, "variant", lambda: name)
+    monkeypatch.setattr(build, "variant", lambda: name)
     torch.manual_seed(4)
     block_size, kv_heads = 16, 2
     lens = [1, 15, 16, 17, 40, 70, 33, 5, 64]
@@ -314,21 +314,21 @@ def test_full_attention_of_each_build_equals_sdpa(monkeypatch, name, dtype):
     inputs at once, a subset of the heads (as a slice takes them); one position, fewer than a tile of queries,
     more than a panel of keys past the last whole one, head sizes of one to four vectors and above; the result
     [batch, patches, heads, d]. Head sizes the build has no loop for are refused (None), not miscomputed."""
-    monkeypatch.setattr(cpu_kernel, "variant", lambda: name)
+    monkeypatch.setattr(build, "variant", lambda: name)
     torch.manual_seed(5)
     for batch, patches, heads, d in ((2, 1, 2, 64), (2, 5, 3, 32), (1, 37, 2, 64), (2, 77, 3, 128), (1, 40, 1, 256)):
         both = torch.randn(batch, patches, 3, heads, d).to(dtype)
         queries, keys, values = (part[:, 1:] if heads > 1 else part for part in both.permute(2, 0, 3, 1, 4))
         scale = d ** -0.5
         expected = F.scaled_dot_product_attention(queries.float(), keys.float(), values.float(), scale=scale)
-        got = cpu_kernel.full_attention(queries, keys, values, scale)
+        got = ops.full_attention(queries, keys, values, scale)
         assert got.dtype == dtype and got.shape == (batch, patches, queries.shape[1], d) and got.is_contiguous()
         assert (got.float() - expected.transpose(1, 2)).abs().max().item() < (
             2e-6 if dtype == torch.float32 else 2e-2), (batch, patches, heads, d)
     both = torch.randn(1, 9, 3, 2, 18).to(dtype)
-    assert cpu_kernel.full_attention(*both.permute(2, 0, 3, 1, 4), 0.2) is None  # no loop for 18
+    assert ops.full_attention(*both.permute(2, 0, 3, 1, 4), 0.2) is None  # no loop for 18
     queries, keys, values = both.permute(2, 0, 3, 1, 4)
-    assert cpu_kernel.full_attention(queries, keys.contiguous(), values, 0.2) is None  # strides that differ
+    assert ops.full_attention(queries, keys.contiguous(), values, 0.2) is None  # strides that differ
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
@@ -336,22 +336,22 @@ def test_full_attention_of_each_build_equals_sdpa(monkeypatch, name, dtype):
 def test_gelu_of_each_build_is_torch_s_tanh_gelu(monkeypatch, name, dtype):
     """Every value class: large negatives (0), large positives (x), around 0, in float32 to rounding, in
     bfloat16 to one step; more values than a block, and a tail."""
-    monkeypatch.setattr(cpu_kernel, "variant", lambda: name)
+    monkeypatch.setattr(build, "variant", lambda: name)
     x = torch.cat([torch.randn(70_001) * 4, torch.tensor([-200.0, -30.0, -0.0, 0.0, 1e-6, 30.0, 200.0])]).to(dtype)
     expected = F.gelu(x.float(), approximate="tanh")
-    got = cpu_kernel.gelu_tanh(x.clone())
+    got = ops.gelu_tanh(x.clone())
     if dtype == torch.float32:
         torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-6)
     else:
         torch.testing.assert_close(got, expected.to(dtype), atol=1e-6, rtol=2 ** -7)
     with pytest.raises(ValueError, match="contiguous"):
-        cpu_kernel.gelu_tanh(x.view(-1, 8).t())
+        ops.gelu_tanh(x.view(-1, 8).t())
 
 
 @pytest.fixture
 def best_build_after():
     yield
-    cpu_kernel.choose_variant(None)
+    build.choose_variant(None)
 
 
 @pytest.mark.parametrize("name", [RUNNABLE[-1], RUNNABLE[len(RUNNABLE) // 2]])
@@ -362,8 +362,8 @@ def test_an_engine_runs_the_build_it_is_given(make_engine, oracle, photos, best_
     from tests.engine.test_exactness import mixed_jobs
 
     engine = make_engine(cpu_kernels=name, max_num_batched_tokens=13, max_num_seqs=8)
-    assert engine.stats().cpu_kernels == cpu_kernel.variant() == name
-    assert engine.stats().cpu_bf16_products == cpu_kernel.bf16_products(cpu_kernel.load_variant(name))
+    assert engine.stats().cpu_kernels == build.variant() == name
+    assert engine.stats().cpu_bf16_products == tuning.bf16_products(build.load_variant(name))
     jobs = mixed_jobs(photos)
     tokens, _ = run_jobs(engine, jobs)
     for i, job in enumerate(jobs):
@@ -374,7 +374,7 @@ def test_an_engine_runs_the_build_it_is_given(make_engine, oracle, photos, best_
 def test_a_build_this_cpu_cannot_run_is_refused(make_engine, monkeypatch, best_build_after):
     from engine import EngineConfig
 
-    monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     with pytest.raises(ValueError, match=r"cannot run the amx_bf16 build.*amx_tile"):
         make_engine(cpu_kernels="amx_bf16")
     with pytest.raises(ValueError, match="cpu_kernels must be one of"):

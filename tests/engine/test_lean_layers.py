@@ -134,11 +134,11 @@ def test_a_decode_step_is_a_few_operators_a_layer():
 
 def _decode_outputs(engine: Engine, one_call: bool, calls: list[int], monkeypatch) -> list[torch.Tensor]:
     """The text model's outputs of every step of 4 requests (steps of decodes only in one call or not)."""
-    from engine import cpu_kernel
+    from engine.cpu import ops
 
     engine.adapter.lean.one_call = one_call
-    run = cpu_kernel.decode_layers
-    monkeypatch.setattr(cpu_kernel, "decode_layers", lambda *a: (calls.append(1), run(*a)))
+    run = ops.decode_layers
+    monkeypatch.setattr(ops, "decode_layers", lambda *a: (calls.append(1), run(*a)))
     forward, seen = engine.adapter.forward_text, []
 
     def recorded(embeds, positions, batch):

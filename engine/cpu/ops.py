@@ -1,0 +1,263 @@
+"""The CPU kernels (engine/csrc/) called from Python: each wrapper checks its tensors, says what it refuses
+(ValueError naming the value), and calls the build `engine.cpu.build` loaded.
+
+- `paged_decode_attention` (paged_decode.c): decode attention over the paged cache, read in place. The
+  reference path gathers every context's blocks into a new tensor in every layer before SDPA reads it; on the
+  CPU that copy costs as much as the attention itself, and grows with context.
+- `linear` (linear.c): a Linear layer reading its weight where transformers keeps it (row-major, its own
+  dtype: no second copy), four weight rows against six rows of x at a time. A decode step's matrix products
+  are a few rows times every weight of the model: their cost is reading the weights. Its `glu` mode computes a
+  gated MLP's act(gate) * up from one matrix of both, act SiLU (Llama) or GELU's tanh approximation (Gemma)
+  (engine/lean_layers.py). Where the build has AVX-512's bfloat16 dot products, `tuning.bf16_products` measures
+  once whether they or float32 FMAs on widened weights are faster on this CPU and `products_mode` uses those.
+  Registered as the `vlmcap::linear` operator, so that a compiled model sees it as one opaque call.
+- `rms_norm` / `add_rms_norm` (rms_norm.c): an RMSNorm (Llama's, or Gemma's `1 + weight`: `routing.Norm`) in one
+  call instead of seven small operators, and the residual add before it (Gemma's sandwich norm of the added output
+  too).
+- `rope_store` (rope_store.c): a layer's rotary embedding and KV cache write in one call (Gemma's per-head q and k
+  norms before it).
+- `decode_layers` (decode_layers.c): every lean decoder layer of a decode step in one call.
+- `full_attention` (full_attention.c) and `gelu_tanh` (gelu.c): a vision tower layer's attention and MLP
+  activation (engine/lean_vision.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.cpu import build
+from engine.cpu.abi import (
+    DTYPE_CODES,
+    GLU_ACTIVATIONS,
+    PRODUCTS_WIDEN,
+    DecodeStepArgs,
+    ProjectionArgs,
+)
+
+if TYPE_CHECKING:
+    from engine.cpu.routing import Norm
+
+
+def paged_decode_attention(
+    q: torch.Tensor, query_index: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float, window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Sequence i's query is q[:, query_index[i]] ([heads, tokens, d], any strides); it attends to its first
+    `context_lens[i]` positions (the last `window` of them in a sliding-window layer), which lie in the cache
+    blocks `block_tables[i]` of the [slots, kv_heads, d] caches, and its output goes to out[query_index[i]]
+    ([tokens, heads, d], contiguous, q's dtype). Integer tensors are int64 and contiguous."""
+    lib = build.lib()
+    if key_cache.dtype not in DTYPE_CODES or key_cache.dtype != value_cache.dtype or q.dtype not in DTYPE_CODES:
+        raise ValueError(f"the CPU decode kernel reads float32, bfloat16 or float16 tensors, got cache "
+                         f"{key_cache.dtype} and queries {q.dtype}")
+    heads, _, d = q.shape
+    kv_heads = key_cache.shape[1]
+    if key_cache.shape[2] != d or heads % kv_heads or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError(f"cache rows {tuple(key_cache.shape[1:])} must be contiguous [kv_heads, d={d}] with "
+                         f"kv_heads dividing the {heads} query heads")
+    if out.dtype != q.dtype or not out.is_contiguous() or q.stride(2) != 1:
+        raise ValueError("the output must be contiguous in q's dtype, and q's rows contiguous")
+    failed = lib.paged_decode_attention(
+        q.data_ptr(), DTYPE_CODES[q.dtype], q.stride(0), q.stride(1), query_index.data_ptr(), key_cache.data_ptr(),
+        value_cache.data_ptr(), DTYPE_CODES[key_cache.dtype], block_tables.data_ptr(), context_lens.data_ptr(),
+        query_index.shape[0], kv_heads, heads // kv_heads, d, block_size, block_tables.shape[1], float(scale),
+        int(window or 0), out.data_ptr(), torch.get_num_threads(),
+    )
+    if failed:
+        raise ValueError(f"paged decode attention refused its inputs (code {failed}): context lengths "
+                         f"{context_lens.tolist()} must lie in 1..{block_tables.shape[1] * block_size} "
+                         "(the block tables' reach)")
+
+
+def check_weight(weight: torch.Tensor) -> None:
+    if weight.dtype not in DTYPE_CODES or weight.dim() != 2 or weight.stride(1) != 1 or weight.device.type != "cpu":
+        raise ValueError(f"the Linear kernel reads a 2-d CPU float32, bfloat16 or float16 weight with contiguous "
+                         f"rows, got {weight.dtype} {tuple(weight.shape)} strides {weight.stride()} on "
+                         f"{weight.device}")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, glu: str | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., k] @ weight [n, k]^T (+ bias, float32), summed in float32 and returned in x's dtype
+    (engine/csrc/linear.c). With `glu` (an activation of `GLU_ACTIVATIONS`), weight is [gate; up] and the result
+    act(x gate^T) * (x up^T), [..., n/2]. `out`, when given, receives the result (contiguous, x's dtype)."""
+    check_weight(weight)
+    if x.dtype not in DTYPE_CODES or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input {x.dtype} {tuple(x.shape)} does not fit a [{weight.shape[0]}, {weight.shape[1]}] "
+                         "weight")
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError(f"the Linear kernel takes a contiguous float32 bias, got {bias.dtype}")
+    if glu is not None and glu not in GLU_ACTIVATIONS:
+        raise ValueError(f"glu is one of {list(GLU_ACTIVATIONS)} (the gate's activation), got {glu!r}")
+    if glu and weight.shape[0] % 2:
+        raise ValueError(f"a glu weight stacks gate and up rows: an even count, got {weight.shape[0]}")
+    return run_linear(build.lib(), x, weight, bias, glu, out)
+
+
+PRODUCTS = ("dot", "widen")  # bfloat16 products: vdpbf16ps, or float32 FMAs on widened weights
+
+
+def run_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                glu: str | None, out: torch.Tensor | None = None, products: str | None = None) -> torch.Tensor:
+    """`linear` on inputs already checked (a layer's own weight: checked once, at routing); bfloat16 products
+    as `products` says (None: tuning.bf16_products(lib))."""
+    n, k = weight.shape
+    rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
+    width = n // 2 if glu else n
+    if out is None:
+        out = torch.empty(*x.shape[:-1], width, dtype=x.dtype)
+    if lib.linear(rows.data_ptr(), DTYPE_CODES[x.dtype], rows.shape[0], k, weight.data_ptr(), DTYPE_CODES[weight.dtype],
+                  weight.stride(0), n, None if bias is None else bias.data_ptr(),
+                  (GLU_ACTIVATIONS[glu] if glu else 0) | products_mode(lib, products), out.data_ptr(),
+                  torch.get_num_threads()):
+        raise MemoryError(f"the Linear kernel could not allocate its buffer ({rows.shape[0]} x {k} floats)")
+    return out
+
+
+_products: dict[int, str] = {}  # a loaded build's id -> its bfloat16 products (tuning.bf16_products)
+
+
+def products_mode(lib: ctypes.CDLL, products: str | None = None) -> int:
+    """linear()'s `mode` bit for bfloat16 products as `products` says (None: tuning.bf16_products(lib))."""
+    if products is None:
+        products = _products.get(id(lib))
+        if products is None:
+            from engine.cpu import tuning  # measures with run_linear, so imported when first needed
+
+            products = _products[id(lib)] = tuning.bf16_products(lib)
+    return PRODUCTS_WIDEN if products == "widen" else 0
+
+
+def projection_args(weight: torch.Tensor, bias: torch.Tensor | None) -> ProjectionArgs:
+    """A layer's own weight (checked) and float32 bias as decode_layers.c reads them."""
+    check_weight(weight)
+    return ProjectionArgs(weight.data_ptr(), weight.shape[0], weight.shape[1], weight.stride(0),
+                          None if bias is None else bias.data_ptr(), DTYPE_CODES[weight.dtype])
+
+
+def decode_layers(step: DecodeStepArgs, layers: ctypes.Array) -> None:
+    """Every lean decoder layer of a decode step, then the final norm, in one call (engine/csrc/decode_layers.c;
+    engine/lean_layers.py fills `step` and `layers`, whose tensors it checked): the layer-by-layer kernels'
+    results, bit for bit."""
+    lib = build.lib()
+    step.mode = products_mode(lib)
+    step.num_threads = torch.get_num_threads()
+    failed = lib.decode_layers(ctypes.byref(step), layers, len(layers))
+    if failed:
+        layer, code = divmod(failed, 10)
+        what = f"layer {layer - 1} of {len(layers)}" if layer <= len(layers) else "the final norm"
+        lens = ctypes.cast(step.context_lens, ctypes.POINTER(ctypes.c_int64))[:step.num_seqs]
+        why = (f"context lengths {lens} past the block tables' {step.table_width} x {step.block_size} positions"
+               if code == 1 else "out of memory")
+        raise ValueError(f"decode_layers: a kernel of {what} refused its inputs: {why}")
+
+
+def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Every position's attention to every position of its input, no mask (a vision tower's layer): q, k, v
+    [batch, heads, n, d] views of one packed projection (the same strides, each row contiguous) ->
+    [batch, n, heads, d], contiguous, q's dtype (engine/csrc/full_attention.c). None where the kernel does not
+    take these inputs (a head size it has no loop for, other strides), so that the caller runs SDPA."""
+    batch, heads, n, d = q.shape
+    if (q.dtype not in DTYPE_CODES or not q.dtype == k.dtype == v.dtype or not q.stride() == k.stride() == v.stride()
+            or q.stride(3) != 1 or q.device.type != "cpu"):
+        return None
+    out = torch.empty(batch, n, heads, d, dtype=q.dtype)
+    lib = build.lib()
+    failed = lib.full_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), DTYPE_CODES[q.dtype], batch, heads, n, d,
+                                q.stride(0), q.stride(1), q.stride(2), float(scale), out.data_ptr(),
+                                torch.get_num_threads())
+    if failed == 2:
+        raise MemoryError(f"full attention could not allocate its buffers ({n} positions of {d})")
+    return None if failed else out
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """x (contiguous, float32, bfloat16 or float16, on the CPU) replaced in place by GELU's tanh approximation
+    (transformers' "gelu_pytorch_tanh"), computed in float32; returns x."""
+    if x.dtype not in DTYPE_CODES or not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError(f"gelu_tanh takes a contiguous CPU float32, bfloat16 or float16 tensor, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device} (contiguous: {x.is_contiguous()})")
+    if build.lib().gelu_tanh(x.data_ptr(), DTYPE_CODES[x.dtype], x.numel(), torch.get_num_threads()):
+        raise MemoryError("gelu_tanh could not allocate its buffer")
+    return x
+
+
+@torch.library.custom_op("vlmcap::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return linear(x, weight, bias)
+
+
+@_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm's forward (engine/csrc/rms_norm.c): x / sqrt(mean(x^2) + eps) in float32, rounded to x's
+    dtype, times `weight` (of x's dtype) and rounded again."""
+    lib = build.lib()
+    if x.dtype not in DTYPE_CODES or weight.dtype != x.dtype or weight.shape != x.shape[-1:] or x.device.type != "cpu":
+        raise ValueError(f"rms_norm takes a CPU float32, bfloat16 or float16 input and a weight of its last "
+                         f"dimension and dtype, got {x.dtype} {tuple(x.shape)} and {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    return run_norm(lib, x, weight, eps)
+
+
+def run_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dim = x.shape[-1]
+    rows = x.reshape(-1, dim).contiguous()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    code = DTYPE_CODES[x.dtype]
+    if lib.rms_norm(rows.data_ptr(), code, rows.shape[0], dim, weight.data_ptr(), code, eps, out.data_ptr(),
+                    torch.get_num_threads()):
+        raise MemoryError(f"rms_norm could not allocate its buffer ({dim} floats a thread)")
+    return out
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, norm: Norm, out: torch.Tensor,
+                 delta_norm: Norm | None = None) -> None:
+    """h += delta (normalised by `delta_norm` first where given, rounded to h's dtype, as torch's add), then
+    out = norm(h) (engine/csrc/rms_norm.c); all [rows, dim], contiguous, one dtype."""
+    lib = build.lib()
+    rows, dim = h.shape
+    if not (h.is_contiguous() and out.is_contiguous() and norm.weight.shape == (dim,) and out.shape == h.shape
+            and out.dtype == h.dtype
+            and h.dtype in DTYPE_CODES and (delta_norm is None or delta_norm.weight.shape == (dim,))
+            and (delta is None or (delta.is_contiguous() and delta.shape == h.shape and delta.dtype == h.dtype))):
+        raise ValueError(f"add_rms_norm takes contiguous [rows, {dim}] tensors of one dtype and weights of {dim}, "
+                         f"got {h.dtype} {tuple(h.shape)}, out {out.dtype} {tuple(out.shape)}, weight "
+                         f"{tuple(norm.weight.shape)}")
+    if lib.add_rms_norm(h.data_ptr(), None if delta is None else delta.data_ptr(),
+                        None if delta_norm is None else ctypes.byref(delta_norm.args), DTYPE_CODES[h.dtype], rows,
+                        dim, ctypes.byref(norm.args), out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"add_rms_norm could not allocate its buffer ({dim} floats a thread)")
+
+
+def rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
+               sin: torch.Tensor, slots: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               q_norm: Norm | None = None, k_norm: Norm | None = None) -> None:
+    """Rotary embedding of the queries (in place) and keys of qkv [T, (q_heads + 2 kv_heads) head_dim], keys and
+    values written to the cache rows `slots` (int64 [T]) of [slots, kv_heads, head_dim] caches
+    (engine/csrc/rope_store.c); cos and sin [T, head_dim] in qkv's dtype; each query and key head normalised by
+    `q_norm` / `k_norm` before its rotation where given (Gemma 3)."""
+    lib = build.lib()
+    tokens, width = qkv.shape
+    if not (width == (q_heads + 2 * kv_heads) * head_dim and qkv.is_contiguous() and cos.shape == (tokens, head_dim)
+            and sin.shape == cos.shape and cos.is_contiguous() and sin.is_contiguous() and cos.dtype == qkv.dtype
+            and sin.dtype == qkv.dtype and slots.dtype == torch.int64 and slots.is_contiguous()
+            and slots.shape == (tokens,) and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and key_cache.dtype == value_cache.dtype and key_cache.dtype in DTYPE_CODES
+            and key_cache.shape[1:] == (kv_heads, head_dim)
+            and all(norm is None or norm.weight.shape == (head_dim,) for norm in (q_norm, k_norm))):
+        raise ValueError(f"rope_store got qkv {tuple(qkv.shape)} {qkv.dtype}, cos {tuple(cos.shape)} {cos.dtype}, "
+                         f"slots {tuple(slots.shape)} {slots.dtype}, cache {tuple(key_cache.shape)} "
+                         f"{key_cache.dtype} for {q_heads}/{kv_heads} heads of {head_dim}")
+    norms = [None if norm is None else ctypes.byref(norm.args) for norm in (q_norm, k_norm)]
+    if lib.rope_store(qkv.data_ptr(), DTYPE_CODES[qkv.dtype], tokens, width, q_heads, kv_heads, head_dim, *norms,
+                      cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                      DTYPE_CODES[key_cache.dtype], torch.get_num_threads()):
+        raise MemoryError(f"rope_store could not allocate its buffer ({6 * head_dim} floats a thread)")

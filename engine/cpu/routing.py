@@ -1,0 +1,209 @@
+"""The model rewritten for the CPU kernels: its Linear layers and patch embeddings become `KernelLinear` and
+`KernelPatchConv` (`route_linears`: the same weights, the row counts their `rows` range says through the Linear
+kernel), its Llama-style norms `KernelRMSNorm` (`route_norms`); `Norm` is one RMSNorm as the kernels apply it, found
+by what a norm's forward computes (its source against transformers' LlamaRMSNorm's and Gemma3RMSNorm's);
+`activation_of` names what an activation module computes."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.cpu import build, ops
+from engine.cpu.abi import DTYPE_CODES, NORM_GEMMA, NORM_LLAMA, NormArgs
+
+# transformers' activation modules by what they compute (a class of either kind computes exactly that function).
+ACTIVATION_CLASSES = {"silu": frozenset({"SiLU", "SiLUActivation"}),
+                      "gelu_tanh": frozenset({"GELUTanh", "PytorchGELUTanh", "NewGELUActivation"})}
+
+
+def activation_of(module: torch.nn.Module | None) -> str | None:
+    """What activation `module` computes ("silu", "gelu_tanh"), None where it is neither."""
+    name = type(module).__name__
+    return next((act for act, classes in ACTIVATION_CLASSES.items() if name in classes), None)
+
+
+ALL_ROWS = 1 << 30
+# Rows for which `linear` is used before any measurement: every row count (bfloat16 and float16 GEMMs lack fast
+# kernels on CPUs without their instructions), float32 up to 16 rows, beyond which MKL's blocking wins.
+KERNEL_ROWS: dict[torch.dtype, tuple[int, int]] = {torch.float32: (1, 16), torch.bfloat16: (1, ALL_ROWS),
+                                                   torch.float16: (1, ALL_ROWS)}
+
+
+def route_linears(model: torch.nn.Module) -> int:
+    """Make every `nn.Linear` of `model` a `KernelLinear` (its weights untouched): inputs whose row count lies in
+    its `rows` range go through `linear`, the rest through F.linear as before; likewise every patch embedding
+    (`nn.Conv2d` whose stride is its kernel, no padding) a `KernelPatchConv`, one row a patch. Returns how
+    many."""
+    routed = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.weight.dtype in KERNEL_ROWS:
+            module.__class__ = KernelLinear
+        elif _is_patch_conv(module):
+            module.__class__ = KernelPatchConv
+        else:
+            continue
+        ops.check_weight(module.weight.reshape(module.weight.shape[0], -1))
+        bias32 = None if module.bias is None else module.bias.detach().to(torch.float32).contiguous()
+        module.register_buffer("bias32", bias32, persistent=False)  # the kernel sums in float32
+        module.rows = KERNEL_ROWS[module.weight.dtype]
+        routed += 1
+    return routed
+
+
+def _is_patch_conv(module: torch.nn.Module) -> bool:
+    return (type(module) is torch.nn.Conv2d and module.weight.dtype in KERNEL_ROWS and module.groups == 1
+            and tuple(module.stride) == tuple(module.kernel_size) and tuple(module.dilation) == (1, 1)
+            and module.padding in ((0, 0), "valid") and module.padding_mode == "zeros"
+            and module.weight.is_contiguous())
+
+
+class KernelLinear(torch.nn.Linear):
+    """A Linear layer whose inputs of `rows[0]` to `rows[1]` rows go through `linear`, reading the layer's own
+    weight (one class for all, so that a compiled model sees the same code in every layer)."""
+
+    bias32: torch.Tensor | None
+    rows: tuple[int, int]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A decode step calls this some 200 times: only what the call needs (the weight was checked once).
+        width = x.shape[-1]  # a wrong width goes to F.linear, which says so
+        low, high = self.rows
+        if (width == self.in_features and low * width <= x.numel() <= high * width and x.dtype in DTYPE_CODES
+                and x.device.type == "cpu" and self.weight.dtype in DTYPE_CODES):
+            if torch.compiler.is_compiling():  # an opaque operator in the graph (engine/compiled.py)
+                return torch.ops.vlmcap.linear(x, self.weight, self.bias32)
+            return ops.run_linear(build.load_variant(build.variant()), x, self.weight, self.bias32, None)
+        return F.linear(x, self.weight, self.bias)
+
+
+class KernelPatchConv(torch.nn.Conv2d):
+    """A patch embedding (stride = kernel, no padding) as `linear` over the image's patches: each patch,
+    flattened as the weight is ([channels, kh, kw]), is a row. The same sums as the convolution, in float32."""
+
+    bias32: torch.Tensor | None
+    rows: tuple[int, int]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kh, kw = self.kernel_size
+        if x.dim() != 4 or x.shape[1] != self.in_channels or x.dtype not in DTYPE_CODES or x.device.type != "cpu":
+            return super().forward(x)
+        batch, channels, height, width = x.shape
+        rows_h, rows_w = (height - kh) // kh + 1, (width - kw) // kw + 1
+        if not self.rows[0] <= batch * rows_h * rows_w <= self.rows[1] or torch.compiler.is_compiling():
+            return super().forward(x)
+        patches = (x[:, :, : rows_h * kh, : rows_w * kw].reshape(batch, channels, rows_h, kh, rows_w, kw)
+                   .permute(0, 2, 4, 1, 3, 5).reshape(batch, rows_h * rows_w, channels * kh * kw))
+        weight = self.weight.view(self.out_channels, -1)
+        out = ops.run_linear(build.load_variant(build.variant()), patches, weight, self.bias32, None)
+        return out.transpose(1, 2).reshape(batch, self.out_channels, rows_h, rows_w).contiguous()
+
+
+
+
+ROUTED = (KernelLinear, KernelPatchConv)  # the classes `route_linears` gives layers
+
+
+@dataclass
+class Norm:
+    """One RMSNorm as rms_norm.c applies it: `weight` [dim] as the kernel reads it (Llama's own weight; Gemma's
+    `1 + weight` in float32, made once), its epsilon and flavor (NORM_LLAMA: x * scale rounded to the input's dtype,
+    times the weight, rounded again; NORM_GEMMA: x * scale * weight rounded once)."""
+
+    weight: torch.Tensor
+    eps: float
+    flavor: int
+
+    def __post_init__(self) -> None:
+        if self.weight.dtype not in DTYPE_CODES or self.weight.dim() != 1 or not self.weight.is_contiguous():
+            raise ValueError(f"a norm's weight is a contiguous 1-d float32, bfloat16 or float16 tensor, got "
+                             f"{self.weight.dtype} {tuple(self.weight.shape)}")
+
+    @property
+    def args(self) -> NormArgs:
+        """As the kernels read it (made on each use: a copy of the norm points at its own weight)."""
+        return NormArgs(self.weight.data_ptr(), DTYPE_CODES[self.weight.dtype], self.flavor, self.eps)
+
+    @staticmethod
+    def of(module: torch.nn.Module | None) -> Norm | None:
+        """`module`'s norm where its forward is LlamaRMSNorm's or Gemma's RMSNorm's code (None elsewhere)."""
+        kind = type(module)
+        if is_llama_norm(kind):
+            return Norm(module.weight.detach(), float(module.variance_epsilon), NORM_LLAMA)
+        if is_gemma_norm(kind):
+            return Norm((1.0 + module.weight.detach().float()).contiguous(), float(module.eps), NORM_GEMMA)
+        return None
+
+
+def norm_args(norm: Norm | None) -> NormArgs:
+    """`norm` as the kernels read it; None: a NULL weight, no norm."""
+    return NormArgs() if norm is None else norm.args
+
+
+def _norm_code(module_path: str, class_name: str) -> str | None:
+    """The source of transformers' `class_name`.forward in `module_path` (None where it cannot be read)."""
+    import importlib
+    import inspect
+
+    try:
+        return inspect.getsource(getattr(importlib.import_module(module_path), class_name).forward)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return None
+
+
+def _computes(kind: type, module_path: str, class_name: str) -> bool:
+    """Whether class `kind` is an RMSNorm whose forward is the code of transformers' `class_name` (a copy of it in
+    another model counts)."""
+    import inspect
+
+    reference = _norm_code(module_path, class_name)
+    try:
+        return (reference is not None and kind.__name__.endswith("RMSNorm")
+                and inspect.getsource(kind.forward) == reference)
+    except (OSError, TypeError):
+        return False
+
+
+@functools.cache
+def is_llama_norm(kind: type) -> bool:
+    """Whether modules of class `kind` compute LlamaRMSNorm's forward (its copies in Qwen2, Mistral, ...)."""
+    return kind is KernelRMSNorm or _computes(kind, "transformers.models.llama.modeling_llama", "LlamaRMSNorm")
+
+
+@functools.cache
+def is_gemma_norm(kind: type) -> bool:
+    """Whether modules of class `kind` compute Gemma 3's RMSNorm's forward (x * (1 + weight) in float32)."""
+    return _computes(kind, "transformers.models.gemma3.modeling_gemma3", "Gemma3RMSNorm")
+
+
+def route_norms(model: torch.nn.Module) -> int:
+    """Make every norm of `model` whose forward is LlamaRMSNorm's own code (its copies in other models, such as
+    Qwen2's and Mistral's, included; anything else, such as Gemma's 1 + weight, is left alone) a
+    `KernelRMSNorm`. Returns how many."""
+    if build.library() is None:
+        return 0
+    routed = 0
+    for module in model.modules():
+        if type(module) is not KernelRMSNorm and hasattr(module, "variance_epsilon") and is_llama_norm(type(module)):
+            module.__class__ = KernelRMSNorm
+            routed += 1
+    return routed
+
+
+class KernelRMSNorm(torch.nn.Module):
+    """A LlamaRMSNorm (same parameters, same arithmetic) whose CPU forward is one C call."""
+
+    weight: torch.nn.Parameter
+    variance_epsilon: float
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight, dtype = self.weight, hidden_states.dtype
+        if (hidden_states.device.type == "cpu" and dtype is weight.dtype and dtype in DTYPE_CODES
+                and not torch.compiler.is_compiling()):
+            return ops.run_norm(build.load_variant(build.variant()), hidden_states, weight, self.variance_epsilon)
+        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        normed = hidden_states.to(torch.float32) * torch.rsqrt(variance + self.variance_epsilon)
+        return weight * normed.to(hidden_states.dtype)
