@@ -35,6 +35,10 @@ HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTI
 KEY_NAME_SCOPE = "vlmcap.api_key_name"
 DEFAULT_KEY_NAME = "default"  # the name of `--api-key`'s key among the named ones
 KEY_NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
+# A Host header's name (a DNS name or an IPv4 address) and its port: nothing else may be in it.
+HOST_LABELS = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*\.?", re.ASCII)
+PORT = re.compile(r":[0-9]{1,5}", re.ASCII)
+ANY_HOST = "*"
 
 
 class BodyTooLarge(APIError):
@@ -47,11 +51,28 @@ def method_label(method: str) -> str:
 
 
 def host_name(host_header: str) -> str:
-    """The host of a Host header, lowercased, without port or IPv6 brackets."""
+    """The host of a Host header (or of a listen address), lowercased, without port or IPv6 brackets; "" for
+    one that is not `name[:port]` or `[ipv6][:port]` (`localhost:80@evil.example` names no loopback host)."""
     host = host_header.strip().lower()
     if host.startswith("["):
-        return host[1:].partition("]")[0]
-    return host.rpartition(":")[0] if host.count(":") == 1 else host
+        inside, closed, rest = host[1:].partition("]")
+        if not closed or (rest and not PORT.fullmatch(rest)):
+            return ""
+        return inside if _is_ip(inside) else ""
+    if host.count(":") > 1:  # a bare IPv6 address (a listen address, never a valid Host header)
+        return host if _is_ip(host) else ""
+    name, colon, port = host.partition(":")
+    if colon and not PORT.fullmatch(colon + port):
+        return ""
+    return name if HOST_LABELS.fullmatch(name) else ""
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def is_loopback_name(host: str) -> bool:
@@ -147,7 +168,8 @@ class GuardMiddleware:
         self.routes = routes
         self.keys = [(name, key.encode()) for name, key in configured_keys(settings).items()]
         self.keyed_prefixes = KEYED_PREFIXES + (() if settings.public_metrics else (METRICS_PATH,))
-        self.allowed_hosts = frozenset(host_name(h) for h in settings.allowed_hosts)
+        self.allowed_hosts = frozenset(ANY_HOST if h.strip() == ANY_HOST else host_name(h)
+                                       for h in settings.allowed_hosts) - {""}
         self.max_body = settings.limits.max_body_bytes
         self.metrics = metrics
 
@@ -250,7 +272,7 @@ class GuardMiddleware:
         its own name (DNS rebinding) or send it a form or request from another site (CSRF)."""
         host = headers.get("host", "")
         name = host_name(host)
-        if not (is_loopback_name(name) or name in self.allowed_hosts or "*" in self.allowed_hosts):
+        if not name or not (is_loopback_name(name) or name in self.allowed_hosts or ANY_HOST in self.allowed_hosts):
             return error_response(403, f"the Host header {host[:100]!r} is not allowed: without an API key this "
                                        "server answers only to loopback names and --allowed-host names",
                                   code="host_not_allowed")

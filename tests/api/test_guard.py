@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from api.guard import DEFAULT_KEY_NAME, check_exposure, configured_keys, parse_api_keys
+from api.guard import DEFAULT_KEY_NAME, check_exposure, configured_keys, host_name, parse_api_keys
 from api.server import create_app
 from api.settings import ServerSettings
 from cli.main import app as cli_app
@@ -86,3 +86,27 @@ def test_metrics_need_the_key_when_one_is_set_unless_opened():
     assert opened.get("/v1/models").status_code == 401
     keyless = TestClient(create_app(ServerSettings()))
     assert keyless.get("/metrics", headers={"Host": "10.0.0.7:8000"}).status_code == 200
+
+
+FORGED_LOOPBACK_HOSTS = ["localhost:8000@evil.example", "127.0.0.1:80@evil.example", "localhost@evil.example",
+                         "localhost:80:80", "[::1]@evil.example", "[::1]:80x", "localhost#.evil.example",
+                         "evil.example/localhost", "localhost:8o", "localhost\\@evil.example"]
+
+
+@pytest.mark.parametrize("host", FORGED_LOOPBACK_HOSTS)
+def test_a_keyless_server_refuses_a_host_header_that_only_starts_with_a_loopback_name(host):
+    keyless = TestClient(create_app(ServerSettings(allowed_hosts=("cams.example",))))
+    reply = keyless.get("/v1/models", headers={"Host": host})
+    assert reply.status_code == 403, host
+    assert reply.json()["error"]["code"] == "host_not_allowed"
+    for plain in ("localhost:8000", "127.0.0.1", "[::1]:8000", "api.localhost", "cams.example:443"):
+        assert keyless.get("/v1/models", headers={"Host": plain}).status_code == 503, plain  # past the guard
+
+
+def test_host_name_takes_a_name_and_a_port_only():
+    assert host_name("LocalHost:8000") == "localhost"
+    assert host_name("[::1]:8000") == "::1" and host_name("2001:db8::1") == "2001:db8::1"
+    for forged in FORGED_LOOPBACK_HOSTS + ["", ":80", "[]", "[localhost]"]:
+        assert host_name(forged) == "", forged
+    with pytest.raises(ValueError):
+        check_exposure("localhost:1@0.0.0.0", ServerSettings())
