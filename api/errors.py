@@ -63,9 +63,66 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-def _validation_param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
-    return ".".join(parts) or None
+def _walk(value: Any, loc: tuple, last: Any) -> tuple[bool, list] | None:
+    """The steps of `loc` that are keys or indexes of `value`, skipping pydantic's names of union branches and
+    tags; (whether `last`, the loc's final step, was one of them, the steps)."""
+    if not loc:
+        return None
+    head, rest = loc[0], loc[1:]
+    found: list[tuple[bool, list]] = []
+    if (isinstance(value, dict) and isinstance(head, str) and head in value) or \
+            (isinstance(value, list) and isinstance(head, int) and 0 <= head < len(value)):
+        below = _walk(value[head], rest, last) if rest else None
+        found.append((below[0], [head, *below[1]]) if below else (not rest, [head]))
+    elif not rest and isinstance(value, dict) and isinstance(head, str) and "[" not in head:
+        found.append((True, [head]))  # a missing or unknown field
+    skipped = _walk(value, rest, last) if rest else None
+    if skipped:
+        found.append(skipped)
+    return max(found, key=lambda f: (f[0], len(f[1])), default=None)
+
+
+def param_path(loc: tuple, body: Any = None) -> str | None:
+    """OpenAI's `param` of a validation error at pydantic's `loc`: the field's path in the body, as
+    `messages[0].content[1].image_url` (union branch and tag names that pydantic puts in `loc` left out)."""
+    where = [p for p in loc if p not in ("body", "query", "path", "header")]
+    if loc and loc[0] == "body" and where:
+        walked = _walk(body, tuple(where), where[-1])
+        if walked:
+            where = walked[1]
+    text = ""
+    for step in where:
+        text += f"[{step}]" if isinstance(step, int) else f".{step}" if text else str(step)
+    return text or None
+
+
+def _validation_code(kind: str) -> str:
+    if kind == "extra_forbidden":
+        return "unknown_parameter"
+    if kind == "missing":
+        return "missing_required_parameter"
+    return "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") else "invalid_value"
+
+
+def validation_error_response(exc: RequestValidationError) -> JSONResponse:
+    """OpenAI's answer to a body that does not fit its schema: 400, `param` the path of the field at fault (of
+    several errors, from a union's branches, the deepest), `code` what is wrong (unknown_parameter,
+    missing_required_parameter, invalid_type, invalid_value)."""
+    errors = exc.errors()
+    body = getattr(exc, "body", None)
+    if errors and errors[0].get("type") == "json_invalid":
+        return error_response(400, f"the body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}",
+                              None, "invalid_json")
+    paths = [param_path(tuple(e.get("loc", ())), body) for e in errors]
+    ranked = sorted(range(len(errors)), key=lambda i: -len(paths[i] or ""))
+    first = ranked[0] if ranked else None
+    details = []
+    for i in ranked[:5]:
+        message = "unknown field" if errors[i].get("type") == "extra_forbidden" else errors[i].get("msg")
+        details.append(f"{paths[i] or 'body'}: {message}")
+    if first is None:
+        return error_response(400, "the request is invalid", None, "invalid_value")
+    return error_response(400, "; ".join(details), paths[first], _validation_code(str(errors[first].get("type"))))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -75,13 +132,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        details = "; ".join(f"{_validation_param(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors[:5])
-        first = errors[0] if errors else {}
-        json_invalid = first.get("type") == "json_invalid"
-        status = 400 if json_invalid else 422
-        message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}" if json_invalid else details
-        return error_response(status, message, _validation_param(first.get("loc", ())), first.get("type"))
+        return validation_error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 from fastapi import Request
 
 from api.errors import APIError
+from api.openai_schemas import JSONSchemaFormat, ResponseFormat, ResponsesTextFormat, SamplingFields
 from api.streaming import until_disconnect
 from engine import Engine
 from engine.grammar import GrammarSpec
@@ -46,3 +48,74 @@ async def compile_ahead(engine: Engine, spec: GrammarSpec | None, param: str, re
         if isinstance(exc, ValueError):
             raise GrammarRefused(400, f"{param}: {exc}", param, "invalid_json_schema") from None
         raise
+
+
+def schema_spec(schema: Any, where: str) -> GrammarSpec:
+    """The spec of a JSON schema (a dict or JSON text) sent at `where`; APIError 400 naming it if it is not one."""
+    try:
+        return GrammarSpec.from_schema(schema)
+    except ValueError as exc:
+        raise APIError(400, f"{where}: {exc}", where, "invalid_json_schema") from None
+
+
+def response_format_spec(fmt: ResponseFormat | ResponsesTextFormat | None, param: str) -> GrammarSpec | None:
+    """The grammar a `response_format` (chat) or `text.format` (Responses) asks for; None for plain text."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return GrammarSpec(json_object=True)
+    spec = fmt.json_schema if isinstance(fmt, JSONSchemaFormat) else fmt
+    where = f"{param}.json_schema.schema" if isinstance(fmt, JSONSchemaFormat) else f"{param}.schema"
+    if spec.schema_ is None:
+        raise APIError(400, f"{where} is required for a json_schema format", where, "invalid_value")
+    return schema_spec(spec.schema_, where)
+
+
+def _vllm_specs(body: SamplingFields) -> list[tuple[str, GrammarSpec]]:
+    """(param, spec) for each of vLLM's structured-output fields the body sets."""
+    found: list[tuple[str, GrammarSpec]] = []
+    outputs = body.structured_outputs
+    if outputs is not None:
+        given = [name for name in ("json_", "json_object", "regex", "choice", "grammar")
+                 if getattr(outputs, name) not in (None, False)]
+        if len(given) != 1:
+            raise APIError(400, "structured_outputs takes exactly one of json, json_object, regex, choice or grammar "
+                                f"(given: {', '.join(n.rstrip('_') for n in given) or 'none'})",
+                           "structured_outputs", "invalid_value")
+        name = given[0]
+        param = f"structured_outputs.{name.rstrip('_')}"
+        found.append((param, _vllm_spec(name.rstrip("_"), getattr(outputs, name), param)))
+    for name in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{name}")
+        if value is not None:
+            found.append((f"guided_{name}", _vllm_spec(name, value, f"guided_{name}")))
+    return found
+
+
+def _vllm_spec(kind: str, value: Any, param: str) -> GrammarSpec:
+    if kind == "json":
+        return schema_spec(value, param)
+    try:
+        if kind == "json_object":
+            return GrammarSpec(json_object=True)
+        if kind == "choice":
+            return GrammarSpec(choice=tuple(value))
+        return GrammarSpec(**{kind: value})
+    except ValueError as exc:
+        raise APIError(400, f"{param}: {exc}", param, "invalid_value") from None
+
+
+def structured_output_spec(body: SamplingFields, fmt: ResponseFormat | ResponsesTextFormat | None,
+                           format_param: str) -> tuple[GrammarSpec | None, str]:
+    """The grammar a request's structured-output fields ask for, and the field it came from (for errors): OpenAI's
+    `fmt` (`response_format`, `text.format`) or vLLM's `structured_outputs` / `guided_json`, `guided_regex`,
+    `guided_choice`, `guided_grammar`. (None, format_param) for free text; APIError 400 for more than one."""
+    found = _vllm_specs(body)
+    spec = response_format_spec(fmt, format_param)
+    if spec is not None:
+        found.insert(0, (format_param, spec))
+    if len(found) > 1:
+        names = ", ".join(param for param, _ in found)
+        raise APIError(400, f"more than one structured output was asked for ({names}): send one", found[1][0],
+                       "conflicting_parameters")
+    return (found[0][1], found[0][0]) if found else (None, format_param)

@@ -1,23 +1,24 @@
 """Request bodies of the OpenAI-compatible routes (the subset this server serves). Types and value
-ranges live here, so FastAPI answers 422 for a body that does not fit and the OpenAPI schema documents
-them; the handlers check what depends on the server (model name, caps, priority floor, parameters this server
+ranges live here, so a body that does not fit answers 400 naming the field (api/errors.py) and the OpenAPI schema
+documents them; the handlers check what depends on the server (model name, caps, priority floor, parameters this server
 does not support) and answer 400 or 404.
 
 Numeric sampling fields take their bounds from the engine's table (`engine.sampling.SAMPLING_RANGES`: what the
-sampler can compute; floats finite), so a value the engine would refuse never passes the schema. A body's fields
-that this server does not know are kept (`extra="allow"`) so that the handler can refuse them by name
-(`refuse_unsupported`): a parameter is honoured or refused, never ignored."""
+sampler can compute; floats finite), so a value the engine would refuse never passes the schema. A body's top-level
+fields that this server does not know are kept (`extra="allow"`) so that the handler can refuse them by name
+(`refuse_unsupported`): a parameter is honoured or refused, never ignored. Nested objects forbid unknown fields
+(`Strict`); the fields OpenAI's own types have there and that need nothing of this server (a message's `name`,
+an assistant turn's `refusal`) are declared and ignored."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from api.errors import APIError
 from engine.sampling import INT64_MAX, MAX_LOGPROBS, SAMPLING_RANGES
 
-MAX_SEED = 2**63 - 1
 Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1, description="vlmcap extension: lower runs first")]
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
 CacheSalt = Annotated[str | None, Field(min_length=1, max_length=256, description=(
@@ -25,33 +26,39 @@ CacheSalt = Annotated[str | None, Field(min_length=1, max_length=256, descriptio
     "(and, on a server with several API keys, of the same key)"))]
 
 
-class ImageURL(BaseModel):
+class Strict(BaseModel):
+    """A nested object of a request: a field it does not declare answers 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ImageURL(Strict):
     url: str
     detail: str | None = None
 
 
-class ChatTextPart(BaseModel):
+class ChatTextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatImagePart(BaseModel):
+class ChatImagePart(Strict):
     type: Literal["image_url"]
     image_url: ImageURL | str
 
 
-class VideoURL(BaseModel):
+class VideoURL(Strict):
     url: str
 
 
-class ChatVideoPart(BaseModel):
+class ChatVideoPart(Strict):
     """vLLM's extension: a video by URL (`data:video/mp4;base64,...`, or http(s) where remote media are allowed)."""
 
     type: Literal["video_url"]
     video_url: VideoURL | str
 
 
-class VideoOptions(BaseModel):
+class VideoOptions(Strict):
     """vlmcap extension: how frames are taken from the request's videos (within the server's limits)."""
 
     num_frames: int | None = Field(None, ge=1, description="frames spread evenly over each video")
@@ -59,20 +66,94 @@ class VideoOptions(BaseModel):
                               description="frames a second instead (up to the server's max_video_frames)")
 
 
-ChatPart = Annotated[ChatTextPart | ChatImagePart | ChatVideoPart, Field(discriminator="type")]
+class ChatRefusalPart(Strict):
+    """An assistant turn's refusal, in its history: rendered as its text."""
+
+    type: Literal["refusal"]
+    refusal: str
 
 
-class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
+ChatPart = Annotated[ChatTextPart | ChatImagePart | ChatVideoPart | ChatRefusalPart, Field(discriminator="type")]
+
+
+class FunctionCall(Strict):
+    """A call's function: its name and its arguments as JSON text (OpenAI's form)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Strict):
+    """A turn of the history. `tool_calls` (assistant) and `tool_call_id` (tool) are rendered with the tools
+    (api/tools.py); `name`, `refusal` and `audio` are OpenAI's and ignored."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ChatPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    function_call: FunctionCall | None = None
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Strict):
+    """`include_usage`: a last chunk with the usage; `continuous_usage_stats` (vLLM's): the usage so far in every
+    chunk; `include_obfuscation` (OpenAI's padding against length side channels) is accepted and ignored."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    include_obfuscation: bool | None = None
 
 
-class JSONSchemaSpec(BaseModel):
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(Strict):
+    """A function tool. Its calls' arguments are always held to `parameters` (a JSON schema; none: any JSON
+    object), so `strict` needs no switch."""
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema, any JSON object, a regex, a choice of strings or
+    an EBNF grammar (xgrammar's dialect, GBNF-like) for the output."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+
+
+class JSONSchemaSpec(Strict):
     """`response_format.json_schema` of chat completions. The output is always held to the schema
     (`strict` is accepted and needs no switch)."""
 
@@ -82,15 +163,15 @@ class JSONSchemaSpec(BaseModel):
     strict: bool | None = None
 
 
-class TextFormat(BaseModel):
+class TextFormat(Strict):
     type: Literal["text"]
 
 
-class JSONObjectFormat(BaseModel):
+class JSONObjectFormat(Strict):
     type: Literal["json_object"]
 
 
-class JSONSchemaFormat(BaseModel):
+class JSONSchemaFormat(Strict):
     type: Literal["json_schema"]
     json_schema: JSONSchemaSpec
 
@@ -107,7 +188,7 @@ class ResponsesJSONSchemaFormat(JSONSchemaSpec):
 ResponsesTextFormat = Annotated[TextFormat | JSONObjectFormat | ResponsesJSONSchemaFormat, Field(discriminator="type")]
 
 
-class ResponsesText(BaseModel):
+class ResponsesText(Strict):
     format: ResponsesTextFormat | None = None
     verbosity: str | None = None
 
@@ -127,11 +208,16 @@ class SamplingFields(BaseModel):
     temperature: float | None = ranged("temperature")
     top_p: float | None = ranged("top_p")
     top_k: int | None = ranged("top_k", description="vlmcap extension: -1 or 0 disables it")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = ranged("seed", description="negative seeds are accepted, as OpenAI accepts them")
     ignore_eos: bool = Field(False, description="vlmcap extension: generate max_tokens tokens, past EOS")
     priority: Priority = 0
     cache_salt: CacheSalt = None
     video_options: VideoOptions | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's older structured_outputs.json")
+    guided_regex: str | None = Field(None, description="vLLM's older structured_outputs.regex")
+    guided_choice: list[str] | None = Field(None, min_length=1, description="vLLM's older structured_outputs.choice")
+    guided_grammar: str | None = Field(None, description="vLLM's older structured_outputs.grammar")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -148,23 +234,27 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    return_token_ids: bool = Field(False, description="vlmcap extension: add the generated token ids to choices")
+    return_token_ids: bool = Field(False, description=(
+        "vLLM's extension: the prompt's token ids (`prompt_token_ids`) and each choice's generated ones (`token_ids`)"))
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
-class InputText(BaseModel):
+class InputText(Strict):
     type: Literal["input_text", "output_text"]
     text: str
 
 
-class InputImage(BaseModel):
+class InputImage(Strict):
     type: Literal["input_image"]
     image_url: str | None = None
     file_id: str | None = None
     detail: str | None = None
 
 
-class InputVideo(BaseModel):
+class InputVideo(Strict):
     """A video in a Responses input (no such part in OpenAI's API yet; as vLLM's `video_url` is in chat)."""
 
     type: Literal["input_video"]
@@ -174,28 +264,82 @@ class InputVideo(BaseModel):
 InputPart = Annotated[InputText | InputImage | InputVideo | ChatVideoPart, Field(discriminator="type")]
 
 
-class InputMessage(BaseModel):
+class InputMessage(Strict):
     type: Literal["message"] | None = None
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[InputPart]
+    id: str | None = None
+    status: str | None = None
+
+
+class InputFunctionCall(Strict):
+    """A function call the model made earlier (a `function_call` output item sent back)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class InputFunctionCallOutput(Strict):
+    """What the client's function returned for `call_id`."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+
+def _input_item_type(item: Any) -> str:
+    kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
+    return kind or "message"
+
+
+InputItem = Annotated[Annotated[InputMessage, Tag("message")] | Annotated[InputFunctionCall, Tag("function_call")]
+                      | Annotated[InputFunctionCallOutput, Tag("function_call_output")],
+                      Discriminator(_input_item_type)]
+
+
+class ResponsesTool(Strict):
+    """A function tool of the Responses API: the definition's fields beside `type`."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedToolChoice(Strict):
+    type: Literal["function"]
+    name: str
+
+
+ResponsesToolChoice = Literal["none", "auto", "required"] | ResponsesNamedToolChoice
 
 
 class ResponsesRequest(SamplingFields):
     model: str
-    input: str | list[InputMessage]
+    input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = ranged("max_tokens")
     stream: bool | None = False
     stop: Stop = None
     text: ResponsesText | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: ResponsesToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # Parameters a client may send that need nothing of this server in the value given (None: any value). Any other
 # field the body has, or one of these with another value, is refused with a 400 naming it.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...] | None] = {
-    "user": None, "metadata": None, "store": (False, None), "parallel_tool_calls": None, "service_tier": ("auto",
-    "default", None), "tools": ([], None), "tool_choice": ("none", None), "functions": ([], None),
-    "function_call": ("none", None), "logit_bias": ({}, None), "modalities": (["text"], None),
+    "user": None, "metadata": None, "store": (False, None), "service_tier": ("auto", "default", None),
+    "prompt_cache_key": None, "safety_identifier": None, "functions": ([], None), "function_call": ("none", None),
+    "logit_bias": ({}, None), "modalities": (["text"], None),
     "truncation": ("disabled", None), "reasoning": (None,), "include": ([], None),
 }
 

@@ -154,7 +154,8 @@ async def create_caption(request: Request, wait: bool = Query(False, description
                          state: ServerState = Depends(server_state)) -> Response:
     data, fields = await read_caption_request(request, state)
     settings = state.settings
-    if fields.max_tokens is not None and fields.max_tokens > settings.limits.max_tokens_cap:
+    if None not in (fields.max_tokens, settings.limits.max_tokens_cap) and \
+            fields.max_tokens > settings.limits.max_tokens_cap:
         raise APIError(400, f"max_tokens is {fields.max_tokens}, over this server's cap of "
                             f"{settings.limits.max_tokens_cap}", "max_tokens")
     priority = client_priority(fields.priority, settings.caption_priority, settings.limits.min_client_priority)

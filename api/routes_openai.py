@@ -14,22 +14,24 @@ from PIL import Image
 
 from api.bridge import EngineFailure, RequestStream
 from api.errors import ENGINE_FAILED, APIError, error_body
-from api.grammars import compile_ahead
+from api.grammars import compile_ahead, structured_output_spec
 from api.guard import cache_salt
 from api.images import load_image_url
 from api.openai_schemas import (
     ChatCompletionRequest,
     ChatVideoPart,
-    JSONSchemaFormat,
-    ResponseFormat,
+    InputFunctionCall,
+    InputFunctionCallOutput,
+    NamedToolChoice,
+    ResponsesNamedToolChoice,
     ResponsesRequest,
-    ResponsesTextFormat,
     SamplingFields,
     client_priority,
     refuse_unsupported,
 )
 from api.state import ServerState, server_state
 from api.streaming import ClientDisconnected, SSEResponse, sse, until_disconnect
+from api.tools import Function, ParsedCall, ToolCallParser, ToolPlan, render_tools, template_takes_tools, tool_plan
 from api.videos import check_video_input, load_video_url, video_sampling
 from engine import RequestOutput, SamplingParams
 from engine.grammar import GrammarSpec
@@ -52,6 +54,7 @@ class EnginePrompt:
     messages: list[dict[str, Any]]
     images: list[Image.Image]
     videos: list[Video]
+    text: str | None = None  # the prompt already rendered (with the template's tools): sent instead of messages
 
 
 async def build_prompt(turns: list[tuple[str, list[tuple[str, str, str]]]], state: ServerState,
@@ -77,9 +80,9 @@ async def build_prompt(turns: list[tuple[str, list[tuple[str, str, str]]]], stat
                 videos.append(await load_video_url(value, sampling, limits, param))
                 content.append({"type": "video"})
                 continue
-            if len(images) >= limits.max_images_per_request:
-                raise APIError(400, f"{param}: more than {limits.max_images_per_request} images in one request",
-                               param, "too_many_images")
+            if limits.max_images_per_request is not None and len(images) >= limits.max_images_per_request:
+                raise APIError(400, f"{param}: more than max_images_per_request = {limits.max_images_per_request} "
+                                    "images in one request", param, "too_many_images")
             images.append(await load_image_url(value, limits, param))
             content.append({"type": "image"})
         messages.append({"role": "system" if role == "developer" else role, "content": content})
@@ -92,33 +95,20 @@ def check_model(model: str, state: ServerState) -> None:
                        "model", "model_not_found")
 
 
-def grammar_spec(fmt: ResponseFormat | ResponsesTextFormat | None, param: str) -> GrammarSpec | None:
-    """The grammar a `response_format` (chat) or `text.format` (Responses) asks for; None for plain text."""
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return GrammarSpec(json_object=True)
-    spec = fmt.json_schema if isinstance(fmt, JSONSchemaFormat) else fmt
-    where = f"{param}.json_schema.schema" if isinstance(fmt, JSONSchemaFormat) else f"{param}.schema"
-    if spec.schema_ is None:
-        raise APIError(400, f"{where} is required for a json_schema format", where, "invalid_value")
-    try:
-        return GrammarSpec.from_schema(spec.schema_)
-    except ValueError as exc:
-        raise APIError(400, f"{where}: {exc}", where, "invalid_json_schema") from None
-
-
 def sampling_params(body: SamplingFields, max_tokens: int | None, stop: str | list[str] | None,
                     state: ServerState, param: str, grammar: GrammarSpec | None = None,
                     **chat_only: Any) -> SamplingParams:
     """The engine's parameters of a request; `chat_only`: SamplingParams fields that only chat completions take."""
     limits = state.settings.limits
-    if max_tokens is not None and max_tokens > limits.max_tokens_cap:
-        raise APIError(400, f"{param} is {max_tokens}, over this server's cap of {limits.max_tokens_cap}",
-                       param, "max_tokens_too_large")
+    context = state.bridge.engine.max_model_len
+    cap = min(limits.max_tokens_cap or context, context)
+    if max_tokens is not None and max_tokens > cap:
+        raise APIError(400, f"{param} is {max_tokens}, over this server's cap of {cap} (the context, max_model_len "
+                            f"{context}, or max_tokens_cap)", param, "max_tokens_too_large")
     try:
+        # Without max_tokens, up to the context (the engine ends a request at max_model_len), as OpenAI and vLLM do.
         return SamplingParams(
-            max_tokens=max_tokens or limits.default_max_tokens,
+            max_tokens=max_tokens or limits.default_max_tokens or context,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=body.top_k or 0,
@@ -132,22 +122,48 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, stop: str | li
         raise APIError(400, str(exc)) from None
 
 
+ToolTurns = list[dict[str, Any]]  # per turn: its `tool_calls` [(id, name, arguments, param)] and `tool_call_id`
+
+
 async def start(body: SamplingFields, sampling: SamplingParams, grammar: GrammarSpec | None, grammar_param: str,
                 turns: list[tuple[str, list[tuple[str, str, str]]]], request: Request,
-                state: ServerState) -> RequestStream:
+                state: ServerState, plan: ToolPlan | None = None, tool_turns: ToolTurns | None = None) -> RequestStream:
     """A request's stream, after the checks it passes before it reaches the engine: every parameter honoured (400
     naming one that is not), its priority not below the server's floor, its grammar compiled (cancelled if the
-    client leaves: ClientDisconnected), its prompt built."""
+    client leaves: ClientDisconnected), its prompt built (with its tools and its history's calls: `plan`,
+    `tool_turns`)."""
     refuse_unsupported(body)
     client_priority(body.priority, 0, state.settings.limits.min_client_priority)
     await compile_ahead(state.bridge.engine, grammar, grammar_param, request)
     prompt = await build_prompt(turns, state, body)
+    if plan is not None or any(tool_turns or []):
+        prompt = with_tools(prompt, plan, tool_turns or [], state)
     return await submit(prompt, sampling, body, request, state)
+
+
+def with_tools(prompt: EnginePrompt, plan: ToolPlan | None, tool_turns: ToolTurns, state: ServerState) -> EnginePrompt:
+    """The prompt with the tools and the history's calls and results: through the checkpoint's template where it
+    takes tools, else the generic rendering (api/tools.py)."""
+    adapter = state.bridge.engine.adapter
+    native = template_takes_tools(adapter)
+    messages = [{**message, **extra} for message, extra in zip(prompt.messages, tool_turns or [{}] * len(
+        prompt.messages), strict=True)]
+    functions = plan.functions if plan is not None else ()
+    messages = render_tools(messages, functions, native)
+    if not native:
+        return EnginePrompt(messages, prompt.images, prompt.videos)
+    try:
+        text = adapter.render_messages(messages, tools=[f.openai() for f in functions] or None)
+    except Exception as exc:  # the template refuses malformed turns in many ways
+        raise APIError(400, f"messages could not be rendered with the chat template: {exc}", "messages",
+                       "invalid_value") from None
+    return EnginePrompt(messages, prompt.images, prompt.videos, text)
 
 
 async def submit(prompt: EnginePrompt, sampling: SamplingParams, body: SamplingFields, request: Request,
                  state: ServerState) -> RequestStream:
-    return await state.bridge.add(messages=prompt.messages, images=prompt.images, videos=prompt.videos,
+    return await state.bridge.add(messages=None if prompt.text is not None else prompt.messages,
+                                  prompt=prompt.text, images=prompt.images, videos=prompt.videos,
                                   sampling=sampling,
                                   priority=body.priority,
                                   cache_salt=cache_salt(request, state.settings, body.cache_salt))
@@ -216,8 +232,10 @@ async def list_models(state: ServerState = Depends(server_state)) -> dict[str, A
 
 # -- /v1/chat/completions ---------------------------------------------------------------------------
 
-def chat_turns(body: ChatCompletionRequest) -> list[tuple[str, list[tuple[str, str, str]]]]:
+def chat_turns(body: ChatCompletionRequest) -> tuple[list[tuple[str, list[tuple[str, str, str]]]], ToolTurns]:
+    """The messages as turns of parts, and each turn's tool calls (assistant) or call id (tool)."""
     turns = []
+    tool_turns: ToolTurns = []
     for i, message in enumerate(body.messages):
         content = message.content if message.content is not None else ""
         if isinstance(content, str):
@@ -225,13 +243,51 @@ def chat_turns(body: ChatCompletionRequest) -> list[tuple[str, list[tuple[str, s
         else:
             parts = [
                 ("text", part.text, f"messages[{i}].content[{j}]") if part.type == "text"
+                else ("text", part.refusal, f"messages[{i}].content[{j}]") if part.type == "refusal"
                 else video_turn_part(part, f"messages[{i}].content[{j}]") if isinstance(part, ChatVideoPart)
                 else ("image", part.image_url if isinstance(part.image_url, str) else part.image_url.url,
                       f"messages[{i}].content[{j}].image_url")
                 for j, part in enumerate(content)
             ]
-        turns.append((message.role, parts))
-    return turns
+        extra: dict[str, Any] = {}
+        calls = [(c.id, c.function.name, c.function.arguments, f"messages[{i}].tool_calls[{k}].function.arguments")
+                 for k, c in enumerate(message.tool_calls or [])]
+        if message.function_call is not None:  # the deprecated single call
+            calls.append((f"call_{i}", message.function_call.name, message.function_call.arguments,
+                          f"messages[{i}].function_call.arguments"))
+        if calls:
+            if message.role != "assistant":
+                raise APIError(400, f"messages[{i}]: only assistant turns carry tool calls", f"messages[{i}].role",
+                               "invalid_value")
+            extra["tool_calls"] = calls
+        role = "tool" if message.role == "function" else message.role
+        if role == "tool":
+            extra["tool_call_id"] = message.tool_call_id or message.name or ""
+        turns.append((role, parts))
+        tool_turns.append(extra)
+    return turns, tool_turns
+
+
+def chat_tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
+    functions = [Function(t.function.name, t.function.description, t.function.parameters) for t in body.tools or []]
+    named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+    return tool_plan(functions, None if named else body.tool_choice, named, body.parallel_tool_calls)
+
+
+def request_grammar(body: SamplingFields, fmt: Any, format_param: str,
+                    plan: ToolPlan | None) -> tuple[GrammarSpec | None, str]:
+    """The request's grammar: its structured output's, or its tool calls'; APIError 400 for both at once."""
+    grammar, param = structured_output_spec(body, fmt, format_param)
+    if plan is not None and plan.calls:
+        if grammar is not None:
+            raise APIError(400, f"{param} and tools with tool_choice {plan.mode!r} cannot be combined: send "
+                                "tool_choice 'none' or no structured output", param, "conflicting_parameters")
+        return plan.grammar, plan.param
+    return grammar, param
+
+
+def openai_tool_call(call: ParsedCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def video_turn_part(part: ChatVideoPart, param: str) -> tuple[str, str, str]:
@@ -255,30 +311,43 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                        "unsupported_value")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+    check_stream_options(body.stream, body.stream_options)
     max_tokens = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    grammar = grammar_spec(body.response_format, "response_format")
+    plan = chat_tool_plan(body)
+    grammar, grammar_param = request_grammar(body, body.response_format, "response_format", plan)
     sampling = sampling_params(body, max_tokens, body.stop, state, param, grammar,
                                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                repetition_penalty=body.repetition_penalty,
                                logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    turns, tool_turns = chat_turns(body)
     try:
-        stream = await start(body, sampling, grammar, "response_format", chat_turns(body), request, state)
+        stream = await start(body, sampling, grammar, grammar_param, turns, request, state, plan, tool_turns)
     except ClientDisconnected:
         return Response(status_code=499)
     completion_id, created = f"chatcmpl-{stream.request_id}", int(time.time())
     model = state.settings.model_name
+    parser = ToolCallParser(tuple(f.name for f in plan.functions)) if plan is not None and plan.calls else None
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(chat_events(stream, state, completion_id, created, model, include_usage,
-                                       body.return_token_ids))
+        options = body.stream_options
+        return SSEResponse(chat_events(stream, state, completion_id, created, model,
+                                       bool(options and options.include_usage), body.return_token_ids, parser,
+                                       bool(options and options.continuous_usage_stats)))
     try:
         output, logprobs = await final_output(request, stream, state)
     except ClientDisconnected:
         return Response(status_code=499)
+    message: dict[str, Any] = {"role": "assistant", "content": output.text}
+    finish_reason = output.finish_reason
+    if parser is not None:
+        parser.feed(output.text, final=True)
+        if parser.calls:
+            message = {"role": "assistant", "content": parser.text or None,
+                       "tool_calls": [openai_tool_call(call) for call in parser.calls]}
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
     choice: dict[str, Any] = {
-        "index": 0, "message": {"role": "assistant", "content": output.text},
-        "finish_reason": output.finish_reason, "logprobs": chat_logprobs(logprobs, state) if body.logprobs else None,
+        "index": 0, "message": message,
+        "finish_reason": finish_reason, "logprobs": chat_logprobs(logprobs, state) if body.logprobs else None,
     }
     if body.return_token_ids:
         choice["token_ids"] = output.token_ids
@@ -288,8 +357,31 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     })
 
 
+def check_stream_options(stream: bool | None, options: Any) -> None:
+    """OpenAI refuses `stream_options` on a request that is not streamed."""
+    if options is not None and not stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", "stream_options", "invalid_value")
+
+
+def tool_deltas(events: list[tuple]) -> tuple[str, list[dict[str, Any]]]:
+    """A parser's events as a delta's text and OpenAI's `tool_calls` delta entries (a call's first entry carries
+    its id, type and name; the next ones its arguments in chunks)."""
+    text, entries = "", []
+    for event in events:
+        if event[0] == "text":
+            text += event[1]
+        elif event[0] == "call":
+            call = event[1]
+            entries.append({"index": call.index, "id": call.id, "type": "function",
+                            "function": {"name": call.name, "arguments": ""}})
+        else:
+            entries.append({"index": event[1].index, "function": {"arguments": event[2]}})
+    return text, entries
+
+
 async def chat_events(stream: RequestStream, state: ServerState, completion_id: str, created: int, model: str,
-                      include_usage: bool, return_token_ids: bool) -> AsyncIterator[str]:
+                      include_usage: bool, return_token_ids: bool, parser: ToolCallParser | None = None,
+                      continuous_usage: bool = False) -> AsyncIterator[str]:
     def chunk(delta: dict[str, Any], finish_reason: str | None = None, token_ids: list[int] | None = None,
               usage: dict[str, Any] | None = None, choices: bool = True,
               logprobs: list[TokenLogprobs] | None = None) -> str:
@@ -309,12 +401,29 @@ async def chat_events(stream: RequestStream, state: ServerState, completion_id: 
             new_ids = output.token_ids[num_tokens:]
             first = num_tokens == 0
             num_tokens = len(output.token_ids)
-            if first:  # the role goes with the first token, as OpenAI and vLLM send it (clients time TTFT by it)
-                yield chunk({"role": "assistant", "content": delta}, output.finish_reason,
-                            new_ids if return_token_ids else None, logprobs=output.new_logprobs)
-            elif delta or output.finished or return_token_ids or output.new_logprobs:
-                yield chunk({"content": delta} if delta else {}, output.finish_reason,
-                            new_ids if return_token_ids else None, logprobs=output.new_logprobs)
+            finish_reason = output.finish_reason
+            usage = chat_usage(output) if continuous_usage else None
+            entries: list[dict[str, Any]] = []
+            if parser is not None:
+                delta, entries = tool_deltas(parser.feed(delta, final=output.finished))
+                if parser.calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            # One chunk a tool call entry (the SDK accumulates a call's entries across chunks); the text, the
+            # token ids, the log-probabilities and the finish reason go with the last.
+            for entry in entries[:-1]:
+                yield chunk({"role": "assistant", "tool_calls": [entry]} if first else {"tool_calls": [entry]},
+                            usage=usage)
+                first = False
+            last: dict[str, Any] = {"role": "assistant", "content": delta} if first else \
+                {"content": delta} if delta else {}
+            if entries:
+                last["tool_calls"] = [entries[-1]]
+                if not delta:
+                    last.pop("content", None)
+            if first or last or output.finished or return_token_ids or output.new_logprobs:
+                # the role goes with the first token, as OpenAI and vLLM send it (clients time TTFT by it)
+                yield chunk(last, finish_reason, new_ids if return_token_ids else None, usage=usage,
+                            logprobs=output.new_logprobs)
             if output.finished and include_usage:
                 yield chunk({}, usage=chat_usage(output), choices=False)
     except EngineFailure as exc:
@@ -324,13 +433,31 @@ async def chat_events(stream: RequestStream, state: ServerState, completion_id: 
 
 # -- /v1/responses ------------------------------------------------------------------------------------
 
-def responses_turns(body: ResponsesRequest) -> list[tuple[str, list[tuple[str, str, str]]]]:
+def responses_turns(body: ResponsesRequest) -> tuple[list[tuple[str, list[tuple[str, str, str]]]], ToolTurns]:
+    """The input as turns of parts, and each turn's tool calls or call id: `function_call` items join the
+    assistant turn before them (or make one), each `function_call_output` is a tool turn."""
     turns: list[tuple[str, list[tuple[str, str, str]]]] = []
+    tool_turns: ToolTurns = []
     if body.instructions:
         turns.append(("system", [("text", body.instructions, "instructions")]))
+        tool_turns.append({})
     if isinstance(body.input, str):
-        return [*turns, ("user", [("text", body.input, "input")])]
+        return [*turns, ("user", [("text", body.input, "input")])], [*tool_turns, {}]
     for i, message in enumerate(body.input):
+        if isinstance(message, InputFunctionCall):
+            call = (message.call_id, message.name, message.arguments, f"input[{i}].arguments")
+            if turns and turns[-1][0] == "assistant":
+                tool_turns[-1].setdefault("tool_calls", []).append(call)
+            else:
+                turns.append(("assistant", [("text", "", f"input[{i}]")]))
+                tool_turns.append({"tool_calls": [call]})
+            continue
+        if isinstance(message, InputFunctionCallOutput):
+            output = message.output if isinstance(message.output, str) else "".join(p.text for p in message.output)
+            turns.append(("tool", [("text", output, f"input[{i}].output")]))
+            tool_turns.append({"tool_call_id": message.call_id})
+            continue
+        tool_turns.append({})
         if isinstance(message.content, str):
             turns.append((message.role, [("text", message.content, f"input[{i}].content")]))
             continue
@@ -349,7 +476,19 @@ def responses_turns(body: ResponsesRequest) -> list[tuple[str, list[tuple[str, s
             else:
                 parts.append(("text", part.text, param))
         turns.append((message.role, parts))
-    return turns
+    return turns, tool_turns
+
+
+def responses_tool_plan(body: ResponsesRequest) -> ToolPlan | None:
+    functions = [Function(t.name, t.description, t.parameters) for t in body.tools or []]
+    named = body.tool_choice.name if isinstance(body.tool_choice, ResponsesNamedToolChoice) else None
+    return tool_plan(functions, None if named else body.tool_choice, named, body.parallel_tool_calls)
+
+
+def function_call_item(call: ParsedCall, status: str = "completed") -> dict[str, Any]:
+    """A call as the Responses API's `function_call` output item."""
+    return {"type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}", "call_id": call.id,
+            "name": call.name, "arguments": call.arguments, "status": status}
 
 
 @dataclass
@@ -360,24 +499,34 @@ class ResponseMeta:
     body: ResponsesRequest
     model: str
 
+    parser: ToolCallParser | None = None
+
     def response(self, status: str, text: str | None = None, output: RequestOutput | None = None) -> dict[str, Any]:
-        """The Response object; `text` None means no output item yet."""
+        """The Response object; `text` None means no output item yet. With tools, `text` is the text beside the
+        calls (None: a message item only if there is text) and the calls follow as `function_call` items."""
         item_status = "completed" if status == "completed" else "incomplete"
-        items = [] if text is None else [{
+        calls = self.parser.calls if self.parser is not None else []
+        items = [] if text is None or (calls and not text) else [{
             "type": "message", "id": self.message_id, "status": item_status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
         }]
+        items += [function_call_item(call, "completed" if call.complete else "incomplete") for call in calls]
+        body = self.body
+        choice = body.tool_choice
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
         result: dict[str, Any] = {
             "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
             "model": self.model, "output": items, "instructions": self.body.instructions,
             "max_output_tokens": self.body.max_output_tokens, "temperature": self.body.temperature,
-            "top_p": self.body.top_p, "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
+            "top_p": self.body.top_p, "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "tool_choice": choice.model_dump() if isinstance(choice, ResponsesNamedToolChoice) else choice or (
+                "auto" if tools else "none"), "tools": tools,
             "error": None, "incomplete_details": None, "metadata": {}, "usage": None,
             "text": self.body.text.model_dump(by_alias=True, exclude_none=True) if self.body.text and
             self.body.text.format else {"format": {"type": "text"}},
         }
         if text is not None:
-            result["output_text"] = text
+            result["output_text"] = text or ""
         if output is not None:
             completion = len(output.token_ids)
             result["usage"] = {
@@ -393,20 +542,28 @@ class ResponseMeta:
 
     def final(self, output: RequestOutput) -> dict[str, Any]:
         status = "incomplete" if output.finish_reason in ("length", "abort") else "completed"
-        return self.response(status, output.text, output)
+        text = output.text
+        if self.parser is not None:
+            if not self.parser.calls and not self.parser.text:  # not streamed: read the whole output now
+                self.parser.feed(output.text, final=True)
+            text = self.parser.text
+        return self.response(status, text, output)
 
 
 @router.post("/responses", response_model=None)
 async def responses(body: ResponsesRequest, request: Request, state: ServerState = Depends(server_state)) -> Response:
     check_model(body.model, state)
-    grammar = grammar_spec(body.text.format if body.text else None, "text.format")
+    plan = responses_tool_plan(body)
+    grammar, grammar_param = request_grammar(body, body.text.format if body.text else None, "text.format", plan)
     sampling = sampling_params(body, body.max_output_tokens, body.stop, state, "max_output_tokens", grammar)
+    turns, tool_turns = responses_turns(body)
     try:
-        stream = await start(body, sampling, grammar, "text.format", responses_turns(body), request, state)
+        stream = await start(body, sampling, grammar, grammar_param, turns, request, state, plan, tool_turns)
     except ClientDisconnected:
         return Response(status_code=499)
+    parser = ToolCallParser(tuple(f.name for f in plan.functions)) if plan is not None and plan.calls else None
     meta = ResponseMeta(f"resp_{stream.request_id}", f"msg_{stream.request_id}", time.time(), body,
-                        state.settings.model_name)
+                        state.settings.model_name, parser)
     if body.stream:
         return SSEResponse(response_events(stream, state, meta))
     try:
@@ -417,31 +574,85 @@ async def responses(body: ResponsesRequest, request: Request, state: ServerState
 
 
 async def response_events(stream: RequestStream, state: ServerState, meta: ResponseMeta) -> AsyncIterator[str]:
-    """The Responses event stream, as the `openai` SDK's parser expects it."""
+    """The Responses event stream, as the `openai` SDK's parser expects it. Without tools, one message item from
+    the start; with tools, a message item once text comes and a `function_call` item for each call, its arguments
+    streamed as `response.function_call_arguments.delta`."""
     sequence = 0
+    parser = meta.parser
 
     def event(kind: str, **fields: Any) -> str:
         nonlocal sequence
         sequence += 1
         return sse({"type": kind, "sequence_number": sequence - 1, **fields}, event=kind)
 
-    ids = {"item_id": meta.message_id, "output_index": 0}
+    next_index = 0
+    message_index: int | None = None
+    call_index: dict[int, int] = {}  # a call's index -> its output index
+    calls_done: set[int] = set()  # calls whose done events were sent
+
+    def open_message() -> list[str]:
+        nonlocal next_index, message_index
+        message_index, next_index = next_index, next_index + 1
+        return [event("response.output_item.added", output_index=message_index, item={
+                    "type": "message", "id": meta.message_id, "status": "in_progress", "role": "assistant",
+                    "content": []}),
+                event("response.content_part.added", item_id=meta.message_id, output_index=message_index,
+                      content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+
+    def call_done(call: ParsedCall) -> list[str]:
+        item = function_call_item(call, "completed" if call.complete else "incomplete")
+        ids = {"item_id": item["id"], "output_index": call_index[call.index]}
+        return [event("response.function_call_arguments.done", **ids, name=call.name, arguments=call.arguments),
+                event("response.output_item.done", output_index=call_index[call.index], item=item)]
+
     yield event("response.created", response=meta.response("in_progress"))
     yield event("response.in_progress", response=meta.response("in_progress"))
-    yield event("response.output_item.added", output_index=0, item={
-        "type": "message", "id": meta.message_id, "status": "in_progress", "role": "assistant", "content": []})
-    yield event("response.content_part.added", **ids, content_index=0,
-                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+    if parser is None:
+        for line in open_message():
+            yield line
+    text = ""
     try:
         async for delta, output in text_deltas(stream, state):
-            if delta:
-                yield event("response.output_text.delta", **ids, content_index=0, delta=delta, logprobs=[])
+            events = [("text", delta)] if parser is None else parser.feed(delta, final=output.finished)
+            for item in events:
+                if item[0] == "text":
+                    if not item[1]:
+                        continue
+                    if message_index is None:
+                        for line in open_message():
+                            yield line
+                    text += item[1]
+                    yield event("response.output_text.delta", item_id=meta.message_id, output_index=message_index,
+                                content_index=0, delta=item[1], logprobs=[])
+                elif item[0] == "call":
+                    call = item[1]
+                    call_index[call.index], next_index = next_index, next_index + 1
+                    yield event("response.output_item.added", output_index=call_index[call.index],
+                                item=function_call_item(call, "in_progress"))
+                else:
+                    call, chunk = item[1], item[2]
+                    yield event("response.function_call_arguments.delta", item_id=function_call_item(call)["id"],
+                                output_index=call_index[call.index], delta=chunk)
+            if parser is not None:
+                for call in parser.calls:
+                    if call.complete and call.index not in calls_done:
+                        calls_done.add(call.index)
+                        for line in call_done(call):
+                            yield line
             if output.finished:
                 final = meta.final(output)
-                part = final["output"][0]["content"][0]
-                yield event("response.output_text.done", **ids, content_index=0, text=output.text, logprobs=[])
-                yield event("response.content_part.done", **ids, content_index=0, part=part)
-                yield event("response.output_item.done", output_index=0, item=final["output"][0])
+                if parser is not None:
+                    for call in parser.calls:
+                        if call.index not in calls_done:
+                            for line in call_done(call):
+                                yield line
+                if message_index is not None:
+                    message = next(item for item in final["output"] if item["type"] == "message")
+                    part = message["content"][0]
+                    ids = {"item_id": meta.message_id, "output_index": message_index}
+                    yield event("response.output_text.done", **ids, content_index=0, text=text, logprobs=[])
+                    yield event("response.content_part.done", **ids, content_index=0, part=part)
+                    yield event("response.output_item.done", output_index=message_index, item=message)
                 # Also when cut at max_output_tokens (status "incomplete"), as vLLM does: clients such as the
                 # SDK's `responses.stream()` need `response.completed` for their final response.
                 yield event("response.completed", response=final)

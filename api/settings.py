@@ -27,9 +27,9 @@ class Limits:
     max_body_bytes: largest request body.
     max_image_bytes: largest encoded image.
     max_image_pixels: largest image in pixels, checked before decoding.
-    max_images_per_request: most images in one request.
-    max_tokens_cap: most new tokens one request may ask for.
-    default_max_tokens: new tokens of a request that sets no max_tokens.
+    max_images_per_request: most images in one request (none: as many as fit the context and the size limits).
+    max_tokens_cap: most new tokens one request may ask for (none: the context, max_model_len).
+    default_max_tokens: new tokens of a request that sets no max_tokens (none: up to the context, as OpenAI does).
     max_waiting_requests: requests waiting in the engine beyond which new ones get 429.
     max_videos_per_request: most videos in one request.
     max_video_bytes: largest encoded video (a data URL or a remote file).
@@ -51,9 +51,9 @@ class Limits:
     max_body_bytes: int = 32 * 1024 * 1024
     max_image_bytes: int = 16 * 1024 * 1024
     max_image_pixels: int = 40_000_000
-    max_images_per_request: int = 8
-    max_tokens_cap: int = 4096
-    default_max_tokens: int = 256
+    max_images_per_request: int | None = None
+    max_tokens_cap: int | None = None
+    default_max_tokens: int | None = None
     max_waiting_requests: int = 256
     max_videos_per_request: int = 2
     max_video_bytes: int = 16 * 1024 * 1024
@@ -73,13 +73,13 @@ class Limits:
                      "max_tokens_cap", "default_max_tokens", "max_waiting_requests", "max_videos_per_request",
                      "max_video_bytes", "max_video_seconds", "max_video_frame_pixels", "video_frames",
                      "max_video_frames"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.video_frames > self.max_video_frames:
             raise ValueError(f"video_frames {self.video_frames} is over max_video_frames {self.max_video_frames}")
         if self.video_fps is not None and self.video_fps <= 0:
             raise ValueError(f"video_fps must be positive, got {self.video_fps!r}")
-        if self.default_max_tokens > self.max_tokens_cap:
+        if None not in (self.default_max_tokens, self.max_tokens_cap) and self.default_max_tokens > self.max_tokens_cap:
             raise ValueError(
                 f"default_max_tokens {self.default_max_tokens} is over max_tokens_cap {self.max_tokens_cap}"
             )
