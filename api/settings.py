@@ -120,6 +120,10 @@ class ServerSettings(QueueSettings):
         this often ('90s', '15m', '1h'; default: never).
     summary_max_tokens: new tokens of a camera summary (POST /v1/cameras/{id}/summary).
     summary_priority: engine priority of camera summaries (lower first: after chats, before camera captions).
+    mqtt_url: publish camera captions, events and fall alerts to this MQTT broker, with Home Assistant discovery
+        (mqtt://host:port, mqtts:// for TLS, user:password@ before the host when it asks; default: none).
+    mqtt_prefix: the MQTT topics' prefix: <prefix>/<camera>/caption, /event, /fall and <prefix>/available.
+    mqtt_discovery_prefix: Home Assistant's MQTT discovery prefix ('': publish no discovery configs).
     """
 
     engine: EngineConfig = field(default_factory=_engine_config)
@@ -141,12 +145,23 @@ class ServerSettings(QueueSettings):
     summary_every: str | None = None
     summary_max_tokens: int = 768
     summary_priority: int = DEFAULT_SUMMARY_PRIORITY
+    mqtt_url: str | None = None
+    mqtt_prefix: str = "vlmcap"
+    mqtt_discovery_prefix: str = "homeassistant"
 
     def __post_init__(self) -> None:
         if self.summary_every is not None:
             parse_duration(self.summary_every)
         if self.summary_max_tokens < 1:
             raise ValueError(f"summary_max_tokens must be positive, got {self.summary_max_tokens}")
+        self.mqtt_url = self.mqtt_url or None  # an empty variable: none
+        if self.mqtt_url:
+            from memory.mqtt import parse_mqtt_url, validate_prefix
+
+            parse_mqtt_url(self.mqtt_url)
+            validate_prefix(self.mqtt_prefix)
+            if self.mqtt_discovery_prefix:
+                validate_prefix(self.mqtt_discovery_prefix, "mqtt_discovery_prefix")
 
     @property
     def summary_every_s(self) -> float | None:
