@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from api import routes_alerts, routes_captions, routes_dashboard, routes_openai, routes_summaries
+from api import routes_alerts, routes_captions, routes_dashboard, routes_events, routes_openai, routes_summaries
 from api.bridge import EngineBridge, build_engine
 from api.caption_store import CaptionStore, MemoryCaptionStore, RedisCaptionStore
 from api.captioner import EngineCaptioner
@@ -65,6 +65,7 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.vlmcap = None
         app.state.load_error = None
+        app.state.memory = None  # the camera memory (api/routes_events.py), once the engine is loaded
         worker = None
         webhook = None
         summaries = None
@@ -77,6 +78,7 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
                 log.exception("the engine failed to load")
                 app.state.load_error = f"{type(exc).__name__}: {exc}"
                 return
+            app.state.memory = memory = await routes_events.open_memory(settings, state.bridge.engine)
             if settings.redis_url and settings.run_queue_worker:
                 from jobqueue.connection import connect
                 from jobqueue.consumer import QueueWorker
@@ -92,6 +94,7 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
                     claim_idle_seconds=settings.claim_idle_seconds, max_deliveries=settings.max_deliveries,
                     caption_priority=settings.caption_priority, batch_size=settings.batch_size,
                     fall_priority=settings.fall_priority, on_alert=webhook.notify if webhook else None,
+                    on_finished=memory.on_finished if memory else None,
                 )
                 worker.start()
                 state.worker, state.webhook = worker, webhook
@@ -115,6 +118,8 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
                     await worker.stop(settings.shutdown_grace_s)
                 if webhook is not None:
                     await webhook.stop(settings.shutdown_grace_s)
+                if app.state.memory is not None:  # after the worker: its last jobs are written
+                    await asyncio.to_thread(app.state.memory.close)
                 await state.bridge.shutdown(settings.shutdown_grace_s)
                 await asyncio.gather(*state.background, return_exceptions=True)
                 await state.feeds.close()
@@ -129,6 +134,7 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
     app.include_router(routes_dashboard.router)
     app.include_router(routes_alerts.router)
     app.include_router(routes_summaries.router)
+    app.include_router(routes_events.router)
     app.mount("/static", routes_dashboard.static_files, name="static")
 
     @app.get("/health")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from jobqueue.settings import QueueSettings
+from memory.settings import MemorySettings
 
 if TYPE_CHECKING:
     from engine import EngineConfig
@@ -98,7 +99,7 @@ def parse_duration(text: str) -> float:
 
 
 @dataclass(kw_only=True)
-class ServerSettings(QueueSettings):
+class ServerSettings(QueueSettings, MemorySettings):
     """The server around the engine: who may call it, the caption queue (its worker's settings are
     `QueueSettings`'), shutdown.
 
@@ -150,6 +151,7 @@ class ServerSettings(QueueSettings):
     mqtt_discovery_prefix: str = "homeassistant"
 
     def __post_init__(self) -> None:
+        MemorySettings.__post_init__(self)
         if self.summary_every is not None:
             parse_duration(self.summary_every)
         if self.summary_max_tokens < 1:

@@ -48,7 +48,7 @@ from jobqueue.contract import (
     frame_key,
     result_key,
 )
-from jobqueue.finish import FAIL_SCRIPT, FINISH_RESULT_LUA
+from jobqueue.finish import FAIL_SCRIPT, FINISH_RESULT_LUA, FinishedJob
 from jobqueue.results import get_result
 from jobqueue.settings import QueueSettings
 from jobqueue.structured import SchemaRefused, caption_validator, structured_caption
@@ -174,10 +174,11 @@ class QueueWorker:
         max_backoff_seconds: float = 10.0,
         fall_priority: int = QueueSettings.fall_priority,
         on_alert: Callable[[CaptionResult], None] | None = None,
+        on_finished: FinishedJob | None = None,
     ) -> None:
         """`fall_priority` is the engine priority of fall jobs (`Job.fall`); `on_alert` is called, without
         waiting on it, with the stored result of each fall job this worker finishes first (e.g.
-        `AlertWebhook.notify`)."""
+        `AlertWebhook.notify`); `on_finished` with each job it finishes first and its result (the event store)."""
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries must be at least 1, got {max_deliveries}")
         if claim_idle_seconds < 0:
@@ -192,6 +193,7 @@ class QueueWorker:
         self.caption_priority = caption_priority
         self.fall_priority = fall_priority
         self.on_alert = on_alert
+        self.on_finished = on_finished
         self.batch_size = batch_size
         self.block_ms = int(block_seconds * 1000)
         self.max_backoff_seconds = max_backoff_seconds
@@ -425,6 +427,11 @@ class QueueWorker:
             log.error("job %s dead-lettered after %d deliveries: %s", job.job_id, deliveries, error)
         else:
             self.stats.done += 1
+        if first and self.on_finished is not None:
+            try:
+                self.on_finished(job, result)
+            except Exception:  # the job is finished: a hook's failure is logged, never the job's
+                log.exception("job %s: the finish hook failed", job.job_id)
         if first and job.fall and self.on_alert is not None:
             stored = await get_result(self.redis, job.job_id)
             if stored is not None:

@@ -7,9 +7,15 @@ it to the caption feed of all cameras, to its camera's feed when it has one, and
 a fall alert's. It is written once, as the Lua function `finish_result` (`FINISH_RESULT_LUA`) that each
 finishing script includes, so it runs inside the writer's own atomic step. A result field is added to
 `CaptionResult` (jobqueue/contract.py) alone: the function copies whatever fields it is given.
+
+A queue worker that finished a job first (its script said so) then calls its `FinishedJob` hook once with the job
+and its result: the server's camera memory keeps the job as an event there (memory/jobs.py), keyed by the job's
+id, so a redelivered job is kept once. The hook must not block: it hands the job to a writer thread.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
@@ -19,11 +25,16 @@ from jobqueue.contract import (
     CAPTIONS_STREAM_MAXLEN,
     RESULT_TTL_SECONDS,
     CaptionResult,
+    Job,
     JobStatus,
     camera_captions_stream,
     flat,
     result_key,
 )
+
+# Called once for each job a worker finished first (done or dead-lettered), with the result it wrote (whose
+# finished_at is the worker's clock; the hash holds Redis's). It returns at once (a writer thread does the work).
+FinishedJob = Callable[[Job, CaptionResult], None]
 
 # is_finished(key): the result is done or failed (finishing is first-writer-wins).
 # finish_result(key, fields): `fields` a flat list of result field/value pairs (a finished_at in it is replaced).

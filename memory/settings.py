@@ -22,8 +22,9 @@ class MemorySettings:
     events_max_bytes: when the events' frames, text and vectors pass this size, the oldest are dropped.
     events_frames: thumbnails kept per event, spread over its frames.
     events_thumbnail_size: longest side of a kept thumbnail, in pixels.
-    events_shared: every API key sees every event (one tenant); otherwise a key sees the server's own cameras'
-        events and those of jobs sent with it.
+    events_shared: every API key sees every camera's events (one tenant with several keys).
+    events_key_cameras: a named key's cameras, 'name:camera,camera' (repeat): without events_shared a key of
+        --api-keys sees the events of its cameras only; --api-key's key (named default) sees every camera's.
     """
 
     data_dir: str | None = None
@@ -33,6 +34,7 @@ class MemorySettings:
     events_frames: int = 4
     events_thumbnail_size: int = 320
     events_shared: bool = False
+    events_key_cameras: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.events_max_age_days > 0:
@@ -40,6 +42,19 @@ class MemorySettings:
         for name in ("events_max_bytes", "events_frames", "events_thumbnail_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        self.key_cameras  # noqa: B018 (a malformed entry is refused at start)
+
+    @property
+    def key_cameras(self) -> dict[str, frozenset[str]]:
+        """`events_key_cameras` by key name (ValueError naming a malformed entry)."""
+        out: dict[str, set[str]] = {}
+        for entry in self.events_key_cameras:
+            name, _, cameras = entry.partition(":")
+            listed = {c.strip() for c in cameras.split(",") if c.strip()}
+            if not name.strip() or not listed:
+                raise ValueError(f"events_key_cameras entries are 'name:camera,camera', got {entry!r}")
+            out.setdefault(name.strip(), set()).update(listed)
+        return {name: frozenset(cameras) for name, cameras in out.items()}
 
     @property
     def events_location(self) -> str | None:

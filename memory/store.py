@@ -206,6 +206,13 @@ def check_vector(vector: list[float], dim: int | None = None) -> list[float]:
     return [v / norm for v in vector]
 
 
+def mean_unit(vectors: list[list[float]]) -> list[float]:
+    """The L2-normalised mean of unit vectors (an event's vector from its frames'); ValueError when empty."""
+    if not vectors:
+        raise ValueError("no vectors to average")
+    return check_vector([sum(column) / len(vectors) for column in zip(*vectors)])
+
+
 @runtime_checkable
 class EventStore(Protocol):
     """Where events are kept. Safe to call from several threads: writes are serialised by the store, reads run

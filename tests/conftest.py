@@ -72,3 +72,18 @@ def people_fall_weights() -> Path:
     from pipeline.detector import PEOPLE_FALL, fetch_checkpoint
 
     return fetch_checkpoint(PEOPLE_FALL)
+
+
+# -- camera memory ------------------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_data_dir(tmp_path_factory) -> Iterator[None]:
+    """Servers built by tests keep their event store (memory/settings.py: events.db under $XDG_DATA_HOME/vlmcap)
+    in a directory of this run, not in the home directory."""
+    before = os.environ.get("XDG_DATA_HOME")
+    os.environ["XDG_DATA_HOME"] = str(tmp_path_factory.mktemp("xdg-data"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_DATA_HOME", None)
+    else:
+        os.environ["XDG_DATA_HOME"] = before
