@@ -33,10 +33,32 @@ RETRY_S = 1.0  # a reader's pause after Redis failed to answer
 _OVERFLOW = object()  # put in a subscriber's queue when it is full: the subscriber ends
 
 
+MAX_ID_PART = 2**64 - 1  # a Redis stream id is two unsigned 64-bit numbers
+
+
 def entry_key(entry_id: str) -> tuple[int, int]:
     """A stream entry id ("ms-seq", or "ms") as a tuple that orders like the stream."""
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+def resume_after(last_event_id: str | None) -> str | None:
+    """The entry a subscriber resumes after: its `Last-Event-ID` when that is a stream id entries can follow,
+    else None (only new entries, as for a first connection): an id over 2^64-1 (Redis refuses it in XRANGE)
+    or one no entry can follow is never sent by this server, only made up."""
+    if last_event_id is None:
+        return None
+    ms, dash, seq = last_event_id.partition("-")
+    if not ms.isascii() or not ms.isdigit() or (dash and (not seq.isascii() or not seq.isdigit())):
+        log.warning("event stream: Last-Event-ID %r is not a stream id; sending new entries only",
+                    last_event_id[:64])
+        return None
+    key = entry_key(last_event_id)
+    if key[0] > MAX_ID_PART or key[1] > MAX_ID_PART or key == (MAX_ID_PART, MAX_ID_PART):
+        log.warning("event stream: Last-Event-ID %r is past any stream id; sending new entries only",
+                    last_event_id[:64])
+        return None
+    return f"{key[0]}-{key[1]}"
 
 
 class _Reader:
@@ -100,9 +122,10 @@ class FeedHub:
         self.subscribers -= 1
 
     async def tail(self, feed: str, after: str | None) -> AsyncIterator[tuple[str, CaptionResult]]:
-        """The feed's entries after `after` (None: only new ones), as (entry id, result), until the consumer
-        stops iterating or falls `QUEUE_SIZE` entries behind."""
+        """The feed's entries after `after` (None, or an id no entry can follow: only new ones), as (entry id,
+        result), until the consumer stops iterating or falls `QUEUE_SIZE` entries behind."""
         assert self.redis is not None, "a feed needs Redis"
+        after = resume_after(after)
         queue: asyncio.Queue = asyncio.Queue(QUEUE_SIZE)
         reader = self._readers.get(feed) or self._readers.setdefault(feed, _Reader(self.redis, feed))
         reader.queues.add(queue)

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from api.background import BackgroundServer
+from api.feeds import resume_after
 from api.server import create_app
 from api.settings import ServerSettings
 from engine import EngineConfig
@@ -111,3 +112,33 @@ def test_a_subscriber_resuming_gets_what_it_missed_then_new_ones(server, redis_u
                 return [missed["id"], (await next_event(lines, "alert"))["id"]]
 
     assert asyncio.run(scenario()) == ["a-2", "a-3"]
+
+
+@pytest.mark.parametrize("made_up", ["99999999999999999999", "18446744073709551616-0", "1-18446744073709551616",
+                                     "18446744073709551615-18446744073709551615"])
+def test_resume_after_drops_ids_no_entry_can_follow(made_up):
+    assert resume_after(made_up) is None
+    assert resume_after("18446744073709551615") == "18446744073709551615-0"
+    assert resume_after("5-1") == "5-1" and resume_after(None) is None
+
+
+@pytest.mark.timeout(120)
+def test_a_made_up_last_event_id_over_2_64_streams_new_entries_beside_a_plain_resume(server, redis_url):
+    first = publish(redis_url, "m-1", ALERTS_STREAM)
+
+    async def follow(http: httpx.AsyncClient, path: str, kind: str, last_event_id: str) -> str:
+        async with http.stream("GET", f"{server.url}{path}", headers={"Last-Event-ID": last_event_id}) as stream:
+            assert stream.status_code == 200
+            return (await next_event(stream.aiter_lines(), kind))["id"]
+
+    async def scenario() -> list[str]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            followers = [asyncio.create_task(follow(http, "/v1/alerts/stream", "alert", "99999999999999999999")),
+                         asyncio.create_task(follow(http, "/v1/captions/stream", "caption", "99999999999999999999")),
+                         asyncio.create_task(follow(http, "/v1/alerts/stream", "alert", first))]
+            await asyncio.sleep(1.0)
+            publish(redis_url, "m-2", ALERTS_STREAM)
+            publish(redis_url, "c-2", CAPTIONS_STREAM)
+            return await asyncio.gather(*followers)
+
+    assert asyncio.run(scenario()) == ["m-2", "c-2", "m-2"]
