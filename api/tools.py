@@ -224,8 +224,11 @@ class ToolCallParser:
                 continue
             at = self._buffer.find(self._end)
             if at < 0:
-                keep = 0 if final else self._held(self._buffer, self._end)
+                # A tail that may be the end marker waits; at the end of a cut output it is the marker's start.
+                keep = self._held(self._buffer, self._end)
                 chunk, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+                if final:
+                    self._buffer = ""
                 if chunk:
                     self._current.arguments += chunk
                     events.append(("arguments", self._current, chunk))

@@ -1,0 +1,202 @@
+"""Tool calling over HTTP (real uvicorn server, tiny random-weight model, the official `openai` client): with
+random weights only the grammar can make a call's arguments valid, so every call validating under its function's
+schema is the constraint at work. Chat completions (whole and streamed as `tool_calls` deltas), the Responses API
+(`function_call` items, `function_call_output` inputs), histories with calls, and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from api.background import BackgroundServer
+from api.server import create_app
+from api.settings import ServerSettings
+from engine import EngineConfig
+
+jsonschema_rs = pytest.importorskip("jsonschema_rs")
+pytest.importorskip("xgrammar")
+
+KEY = "test-key"
+MODEL = "vlmcap-tiny"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+         "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "the forecast", "parameters": WEATHER,
+                                           "strict": True}},
+         {"type": "function", "function": {"name": "clock", "parameters": CLOCK}}]
+VALIDATORS = {"weather": jsonschema_rs.validator_for(WEATHER), "clock": jsonschema_rs.validator_for(CLOCK)}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    settings = ServerSettings(engine=EngineConfig(model="tiny", max_num_batched_tokens=256), api_key=KEY,
+                              served_model_name=MODEL)
+    with BackgroundServer(create_app(settings)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as client:
+        yield client
+
+
+def valid(name: str, arguments: str) -> None:
+    VALIDATORS[name].validate(json.loads(arguments))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_named_function_gives_one_valid_call(client, seed):
+    completion = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "clock"}},
+        temperature=1.0, seed=seed, max_tokens=120)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "clock" and call.id.startswith("call_")
+    valid("clock", call.function.arguments)
+
+
+def test_required_without_parallel_calls_gives_one_call_of_any_tool(client):
+    names = set()
+    for seed in range(4):
+        completion = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                                    parallel_tool_calls=False, temperature=1.0, seed=seed,
+                                                    max_tokens=120)
+        choice = completion.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        call = choice.message.tool_calls[0]
+        valid(call.function.name, call.function.arguments)
+        names.add(call.function.name)
+    assert names <= {"weather", "clock"}
+
+
+def test_streamed_calls_equal_the_whole_answer(client):
+    """Greedy: the streamed deltas (id and name first, then argument chunks) add up to the unstreamed call."""
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice={"type": "function",
+                                                                        "function": {"name": "weather"}},
+                  temperature=0.0, max_tokens=120)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+                if delta.id:
+                    assert call["id"] is None  # the id and name come once, first
+                    call.update(id=delta.id, name=delta.function.name)
+                call["arguments"] += delta.function.arguments or ""
+    assert finish == "tool_calls" and list(calls) == [0]
+    assert calls[0]["name"] == "weather" and calls[0]["arguments"] == whole.message.tool_calls[0].function.arguments
+    valid("weather", calls[0]["arguments"])
+
+
+def test_auto_lets_the_model_write_text_or_valid_calls(client):
+    for seed in range(3):
+        choice = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=1.0, seed=seed,
+                                                max_tokens=60).choices[0]
+        for call in choice.message.tool_calls or []:
+            if choice.finish_reason == "tool_calls":
+                valid(call.function.name, call.function.arguments)
+        assert choice.finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_history_with_calls_and_results_renders(client):
+    history = [*ASK,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "weather",
+                                                                      "arguments": '{"city": "Paris", "days": 2}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    completion = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
+                                                max_tokens=4)
+    assert completion.choices[0].message.tool_calls is None
+    # the result and the call are in the prompt: a longer prompt than without them
+    short = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=4)
+    assert completion.usage.prompt_tokens > short.usage.prompt_tokens + 10
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}, "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1]"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}, "frobnicate": 1}}]},
+     "tools[0].function.frobnicate"),
+])
+def test_bad_tools_answer_400_naming_the_field(http, body, param):
+    reply = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4, **body})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
+def test_many_or_huge_tools_are_refused_by_the_grammar_limits(http):
+    many = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {f"p{j}": {"type": "integer"} for j in range(10)}}}} for i in range(40)]
+    reply = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "tools": many,
+                                                    "tool_choice": "required", "max_tokens": 4})
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "grammar_too_large", reply.text
+    huge = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "description": "x" * 100_000}}}]
+    reply = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "tools": huge,
+                                                    "tool_choice": "auto", "max_tokens": 4})
+    assert reply.status_code == 413, reply.text
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": "weather", "parameters": WEATHER, "strict": True},
+                   {"type": "function", "name": "clock", "parameters": CLOCK}]
+
+
+def test_responses_function_call_items_validate(client):
+    response = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=RESPONSES_TOOLS,
+                                       tool_choice="required", parallel_tool_calls=False, temperature=1.0,
+                                       max_output_tokens=120)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert len(calls) == 1 and response.status == "completed"
+    valid(calls[0].name, calls[0].arguments)
+    # ... and the call and its output sent back render as history
+    follow = client.responses.create(model=MODEL, input=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+         "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "rain"}],
+        tools=RESPONSES_TOOLS, tool_choice="none", max_output_tokens=4)
+    assert follow.output[0].type == "message"
+
+
+def test_responses_streamed_call_arguments(client):
+    kwargs = dict(model=MODEL, input="Time?", tools=RESPONSES_TOOLS, tool_choice={"type": "function", "name": "clock"},
+                  temperature=0.0, max_output_tokens=120)
+    whole = client.responses.create(**kwargs)
+    deltas = ""
+    with client.responses.stream(**kwargs) as stream:
+        for event in stream:
+            if event.type == "response.function_call_arguments.delta":
+                deltas += event.delta
+        final = stream.get_final_response()
+    [call] = [item for item in final.output if item.type == "function_call"]
+    assert call.arguments == deltas == [i for i in whole.output if i.type == "function_call"][0].arguments
+    valid("clock", call.arguments)
+
+
+def test_a_call_cut_at_max_tokens_keeps_its_arguments_without_the_marker():
+    from api.tools import ToolCallParser
+
+    parser = ToolCallParser(("clock",))
+    text = '<tool_call>\n{"name": "clock", "arguments": {"zone": "CET"}}\n</too'
+    events = [e for i in range(len(text)) for e in parser.feed(text[i], final=i == len(text) - 1)]
+    assert [e[0] for e in events][0] == "call" and parser.text == ""
+    assert parser.calls[0].arguments == '{"zone": "CET"}' and not parser.calls[0].complete
