@@ -18,16 +18,15 @@ from pathlib import Path
 import pysqlite3 as sqlite3
 import sqlite_vec
 
-from memory.sql import Retention, filters, log_trim
+from memory.sql import COLUMNS, Retention, event_from_row, filters, log_trim, page_from_rows
 from memory.store import (
     Event,
     EventFrame,
     EventPage,
     EventQuery,
     check_vector,
-    encode_cursor,
     query_terms,
-    structured_text,
+    search_fields,
 )
 
 SCHEMA = """
@@ -65,8 +64,6 @@ CREATE TRIGGER IF NOT EXISTS events_gone AFTER DELETE ON events BEGIN
   DELETE FROM events_text WHERE rowid = old.seq;
 END;
 """
-COLUMNS = ("id, camera_id, kind, start_ts, end_ts, finished_at, caption, structured, fall, track_id, person_count, "
-           "owner, seq, frame_count")
 
 
 class SQLiteEventStore:
@@ -118,8 +115,7 @@ class SQLiteEventStore:
         if event.embedding is not None:
             vector = sqlite_vec.serialize_float32(check_vector(event.embedding))
         structured = json.dumps(event.structured) if event.structured is not None else None
-        fall = "fall" if event.fall else ""
-        fields = " ".join((event.camera_id, event.kind, fall, structured_text(event.structured)))
+        fields = search_fields(event)
         with self._write_lock:
             conn = self._writer
             conn.execute("BEGIN IMMEDIATE")
@@ -186,7 +182,7 @@ class SQLiteEventStore:
         row = conn.execute(f"SELECT {COLUMNS}, embedding FROM events WHERE id = ?", (event_id,)).fetchone()
         if row is None or (owner is not None and row[11] not in (None, owner)):
             return None
-        event = _event(row)
+        event = event_from_row(row)
         event.frames = [EventFrame(jpeg=bytes(jpeg), ts=ts) for ts, jpeg in
                         conn.execute("SELECT ts, jpeg FROM frames WHERE seq = ? ORDER BY idx", (row[12],))]
         if row[14] is not None:
@@ -212,7 +208,7 @@ class SQLiteEventStore:
                    f"JOIN events e ON e.seq = t.rowid WHERE {where} ORDER BY t.rank, e.id LIMIT ?")
             params = [match, *params]
         rows = self._reader().execute(sql, [*params, query.limit + 1]).fetchall()
-        return _page(rows, query)
+        return page_from_rows(rows, query)
 
     def similar(self, vector: list[float], query: EventQuery) -> list[tuple[Event, float]]:
         unit = sqlite_vec.serialize_float32(check_vector(vector))
@@ -221,23 +217,7 @@ class SQLiteEventStore:
             f"SELECT {COLUMNS}, 1 - vec_distance_cosine(embedding, ?) AS score FROM events "
             f"WHERE embedding IS NOT NULL AND vec_length(embedding) = ? AND {where} "
             f"ORDER BY score DESC, id LIMIT ?", [unit, len(vector), *params, query.limit]).fetchall()
-        return [(_event(row), float(row[14])) for row in rows]
+        return [(event_from_row(row), float(row[14])) for row in rows]
 
     def __repr__(self) -> str:
         return f"SQLiteEventStore({os.fspath(self.path)!r})"
-
-
-def _event(row: tuple) -> Event:
-    return Event(id=row[0], camera_id=row[1], kind=row[2], start_ts=row[3], end_ts=row[4], finished_at=row[5],
-                 caption=row[6], structured=json.loads(row[7]) if row[7] is not None else None, fall=bool(row[8]),
-                 track_id=row[9], person_count=row[10], owner=row[11], frame_count=row[13])
-
-
-def _page(rows: list[tuple], query: EventQuery) -> EventPage:
-    """Rows of (COLUMNS..., sort key) as a page: `limit` events, the cursor after the last when there are more."""
-    more = len(rows) > query.limit
-    rows = rows[: query.limit]
-    events = [_event(row) for row in rows]
-    cursor = encode_cursor(float(rows[-1][14]), rows[-1][0], query.fingerprint()) if more and rows else None
-    scores = [-float(row[14]) for row in rows] if query.q is not None else []
-    return EventPage(events=events, next_cursor=cursor, scores=scores)

@@ -194,6 +194,12 @@ def structured_text(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+def search_fields(event: Event) -> str:
+    """What the full-text index holds besides the caption: the camera, the kind, 'fall' for a fall alert and the
+    structured caption's keys and values."""
+    return " ".join((event.camera_id, event.kind, "fall" if event.fall else "", structured_text(event.structured)))
+
+
 def check_vector(vector: list[float], dim: int | None = None) -> list[float]:
     """A finite, non-empty vector (of `dim` values when given), L2-normalised."""
     if not vector or (dim is not None and len(vector) != dim):

@@ -1,0 +1,181 @@
+"""The event store on a PostgreSQL server, for several servers sharing one memory: the same `EventStore` as the
+SQLite file. Full text is PostgreSQL's own (a generated `tsvector` over the caption, weight A, and the structured
+fields, weight B, with the `simple` configuration; a GIN index; `ts_rank_cd`); the user's words become a
+`tsquery` of quoted lexemes, never query syntax.
+
+pgvector is not installed on these machines (Debian's postgresql-15 has no `vector` extension), so vectors are
+`real[]` columns and similar events are ranked by cosine in SQL: the vectors are unit length, so the cosine is
+their dot product over `unnest`. Exact, and a scan of the events the filters keep; with pgvector it would be one
+index. Tables are created when missing (`vlmcap_events`, `vlmcap_event_frames`); writes are one transaction an
+event; each thread has its own connection."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psycopg
+
+from memory.sql import COLUMNS, Retention, event_from_row, filters, log_trim, page_from_rows
+from memory.store import Event, EventFrame, EventPage, EventQuery, check_vector, query_terms, search_fields
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS vlmcap_events (
+  seq BIGSERIAL PRIMARY KEY,
+  id TEXT NOT NULL UNIQUE,
+  camera_id TEXT NOT NULL,
+  kind TEXT NOT NULL,
+  start_ts DOUBLE PRECISION NOT NULL,
+  end_ts DOUBLE PRECISION NOT NULL,
+  finished_at DOUBLE PRECISION NOT NULL,
+  caption TEXT NOT NULL,
+  structured JSONB,
+  fall BOOLEAN NOT NULL,
+  track_id BIGINT,
+  person_count INTEGER NOT NULL,
+  owner TEXT,
+  size BIGINT NOT NULL,
+  frame_count INTEGER NOT NULL,
+  fields TEXT NOT NULL,
+  embedding REAL[],
+  search TSVECTOR GENERATED ALWAYS AS (
+    setweight(to_tsvector('simple', caption), 'A') || setweight(to_tsvector('simple', fields), 'B')) STORED
+);
+CREATE INDEX IF NOT EXISTS vlmcap_events_search ON vlmcap_events USING GIN (search);
+CREATE INDEX IF NOT EXISTS vlmcap_events_start ON vlmcap_events (start_ts);
+CREATE INDEX IF NOT EXISTS vlmcap_events_camera_start ON vlmcap_events (camera_id, start_ts);
+CREATE INDEX IF NOT EXISTS vlmcap_events_finished ON vlmcap_events (finished_at);
+CREATE TABLE IF NOT EXISTS vlmcap_event_frames (
+  seq BIGINT NOT NULL REFERENCES vlmcap_events (seq) ON DELETE CASCADE,
+  idx INTEGER NOT NULL,
+  ts DOUBLE PRECISION NOT NULL,
+  jpeg BYTEA NOT NULL,
+  PRIMARY KEY (seq, idx)
+);
+"""
+SCHEMA_LOCK = 7_202_612  # an advisory lock: servers starting together create the tables once
+SELECTED = ", ".join("e." + c.strip() for c in COLUMNS.split(","))
+
+
+class PostgresEventStore:
+    """`EventStore` on the PostgreSQL server at `url` (postgresql://user:password@host:port/database)."""
+
+    def __init__(self, url: str, retention: Retention | None = None) -> None:
+        self.url = url
+        self.retention = retention or Retention()
+        self._local = threading.local()
+        self._connections: list[psycopg.Connection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        conn = self._conn()
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
+            conn.execute(SCHEMA)
+
+    def _conn(self) -> psycopg.Connection:
+        if self._closed:
+            raise RuntimeError("the event store is closed")
+        conn = getattr(self._local, "conn", None)
+        if conn is None or conn.closed:
+            conn = self._local.conn = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
+            with self._lock:
+                self._connections.append(conn)
+        return conn
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            for conn in self._connections:
+                conn.close()
+            self._connections.clear()
+
+    def add(self, event: Event) -> bool:
+        vector = check_vector(event.embedding) if event.embedding is not None else None
+        fields = search_fields(event)
+        conn = self._conn()
+        with conn.transaction():
+            row = conn.execute(
+                "INSERT INTO vlmcap_events (id, camera_id, kind, start_ts, end_ts, finished_at, caption, structured, "
+                "fall, track_id, person_count, owner, size, frame_count, fields, embedding) VALUES "
+                "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING "
+                "RETURNING seq",
+                (event.id, event.camera_id, event.kind, event.start_ts, event.end_ts, event.finished_at,
+                 event.caption, psycopg.types.json.Jsonb(event.structured) if event.structured is not None else None,
+                 event.fall, event.track_id, event.person_count, event.owner, event.size_bytes, len(event.frames),
+                 fields, vector)).fetchone()
+            if row is None:
+                return False
+            with conn.cursor() as cursor:
+                cursor.executemany("INSERT INTO vlmcap_event_frames (seq, idx, ts, jpeg) VALUES (%s, %s, %s, %s)",
+                                   [(row[0], i, f.ts, f.jpeg) for i, f in enumerate(event.frames)])
+        return True
+
+    def trim(self, now: float | None = None) -> int:
+        now = time.time() if now is None else now
+        conn = self._conn()
+        with conn.transaction():
+            conn.execute("LOCK TABLE vlmcap_events IN SHARE ROW EXCLUSIVE MODE")  # one trim at a time
+            by_age = conn.execute("DELETE FROM vlmcap_events WHERE finished_at < %s",
+                                  (now - self.retention.max_age_s,)).rowcount
+            by_size = conn.execute(
+                "DELETE FROM vlmcap_events WHERE seq IN (SELECT seq FROM (SELECT seq, SUM(size) OVER "
+                "(ORDER BY finished_at DESC, seq DESC) AS newer FROM vlmcap_events) t WHERE newer > %s)",
+                (self.retention.max_bytes,)).rowcount
+        if by_age or by_size:
+            kept, kept_bytes = conn.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM vlmcap_events").fetchone()
+            log_trim(self.url.rsplit("@", 1)[-1], by_age, by_size, self.retention, kept, int(kept_bytes))
+        return by_age + by_size
+
+    def count(self) -> int:
+        return self._conn().execute("SELECT COUNT(*) FROM vlmcap_events").fetchone()[0]
+
+    def size_bytes(self) -> int:
+        return int(self._conn().execute("SELECT COALESCE(SUM(size), 0) FROM vlmcap_events").fetchone()[0])
+
+    def get(self, event_id: str, owner: str | None = None) -> Event | None:
+        conn = self._conn()
+        row = conn.execute(f"SELECT {SELECTED}, e.embedding FROM vlmcap_events e WHERE e.id = %s",
+                           (event_id,)).fetchone()
+        if row is None or (owner is not None and row[11] not in (None, owner)):
+            return None
+        event = event_from_row(row)
+        event.frames = [EventFrame(jpeg=bytes(jpeg), ts=ts) for ts, jpeg in conn.execute(
+            "SELECT ts, jpeg FROM vlmcap_event_frames WHERE seq = %s ORDER BY idx", (row[12],))]
+        event.embedding = list(row[14]) if row[14] is not None else None
+        return event
+
+    def search(self, query: EventQuery) -> EventPage:
+        where, params = filters(query, "%s", lambda name: f"e.{name}")
+        position = query.position()
+        if query.q is None:
+            if position is not None:
+                where += " AND (e.start_ts < %s OR (e.start_ts = %s AND e.id < %s))"
+                params += [position[0], position[0], position[1]]
+            sql = (f"SELECT {SELECTED}, e.start_ts FROM vlmcap_events e WHERE {where} "
+                   f"ORDER BY e.start_ts DESC, e.id DESC LIMIT %s")
+        else:
+            # Each word a quoted lexeme: to_tsquery sees no operator of the user's.
+            terms = " & ".join("'" + term.replace("'", "''") + "'" for term in query_terms(query.q))
+            rank = "(-ts_rank_cd(e.search, to_tsquery('simple', %s))::float8)"
+            sql_where = f"e.search @@ to_tsquery('simple', %s) AND {where}"
+            params = [terms, *params]
+            if position is not None:
+                sql_where += f" AND ({rank} > %s OR ({rank} = %s AND e.id > %s))"
+                params += [terms, position[0], terms, position[0], position[1]]
+            sql = (f"SELECT {SELECTED}, {rank} AS sort_key FROM vlmcap_events e WHERE {sql_where} "
+                   f"ORDER BY sort_key, e.id LIMIT %s")
+            params = [terms, *params]
+        rows = self._conn().execute(sql, [*params, query.limit + 1]).fetchall()
+        return page_from_rows(rows, query)
+
+    def similar(self, vector: list[float], query: EventQuery) -> list[tuple[Event, float]]:
+        unit = check_vector(vector)
+        where, params = filters(query, "%s", lambda name: f"e.{name}")
+        rows = self._conn().execute(
+            f"SELECT {SELECTED}, (SELECT SUM(a * b) FROM unnest(e.embedding, %s::real[]) AS v(a, b))::float8 AS score "
+            f"FROM vlmcap_events e WHERE e.embedding IS NOT NULL AND cardinality(e.embedding) = %s AND {where} "
+            f"ORDER BY score DESC, e.id LIMIT %s", [unit, len(unit), *params, query.limit]).fetchall()
+        return [(event_from_row(row), float(row[14])) for row in rows]
+
+    def __repr__(self) -> str:
+        return f"PostgresEventStore({self.url.rsplit('@', 1)[-1]!r})"
