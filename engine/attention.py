@@ -6,29 +6,31 @@ cache, then lets each sequence's queries attend over that sequence's cached keys
 absolute positions: a query at position p sees keys 0..p (and, in a sliding-window layer, only keys more
 than `window` behind it are hidden).
 
-Two paths compute the same function:
-- **kernel** (`PagedKernelMetadata`): one call per layer for the whole mixed batch of decodes and prefill
-  chunks, reading keys and values from the cache blocks in place (engine/paged_kernel.py, a Triton kernel:
-  CUDA in bfloat16/float16). Every step of a decode-only batch has the same shapes, so it can be captured
-  in a CUDA graph.
-- **reference** (`DecodeGroup`, `PrefillSpan`): keys and values gathered a whole block at a time, then
-  SDPA; decodes in padded batches of similar context length, prefill chunks one by one, with explicit
-  masks where a chunk is not plain causal (a chunk after the first, image tokens that attend both ways,
+Three paths compute the same function; the step's `AttentionBatch.attend` is the one that runs (set by the
+backend that built the batch, engine/attention_backends.py, where the choice is made once):
+- **triton** (`triton_attention`, `PagedKernelMetadata`; `attention_backend="kernel"`): one call per layer for
+  the whole mixed batch of decodes and prefill chunks, reading keys and values from the cache blocks in place
+  (engine/paged_kernel.py, a Triton kernel: CUDA in bfloat16/float16). Every step of a decode-only batch has the
+  same shapes, so it can be captured in a CUDA graph.
+- **reference** (`reference_attention`, `DecodeGroup`, `PrefillSpan`): keys and values gathered a whole block at
+  a time, then SDPA; decodes in padded batches of similar context length, prefill chunks one by one, with
+  explicit masks where a chunk is not plain causal (a chunk after the first, image tokens that attend both ways,
   sliding windows). float32 anywhere, and everything on the CPU; the exactness reference.
-- **cpu**: every decode of the step in one call of a small C kernel that reads the cache blocks in place
-  (engine/cpu/ops.py): on the CPU the gather's copy costs as much as the attention, and grows with
-  context. Prefill chunks read the cache in place too (`PrefillSpan.prefix_runs`): the keys before the chunk,
-  which every query of the chunk sees, as views of runs of consecutive cache blocks, no mask; the chunk's own
-  keys (copied: as many as the chunk's tokens) with the chunk's causal mask; the pieces' results merged by their
-  log-sum-exp, as flash attention merges blocks. What a chunk copies is its own size, not its context's.
+- **cpu** (`cpu_attention`): every decode of the step in one call of a small C kernel that reads the cache
+  blocks in place (engine/cpu/ops.py): on the CPU the gather's copy costs as much as the attention, and grows
+  with context. Prefill chunks read the cache in place too (`PrefillSpan.prefix_runs`): the keys before the
+  chunk, which every query of the chunk sees, as views of runs of consecutive cache blocks, no mask; the chunk's
+  own keys (copied: as many as the chunk's tokens) with the chunk's causal mask; the pieces' results merged by
+  their log-sum-exp, as flash attention merges blocks. What a chunk copies is its own size, not its context's.
   Sliding-window layers, and a prefix in more than `MAX_PREFIX_RUNS` runs, take the reference's gather.
 
-Every tensor here was built once per step by the model runner (`AttentionBatch`) and is shared by all
-layers; nothing here reads a device value back to the host.
+Every tensor here was built once per step by the model runner and shared by all layers; nothing here reads a
+device value back to the host.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -87,17 +89,6 @@ class PagedKernelMetadata:
     num_seqs: int
 
 
-@dataclass
-class AttentionBatch:
-    """Per-step metadata, built once by the model runner and shared by every layer."""
-
-    kv_cache: KVCache
-    slot_mapping: torch.Tensor  # [num_tokens] where each new token's key and value go
-    decodes: list[DecodeGroup]
-    prefills: list[PrefillSpan]
-    kernel: PagedKernelMetadata | None = None  # set: the kernel path runs instead of decodes and prefills
-
-
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
     """[slots, kv_heads, d] cache, [..., blocks] tables -> [..., kv_heads, blocks * block_size, d]. Whole
     blocks are copied, not one position at a time."""
@@ -131,44 +122,89 @@ def reference_attention(
     scaling: float | None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[heads, T, d] queries -> [T, heads, d] (into `out` when given: contiguous, q's dtype): gathered keys and
-    values, SDPA per decode group and per chunk (a group with context lengths through the CPU's decode kernel
-    instead)."""
-    sliding = window is not None
-    block_size = batch.kv_cache.block_size
-    num_heads, kv_heads = q.shape[0], key_cache.shape[1]
-    if out is None:
-        out = torch.empty(q.shape[1], num_heads, q.shape[2], dtype=q.dtype, device=q.device)
+    values, SDPA per decode group and per chunk."""
+    out = _output(q, out)
     for group in batch.decodes:
-        if group.context_lens is not None:  # straight from q into out, reading the cache in place
-            paged_decode_attention(q, group.query_index, key_cache, value_cache, group.block_tables,
-                                   group.context_lens, block_size,
-                                   scaling if scaling is not None else q.shape[-1] ** -0.5, window, out)
-            continue
-        rows = group.query_index.shape[0]
-        dq = q[:, group.query_index].transpose(0, 1).reshape(rows, kv_heads, num_heads // kv_heads, -1)
-        dk = gather_blocks(key_cache, group.block_tables, block_size).to(q.dtype)  # [B, kv_heads, ctx, d]
-        dv = gather_blocks(value_cache, group.block_tables, block_size).to(q.dtype)
-        o = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=_pick(group, sliding), scale=scaling)
-        out[group.query_index] = o.reshape(rows, num_heads, -1)
-
+        _gathered_decodes(q, key_cache, value_cache, batch, group, window, scaling, out)
     for span in batch.prefills:
-        if span.prefix_runs is not None and not sliding and key_cache.dtype == q.dtype:
-            out[span.query_start : span.query_end] = _prefill_in_place(q, key_cache, value_cache, span, scaling)
-            continue
-        pq = q[:, span.query_start : span.query_end]  # [heads, n, d]
-        n = pq.shape[1]
-        pk = gather_blocks(key_cache, span.block_table, block_size)[:, : span.context_len].to(q.dtype)
-        pv = gather_blocks(value_cache, span.block_table, block_size)[:, : span.context_len].to(q.dtype)
-        mask = _pick(span, sliding)
-        if mask is None:  # the chunk is the whole context so far: plain causal attention
-            o = F.scaled_dot_product_attention(pq, _expand_kv(pk, num_heads), _expand_kv(pv, num_heads),
-                                               is_causal=True, scale=scaling)
-        else:
-            mask = mask.repeat(num_heads // kv_heads, 1)
-            o = F.scaled_dot_product_attention(_by_kv_head(pq, kv_heads), pk, pv, attn_mask=mask, scale=scaling)
-            o = o.reshape(num_heads, n, -1)
-        out[span.query_start : span.query_end] = o.transpose(0, 1)
+        out[span.query_start : span.query_end] = _gathered_prefill(q, key_cache, value_cache, batch, span, window,
+                                                                   scaling)
     return out
+
+
+def cpu_attention(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: AttentionBatch, window: int | None,
+    scaling: float | None, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """As `reference_attention`, reading the cache in place: each decode group (its `context_lens`) through the
+    CPU's decode kernel, straight from q into out; each chunk with `prefix_runs` by `_prefill_in_place` (the
+    others, and every chunk of a sliding-window layer, gathered)."""
+    out = _output(q, out)
+    for group in batch.decodes:
+        paged_decode_attention(q, group.query_index, key_cache, value_cache, group.block_tables, group.context_lens,
+                               batch.kv_cache.block_size, scaling if scaling is not None else q.shape[-1] ** -0.5,
+                               window, out)
+    for span in batch.prefills:
+        if span.prefix_runs is not None and window is None and key_cache.dtype == q.dtype:
+            out[span.query_start : span.query_end] = _prefill_in_place(q, key_cache, value_cache, span, scaling)
+        else:
+            out[span.query_start : span.query_end] = _gathered_prefill(q, key_cache, value_cache, batch, span,
+                                                                       window, scaling)
+    return out
+
+
+def triton_attention(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: AttentionBatch, window: int | None,
+    scaling: float | None, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The whole batch in one launch of the paged Triton kernel (`batch.kernel`) -> [T, heads, d]."""
+    from engine.paged_kernel import paged_attention
+
+    if batch.kernel is None:
+        raise RuntimeError("the Triton attention path got no paged-kernel metadata (AttentionBatch.kernel)")
+    attended = paged_attention(q.transpose(0, 1), key_cache, value_cache, batch.kernel, batch.kv_cache.block_size,
+                               scaling, window)
+    if out is None:
+        return attended
+    out.copy_(attended)
+    return out
+
+
+def _output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device) if out is None else out
+
+
+def _gathered_decodes(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: AttentionBatch,
+                      group: DecodeGroup, window: int | None, scaling: float | None, out: torch.Tensor) -> None:
+    """One padded decode group: its contexts' blocks gathered, SDPA with its mask, into out's rows."""
+    num_heads, kv_heads = q.shape[0], key_cache.shape[1]
+    block_size = batch.kv_cache.block_size
+    rows = group.query_index.shape[0]
+    dq = q[:, group.query_index].transpose(0, 1).reshape(rows, kv_heads, num_heads // kv_heads, -1)
+    dk = gather_blocks(key_cache, group.block_tables, block_size).to(q.dtype)  # [B, kv_heads, ctx, d]
+    dv = gather_blocks(value_cache, group.block_tables, block_size).to(q.dtype)
+    o = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=_pick(group, window is not None), scale=scaling)
+    out[group.query_index] = o.reshape(rows, num_heads, -1)
+
+
+def _gathered_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: AttentionBatch,
+                      span: PrefillSpan, window: int | None, scaling: float | None) -> torch.Tensor:
+    """One prefill chunk over its gathered context -> [n, heads, d]."""
+    num_heads, kv_heads = q.shape[0], key_cache.shape[1]
+    block_size = batch.kv_cache.block_size
+    pq = q[:, span.query_start : span.query_end]  # [heads, n, d]
+    n = pq.shape[1]
+    pk = gather_blocks(key_cache, span.block_table, block_size)[:, : span.context_len].to(q.dtype)
+    pv = gather_blocks(value_cache, span.block_table, block_size)[:, : span.context_len].to(q.dtype)
+    mask = _pick(span, window is not None)
+    if mask is None:  # the chunk is the whole context so far: plain causal attention
+        o = F.scaled_dot_product_attention(pq, _expand_kv(pk, num_heads), _expand_kv(pv, num_heads),
+                                           is_causal=True, scale=scaling)
+    else:
+        mask = mask.repeat(num_heads // kv_heads, 1)
+        o = F.scaled_dot_product_attention(_by_kv_head(pq, kv_heads), pk, pv, attn_mask=mask, scale=scaling)
+        o = o.reshape(num_heads, n, -1)
+    return o.transpose(0, 1)
 
 
 def _prefill_in_place(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, span: PrefillSpan,
@@ -201,6 +237,19 @@ def _prefill_in_place(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     return merged.to(q.dtype).transpose(0, 1)
 
 
+@dataclass
+class AttentionBatch:
+    """Per-step metadata, built once by the model runner and shared by every layer."""
+
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's key and value go
+    decodes: list[DecodeGroup]
+    prefills: list[PrefillSpan]
+    kernel: PagedKernelMetadata | None = None  # the Triton path's metadata
+    # The path every layer of the step runs (set by the backend that built the batch).
+    attend: Callable[..., torch.Tensor] = reference_attention
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -222,13 +271,7 @@ def paged_attention_forward(
     value_cache.index_copy_(0, batch.slot_mapping, value[0].transpose(0, 1).to(value_cache.dtype))
     # Layers with a sliding window (Gemma 3's local layers) see only keys less than the window behind.
     window = getattr(module, "sliding_window", None)
-    if batch.kernel is not None:
-        from engine.paged_kernel import paged_attention
-
-        out = paged_attention(query[0].transpose(0, 1), key_cache, value_cache, batch.kernel,
-                              batch.kv_cache.block_size, scaling, window)
-    else:
-        out = reference_attention(query[0], key_cache, value_cache, batch, window, scaling)
+    out = batch.attend(query[0], key_cache, value_cache, batch, window, scaling)
     return out.unsqueeze(0), None
 
 

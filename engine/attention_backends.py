@@ -1,31 +1,43 @@
-"""A step's attention metadata, one builder per backend (engine/attention.py has the paths that read it).
+"""The attention backends: one class per attention path (engine/attention.py has the paths themselves), each
+its step's metadata builder, chosen once at start-up (`choose_backend`, from `EngineConfig.attention_backend`,
+the device and the dtype; the engine logs the choice and `stats()` reports it).
 
 The runner lays out the step's chunks once (where each chunk's queries start in the packed batch, which cache
-blocks hold its context) and puts every integer of the step into one packer; each builder asks the packer for
+blocks hold its context) and puts every integer of the step into one packer; the backend asks the packer for
 the integers its path needs (`reserve`) and, after the step's one upload, makes its `AttentionBatch` from views
-of them (`build`):
+of them (`build`), whose `attend` is the backend's path:
 
-- **kernel** (`KernelMetadataBuilder`): the Triton kernel's query starts, sequence lengths and padded block
-  table for the whole mixed batch;
-- **reference** (`ReferenceMetadataBuilder`): decodes in padded batches of similar context length with their
-  masks, prefill chunks one by one with theirs;
-- **cpu** (`CpuMetadataBuilder`): every decode in one batch the CPU's kernel reads in place (context lengths, no
-  masks), prefill chunks as the reference plus what reading the cache in place needs (the prefix's runs of
-  consecutive slots, the chunk's own slots and mask).
+- **triton** (`TritonBackend`, the config's `"kernel"`): the Triton kernel's query starts, sequence lengths and
+  padded block table for the whole mixed batch;
+- **reference** (`ReferenceBackend`): decodes in padded batches of similar context length with their masks,
+  prefill chunks one by one with theirs;
+- **cpu** (`CpuBackend`): every decode in one batch the CPU's kernel reads in place (context lengths, no masks),
+  prefill chunks as the reference plus what reading the cache in place needs (the prefix's runs of consecutive
+  slots, the chunk's own slots and mask).
 
-The runner picks one at start-up from the resolved backend. A step whose prefill chunk needs explicit masks
-(image tokens that attend both ways) goes to the reference builder whatever the backend.
+A step whose prefill chunk needs explicit masks (image tokens that attend both ways) goes to the reference
+backend whatever the backend (`accepts`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from engine.attention import MAX_PREFIX_RUNS, AttentionBatch, DecodeGroup, PagedKernelMetadata, PrefillSpan
+from engine.attention import (
+    MAX_PREFIX_RUNS,
+    AttentionBatch,
+    DecodeGroup,
+    PagedKernelMetadata,
+    PrefillSpan,
+    cpu_attention,
+    reference_attention,
+    triton_attention,
+)
 from engine.kv_cache import KVCache
 from engine.scheduler import ScheduledChunk
 
@@ -82,8 +94,13 @@ def decode_batches(decodes: list[ChunkLayout]) -> list[list[ChunkLayout]]:
     return groups
 
 
-class MetadataBuilder:
-    """What every backend's builder shares: the cache, its block size, the model's sliding window."""
+class AttentionBackend:
+    """One attention path: its name (`EngineConfig.attention_backend`'s word), the function its layers call
+    (`attend`), and its step's metadata builder (`reserve`, `build`) over what every backend shares: the cache,
+    its block size, the model's sliding window."""
+
+    name: ClassVar[str]
+    attend: ClassVar[Callable[..., torch.Tensor]]
 
     def __init__(self, kv_cache: KVCache, block_size: int, device: torch.device, sliding_window: int | None) -> None:
         self.kv_cache = kv_cache
@@ -91,8 +108,13 @@ class MetadataBuilder:
         self.device = device
         self.sliding_window = sliding_window
 
+    @classmethod
+    def unavailable(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> list[str]:
+        """Why this path cannot run with this device, dtype and block size (empty: it can)."""
+        return []
+
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
-        """Whether this builder's path can run the step."""
+        """Whether this path can run the step."""
         return True
 
     def reserve(self, layouts: list[ChunkLayout], num_tokens: int, packer: IntPacker) -> Any:
@@ -102,8 +124,24 @@ class MetadataBuilder:
         raise NotImplementedError
 
 
-class KernelMetadataBuilder(MetadataBuilder):
-    """The paged kernel reads the whole mixed batch in one launch per layer (`PagedKernelMetadata`)."""
+class TritonBackend(AttentionBackend):
+    """The paged Triton kernel reads the whole mixed batch in one launch per layer (`PagedKernelMetadata`)."""
+
+    name = "kernel"
+    attend = staticmethod(triton_attention)
+
+    @classmethod
+    def unavailable(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> list[str]:
+        from engine import paged_kernel
+
+        reasons = []
+        if not paged_kernel.available(device):
+            reasons.append(f"it needs Triton on CUDA (device {str(device)!r})")
+        if dtype not in (torch.bfloat16, torch.float16) and device.type == "cuda":
+            reasons.append(f"it runs in bfloat16 or float16 (dtype {str(dtype).removeprefix('torch.')!r})")
+        if block_size < 16 or block_size & (block_size - 1):
+            reasons.append(f"it needs a block size that is a power of two of at least 16 (block_size {block_size})")
+        return reasons
 
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
         return not any(needs_masks(chunk) for chunk in chunks)
@@ -122,12 +160,15 @@ class KernelMetadataBuilder(MetadataBuilder):
             block_table=values[table].view(num_seqs, -1).to(torch.int32), max_query_len=max_query_len,
             num_seqs=num_seqs,
         )
-        return AttentionBatch(self.kv_cache, slot_mapping, [], [], kernel=meta)
+        return AttentionBatch(self.kv_cache, slot_mapping, [], [], kernel=meta, attend=self.attend)
 
 
-class ReferenceMetadataBuilder(MetadataBuilder):
+class ReferenceBackend(AttentionBackend):
     """Decodes (chunks of one query, which see every cached key) in padded batches with masks; each prefill
     chunk alone, with masks where it is not plain causal."""
+
+    name = "reference"
+    attend = staticmethod(reference_attention)
 
     def decode_groups(self, decodes: list[ChunkLayout]) -> list[list[ChunkLayout]]:
         return decode_batches(decodes)
@@ -149,7 +190,7 @@ class ReferenceMetadataBuilder(MetadataBuilder):
         decode_groups = [self.decode_group(values[i], values[c], values[t].view(len(values[i]), -1))
                          for i, c, t in groups]
         spans = [self.prefill_span(layout, values[table], slot_mapping) for layout, table in zip(prefills, tables)]
-        return AttentionBatch(self.kv_cache, slot_mapping, decode_groups, spans)
+        return AttentionBatch(self.kv_cache, slot_mapping, decode_groups, spans, attend=self.attend)
 
     def prefill_span(self, layout: ChunkLayout, table: torch.Tensor, slot_mapping: torch.Tensor) -> PrefillSpan:
         return PrefillSpan(layout.query_start, layout.query_start + layout.chunk.num_tokens, table, layout.chunk.end,
@@ -187,9 +228,21 @@ class ReferenceMetadataBuilder(MetadataBuilder):
         return (None if plain_causal else mask), sliding_mask
 
 
-class CpuMetadataBuilder(ReferenceMetadataBuilder):
+class CpuBackend(ReferenceBackend):
     """Every decode in one batch that the CPU's kernel reads in place: each context's own blocks, unsorted,
     unpadded in keys, its length instead of a mask; each prefill chunk's prefix as runs of cache slots."""
+
+    name = "cpu"
+    attend = staticmethod(cpu_attention)
+
+    @classmethod
+    def unavailable(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> list[str]:
+        from engine.cpu import build
+
+        if device.type == "cpu" and build.available(device):
+            return []
+        return [f"it needs the CPU and a C compiler to build its kernel (device {str(device)!r}, "
+                f"CC={os.environ.get('CC', 'cc')!r})"]
 
     def decode_groups(self, decodes: list[ChunkLayout]) -> list[list[ChunkLayout]]:
         return [decodes] if decodes else []
@@ -238,6 +291,20 @@ def slot_runs(blocks: list[int], positions: int, block_size: int) -> list[tuple[
     return runs
 
 
-BUILDERS: dict[str, type[MetadataBuilder]] = {
-    "kernel": KernelMetadataBuilder, "reference": ReferenceMetadataBuilder, "cpu": CpuMetadataBuilder,
-}
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    backend.name: backend for backend in (TritonBackend, CpuBackend, ReferenceBackend)
+}  # best first: what "auto" takes
+
+
+def choose_backend(requested: str, device: torch.device, dtype: torch.dtype, block_size: int) -> type[AttentionBackend]:
+    """The backend `requested` ("auto": the first of `BACKENDS` that can run here); ValueError saying why where the
+    one requested cannot."""
+    if requested == "auto":
+        return next(backend for backend in BACKENDS.values() if not backend.unavailable(device, dtype, block_size))
+    if requested not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {['auto', *BACKENDS]}, got {requested!r}")
+    backend = BACKENDS[requested]
+    reasons = backend.unavailable(device, dtype, block_size)
+    if reasons:
+        raise ValueError(f"attention_backend {requested!r} cannot run here: " + "; ".join(reasons))
+    return backend

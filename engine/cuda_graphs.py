@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from engine.attention import AttentionBatch, PagedKernelMetadata
+from engine.attention import AttentionBatch, PagedKernelMetadata, triton_attention
 from engine.model_runner import cache_slots
 from engine.scheduler import ScheduledChunk
 
@@ -56,7 +56,7 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         adapter = self.runner.adapter
         meta = PagedKernelMetadata(self.starts[: size + 1], self.seq_lens[:size], self.table[:size], 1, size)
-        batch = AttentionBatch(self.runner.kv_cache, self.slots[:size], [], [], kernel=meta)
+        batch = AttentionBatch(self.runner.kv_cache, self.slots[:size], [], [], kernel=meta, attend=triton_attention)
         positions = self.positions[:, :size] if self.streams > 1 else self.positions[0, :size]
         hidden = adapter.forward_text(adapter.embed_tokens(self.ids[:size]), positions, batch)
         return adapter.lm_head(hidden).float()

@@ -139,26 +139,10 @@ class Engine:
 
     def _attention_backend(self) -> str:
         """The attention path (`EngineConfig.attention_backend`), resolved for this device and dtype."""
-        from engine import cpu_kernel, paged_kernel
+        from engine.attention_backends import choose_backend
 
         config = self.config
-        block_size = config.block_size
-        reasons = []
-        if not paged_kernel.available(self.device):
-            reasons.append(f"it needs Triton on CUDA (device {config.device!r})")
-        if config.dtype not in ("bfloat16", "float16") and self.device.type == "cuda":
-            reasons.append(f"it runs in bfloat16 or float16 (dtype {config.dtype!r})")
-        if block_size < 16 or block_size & (block_size - 1):
-            reasons.append(f"it needs a block size that is a power of two of at least 16 (block_size {block_size})")
-        if config.attention_backend == "kernel" and reasons:
-            raise ValueError("attention_backend 'kernel' cannot run here: " + "; ".join(reasons))
-        cpu = self.device.type == "cpu" and cpu_kernel.available(self.device)
-        if config.attention_backend == "cpu" and not cpu:
-            raise ValueError(f"attention_backend 'cpu' needs the CPU and a C compiler to build its kernel (device "
-                             f"{config.device!r}, CC={os.environ.get('CC', 'cc')!r})")
-        if config.attention_backend == "auto":
-            return "kernel" if not reasons else "cpu" if cpu else "reference"
-        return config.attention_backend
+        return choose_backend(config.attention_backend, self.device, config.torch_dtype, config.block_size).name
 
     def _use_cpu_linear(self) -> bool:
         from engine import cpu_kernel

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionBatch, reference_attention
+from engine.attention import AttentionBatch
 from engine.cpu import abi, build, ops, routing, tuning
 from engine.cpu.routing import Norm
 
@@ -113,8 +113,7 @@ class Projection:
     def __call__(self, x: torch.Tensor, out: torch.Tensor, glu: str | None = None) -> None:
         """out = x W^T (+ b); with `glu` (an activation), act(x W_g^T) * (x W_u^T)."""
         if self.rows[0] <= x.shape[0] <= self.rows[1]:
-            ops.run_linear(build.load_variant(build.variant()), x, self.weight, self.bias32,
-                                   glu, out)
+            ops.run_linear(build.load_variant(build.variant()), x, self.weight, self.bias32, glu, out)
             return
         if glu is None:
             if self.bias is None:
@@ -311,11 +310,11 @@ class LeanTextModel:
                 gate_up = new(tokens, layer.intermediate)
             cos, sin = tables[layer.rope]
             ops.add_rms_norm(h, pending, layer.input_norm, normed,
-                                    pending_layer.mlp_out_norm if pending is not None else None)
+                             pending_layer.mlp_out_norm if pending is not None else None)
             layer.qkv(normed, qkv)
             ops.rope_store(qkv, self.heads, self.kv_heads, self.head_dim, cos, sin, batch.slot_mapping,
-                                  keys[index], values[index], layer.q_norm, layer.k_norm)
-            reference_attention(queries, keys[index], values[index], batch, layer.window, layer.scaling, attended)
+                           keys[index], values[index], layer.q_norm, layer.k_norm)
+            batch.attend(queries, keys[index], values[index], batch, layer.window, layer.scaling, attended)
             layer.o(attended_rows, o)
             ops.add_rms_norm(h, o, layer.mlp_norm, normed, layer.attn_out_norm)
             layer.gate_up(normed, gate_up, glu=layer.act)
@@ -327,7 +326,7 @@ class LeanTextModel:
                 h.add_(pending if norm is None else norm(pending))
             return self.text_model.norm(h)
         ops.add_rms_norm(h, pending, self.final_norm, normed,
-                                pending_layer.mlp_out_norm if pending is not None else None)
+                         pending_layer.mlp_out_norm if pending is not None else None)
         return normed
 
     def _run_in_one_call(self, layer_args: ctypes.Array, batch: AttentionBatch, h: torch.Tensor,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention_metadata import BUILDERS, ChunkLayout, IntPacker, ReferenceMetadataBuilder
+from engine.attention_backends import BACKENDS, ChunkLayout, IntPacker, ReferenceBackend
 from engine.encoder_cache import EncoderOutputCache
 from engine.kv_cache import KVCache
 from engine.models.base import VLMAdapter
@@ -67,11 +67,11 @@ class ModelRunner:
         self.block_size = block_size
         self.device = adapter.device
         self.attention_backend = attention_backend  # "kernel", "cpu" or "reference", resolved by the engine
-        # The step's attention metadata for that backend; steps whose chunks need explicit masks take the
-        # reference's (engine/attention_metadata.py).
+        # That backend builds each step's attention metadata; steps whose chunks need explicit masks take the
+        # reference's (engine/attention_backends.py).
         parts = (kv_cache, block_size, self.device, adapter.sliding_window)
-        self.metadata = BUILDERS[attention_backend](*parts)
-        self.masked_metadata = ReferenceMetadataBuilder(*parts)
+        self.backend = BACKENDS[attention_backend](*parts)
+        self.masked_backend = ReferenceBackend(*parts)
         self.uploader = Uploader(self.device)
         self.graphs = None  # engine/cuda_graphs.DecodeGraphs, set by the engine when it captures them
         self.encoder_outputs = encoder_outputs  # features shared across requests (engine/encoder_cache.py)
@@ -135,7 +135,7 @@ class ModelRunner:
 
     # -- the step's inputs ----------------------------------------------------------------------
     def _prepare(self, chunks: list[ScheduledChunk]):
-        """Token ids, positions, attention metadata (engine/attention_metadata.py), the rows to sample and the
+        """Token ids, positions, attention metadata (engine/attention_backends.py), the rows to sample and the
         encoder features to merge, from one upload."""
         bs = self.block_size
         packer = IntPacker()
@@ -165,7 +165,7 @@ class ModelRunner:
         at_positions = [packer.take(stream) for stream in positions]
         at_samples = packer.take(samples)
         at_where = packer.take(where)
-        builder = self.metadata if self.metadata.accepts(chunks) else self.masked_metadata
+        builder = self.backend if self.backend.accepts(chunks) else self.masked_backend
         reserved = builder.reserve(layouts, len(token_ids), packer)
 
         values = self.uploader.upload(packer.values)

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.attention_metadata import ChunkLayout
+from engine.attention_backends import ChunkLayout
 from engine.presets import PRESETS, build_checkpoint
 from engine.scheduler import ScheduledChunk
 from tests.engine.conftest import DEVICE
 
 
 def _groups(runner, decodes):
-    """The runner's decode batches, each with the masks and tables its metadata builder makes for them."""
-    builder = runner.metadata
+    """The runner's decode batches, each with the masks and tables its backend makes for them."""
+    builder = runner.backend
     layouts = [ChunkLayout(i, _decode_at(n), blocks) for i, n, blocks in decodes]
     built = []
     for group in builder.decode_groups(layouts):
@@ -88,7 +88,7 @@ def test_gemma3_masks_are_transformers_own_block_and_window_rules(tmp_path, phot
     second_image = request.mm.unit_first_position(1)
     assert window < request.mm.unit_rows[0]  # the window cuts into an image's own block
     for start, end in [(0, n), (0, second_image), (second_image, n)]:
-        mask, sliding = engine.runner.masked_metadata.prefill_masks(ScheduledChunk(request, start, end - start))
+        mask, sliding = engine.runner.masked_backend.prefill_masks(ScheduledChunk(request, start, end - start))
         if mask is None:  # plain causal
             mask = torch.ones(end - start, end, dtype=torch.bool).tril(start)
         assert torch.equal(mask, expected_full[start:end, :end]), (start, end)
@@ -220,10 +220,10 @@ def test_convolutions_that_are_not_patch_embeddings_are_left_alone():
     ([40, 2, 38, 4, 36, 6, 34, 8, 32, 10, 30, 12], 150),  # ten runs, more than MAX_PREFIX_RUNS: gathered
 ])
 def test_prefill_chunks_read_the_cache_in_place_as_the_reference_gathers_it(dtype, blocks, start):
-    """The CPU builder's chunk (prefix views merged by log-sum-exp with the chunk's own keys) against the
+    """The CPU backend's chunk (prefix views merged by log-sum-exp with the chunk's own keys) against the
     reference's gather and mask, grouped-query heads, chunks that start inside a block and at a block's start."""
-    from engine.attention import MAX_PREFIX_RUNS, reference_attention
-    from engine.attention_metadata import CpuMetadataBuilder, IntPacker, ReferenceMetadataBuilder, slot_runs
+    from engine.attention import MAX_PREFIX_RUNS
+    from engine.attention_backends import CpuBackend, IntPacker, ReferenceBackend, slot_runs
     from engine.kv_cache import KVCache
     from engine.model_runner import cache_slots
     from engine.request import Request
@@ -239,12 +239,12 @@ def test_prefill_chunks_read_the_cache_in_place_as_the_reference_gathers_it(dtyp
     slots = torch.tensor(cache_slots(blocks, start, end, block_size))
     q = torch.randn(heads, end - start, d).to(dtype)
     results = []
-    for builder_class in (ReferenceMetadataBuilder, CpuMetadataBuilder):
+    for builder_class in (ReferenceBackend, CpuBackend):
         builder = builder_class(cache, block_size, torch.device("cpu"), None)
         packer = IntPacker()
         reserved = builder.reserve([layout], end - start, packer)
         batch = builder.build(reserved, torch.tensor(packer.values), slots)
-        results.append((batch.prefills[0], reference_attention(q, cache.keys[0], cache.values[0], batch, None, 0.3)))
+        results.append((batch.prefills[0], batch.attend(q, cache.keys[0], cache.values[0], batch, None, 0.3)))
     (reference_span, expected), (span, got) = results
     runs = slot_runs(blocks, start, block_size)
     assert reference_span.prefix_runs is None
@@ -252,3 +252,37 @@ def test_prefill_chunks_read_the_cache_in_place_as_the_reference_gathers_it(dtyp
     assert sum(count for _, count in runs) == start
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_the_backend_is_chosen_once_and_every_step_s_batch_runs_its_path(make_engine, monkeypatch):
+    """`auto` on this CPU (with a compiler) takes the cpu backend; the runner holds that one backend, and the
+    batch a step builds carries its path (`attend`), which is what every layer calls."""
+    from engine.attention import cpu_attention, reference_attention
+    from engine.attention_backends import CpuBackend, ReferenceBackend
+
+    engine = make_engine(max_num_batched_tokens=16, max_num_seqs=4)
+    assert engine.attention_backend == "cpu" and type(engine.runner.backend) is CpuBackend
+    assert type(engine.runner.masked_backend) is ReferenceBackend
+    seen = []
+    build = engine.runner.backend.build
+    monkeypatch.setattr(engine.runner.backend, "build", lambda *a: seen.append(build(*a)) or seen[-1])
+    engine.add_request(prompt="hello there", sampling=SamplingParams(max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert seen and all(batch.attend is cpu_attention for batch in seen)
+    reference = make_engine(attention_backend="reference", max_num_batched_tokens=16, max_num_seqs=4)
+    assert type(reference.runner.backend) is ReferenceBackend and ReferenceBackend.attend is reference_attention
+
+
+def test_a_backend_that_cannot_run_here_says_why():
+    from engine.attention_backends import BACKENDS, choose_backend
+
+    cpu = torch.device("cpu")
+    assert choose_backend("auto", cpu, torch.float32, 16).name == "cpu"
+    with pytest.raises(ValueError, match=r"'kernel' cannot run here: it needs Triton on CUDA.*block_size 12"):
+        choose_backend("kernel", cpu, torch.float32, 12)
+    with pytest.raises(ValueError, match=r"'cpu' cannot run here: it needs the CPU"):
+        choose_backend("cpu", torch.device("meta"), torch.float32, 16)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        choose_backend("flash", cpu, torch.float32, 16)
+    assert list(BACKENDS) == ["kernel", "cpu", "reference"]
