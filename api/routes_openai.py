@@ -349,12 +349,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
         "index": 0, "message": message,
         "finish_reason": finish_reason, "logprobs": chat_logprobs(logprobs, state) if body.logprobs else None,
     }
-    if body.return_token_ids:
-        choice["token_ids"] = output.token_ids
-    return JSONResponse({
+    answer: dict[str, Any] = {
         "id": completion_id, "object": "chat.completion", "created": created, "model": model,
         "choices": [choice], "usage": chat_usage(output),
-    })
+    }
+    if body.return_token_ids:
+        choice["token_ids"] = output.token_ids
+        answer["prompt_token_ids"] = output.prompt_token_ids
+    return JSONResponse(answer)
 
 
 def check_stream_options(stream: bool | None, options: Any) -> None:
@@ -393,9 +395,12 @@ async def chat_events(stream: RequestStream, state: ServerState, completion_id: 
                                 "model": model, "choices": [choice] if choices else []}
         if include_usage:
             body["usage"] = usage
+        if prompt_token_ids is not None:
+            body["prompt_token_ids"] = prompt_token_ids
         return sse(body)
 
     num_tokens = 0
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, in the first chunk
     try:
         async for delta, output in text_deltas(stream, state):
             new_ids = output.token_ids[num_tokens:]
@@ -403,6 +408,7 @@ async def chat_events(stream: RequestStream, state: ServerState, completion_id: 
             num_tokens = len(output.token_ids)
             finish_reason = output.finish_reason
             usage = chat_usage(output) if continuous_usage else None
+            prompt_token_ids = output.prompt_token_ids if return_token_ids and first else None
             entries: list[dict[str, Any]] = []
             if parser is not None:
                 delta, entries = tool_deltas(parser.feed(delta, final=output.finished))

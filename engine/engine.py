@@ -394,6 +394,7 @@ class Engine:
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            prompt_token_ids=request.prompt_token_ids,
         )
 
     @property

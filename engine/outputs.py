@@ -19,6 +19,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop" (EOS or a stop string), "length", "abort", "error" (the step failed)
     num_prompt_tokens: int
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed again
+    # The prompt's token ids (the request's own list, not a copy: read it, never change it); empty where not given.
+    prompt_token_ids: list[int] = field(default_factory=list)
     # Log-probabilities of the tokens new in this output (`SamplingParams.logprobs`; None when not asked for):
     # a request's are the concatenation over its outputs.
     new_logprobs: list[TokenLogprobs] | None = None
