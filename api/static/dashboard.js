@@ -692,6 +692,155 @@ function resetChat() {
 
 // -- start -----------------------------------------------------------------------------------------------------
 
+// -- the camera memory: event search and the event page --------------------------------------------------
+// GET /v1/events (words, falls only, a cursor for more), an event's page in a dialog (its frames, caption,
+// similar events and its camera's timeline), opened by a result or by the address's #event=<id>.
+
+const EVENTS_PAGE = 20;
+const events = { query: null, cursor: null, urls: [] };
+
+// An object URL of one of an event's kept frames, or null.
+async function eventFrameUrl(eventId, index) {
+  try {
+    const path = `v1/events/${encodeURIComponent(eventId)}/frames/${index}`;
+    return URL.createObjectURL(await (await withFrameSlot(() => api(path))).blob());
+  } catch {
+    return null;
+  }
+}
+
+function eventMeta(event) {
+  const parts = [el("span", "camera-badge", event.camera_id), el("time", "time", formatTime(event.start_ts))];
+  if (event.fall) parts.push(el("span", "badge-fall", "fall"));
+  else parts.push(el("span", `badge-kind kind-${event.kind}`, event.kind));
+  if (event.track_id !== null && event.track_id !== undefined) {
+    parts.push(el("span", "muted small", `person ${event.track_id}`));
+  }
+  if (event.score !== undefined) parts.push(el("span", "muted small score", `score ${formatNumber(event.score, 3)}`));
+  return parts;
+}
+
+// One event in a list: its first frame, its meta and caption; a click opens its page.
+function eventItem(event, current) {
+  const item = el("li", current ? "event-item current" : "event-item");
+  item.dataset.id = event.id;
+  item.tabIndex = 0;
+  const thumb = el("div", "event-thumb", "…");
+  const body = el("div", "caption-body");
+  const meta = el("div", "meta");
+  meta.append(...eventMeta(event));
+  body.append(meta, el("p", "caption-text", event.caption));
+  item.append(thumb, body);
+  item.addEventListener("click", () => openEvent(event.id));
+  item.addEventListener("keydown", (key) => { if (key.key === "Enter") openEvent(event.id); });
+  if (event.frame_count) {
+    eventFrameUrl(event.id, 0).then((url) => {
+      if (!url) return void (thumb.textContent = "—");
+      events.urls.push(url);
+      const image = el("img");
+      image.alt = `First frame of event ${event.id}`;
+      image.src = url;
+      thumb.replaceChildren(image);
+    });
+  } else {
+    thumb.textContent = "no frame";
+  }
+  return item;
+}
+
+async function searchEvents(more = false) {
+  if (!more) {
+    const params = new URLSearchParams({ limit: EVENTS_PAGE });
+    const q = $("events-q").value.trim();
+    if (q) params.set("q", q);
+    if ($("events-fall").checked) params.set("fall", "true");
+    events.query = params;
+    events.cursor = null;
+    $("events").replaceChildren();
+  }
+  const params = new URLSearchParams(events.query);
+  if (more && events.cursor) params.set("cursor", events.cursor);
+  $("events-note").textContent = "searching…";
+  try {
+    const page = await (await api(`v1/events?${params}`, { cache: "no-store" })).json();
+    $("events").append(...page.data.map((event) => eventItem(event, false)));
+    events.cursor = page.next_cursor;
+    $("events-more").hidden = !page.has_more;
+    $("events-empty").hidden = $("events").children.length > 0;
+    $("events-note").textContent = "";
+  } catch (err) {
+    $("events-note").textContent = err.message;
+  }
+}
+
+async function openEvent(eventId) {
+  const dialog = $("event-dialog");
+  for (const url of events.urls.splice(0)) URL.revokeObjectURL(url);
+  for (const id of ["event-meta", "event-frames", "event-structured", "event-similar", "event-timeline"]) {
+    $(id).replaceChildren();
+  }
+  $("event-caption").textContent = "";
+  if (!dialog.open) dialog.showModal();
+  history.replaceState(null, "", `#event=${encodeURIComponent(eventId)}`);
+  let event;
+  try {
+    event = await (await api(`v1/events/${encodeURIComponent(eventId)}`)).json();
+  } catch (err) {
+    $("event-caption").textContent = `This event cannot be shown: ${err.message}`;
+    return;
+  }
+  dialog.dataset.id = event.id;
+  $("event-title").textContent = `${event.kind === "fall" ? "Fall" : "Event"} at ${event.camera_id}`;
+  $("event-meta").append(...eventMeta(event),
+    el("span", "muted small", `${(event.end_ts - event.start_ts).toFixed(1)} s · ${event.frame_count} frames`));
+  $("event-caption").textContent = event.caption;
+  $("event-structured").replaceChildren(...[structuredFields(event)].filter(Boolean));
+  $("event-camera").textContent = event.camera_id;
+  for (const frame of event.frames) {
+    const cell = el("div", "strip-frame", "…");
+    $("event-frames").append(cell);
+    eventFrameUrl(event.id, frame.index).then((url) => {
+      if (!url) return void (cell.textContent = "—");
+      events.urls.push(url);
+      const image = el("img");
+      image.alt = `Frame ${frame.index + 1} of ${event.frame_count}, ${formatTime(frame.ts)}`;
+      image.src = url;
+      cell.replaceChildren(image);
+    });
+  }
+  const fill = async (listId, path) => {
+    try {
+      const found = (await (await api(path, { cache: "no-store" })).json()).data;
+      $(listId).replaceChildren(...found.map((other) => eventItem(other, other.id === event.id)));
+      if (!found.length) $(listId).append(el("li", "empty", "none"));
+    } catch (err) {
+      $(listId).replaceChildren(el("li", "empty", err.message));
+    }
+  };
+  const id = encodeURIComponent(event.id);
+  const around = new URLSearchParams({ camera: event.camera_id, limit: 10, until: event.end_ts + 3600,
+    since: Math.max(0, event.start_ts - 3600) });
+  await Promise.all([fill("event-similar", `v1/events/${id}/similar?limit=6`), fill("event-timeline", `v1/events?${around}`)]);
+}
+
+function openEventFromAddress() {
+  const match = location.hash.match(/^#event=([A-Za-z0-9_.:-]{1,128})$/);
+  if (match) openEvent(match[1]);
+}
+
+function bindMemory() {
+  $("events-form").addEventListener("submit", (submitted) => {
+    submitted.preventDefault();
+    searchEvents(false);
+  });
+  $("events-more").addEventListener("click", () => searchEvents(true));
+  $("event-close").addEventListener("click", () => $("event-dialog").close());
+  $("event-dialog").addEventListener("close", () => history.replaceState(null, "", location.pathname));
+  window.addEventListener("hashchange", openEventFromAddress);
+  searchEvents(false);
+  openEventFromAddress();
+}
+
 function bindControls() {
   $("camera-filter").addEventListener("change", (event) => filterFeed(event.target.value));
   $("frame-close").addEventListener("click", () => $("frame-dialog").close());
@@ -738,6 +887,7 @@ function bindControls() {
 }
 
 bindControls();
+bindMemory();
 keepRunning("feed", followFeed, 0);
 keepRunning("alerts", refreshAlerts, ALERTS_POLL_MS);
 keepRunning("cameras", refreshCameras, CAMERAS_POLL_MS);

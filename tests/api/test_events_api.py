@@ -228,3 +228,47 @@ def test_a_second_server_on_the_store_and_each_key_sees_its_cameras(server, data
                             timeout=60)
         assert "event-1" not in ids(similar)
         assert_error(httpx.get(f"{second.url}/v1/events", timeout=60), 401)
+
+
+# -- the dashboard in Chromium ------------------------------------------------------------------------------
+from tests.api.test_dashboard import browser, page, wait_until_loaded  # noqa: E402, F401 (fixtures)
+
+
+def test_the_dashboard_searches_events_and_shows_an_events_page(server, http, page):  # noqa: F811
+    from playwright.sync_api import expect
+
+    page.goto(server.url)
+    items = page.locator("#events > li")
+    expect(items).to_have_count(3)  # the newest events, on arrival
+    page.fill("#events-q", "gate-2")  # a structured field's word: the camera
+    page.click("#events-search")
+    expect(items).to_have_count(1)
+    expect(items.first).to_have_attribute("data-id", "event-1")
+    page.fill("#events-q", "")
+    page.check("#events-fall")
+    page.click("#events-search")
+    expect(items).to_have_count(1)
+    expect(items.first).to_have_attribute("data-id", "fall-1")
+    page.uncheck("#events-fall")
+    page.fill("#events-q", '"NEAR( <b>x</b>')  # syntax and markup are words: no match, no error
+    page.click("#events-search")
+    expect(page.locator("#events-empty")).to_be_visible()
+
+    page.goto(f"{server.url}/#event=event-1")  # the event's page, by its address
+    dialog = page.locator("#event-dialog")
+    expect(dialog).to_be_visible()
+    expect(page.locator("#event-title")).to_have_text("Event at gate-2")
+    expect(page.locator("#event-caption")).to_have_text(http.get("/v1/events/event-1").json()["caption"])
+    frames = page.locator("#event-frames img")
+    expect(frames).to_have_count(4)
+    for index in range(4):
+        wait_until_loaded(frames.nth(index))
+    similar = page.locator("#event-similar > li")
+    expect(similar.first).to_have_attribute("data-id", "event-1")  # its own frames: first of its similar
+    expect(similar.first).to_have_class("event-item current")
+    expect(page.locator("#event-timeline > li.current")).to_have_attribute("data-id", "event-1")
+    page.locator("#event-similar > li[data-id='sighting-1']").click()  # a similar event opens its page
+    expect(page.locator("#event-title")).to_have_text("Event at gate-1")
+    expect(page.locator("#event-timeline > li")).to_have_count(2)  # gate-1's sighting and fall
+    page.click("#event-close")
+    expect(dialog).to_be_hidden()
