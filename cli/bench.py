@@ -24,6 +24,7 @@ from bench.configs import (
     SoakConfig,
     StallConfig,
 )
+from bench.events_store import EventsBenchConfig
 from cli.declared import Declared, Rename, command, from_dataclass, hand_option, values_for
 from cli.options import default, stop_on_sigterm
 
@@ -89,6 +90,8 @@ register("grammar", GrammarBenchConfig, "grammar", "run_grammar_bench", "each ru
 register("prefix", PrefixConfig, "prefix", "run_prefix", "each turn's time to first token",
          "A chat's next turns over one photo: time to first token, tokens computed and vision-tower runs per turn, "
          "with prefix caching on and off.")
+register("events", EventsBenchConfig, "events_store", "run_events_bench", "each search's latency",
+         "The camera memory: write cost per job and search latency (text, filters, similar) at --events events.")
 register("soak", SoakConfig, "soak", "run_soak", "memory over time and requests by kind",
          "A bounded soak on loopback: its own Redis and server, chats, captions and camera jobs with hostile inputs "
          "mixed in; requests by status, jobs done/dead/lost, memory, ITL.")
