@@ -6,7 +6,17 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from api.settings import ServerSettings
 from api.state import ServerState
+
+
+def app_settings(app: FastAPI) -> ServerSettings:
+    """The settings `create_app` made `app` with (its guard's), else the defaults."""
+    for middleware in getattr(app, "user_middleware", []):
+        settings = getattr(middleware, "kwargs", {}).get("settings")
+        if isinstance(settings, ServerSettings):
+            return settings
+    return ServerSettings()
 
 
 class BackgroundServer:
@@ -18,12 +28,15 @@ class BackgroundServer:
 
         import uvicorn
 
+        from api.connections import uvicorn_config
+
         self.app = app
         self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host, port))
         self.url = f"http://{host}:{self.socket.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(uvicorn_config(app, app_settings(app), log_level="warning",
+                                                    timeout_graceful_shutdown=5))
         self.ready_timeout_s = ready_timeout_s
         self._thread: Any = None
 

@@ -24,6 +24,7 @@ import torch
 
 from api.errors import APIError
 from api.metrics import Metrics
+from api.pools import POOL_THREADS, WorkPool
 from engine import Engine, EngineStats, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -179,13 +180,24 @@ class EngineBridge:
 
     HANDOVER_S = 0.02
 
-    def __init__(self, engine: Engine, max_waiting_requests: int, metrics: Metrics | None = None) -> None:
+    def __init__(self, engine: Engine, max_waiting_requests: int, metrics: Metrics | None = None,
+                 admission: WorkPool | None = None) -> None:
+        """`admission`: the pool requests are preprocessed in (default: its own, of the default settings), apart
+        from every other kind of blocking work, so that admission never waits behind decoding."""
         self.engine = engine
+        if admission is None:
+            from api.settings import ServerSettings
+
+            threads = POOL_THREADS["admission"]
+            admission = WorkPool("admission", threads, ServerSettings.work_deadline_s,
+                                 max(1, int(threads * ServerSettings.key_share)))
+        self.admission = admission
         self.max_waiting_requests = max_waiting_requests
         self.metrics = metrics
         self._streams: dict[str, RequestStream] = {}
         self._aborts: list[str] = []
-        self._adding = 0
+        self._adding = 0  # requests being preprocessed on a thread now (the step gives up threads for them)
+        self._entering = 0  # requests between `add` and the engine's queue (their turn, then preprocessing)
         self._cond = threading.Condition()
         self._draining = False
         self._stopping = False
@@ -239,17 +251,18 @@ class EngineBridge:
         429 when the waiting queue is full, 503 while shutting down."""
         if not self.alive:
             raise APIError(503, "the engine is not running (starting or shutting down)", code="not_ready")
-        if self.stats.num_waiting + self._adding >= self.max_waiting_requests:
+        if self.stats.num_waiting + self._entering >= self.max_waiting_requests:
             raise APIError(429, f"too many requests are waiting (limit {self.max_waiting_requests}); retry later",
                            code="queue_full")
         loop = asyncio.get_running_loop()
         stream = RequestStream(uuid.uuid4().hex, loop, self.metrics)
         with self._cond:
             self._streams[stream.request_id] = stream
-            self._adding += 1
 
         def add() -> None:
             one_thread_here()  # this thread's torch work (preprocessing) starts no pool of threads
+            with self._cond:
+                self._adding += 1
             try:
                 self.engine.add_request(prompt=prompt, messages=messages, images=images, sampling=sampling,
                                         priority=priority, request_id=stream.request_id, cache_salt=cache_salt,
@@ -259,20 +272,20 @@ class EngineBridge:
                     self._adding -= 1
                     self._cond.notify()
 
-        # Preprocessing (template, tokens, image tiles) runs on a worker thread; shielded so that a
-        # client leaving meanwhile still gets its request aborted once it is in the engine.
-        future = loop.run_in_executor(None, add)
+        # Preprocessing (template, tokens, image tiles) runs in the admission pool, the client key's turn. A
+        # client leaving meanwhile, or a deadline passed, leaves no request behind: aborted here if it is in the
+        # engine already, else its first output finds no stream and aborts it (`_deliver`).
+        self._entering += 1  # counted as waiting from here, also while it waits for its turn
         try:
-            await asyncio.shield(future)
+            await self.admission.run(add)
         except ValueError as exc:
             self._forget(stream.request_id)
             raise APIError(400, str(exc), code="invalid_request") from None
-        except asyncio.CancelledError:
-            future.add_done_callback(lambda _: self.abort(stream.request_id))
+        except BaseException:
+            self.abort(stream.request_id)
             raise
-        except Exception:
-            self._forget(stream.request_id)
-            raise
+        finally:
+            self._entering -= 1
         return stream
 
     def abort(self, request_id: str) -> None:

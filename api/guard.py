@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import APIError, error_response
 from api.metrics import Metrics
+from api.pools import CLIENT_KEY
 from api.settings import ServerSettings
 
 # Behind the API key when one is set: the API and its description (the docs page loads scripts from a CDN).
@@ -211,8 +212,12 @@ class GuardMiddleware:
 
             return counted
 
+        client = scope.get("client")
+        key = None
         try:
             refusal = self._refusal(scope)
+            # The work pools' turns are taken by key name, else by client address (api/pools.py).
+            key = CLIENT_KEY.set(scope.get(KEY_NAME_SCOPE) or f"client:{client[0] if client else '?'}")
             if refusal is not None:
                 await refusal(scope, receive, send_counted)
             else:
@@ -224,6 +229,8 @@ class GuardMiddleware:
             else:
                 raise
         finally:
+            if key is not None:
+                CLIENT_KEY.reset(key)
             self.metrics.requests.labels(method_label(scope["method"]), self._route(scope), str(status)).inc()
 
     def _too_large(self) -> Response:

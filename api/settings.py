@@ -125,6 +125,14 @@ class ServerSettings(QueueSettings, MemorySettings):
         (mqtt://host:port, mqtts:// for TLS, user:password@ before the host when it asks; default: none).
     mqtt_prefix: the MQTT topics' prefix: <prefix>/<camera>/caption, /event, /fall and <prefix>/available.
     mqtt_discovery_prefix: Home Assistant's MQTT discovery prefix ('': publish no discovery configs).
+    work_deadline_s: seconds a request's blocking work (admission, decoding, rendering, a summary's reading) may wait
+        for a worker and run before it answers 503.
+    key_share: the most of each work pool's threads one client (API key, else address) holds at once (0-1].
+    header_timeout_s: seconds a connection gets to send a request's headers before it is closed.
+    body_timeout_s: seconds a request gets to send its body once its headers are in, before it is closed.
+    max_connections: connections open at once; one more closes the oldest still sending its headers (requests
+        over it answer 503).
+    access_log_per_s: access log lines (and socket accept errors) written a second at most; the rest are counted.
     """
 
     engine: EngineConfig = field(default_factory=_engine_config)
@@ -149,6 +157,12 @@ class ServerSettings(QueueSettings, MemorySettings):
     mqtt_url: str | None = None
     mqtt_prefix: str = "vlmcap"
     mqtt_discovery_prefix: str = "homeassistant"
+    work_deadline_s: float = 60.0
+    key_share: float = 0.5
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 512
+    access_log_per_s: float = 20.0
 
     def __post_init__(self) -> None:
         MemorySettings.__post_init__(self)
@@ -156,6 +170,11 @@ class ServerSettings(QueueSettings, MemorySettings):
             parse_duration(self.summary_every)
         if self.summary_max_tokens < 1:
             raise ValueError(f"summary_max_tokens must be positive, got {self.summary_max_tokens}")
+        for name in ("work_deadline_s", "header_timeout_s", "body_timeout_s", "access_log_per_s", "max_connections"):
+            if not getattr(self, name) > 0:  # NaN too
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if not 0 < self.key_share <= 1:
+            raise ValueError(f"key_share must be over 0 and at most 1, got {self.key_share!r}")
         self.mqtt_url = self.mqtt_url or None  # an empty variable: none
         if self.mqtt_url:
             from memory.mqtt import parse_mqtt_url, validate_prefix

@@ -64,6 +64,7 @@ def run_server(**options: Any) -> None:
     import typer
     import uvicorn
 
+    from api.connections import uvicorn_config
     from api.guard import check_exposure
     from api.server import create_app
     from jobqueue.alerts import validate_webhook_url
@@ -77,8 +78,10 @@ def run_server(**options: Any) -> None:
         app = create_app(settings)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    uvicorn.run(app, host=options["host"], port=options["port"], log_level=options["log_level"].lower(),
-                timeout_graceful_shutdown=settings.shutdown_grace_s)
+    # The connections' timeouts, limit and log rate are the settings' (api/connections.py).
+    uvicorn.Server(uvicorn_config(app, settings, host=options["host"], port=options["port"],
+                                  log_level=options["log_level"].lower(),
+                                  timeout_graceful_shutdown=settings.shutdown_grace_s)).run()
 
 
 serve = command(run_server, HAND, DECLARED, RENAMES)

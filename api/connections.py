@@ -1,0 +1,158 @@
+"""The server's connections under uvicorn: header and body timeouts, a limit on open connections, and a
+rate-limited access log, so that slow or piling clients cannot hold the server's sockets and descriptors.
+
+- A connection gets `header_timeout_s` for each request's line and headers (the first one from its accept, the
+  next ones from the end of the previous response), and `body_timeout_s` for its body once the headers are in:
+  past either, it is closed (a body's route sees the client gone). A request whose body is in runs as long as
+  it takes (streams, long generations).
+- At most `max_connections` connections are open: one more closes the oldest that has not sent its headers yet
+  (a slowloris holds no place a real client needs), else is itself closed at once, before it holds a descriptor
+  for long. Requests over uvicorn's `limit_concurrency` (the same number) answer 503.
+- The access log and asyncio's accept errors write at most `access_log_per_s` lines a second; what is left out
+  is counted in the next line that is written.
+
+`uvicorn_config(app, settings, ...)` is the one place these reach uvicorn (`vlmcap serve`, `BackgroundServer`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from api.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+RATE_LIMITED_LOGGERS = ("uvicorn.access", "asyncio")
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the timeouts and the connection limit of `connection_class`'s settings."""
+
+    header_timeout_s: float = ServerSettings.header_timeout_s
+    body_timeout_s: float = ServerSettings.body_timeout_s
+    max_connections: int = ServerSettings.max_connections
+    # Connections waiting for a request's headers, oldest first (per server: `connection_class` makes the set).
+    awaiting_headers: dict[GuardedH11Protocol, None]
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._await_headers()
+        if len(self.connections) > self.max_connections:
+            oldest = next((c for c in self.awaiting_headers if c is not self), None)
+            victim = oldest or self
+            log.warning("%d connections open, the limit (max_connections): closing %s", len(self.connections),
+                        "the oldest that has sent no headers" if oldest else "the new one")
+            victim._close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self.awaiting_headers.pop(self, None)
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.transport.is_closing():
+            return
+        state = self.conn.their_state
+        if state is h11.SEND_BODY and self.awaiting_headers.pop(self, ...) is None:
+            self._arm(self.body_timeout_s, "its body")  # headers in: the body's deadline starts now
+        elif state is not h11.IDLE and state is not h11.SEND_BODY:
+            self.awaiting_headers.pop(self, None)
+            self._disarm()  # the request is in: it runs as long as it takes
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._await_headers()  # the next request's headers (uvicorn's keep-alive timeout may close it first)
+
+    # -- deadlines ---------------------------------------------------------------------------------------------
+    def _await_headers(self) -> None:
+        self.awaiting_headers[self] = None
+        self._arm(self.header_timeout_s, "its headers")
+
+    def _arm(self, seconds: float, what: str) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(seconds, self._expired, what, seconds)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self, what: str, seconds: float) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            log.info("closing a connection from %s: %s did not come within %g s", _peer(self.client), what, seconds)
+            self._close()
+
+    def _close(self) -> None:
+        self._disarm()
+        self.awaiting_headers.pop(self, None)
+        self.transport.close()
+
+
+def _peer(client: Any) -> str:
+    return f"{client[0]}:{client[1]}" if client else "a client"
+
+
+def connection_class(settings: ServerSettings) -> type[GuardedH11Protocol]:
+    """The protocol class of one server, with its settings and its own set of connections awaiting headers."""
+    return type("ServerH11Protocol", (GuardedH11Protocol,), {
+        "header_timeout_s": settings.header_timeout_s, "body_timeout_s": settings.body_timeout_s,
+        "max_connections": settings.max_connections, "awaiting_headers": {}})
+
+
+class RateLimitedLog(logging.Filter):
+    """Lets at most `per_s` records a second through (a token bucket of one second's worth); the next record
+    let through after some were dropped says how many."""
+
+    def __init__(self, per_s: float) -> None:
+        super().__init__()
+        if per_s <= 0:
+            raise ValueError(f"access_log_per_s must be positive, got {per_s}")
+        self.per_s = per_s
+        self._tokens = max(1.0, per_s)
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(max(1.0, self.per_s), self._tokens + (now - self._last) * self.per_s)
+            self._last = now
+            if self._tokens < 1:
+                self.dropped += 1
+                return False
+            self._tokens -= 1
+            dropped, self.dropped = self.dropped, 0
+        if dropped:
+            record.msg = f"{record.msg} ({dropped} lines like this left out, over access_log_per_s)"
+        return True
+
+
+def limit_logs(per_s: float) -> RateLimitedLog:
+    """Put one rate limit on the access log and asyncio's errors (replacing one put there before)."""
+    limit = RateLimitedLog(per_s)
+    for name in RATE_LIMITED_LOGGERS:
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, RateLimitedLog)]:
+            logger.removeFilter(old)
+        logger.addFilter(limit)
+    return limit
+
+
+def uvicorn_config(app: Any, settings: ServerSettings, **options: Any) -> Any:
+    """uvicorn's Config for `app` with the connection settings of `settings` (`options`: uvicorn's others)."""
+    import uvicorn
+
+    limit_logs(settings.access_log_per_s)
+    return uvicorn.Config(app, http=connection_class(settings), limit_concurrency=settings.max_connections,
+                          **options)

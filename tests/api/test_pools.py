@@ -1,0 +1,118 @@
+"""The work pools (api/pools.py): a key that floods a pool waits behind its own work while another key's work
+runs; the keys take turns; a deadline on the wait and on the run answers 503 `busy` and the thread of a run
+past its deadline stays counted until it ends; the request's client key comes from the guard."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from api.pools import CLIENT_KEY, SERVER_KEY, PoolBusy, WorkPool, WorkPools
+
+
+def blocker(release: threading.Event, started: list[str], name: str) -> str:
+    started.append(name)
+    assert release.wait(30), "never released"
+    return name
+
+
+@pytest.mark.timeout(60)
+def test_a_flooding_key_waits_behind_itself_and_a_plain_call_gets_its_answer():
+    pool = WorkPool("decode", threads=2, deadline_s=30, per_key=1)
+    release, started = threading.Event(), []
+
+    async def scenario() -> tuple[str, dict, dict, list[str]]:
+        flood = [asyncio.create_task(pool.run(blocker, release, started, f"flood-{i}", key="flood"))
+                 for i in range(6)]
+        await asyncio.sleep(0.2)
+        plain = await pool.run(lambda: "plain answer", key="plain")
+        during = pool.stats()
+        release.set()
+        done = await asyncio.gather(*flood)
+        return plain, during.running, during.waiting, done
+
+    plain, running, waiting, done = asyncio.run(scenario())
+    assert plain == "plain answer"
+    assert running == {"flood": 1} and waiting == {"flood": 5}  # one thread of two at most, the rest queued
+    assert done == [f"flood-{i}" for i in range(6)]
+    assert pool.stats().running == {} and pool.stats().waiting == {}
+
+
+@pytest.mark.timeout(60)
+def test_keys_take_turns_on_a_busy_pool():
+    pool = WorkPool("render", threads=1, deadline_s=30)
+    order: list[str] = []
+    gate = threading.Event()
+
+    async def scenario() -> None:
+        first = asyncio.create_task(pool.run(gate.wait, 30, key="a"))
+        await asyncio.sleep(0.1)
+        queued = [asyncio.create_task(pool.run(order.append, name, key=name[0])) for name in ("a1", "a2", "a3")]
+        await asyncio.sleep(0.05)
+        queued.append(asyncio.create_task(pool.run(order.append, "b1", key="b")))
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(first, *queued)
+
+    asyncio.run(scenario())
+    assert order == ["b1", "a1", "a2", "a3"]  # b had no turn yet: it goes before a's second
+
+
+@pytest.mark.timeout(60)
+def test_deadlines_answer_busy_and_a_late_run_keeps_its_thread_until_it_ends():
+    pool = WorkPool("summary", threads=1, deadline_s=30)
+    release, started = threading.Event(), []
+
+    async def scenario() -> tuple[PoolBusy, PoolBusy, dict, str]:
+        with pytest.raises(PoolBusy) as late:
+            await pool.run(blocker, release, started, "slow", key="a", deadline_s=0.3)
+        with pytest.raises(PoolBusy) as waited:
+            await pool.run(lambda: "never", key="b", deadline_s=0.3)
+        held = pool.stats().running
+        release.set()
+        return late.value, waited.value, held, await pool.run(lambda: "after", key="b")
+
+    late, waited, held, after = asyncio.run(scenario())
+    assert (late.status, late.code) == (503, "busy") and "did not finish" in late.message
+    assert (waited.status, waited.code) == (503, "busy") and "no free worker" in waited.message
+    assert held == {"a": 1} and after == "after"
+    assert pool.timed_out == 2
+
+
+def test_a_cancelled_wait_gives_no_thread_away():
+    pool = WorkPool("schema", threads=1, deadline_s=30)
+    gate = threading.Event()
+
+    async def scenario() -> str:
+        holder = asyncio.create_task(pool.run(gate.wait, 30, key="a"))
+        await asyncio.sleep(0.1)
+        waiter = asyncio.create_task(pool.run(lambda: "cancelled", key="b"))
+        await asyncio.sleep(0.05)
+        waiter.cancel()
+        gate.set()
+        await holder
+        return await pool.run(lambda: "next", key="c")
+
+    assert asyncio.run(scenario()) == "next"
+    assert pool.stats().running == {} and pool.stats().waiting == {}
+
+
+def test_the_client_key_goes_with_the_call_and_bad_sizes_are_refused():
+    pool = WorkPool("admission", threads=2, deadline_s=30)
+
+    async def scenario() -> list[str | None]:
+        seen = [await pool.run(CLIENT_KEY.get)]
+        CLIENT_KEY.set("alice")
+        seen.append(await pool.run(CLIENT_KEY.get))
+        return seen
+
+    assert asyncio.run(scenario()) == [None, "alice"]
+    assert SERVER_KEY == "server"
+    for bad, why in (({"threads": 0}, "thread"), ({"deadline_s": 0}, "deadline"), ({"per_key": 3}, "share")):
+        with pytest.raises(ValueError, match=why):
+            WorkPool("x", **{"threads": 2, "deadline_s": 1.0, **bad})
+    with pytest.raises(ValueError, match="key_share"):
+        WorkPools(10.0, 0.0)
+    assert WorkPools(10.0, 0.5)["decode"].per_key >= 1
