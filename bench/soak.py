@@ -130,6 +130,22 @@ class Client:
             "/v1/captions?wait=true", files={"image": ("photo.jpg", photo, "image/jpeg")},
             data={"camera_id": "soak-rest", "max_tokens": str(self.cfg.max_tokens)}))
 
+    async def good_event_search(self, tally: Tally, rng: random.Random) -> None:
+        """The camera memory: a word of the captions, the falls, an event's similar ones, or an embedding."""
+        choice = rng.randrange(4)
+        if choice == 0:
+            request = self.http.get("/v1/events", params={"q": rng.choice(("person", "the", "a", "bus")),
+                                                          "camera": "soak-cam"})
+        elif choice == 1:
+            request = self.http.get("/v1/events", params={"fall": "true", "limit": 20})
+        elif choice == 2:
+            newest = (await self.http.get("/v1/events", params={"limit": 1})).json().get("data") or []
+            request = (self.http.get(f"/v1/events/{newest[0]['id']}/similar") if newest
+                       else self.http.get("/v1/events"))
+        else:
+            request = self.http.post("/v1/embeddings", json={"input": [data_url(rng.choice(self.photos)), "a coat"]})
+        await self._record(tally, "events", request)
+
     async def hostile(self, tally: Tally, rng: random.Random) -> None:
         name = rng.choice(sorted(HOSTILE_REQUESTS))
         await self._record(tally, f"hostile:{name}", HOSTILE_REQUESTS[name](self))
@@ -206,6 +222,13 @@ HOSTILE_REQUESTS: dict[str, Any] = {
     "unsupported_tools": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
         "Hi", tools=[{"type": "function", "function": {"name": "f"}}])),
     "unsupported_n": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("Hi", n=2)),
+    # The camera memory (issue 37): user words are never full-text syntax; times, cursors and uploads have limits.
+    "events_fts_syntax": lambda c: c.http.get("/v1/events", params={"q": '"NEAR(a b) OR caption:* ^x \'; --'}),
+    "events_bad_cursor": lambda c: c.http.get("/v1/events", params={"cursor": "eyJ4IjogMX0" * 10}),
+    "events_time_overflow": lambda c: c.http.get("/v1/events", params={"since": "1e400", "until": "-5"}),
+    "events_bomb_upload": lambda c: c.http.post("/v1/events/similar", files={"image": ("b.png", c.bomb, "image/png")}),
+    "embeddings_bomb": lambda c: c.http.post("/v1/embeddings", json={"input": [data_url(c.bomb, "image/png")]}),
+    "embeddings_too_many": lambda c: c.http.post("/v1/embeddings", json={"input": ["x"] * 10_000}),
 }
 
 
@@ -356,6 +379,12 @@ async def _load(cfg: SoakConfig, url: str, redis_url: str, server_pid: int, tall
             await store.hset(result_key(good.job_id), mapping=good.queued_result().to_fields())
             await store.xadd("vlmcap:jobs", {**good.to_fields(), **rng.choice(HOSTILE_JOB_FIELDS)})
 
+        async def event_search() -> None:
+            if rng.random() < cfg.hostile_fraction:
+                await client.hostile(tally, rng)
+            else:
+                await client.good_event_search(tally, rng)
+
         async def sample_memory() -> None:
             while time.monotonic() < until:
                 tally.memory.append((time.monotonic() - began, process.memory_info().rss / 2**20))
@@ -367,6 +396,7 @@ async def _load(cfg: SoakConfig, url: str, redis_url: str, server_pid: int, tall
             *loops, sample_memory(),
             _ticker(cfg.caption_rate, until, caption, random.Random(cfg.seed + 1), tasks),
             _ticker(cfg.job_rate, until, job, random.Random(cfg.seed + 2), tasks),
+            _ticker(cfg.caption_rate, until, event_search, random.Random(cfg.seed + 3), tasks),
         )
         while tasks:
             await asyncio.gather(*list(tasks))
@@ -416,7 +446,15 @@ async def _job_outcomes(cfg: SoakConfig, redis_url: str, tally: Tally) -> dict[s
     }
 
 
-def _start_server(cfg: SoakConfig, redis_url: str, webhook_url: str, log: IO[str]) -> tuple[subprocess.Popen, str]:
+async def _events_kept(url: str, tally: Tally) -> int:
+    """The good jobs the server's event store holds (each by its job id, so at most once)."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        answers = [await http.get(f"/v1/events/{job_id}") for job_id in tally.good_jobs]
+    return sum(answer.status_code == 200 for answer in answers)
+
+
+def _start_server(cfg: SoakConfig, redis_url: str, webhook_url: str, log: IO[str],
+                  data_dir: str) -> tuple[subprocess.Popen, str]:
     """The soak's server, ready; its log goes to `log` (a file: a pipe read only at the end would fill and
     block the server). Killed again if it does not become ready, or if the soak is interrupted meanwhile."""
     from jobqueue.connection import free_tcp_port
@@ -427,7 +465,7 @@ def _start_server(cfg: SoakConfig, redis_url: str, webhook_url: str, log: IO[str
          "--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url,
          "--caption-max-tokens", str(cfg.max_tokens), "--max-body-bytes", str(cfg.max_body_bytes),
          "--max-deliveries", "2", "--claim-idle-seconds", "10", "--max-sse-subscribers", str(SSE_CAP),
-         "--alert-webhook", webhook_url, "--log-level", "warning"],
+         "--alert-webhook", webhook_url, "--data-dir", data_dir, "--log-level", "warning"],
         stdout=subprocess.DEVNULL, stderr=log, text=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -475,12 +513,14 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     redis_server = EmbeddedRedis()
     receiver = SSHReceiver()
     log = tempfile.TemporaryFile("w+")
+    data_dir = tempfile.TemporaryDirectory(prefix="vlmcap-soak-")  # the server's event store
     server = None
     tally = Tally()
     try:
-        server, url = _start_server(cfg, redis_server.url, receiver.url, log)
+        server, url = _start_server(cfg, redis_server.url, receiver.url, log, data_dir.name)
         load_s = asyncio.run(_load(cfg, url, redis_server.url, server.pid, tally))
         jobs = asyncio.run(_job_outcomes(cfg, redis_server.url, tally))
+        jobs["kept_as_events"] = asyncio.run(_events_kept(url, tally))
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
         ready_reply = httpx.get(f"{url}/ready", timeout=30)
         ready, webhook = ready_reply.status_code, ready_reply.json().get("alert_webhook")
@@ -491,6 +531,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
         log.close()
         redis_server.close()
         receiver.close()
+        data_dir.cleanup()
     good = [o for o in tally.outcomes if not o.kind.startswith("hostile:")]
     hostile = [o for o in tally.outcomes if o.kind.startswith("hostile:")]
     after_warmup = [rss for t, rss in tally.memory if t >= cfg.warmup]
@@ -535,7 +576,8 @@ def summary(result: dict[str, Any]) -> str:
         f"no answer: {result['no_answer']}",
         f"jobs: good {jobs['good_done']}/{jobs['good_jobs']} done ({jobs['good_failed']} failed), bad "
         f"{jobs['bad_dead']}/{jobs['bad_jobs']} dead-lettered once, lost {jobs['lost']}, captioned twice "
-        f"{jobs['captioned_twice']}, dead-lettered twice {jobs['dead_lettered_twice']}",
+        f"{jobs['captioned_twice']}, dead-lettered twice {jobs['dead_lettered_twice']}, kept as events "
+        f"{jobs.get('kept_as_events', '-')}",
         f"server RSS: {memory['start']:.0f} MiB after warm-up, {memory['end']:.0f} MiB at the end "
         f"({memory['growth'] * 100:+.1f}%), max {memory['max']:.0f} MiB" if memory["start"] else "server RSS: -",
         f"good chats: {result['chat_tokens']} tokens, ITL p50 {itl['p50']:.1f} ms, p99 {itl['p99']:.1f} ms, "
