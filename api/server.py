@@ -10,14 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from api import routes_alerts, routes_captions, routes_dashboard, routes_events, routes_openai, routes_summaries
+from api import (
+    mcp_server,
+    routes_alerts,
+    routes_ask,
+    routes_captions,
+    routes_dashboard,
+    routes_events,
+    routes_openai,
+    routes_summaries,
+)
 from api.bridge import EngineBridge, build_engine
 from api.caption_store import CaptionStore, MemoryCaptionStore, RedisCaptionStore
 from api.captioner import EngineCaptioner
@@ -55,6 +64,33 @@ async def _build_state(settings: ServerSettings, metrics: Metrics, engine: Any |
                        feeds=feeds)
 
 
+def _start_mqtt(app: FastAPI, settings: ServerSettings) -> Callable[[Any, Any], None] | None:
+    """MQTT out started (`app.state.mqtt`) when --mqtt-url is set: its finish hook, else None."""
+    if not settings.mqtt_url:
+        return None
+    from memory.mqtt import MqttPublisher
+
+    app.state.mqtt = MqttPublisher(settings.mqtt_url, settings.mqtt_prefix, settings.mqtt_discovery_prefix or None)
+    app.state.mqtt.start()
+    return app.state.mqtt.on_finished
+
+
+def _each(*hooks: Callable[[Any, Any], None] | None) -> Callable[[Any, Any], None] | None:
+    """One finish hook calling each given one (each its own failure, logged: the others still run)."""
+    given = [hook for hook in hooks if hook is not None]
+    if not given:
+        return None
+
+    def each(job: Any, result: Any) -> None:
+        for hook in given:
+            try:
+                hook(job, result)
+            except Exception:
+                log.exception("job %s: a finish hook failed", getattr(job, "job_id", "?"))
+
+    return each
+
+
 def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
     """The server's app. `engine` is an already built `engine.Engine` to serve (else one is built from
     `settings.engine` at startup). ValueError for keys that contradict each other."""
@@ -66,6 +102,7 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
         app.state.vlmcap = None
         app.state.load_error = None
         app.state.memory = None  # the camera memory (api/routes_events.py), once the engine is loaded
+        app.state.mqtt = None  # MQTT out (memory/mqtt.py), with --mqtt-url and the queue worker
         worker = None
         webhook = None
         summaries = None
@@ -94,7 +131,7 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
                     claim_idle_seconds=settings.claim_idle_seconds, max_deliveries=settings.max_deliveries,
                     caption_priority=settings.caption_priority, batch_size=settings.batch_size,
                     fall_priority=settings.fall_priority, on_alert=webhook.notify if webhook else None,
-                    on_finished=memory.on_finished if memory else None,
+                    on_finished=_each(memory.on_finished if memory else None, _start_mqtt(app, settings)),
                 )
                 worker.start()
                 state.worker, state.webhook = worker, webhook
@@ -118,6 +155,8 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
                     await worker.stop(settings.shutdown_grace_s)
                 if webhook is not None:
                     await webhook.stop(settings.shutdown_grace_s)
+                if app.state.mqtt is not None:  # after the worker: its last jobs are published
+                    await asyncio.to_thread(app.state.mqtt.stop, settings.shutdown_grace_s)
                 if app.state.memory is not None:  # after the worker: its last jobs are written
                     await asyncio.to_thread(app.state.memory.close)
                 await state.bridge.shutdown(settings.shutdown_grace_s)
@@ -134,6 +173,8 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
     app.include_router(routes_dashboard.router)
     app.include_router(routes_alerts.router)
     app.include_router(routes_summaries.router)
+    app.include_router(routes_ask.router)
+    mcp_server.mount_mcp(app)
     app.include_router(routes_events.router)
     app.mount("/static", routes_dashboard.static_files, name="static")
 
@@ -162,6 +203,8 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
                 reason = f"the caption store (Redis) is unreachable: {type(exc).__name__}: {exc}"
         # The webhook is not a reason to refuse traffic (it restarts itself): its state is shown, not judged.
         webhook = {"alert_webhook": state.webhook.health()} if state is not None and state.webhook else {}
+        if request.app.state.mqtt is not None:  # shown, not judged: it reconnects by itself
+            webhook["mqtt"] = request.app.state.mqtt.health()
         if reason is not None:
             return JSONResponse({"status": "not ready", "reason": reason, **webhook}, status_code=503,
                                 headers={"Retry-After": str(RETRY_AFTER_S)})

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from jobqueue.contract import CaptionResult, JobStatus
+from jobqueue.contract import CaptionResult, Job, JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +209,10 @@ class MqttPublisher:
                         self._publish_locked(message)
             for message in messages:
                 self._send_locked(message)
+
+    def on_finished(self, job: Job, result: CaptionResult) -> None:
+        """The queue worker's finish hook (`jobqueue.finish.FinishedJob`): publish the job's result."""
+        self.notify(result)
 
     def messages_for(self, result: CaptionResult, topic_id: str) -> list[Message]:
         """The messages of one finished job: its caption (when captioned), its event, its fall alert."""

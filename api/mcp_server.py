@@ -1,0 +1,303 @@
+"""The camera memory's tools for agents, written once and offered two ways:
+
+- an MCP server on the same app (the `mcp` SDK's `MCPServer`, streamable HTTP, stateless) at `/v1/mcp`: behind
+  the server's API keys like every `/v1` route (api/guard.py), each key seeing the events it sees over HTTP;
+- the same tools as OpenAI function tools that a chat request can opt into: `function_tools(app)` gives their
+  definitions (the MCP tools' own input schemas) and `call_function_tool(app, connection, name, arguments)` runs
+  one call and gives the tool message's content (JSON text; frames as their URLs, not as images).
+
+The tools: `search_events` (camera, time, kind, fall, words; a page with a cursor), `get_event` (one event with
+its frames as images), `camera_summary` (a camera's kept events over a window, summarized under the schema of
+POST /v1/cameras/{id}/summary), `latest_frame` (a camera's newest kept frame, as an image)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from contextvars import ContextVar
+from typing import Annotated, Any
+
+import mcp.types as mcp_types
+from fastapi import FastAPI
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.transport_security import TransportSecuritySettings
+from pydantic import Field
+from starlette.requests import HTTPConnection
+
+from api.errors import APIError
+from api.guard import cache_salt
+from api.routes_events import CameraMemory, event_json, timestamp, visible_query
+from api.routes_summaries import (
+    DEFAULT_WINDOW_S,
+    MAX_SUMMARY_CAPTIONS,
+    MAX_WINDOW_S,
+    SUMMARY_SCHEMA,
+    empty_summary,
+    summary_prompt,
+)
+from api.state import ServerState
+from engine import SamplingParams
+from engine.grammar import GrammarSpec
+from jobqueue.contract import CaptionResult
+from jobqueue.structured import structured_caption
+from memory.store import EVENT_KINDS, MAX_PAGE, Event
+
+MCP_PATH = "/v1/mcp"
+DEFAULT_SEARCH_LIMIT = 10
+MAX_TOOL_FRAMES = 8  # frames one get_event answers with
+INSTRUCTIONS = ("Tools over this server's camera memory: every captioned camera event (sightings, events of a "
+                "tracked person, fall alerts, video clips) with its caption and frames. Search by camera, time, "
+                "kind, fall and words; read an event with its frames; summarize a camera's window; look at a "
+                "camera's latest frame.")
+
+# The connection a function tool runs for (a chat request's); an MCP call's is its own HTTP request.
+CALLER: ContextVar[HTTPConnection | None] = ContextVar("vlmcap_tool_caller", default=None)
+
+Time = Annotated[str | None, Field(description="seconds since the epoch or an ISO 8601 time ('2026-12-03T10:00Z')")]
+CameraArg = Annotated[str, Field(description="the camera's id")]
+
+
+class CameraTools:
+    """The tools' work on one app's state: what every tool calls, whichever way it was called."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+
+    def _memory(self) -> CameraMemory:
+        memory = getattr(self.app.state, "memory", None)
+        if memory is None:
+            raise ToolError("the event store is off on this server, or the model is still loading")
+        return memory
+
+    def _state(self) -> ServerState:
+        state = getattr(self.app.state, "vlmcap", None)
+        if state is None:
+            raise ToolError("the model is still loading")
+        return state
+
+    async def search(self, connection: HTTPConnection, query: str, cameras: list[str], since: str | None,
+                     until: str | None, kind: str | None, fall: bool | None, limit: int,
+                     cursor: str | None) -> dict[str, Any]:
+        memory = self._memory()
+        found = visible_query(connection, memory.settings, cameras=cameras, since=timestamp(since, "since"),
+                              until=timestamp(until, "until"), kind=kind, fall=fall, q=query or None, cursor=cursor,
+                              limit=limit)
+        if found is None:
+            return {"events": [], "next_cursor": None}
+        page = await asyncio.to_thread(memory.store.search, found)
+        scores = page.scores or [None] * len(page.events)
+        return {"events": [event_json(e, s) for e, s in zip(page.events, scores)], "next_cursor": page.next_cursor}
+
+    async def visible_event(self, connection: HTTPConnection, event_id: str) -> Event:
+        memory = self._memory()
+        event = await asyncio.to_thread(memory.store.get, event_id[:128])
+        query = None if event is None else visible_query(connection, memory.settings, cameras=(event.camera_id,))
+        if event is None or query is None or (query.owner is not None and event.owner not in (None, query.owner)):
+            raise ToolError(f"no event {event_id[:128]!r}")
+        return event
+
+    async def latest(self, connection: HTTPConnection, camera: str) -> Event:
+        memory = self._memory()
+        query = visible_query(connection, memory.settings, cameras=(camera,), limit=1)
+        page = None if query is None else await asyncio.to_thread(memory.store.search, query)
+        if page is None or not page.events:
+            raise ToolError(f"no kept event of camera {camera[:128]!r}")
+        return await self.visible_event(connection, page.events[0].id)
+
+    async def summary(self, connection: HTTPConnection, camera: str, since: str | None, until: str | None,
+                      window_s: float) -> dict[str, Any]:
+        """The camera's summary over a window from its kept events (the prompt and schema of camera summaries,
+        api/routes_summaries.py), with the ids of the events it was made from."""
+        memory, state = self._memory(), self._state()
+        end = timestamp(until, "until") or time.time()
+        start = timestamp(since, "since")
+        start = end - window_s if start is None else start
+        if end <= start or end - start > MAX_WINDOW_S:
+            raise ToolError(f"the window must end after it starts and last at most {MAX_WINDOW_S:.0f} s, got "
+                            f"{start} to {end}")
+        query = visible_query(connection, memory.settings, cameras=(camera,), since=start, until=end,
+                              limit=MAX_PAGE)
+        if query is None:
+            raise ToolError(f"camera {camera[:128]!r} is not one this key sees")
+        events = sorted((await asyncio.to_thread(memory.store.search, query)).events, key=lambda e: e.start_ts)
+        results = [as_result(e) for e in events[-MAX_SUMMARY_CAPTIONS:]]
+        if results:
+            stream = await state.bridge.add(
+                prompt=state.bridge.engine.user_prompt(
+                    [{"type": "text", "text": summary_prompt(camera, start, end, results)}]),
+                sampling=SamplingParams(max_tokens=state.settings.summary_max_tokens, temperature=0.0,
+                                        grammar=GrammarSpec.from_schema(SUMMARY_SCHEMA)),
+                priority=state.settings.summary_priority, cache_salt=cache_salt(connection, state.settings, None))
+            try:
+                summary = structured_caption(await state.captioner.collect(stream), SUMMARY_SCHEMA)
+            except ValueError as exc:
+                raise ToolError(f"the summary did not parse: {exc}") from None
+        else:
+            summary = empty_summary(camera)
+        return {"object": "camera.summary", "camera_id": camera, "start": start, "end": end,
+                "captions": len(results), "empty": not results, "created_at": time.time(),
+                "event_ids": [r.id for r in results], "summary": summary}
+
+
+def as_result(event: Event) -> CaptionResult:
+    """An event as the finished result it was kept from (what a summary's prompt lines are made of)."""
+    return CaptionResult(id=event.id, status="done", camera_id=event.camera_id, created_at=event.start_ts,
+                         frame_ts=event.start_ts, person_count=event.person_count, caption=event.caption,
+                         finished_at=event.finished_at, fall=event.fall, structured=event.structured,
+                         kind=event.kind, track_id=event.track_id, start_ts=event.start_ts, end_ts=event.end_ts,
+                         frame_count=max(1, len(event.frames)))
+
+
+def _frames(event: Event, limit: int) -> list[mcp_types.ContentBlock]:
+    return [mcp_types.ImageContent(type="image", data=base64.b64encode(f.jpeg).decode(), mime_type="image/jpeg")
+            for f in event.frames[:limit]]
+
+
+def _text(value: Any) -> mcp_types.TextContent:
+    return mcp_types.TextContent(type="text", text=json.dumps(value, ensure_ascii=False))
+
+
+def _caller(ctx: Context) -> HTTPConnection:
+    """The HTTP connection a tool call came on: an MCP request's own, or the chat request's (`CALLER`)."""
+    try:
+        request = ctx.request_context.request
+    except ValueError:
+        request = None
+    connection = request if isinstance(request, HTTPConnection) else CALLER.get()
+    if connection is None:
+        raise ToolError("a tool call outside a request")
+    return connection
+
+
+def _tool_errors(error: APIError) -> ToolError:
+    return ToolError(error.message)
+
+
+def build_mcp(app: FastAPI) -> MCPServer:
+    """The app's MCP server with the camera tools (its HTTP transport is made by `mount_mcp`)."""
+    tools = CameraTools(app)
+    server = MCPServer(name="vlmcap", instructions=INSTRUCTIONS)
+
+    @server.tool(description="Search the camera memory's events, newest first or, with words, by relevance. "
+                             "Returns events (id, camera_id, kind, start_ts, end_ts, caption, structured, fall, "
+                             "track_id, frame_count) and next_cursor for the next page.")
+    async def search_events(
+        ctx: Context,
+        query: Annotated[str, Field(description="words that must all be in the caption or its fields")] = "",
+        cameras: Annotated[list[str] | None, Field(description="only these cameras")] = None,
+        since: Time = None,
+        until: Time = None,
+        kind: Annotated[str | None, Field(description=f"one of {', '.join(EVENT_KINDS)}")] = None,
+        fall: Annotated[bool | None, Field(description="only fall alerts (true) or none of them (false)")] = None,
+        limit: Annotated[int, Field(ge=1, le=MAX_PAGE, description="events a page")] = DEFAULT_SEARCH_LIMIT,
+        cursor: Annotated[str | None, Field(description="next_cursor of the previous page")] = None,
+    ) -> dict[str, Any]:
+        try:
+            return await tools.search(_caller(ctx), query, cameras or [], since, until, kind, fall, limit, cursor)
+        except APIError as exc:
+            raise _tool_errors(exc) from None
+
+    @server.tool(description="One event of the camera memory: its caption and fields as JSON, then its kept frames "
+                             "as JPEG images.")
+    async def get_event(
+        ctx: Context,
+        event_id: Annotated[str, Field(description="the event's id (search_events gives it)")],
+        frames: Annotated[int, Field(ge=0, le=MAX_TOOL_FRAMES, description="frames to include")] = 4,
+    ) -> list[mcp_types.ContentBlock]:
+        event = await tools.visible_event(_caller(ctx), event_id)
+        return [_text(event_json(event, frames=True)), *_frames(event, frames)]
+
+    @server.tool(description="A camera's kept events over a time window (default: the last hour) summarized: "
+                             "title, summary, notable events with their times, threat level 0-2, and the ids of "
+                             "the events it read.")
+    async def camera_summary(
+        ctx: Context,
+        camera: CameraArg,
+        since: Time = None,
+        until: Time = None,
+        window_s: Annotated[float, Field(gt=0, le=MAX_WINDOW_S, description="window length without since")]
+        = DEFAULT_WINDOW_S,
+    ) -> dict[str, Any]:
+        try:
+            return await tools.summary(_caller(ctx), camera, since, until, window_s)
+        except APIError as exc:
+            raise _tool_errors(exc) from None
+
+    @server.tool(description="The newest kept frame of a camera (its latest event's last frame) as a JPEG image, "
+                             "after that event as JSON.")
+    async def latest_frame(ctx: Context, camera: CameraArg) -> list[mcp_types.ContentBlock]:
+        try:
+            event = await tools.latest(_caller(ctx), camera)
+        except APIError as exc:
+            raise _tool_errors(exc) from None
+        if not event.frames:
+            raise ToolError(f"the latest event of camera {camera[:128]!r} kept no frame")
+        frame = event.frames[-1]
+        return [_text({"event": event_json(event), "frame_index": len(event.frames) - 1, "ts": frame.ts}),
+                mcp_types.ImageContent(type="image", data=base64.b64encode(frame.jpeg).decode(),
+                                       mime_type="image/jpeg")]
+
+    return server
+
+
+def mount_mcp(app: FastAPI) -> MCPServer:
+    """Serve the app's MCP server at MCP_PATH (its session manager runs for the app's lifespan); kept on
+    `app.state.mcp`."""
+    server = build_mcp(app)
+    # The app's guard checks Host, Origin and keys on every /v1 path: the SDK's own DNS-rebinding check (loopback
+    # Host names only) would refuse the names --allowed-host lets in.
+    transport = server.streamable_http_app(
+        streamable_http_path=MCP_PATH, stateless_http=True, json_response=True,
+        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False))
+    for route in transport.routes:
+        app.router.routes.append(route)
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(target: FastAPI) -> AsyncIterator[Any]:
+        async with server.session_manager.run(), inner(target) as state:
+            yield state
+
+    app.router.lifespan_context = lifespan
+    app.state.mcp = server
+    return server
+
+
+# -- the same tools for chat requests ----------------------------------------------------------------------
+async def function_tools(app: FastAPI) -> list[dict[str, Any]]:
+    """The camera tools as OpenAI function tools (`{"type": "function", "function": {name, description,
+    parameters}}`), for a chat request that opts into them."""
+    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                              "parameters": t.input_schema}}
+            for t in await app.state.mcp.list_tools()]
+
+
+async def call_function_tool(app: FastAPI, connection: HTTPConnection, name: str,
+                             arguments: str | dict[str, Any]) -> str:
+    """Run one function call of a chat request (`connection`: its request, whose key decides what it sees) and
+    give the tool message's content: the tool's JSON, or `{"error": ...}`; images are left out (the JSON has
+    each frame's URL)."""
+    try:
+        args = json.loads(arguments) if isinstance(arguments, str) else dict(arguments)
+    except json.JSONDecodeError as exc:
+        return json.dumps({"error": f"the arguments are not JSON: {exc}"})
+    if not isinstance(args, dict):
+        return json.dumps({"error": "the arguments must be a JSON object"})
+    token = CALLER.set(connection)
+    try:
+        result = await app.state.mcp.call_tool(name, args)
+    except ToolError as exc:
+        return json.dumps({"error": str(exc)})
+    finally:
+        CALLER.reset(token)
+    texts = [block.text for block in result.content if isinstance(block, mcp_types.TextContent)]
+    if result.is_error:
+        return json.dumps({"error": " ".join(texts)})
+    if result.structured_content is not None:
+        return json.dumps(result.structured_content, ensure_ascii=False)
+    return texts[0] if len(texts) == 1 else json.dumps([json.loads(t) for t in texts])
