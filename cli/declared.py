@@ -1,33 +1,41 @@
 """Command-line options built from the settings they set, so that each setting is declared once: its name, type
-and default in its dataclass, its help in the dataclass's docstring (`name: what it does.`, one entry a field),
-its environment variable `VLMCAP_<NAME>`. Where an option's public name or variable differs (kept so that
-existing command lines and deployments keep working), `Rename` says so.
+and default in its dataclass, its help beside the field (`field(metadata={"help": ...})`, as `EngineConfig` writes
+it) or in the dataclass's docstring (`name: what it does.`, one entry a field), its environment variable
+`VLMCAP_<NAME>`. Where an option's public name or variable differs (kept so that existing command lines and
+deployments keep working), `Rename` says so.
 
-`EngineConfig` and `GrammarLimits` are read from their source files (engine/config.py, engine/grammar_limits.py)
-rather than imported, so that `--help` and the defaults never load torch; tests/cli/test_cli_defaults.py checks
-what is read against the imported classes."""
+`EngineConfig` and `GrammarLimits` are imported from engine/config.py and engine/grammar_limits.py, which import
+neither torch nor the rest of the engine, so that `--help` and the defaults never load torch. A field whose type no
+option takes is named in `NOT_OPTIONS` with where its value comes from; any other such field is an error."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import inspect
 import re
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import typer
-
-ENGINE = Path(__file__).resolve().parent.parent / "engine"
 
 # Field types an option can take, as written in the dataclasses (the `X | None` forms: not given means None).
 TYPES: dict[str, Any] = {
     "int": int, "float": float, "str": str, "bool": bool,
     "int | None": int | None, "float | None": float | None, "str | None": str | None, "bool | None": bool | None,
     "tuple[str, ...]": list[str],
+}
+# Fields of a type no option takes (`owner.field`), each with where its value comes from.
+NOT_OPTIONS = {
+    "EngineConfig.grammar_limits": "GrammarLimits' fields, options of their own",
+    "ServerSettings.engine": "EngineConfig's fields",
+    "ServerSettings.limits": "Limits' fields",
+    "ServerSettings.api_keys": "--api-keys (cli/serve.py)",
+    "PipelineConfig.backpressure": "--backpressure, declared by hand (cli/camera.py)",
+    "PipelineConfig.annotate": "--annotate, declared by hand (cli/camera.py)",
+    "PipelineConfig.caption_schema": "--caption-schema, a file (cli/camera.py)",
+    "ServeConfig.slo": "the benchmark's own targets (bench/configs.py)",
 }
 # Fields where 0 on the command line gives None (the limit off), as these options have always taken it.
 ZERO_MEANS_NONE = {"max_encoder_tokens_per_step", "encoder_slices_per_step"}
@@ -75,51 +83,35 @@ def first_sentence(text: str) -> str:
 
 
 def from_dataclass(cls: type) -> list[Declared]:
-    """The fields of a torch-free settings dataclass that have a literal type, with their help (from its docstring,
-    a base class's, or its module's)."""
+    """The fields of a torch-free settings dataclass, in their order, with their help (the field's `help`
+    metadata, else its entry in the class's docstring, a base class's or its module's); TypeError for a field
+    whose type no option takes unless `NOT_OPTIONS` names it."""
     helps = docstring_entries(sys.modules[cls.__module__].__doc__)  # shared entries of the module
     helps |= {name: text for base in reversed(cls.__mro__) for name, text in docstring_entries(base.__doc__).items()}
     declared = []
     for f in dataclasses.fields(cls):
         if f.type not in TYPES:
+            if f"{cls.__name__}.{f.name}" not in NOT_OPTIONS:
+                raise TypeError(f"{cls.__name__}.{f.name} is of type {f.type!r}, which no option takes "
+                                f"(the types are {sorted(TYPES)}): give it one, or name it in NOT_OPTIONS")
             continue
         value = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else ...)
-        declared.append(Declared(cls.__name__, f.name, f.type, value, helps.get(f.name, "")))
+        text = first_sentence(f.metadata["help"]) if "help" in f.metadata else helps.get(f.name, "")
+        declared.append(Declared(cls.__name__, f.name, f.type, value, text))
     return declared
-
-
-def from_source(path: Path, class_name: str) -> list[Declared]:
-    """The fields of dataclass `class_name` in `path` with a literal type and default, read without importing."""
-    tree = ast.parse(path.read_text())
-    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
-    helps = docstring_entries(ast.get_docstring(node, clean=False))
-    declared = []
-    for item in node.body:
-        if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.value is not None):
-            continue
-        type_text = ast.unparse(item.annotation)
-        if type_text not in TYPES:
-            continue
-        name = item.target.id
-        declared.append(Declared(class_name, name, type_text, constant(item.value), helps.get(name, "")))
-    return declared
-
-
-def constant(node: ast.expr) -> Any:
-    """A default written as a literal or as arithmetic on literals (`64 * 1024`); ValueError otherwise."""
-    allowed = (ast.Expression, ast.Constant, ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop)
-    if not all(isinstance(n, allowed) for n in ast.walk(node)):
-        return ast.literal_eval(node)
-    return eval(compile(ast.Expression(node), "<default>", "eval"), {"__builtins__": {}})
 
 
 def engine_fields() -> list[Declared]:
-    return from_source(ENGINE / "config.py", "EngineConfig")
+    from engine.config import EngineConfig
+
+    return from_dataclass(EngineConfig)
 
 
 def grammar_limit_fields() -> list[Declared]:
-    return from_source(ENGINE / "grammar_limits.py", "GrammarLimits")
+    from engine.grammar_limits import GrammarLimits
+
+    return from_dataclass(GrammarLimits)
 
 
 def option_name(setting: Declared, renames: dict[str, Rename]) -> str:

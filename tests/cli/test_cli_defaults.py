@@ -113,18 +113,49 @@ def command_params(name: str) -> dict[str, object]:
     return {p.name: p for p in typer.main.get_command(app).commands[name].params}
 
 
-def test_every_engine_field_is_read_from_the_source_as_the_class_declares_it():
+def test_every_engine_field_is_an_option_with_the_help_written_beside_it():
     import dataclasses
 
-    from cli.declared import TYPES, engine_fields, grammar_limit_fields
-    from engine.grammar_limits import GrammarLimits
+    from cli.declared import NOT_OPTIONS, TYPES, engine_fields, first_sentence
 
-    for read, cls in ((engine_fields(), EngineConfig), (grammar_limit_fields(), GrammarLimits)):
-        literal = {f.name: f.default for f in dataclasses.fields(cls) if f.type in TYPES}
-        assert {s.name: s.default for s in read} == literal
+    fields = dataclasses.fields(EngineConfig)
+    assert all(f.metadata.get("help") for f in fields), "an EngineConfig field has no help beside it"
+    assert [(s.name, s.default, s.help) for s in engine_fields()] == [
+        (f.name, f.default, first_sentence(f.metadata["help"])) for f in fields if f.type in TYPES]
     assert {s.name for s in engine_fields()} >= {"attention_backend", "cpu_linear", "cuda_graphs", "seed"}
-    nested = {f.name for f in dataclasses.fields(EngineConfig) if f.type not in TYPES}
+    nested = {f.name for f in fields if f.type not in TYPES}
     assert nested == {"grammar_limits"}, "a new nested setting needs its options in cli/serve.py"
+    assert "EngineConfig.grammar_limits" in NOT_OPTIONS
+
+
+def test_a_field_of_a_type_no_option_takes_is_refused_by_name():
+    from dataclasses import dataclass, field
+
+    from cli.declared import from_dataclass
+
+    @dataclass
+    class Odd:
+        """count: how many."""
+
+        count: int = 1
+        weights: dict[str, float] = field(default_factory=dict)
+
+    with pytest.raises(TypeError, match=r"Odd\.weights is of type 'dict\[str, float\]'"):
+        from_dataclass(Odd)
+
+
+def test_each_field_named_in_not_options_exists_and_is_not_an_option():
+    import dataclasses
+
+    from api.settings import Limits
+    from bench.configs import ServeConfig
+    from cli.declared import NOT_OPTIONS, TYPES
+
+    classes = {cls.__name__: cls for cls in (EngineConfig, ServerSettings, Limits, PipelineConfig, ServeConfig)}
+    for name in NOT_OPTIONS:
+        owner, _, field_name = name.partition(".")
+        types = {f.name: f.type for f in dataclasses.fields(classes[owner])}
+        assert field_name in types and types[field_name] not in TYPES, name
 
 
 def check_declared(params: dict, declared: list, renames: dict, envvars: bool = True) -> None:
