@@ -7,7 +7,8 @@ rate-limited access log, so that slow or piling clients cannot hold the server's
   it takes (streams, long generations).
 - At most `max_connections` connections are open: one more closes the oldest that has not sent its headers yet
   (a slowloris holds no place a real client needs), else is itself closed at once, before it holds a descriptor
-  for long. Requests over uvicorn's `limit_concurrency` (the same number) answer 503.
+  for long (uvicorn's own `limit_concurrency` is not used: it answers 503 to every request, a probe's too,
+  while slow connections fill it).
 - The access log and asyncio's accept errors write at most `access_log_per_s` lines a second; what is left out
   is counted in the next line that is written.
 
@@ -28,7 +29,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from api.settings import ServerSettings
 
 log = logging.getLogger(__name__)
-RATE_LIMITED_LOGGERS = ("uvicorn.access", "asyncio")
+RATE_LIMITED_LOGGERS = ("uvicorn.access", "asyncio", __name__)
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -45,11 +46,13 @@ class GuardedH11Protocol(H11Protocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._await_headers()
         if len(self.connections) > self.max_connections:
-            oldest = next((c for c in self.awaiting_headers if c is not self), None)
-            victim = oldest or self
-            log.warning("%d connections open, the limit (max_connections): closing %s", len(self.connections),
-                        "the oldest that has sent no headers" if oldest else "the new one")
-            victim._close()
+            open_now = sum(not c.transport.is_closing() for c in self.connections)
+            if open_now > self.max_connections:
+                oldest = next((c for c in self.awaiting_headers if c is not self), None)
+                victim = oldest or self
+                log.warning("%d connections open, the limit (max_connections): closing %s", open_now,
+                            "the oldest that has sent no headers" if oldest else "the new one")
+                victim._close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -154,5 +157,4 @@ def uvicorn_config(app: Any, settings: ServerSettings, **options: Any) -> Any:
     import uvicorn
 
     limit_logs(settings.access_log_per_s)
-    return uvicorn.Config(app, http=connection_class(settings), limit_concurrency=settings.max_connections,
-                          **options)
+    return uvicorn.Config(app, http=connection_class(settings), **options)

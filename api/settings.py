@@ -130,8 +130,7 @@ class ServerSettings(QueueSettings, MemorySettings):
     key_share: the most of each work pool's threads one client (API key, else address) holds at once (0-1].
     header_timeout_s: seconds a connection gets to send a request's headers before it is closed.
     body_timeout_s: seconds a request gets to send its body once its headers are in, before it is closed.
-    max_connections: connections open at once; one more closes the oldest still sending its headers (requests
-        over it answer 503).
+    max_connections: connections open at once; one more closes the oldest still sending its headers, else itself.
     access_log_per_s: access log lines (and socket accept errors) written a second at most; the rest are counted.
     """
 
