@@ -17,11 +17,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from api.errors import APIError
+from engine.block_hash import MAX_CACHE_SALT
 from engine.sampling import INT64_MAX, MAX_LOGPROBS, SAMPLING_RANGES
 
 Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1, description="vlmcap extension: lower runs first")]
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
-CacheSalt = Annotated[str | None, Field(min_length=1, max_length=256, description=(
+CacheSalt = Annotated[str | None, Field(min_length=1, max_length=MAX_CACHE_SALT, description=(
     "vLLM's extension: requests share cached prefixes and image features only with requests of the same salt "
     "(and, on a server with several API keys, of the same key)"))]
 

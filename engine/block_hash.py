@@ -23,7 +23,7 @@ import torch
 from engine.request import MultimodalPrompt, Request
 
 PREFIX_ROOT = b"vlmcap-prefix"  # the first block's parent
-MAX_CACHE_SALT = 4096  # characters; a salt is an identity, not data
+MAX_CACHE_SALT = 256  # characters; a salt is an identity (a tenant's name), not data. The API's bound too
 
 
 def content_hash(encoder_input: dict[str, torch.Tensor]) -> bytes:

@@ -88,3 +88,11 @@ def test_python_m_bench_needs_none_of_the_servers_packages():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "stall" in done.stdout and "peers" in done.stdout
+
+
+def test_the_queues_copy_of_an_engine_bound_equals_the_engines():
+    """The queue may not import the engine: the one bound it shares with it is a copy, kept equal here."""
+    from engine.block_hash import MAX_CACHE_SALT
+    from jobqueue.contract import MAX_CACHE_SALT_CHARS
+
+    assert MAX_CACHE_SALT_CHARS == MAX_CACHE_SALT
