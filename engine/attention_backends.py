@@ -39,7 +39,7 @@ from engine.attention import (
     triton_attention,
 )
 from engine.kv_cache import KVCache
-from engine.scheduler import ScheduledChunk
+from engine.scheduler_output import ScheduledChunk
 
 # A decode batch's padded keys may be at most this many times its real ones (see `decode_batches`).
 PADDED_KEYS_LIMIT = 1.5
@@ -68,7 +68,7 @@ class ChunkLayout:
 
 def needs_masks(chunk: ScheduledChunk) -> bool:
     """A prefill chunk whose image tokens attend both ways needs the reference path's explicit masks."""
-    mm = chunk.request.mm
+    mm = chunk.mm
     return chunk.num_tokens > 1 and mm is not None and mm.atomic_units and bool(mm.units_in(chunk.start, chunk.end))
 
 
@@ -211,7 +211,7 @@ class ReferenceBackend(AttentionBackend):
         tokens attend both ways (`atomic_units`, whose spans a chunk holds whole) every token of its own
         image too. None for plain causal attention over a chunk that starts the sequence. Then the same
         within the sliding window, for models with sliding-window layers (None otherwise)."""
-        start, end, mm = chunk.start, chunk.end, chunk.request.mm
+        start, end, mm = chunk.start, chunk.end, chunk.mm
         images = mm.units_in(start, end) if mm is not None and mm.atomic_units else []
         window = self.sliding_window
         plain_causal = start == 0 and not images
@@ -264,7 +264,7 @@ class CpuBackend(ReferenceBackend):
         """What each query of a prefill chunk sees of the chunk's own keys, as SDPA adds it to the scores
         ([1, 1, q, q]: 0 or -inf, the cache's dtype): causally, and where image tokens attend both ways every
         token of its own image (None: causal alone)."""
-        start, end, mm = chunk.start, chunk.end, chunk.request.mm
+        start, end, mm = chunk.start, chunk.end, chunk.mm
         images = mm.units_in(start, end) if mm is not None and mm.atomic_units else []
         if not images:
             return None

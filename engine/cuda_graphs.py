@@ -19,7 +19,7 @@ import torch
 
 from engine.attention import AttentionBatch, PagedKernelMetadata, triton_attention
 from engine.model_runner import cache_slots
-from engine.scheduler import ScheduledChunk
+from engine.scheduler_output import ScheduledChunk
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,8 @@ class DecodeGraphs:
         for chunk in chunks:
             if chunk.num_tokens != 1 or not chunk.samples:
                 return None
-            mm = chunk.request.mm
-            if mm is not None and chunk.start < chunk.request.num_prompt_tokens and mm.units_in(chunk.start, chunk.end):
+            mm = chunk.mm
+            if mm is not None and chunk.start < chunk.num_prompt_tokens and mm.units_in(chunk.start, chunk.end):
                 return None
         return next(size for size in self.sizes if size >= len(chunks))
 
@@ -121,13 +121,14 @@ class DecodeGraphs:
         ids, slots, seq_lens, table = [], [], [], []
         positions: list[list[int]] = [[] for _ in range(self.streams)]
         for chunk in chunks:
-            request, position = chunk.request, chunk.start
-            ids.append(request.token_ids_between(position, position + 1)[0])
-            for stream, values in zip(positions, runner.adapter.rope_positions(request, position, position + 1)):
+            position = chunk.start
+            ids.append(chunk.token_ids[0])
+            for stream, values in zip(positions, runner.adapter.rope_positions(chunk.mm, chunk.num_prompt_tokens,
+                                                                               position, position + 1)):
                 stream.extend(values)
-            slots.extend(cache_slots(request.block_ids, position, position + 1, bs))
+            slots.extend(cache_slots(chunk.block_ids, position, position + 1, bs))
             seq_lens.append(chunk.end)
-            blocks = request.block_ids[:width]
+            blocks = chunk.block_ids[:width]
             table.extend(blocks + [self.scratch_block] * (width - len(blocks)))
         pad = size - real
         ids += [0] * pad

@@ -358,7 +358,7 @@ class Engine:
                 # end the requests it carried, free their blocks, and keep serving the others.
                 self.num_step_failures += 1
                 log.exception("step %d failed; ending the %d requests it carried", self._steps, len(scheduled.chunks))
-                return [self._fail(chunk.request) for chunk in scheduled.chunks]
+                return [self._fail(self.requests[chunk.request_id]) for chunk in scheduled.chunks]
             ran_at = time.perf_counter()
             self.scheduler.update(scheduled, result.sampled)
             self._steps += 1

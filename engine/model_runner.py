@@ -23,7 +23,7 @@ from engine.kv_cache import KVCache
 from engine.models.base import VLMAdapter
 from engine.outputs import StepTimings
 from engine.sampling import TokenLogprobs, sample
-from engine.scheduler import EncoderWork, ScheduledChunk, SchedulerOutput
+from engine.scheduler_output import EncoderWork, ScheduledChunk, SchedulerOutput
 
 
 @dataclass
@@ -115,21 +115,21 @@ class ModelRunner:
         timings.forward = forwarded - run_at
         result = ModelRunnerOutput()
         if sampled_chunks:
-            requests = [chunk.request for chunk in sampled_chunks]
-            if any(r.matcher is not None for r in requests):
+            inputs = [chunk.sample for chunk in sampled_chunks]
+            if any(s.matcher is not None for s in inputs):
                 from engine.grammar import apply_token_masks
 
-                apply_token_masks(logits, [r.matcher for r in requests])
-            histories = [(r.prompt_token_ids, r.output_token_ids) for r in requests]
-            tokens, failed, logprobs = sample(logits, [r.sampling for r in requests], [r.generator for r in requests],
+                apply_token_masks(logits, [s.matcher for s in inputs])
+            histories = [(s.prompt_token_ids, s.output_token_ids) for s in inputs]
+            tokens, failed, logprobs = sample(logits, [s.sampling for s in inputs], [s.generator for s in inputs],
                                               histories)
             for row, token_logprobs in logprobs.items():
-                result.logprobs[requests[row].request_id] = token_logprobs
-            for request, token, bad in zip(requests, tokens, failed):
+                result.logprobs[sampled_chunks[row].request_id] = token_logprobs
+            for chunk, token, bad in zip(sampled_chunks, tokens, failed):
                 if bad:
-                    result.failed[request.request_id] = "the sampling distribution had no finite probability mass"
+                    result.failed[chunk.request_id] = "the sampling distribution had no finite probability mass"
                 else:
-                    result.sampled[request.request_id] = token
+                    result.sampled[chunk.request_id] = token
         timings.sample = time.perf_counter() - forwarded
         return result
 
@@ -148,16 +148,17 @@ class ModelRunner:
         where: list[int] = []
         features: list[torch.Tensor] = []
         for chunk in chunks:
-            request, start, end = chunk.request, chunk.start, chunk.end
+            start, end = chunk.start, chunk.end
             query_start = len(token_ids)
-            token_ids.extend(request.token_ids_between(start, end))
-            for stream, values in zip(positions, self.adapter.rope_positions(request, start, end)):
+            token_ids.extend(chunk.token_ids)
+            for stream, values in zip(positions, self.adapter.rope_positions(chunk.mm, chunk.num_prompt_tokens, start,
+                                                                             end)):
                 stream.extend(values)
-            slots.extend(cache_slots(request.block_ids, start, end, bs))
-            layouts.append(ChunkLayout(query_start, chunk, request.block_ids[: -(-end // bs)]))
+            slots.extend(cache_slots(chunk.block_ids, start, end, bs))
+            layouts.append(ChunkLayout(query_start, chunk, chunk.block_ids))
             if chunk.samples:
                 samples.append(len(token_ids) - 1)
-            if request.mm is not None:
+            if chunk.mm is not None:
                 self._features(chunk, query_start, where, features)
 
         at_ids = packer.take(token_ids)
@@ -180,14 +181,14 @@ class ModelRunner:
         self, chunk: ScheduledChunk, query_start: int, where: list[int], features: list[torch.Tensor]
     ) -> None:
         """Where this chunk's slice of vision features goes in the packed batch (placeholder positions)."""
-        mm = chunk.request.mm
+        mm = chunk.mm
         first_row, end_row = mm.rows_in(chunk.start, chunk.end)
         for unit in mm.units_in(chunk.start, chunk.end):
             unit_start = mm.unit_row_starts[unit]
             lo = max(first_row, unit_start)
             hi = min(end_row, unit_start + mm.unit_rows[unit])
             where.extend(p - chunk.start + query_start for p in mm.placeholder_positions[lo:hi])
-            features.append(self.encoder_features[(chunk.request.request_id, unit)][lo - unit_start : hi - unit_start])
+            features.append(self.encoder_features[(chunk.request_id, unit)][lo - unit_start : hi - unit_start])
 
     # -- the vision encoder ---------------------------------------------------------------------
     def _encode(self, work: list[EncoderWork]) -> None:
@@ -198,22 +199,21 @@ class ModelRunner:
         groups: dict[tuple[int, int] | None, list[EncoderWork]] = defaultdict(list)
         for item in work:  # features found in the shared cache first: nothing encoded below can drop them
             if item.from_cache:
-                key = item.request.mm.unit_hashes[item.unit]
-                self.encoder_features[(item.request.request_id, item.unit)] = shared.get(key)
+                self.encoder_features[item.key] = shared.get(item.mm.unit_hashes[item.unit])
         work = [item for item in work if not item.from_cache]
         for item in work:
             groups[None if item.first == 0 and item.finishes else (item.first, item.end)].append(item)
         for key, items in groups.items():
-            inputs = [item.request.mm.encoder_inputs[item.unit] for item in items]
+            inputs = [item.mm.encoder_inputs[item.unit] for item in items]
             if key is None:
                 results = self.adapter.encode(inputs)
             else:
-                states = [self.encoder_features.get((item.request.request_id, item.unit)) for item in items]
+                states = [self.encoder_features.get(item.key) for item in items]
                 results = self.adapter.encode_slices(inputs, states, *key)
             for item, result in zip(items, results):
-                self.encoder_features[(item.request.request_id, item.unit)] = result
-                if shared is not None and item.finishes and item.request.mm.unit_hashes:
-                    shared.put(item.request.mm.unit_hashes[item.unit], result)
+                self.encoder_features[item.key] = result
+                if shared is not None and item.finishes and item.mm.unit_hashes:
+                    shared.put(item.mm.unit_hashes[item.unit], result)
         self.encoder_inputs_encoded += sum(item.finishes for item in work)
         self.encoder_slices_run += sum(item.end - item.first for item in work)
         self.encoder_seconds += time.perf_counter() - began

@@ -40,68 +40,15 @@ from its prompt plus the tokens it has generated. Blocks and the prefix cache: e
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.encoder_cache import EncoderOutputCache
 from engine.kv_cache import BlockPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import MultimodalPrompt, Request, RequestStatus
-from engine.step_costs import ENCODER_GROUP, StepCosts, StepShape, chunk_keys
-
-
-@dataclass
-class ScheduledChunk:
-    request: Request
-    start: int
-    num_tokens: int
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the request's last token, so this step yields its next token."""
-        return self.end == self.request.num_tokens
-
-
-@dataclass
-class EncoderWork:
-    """Slices first..end-1 of the vision tower on encoder input `unit` of `request`."""
-
-    request: Request
-    unit: int
-    first: int
-    end: int
-    from_cache: bool = False  # the features are taken from the encoder output cache; no tower runs
-
-    @property
-    def finishes(self) -> bool:
-        """After this step the input's features are ready for the chunks that reach its placeholders."""
-        return self.end == self.request.mm.encoder_slices
-
-
-@dataclass
-class SchedulerOutput:
-    """What the runner runs this step, and what it frees first: the encoder inputs (request id, input) whose
-    features or tower state no chunk will read again, freed since the last step (a request finished,
-    aborted or preempted, or its chunks went past the input's placeholders)."""
-
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    encoder_work: list[EncoderWork] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    freed_encoder_inputs: list[tuple[str, int]] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    def shape(self) -> StepShape:
-        """The step in the cost model's terms (engine/step_costs.py)."""
-        rows = sum(w.request.mm.unit_rows[w.unit] * (w.end - w.first) / w.request.mm.encoder_slices
-                   for w in self.encoder_work if not w.from_cache)
-        return StepShape(self.num_tokens, sum(chunk_keys(c.start, c.num_tokens) for c in self.chunks), rows)
+from engine.scheduler_output import EncoderWork, ScheduledChunk, SchedulerOutput
+from engine.step_costs import ENCODER_GROUP, StepCosts, chunk_keys
 
 
 @dataclass
@@ -181,7 +128,7 @@ class StepBudget:
         per_row = self.costs.per_encoder_row if self.costs is not None else None
         if work.from_cache or per_row is None:
             return 0.0
-        mm = work.request.mm
+        mm = work.mm
         return per_row * mm.unit_rows[work.unit] * (work.end - work.first) / mm.encoder_slices
 
     def affordable_slices(self, rows: int, slices: int) -> int:
@@ -200,7 +147,7 @@ def encoder_tokens_after(left: int | None, work: list[EncoderWork]) -> int | Non
     """The encoder budget left after `work` (inputs taken from the encoder output cache cost nothing)."""
     if left is None:
         return None
-    spent = sum(item.request.mm.unit_rows[item.unit] for item in work if not item.from_cache)
+    spent = sum(item.mm.unit_rows[item.unit] for item in work if not item.from_cache)
     return max(left - spent, 0)
 
 
@@ -215,6 +162,7 @@ class Scheduler:
         self.encoder_outputs = encoder_outputs  # features shared across requests by content (engine/encoder_cache.py)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # waiting or running, by id
         # Per request, the encoder inputs whose state or features the runner holds, and the slices run.
         self.encoder_progress: dict[str, dict[int, int]] = {}
         self.freed_encoder_inputs: list[tuple[str, int]] = []  # for the runner, in the next SchedulerOutput
@@ -223,6 +171,7 @@ class Scheduler:
     # -- queue changes --------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=Request.sort_key)
 
     def finish(self, request: Request, reason: str) -> None:
@@ -231,6 +180,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self._release(request)
+        self.requests.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
@@ -245,7 +195,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         self.add(request)
         self.num_preemptions += 1
-        out.preempted.append(request)
+        out.preempted.append(request.request_id)
 
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -267,7 +217,7 @@ class Scheduler:
             if budget.spent:
                 return
             if request.status is RequestStatus.RUNNING and self._allocate(request, 1, scheduled, out):
-                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, 1))
+                out.chunks.append(ScheduledChunk.of(request, request.num_computed_tokens, 1, self.config.block_size))
                 scheduled.add(request.request_id)
                 budget.spend_decode(request.num_computed_tokens)
 
@@ -383,7 +333,8 @@ class Scheduler:
         mm = request.mm
         pending = self._unfinished_units(request, start, request.num_tokens)
         held = [u for u in pending if self._held(request, u)]
-        work = [EncoderWork(request, u, mm.encoder_slices, mm.encoder_slices, from_cache=True) for u in held]
+        work = [EncoderWork(request.request_id, mm, u, mm.encoder_slices, mm.encoder_slices, from_cache=True)
+                for u in held]
         todo = [u for u in pending if u not in held]
         if not todo:
             return work
@@ -409,7 +360,7 @@ class Scheduler:
         end = min(mm.encoder_slices, done + affordable, done + cap if cap else mm.encoder_slices)
         if end == done:
             return work
-        return work + [EncoderWork(request, unit, done, end) for unit in group]
+        return work + [EncoderWork(request.request_id, mm, unit, done, end) for unit in group]
 
     @staticmethod
     def _seconds(budget: StepBudget, work: list[EncoderWork]) -> float:
@@ -446,11 +397,11 @@ class Scheduler:
         budgets; under a time budget `_lockstep` decides)."""
         slices = request.mm.encoder_slices
         if self._held(request, unit):
-            return EncoderWork(request, unit, slices, slices, from_cache=True)
+            return EncoderWork(request.request_id, request.mm, unit, slices, slices, from_cache=True)
         done = self.encoder_progress.get(request.request_id, {}).get(unit, 0)
         step = self.config.encoder_slices_per_step
         end = slices if whole or step is None else min(done + step, slices)
-        return EncoderWork(request, unit, done, end)
+        return EncoderWork(request.request_id, request.mm, unit, done, end)
 
     @staticmethod
     def _keep_span_whole(mm: MultimodalPrompt, start: int, n: int, alone: bool) -> int:
@@ -479,7 +430,7 @@ class Scheduler:
         self, request: Request, n: int, work: list[EncoderWork], out: SchedulerOutput, scheduled: set[str]
     ) -> None:
         if n > 0:
-            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+            out.chunks.append(ScheduledChunk.of(request, request.num_computed_tokens, n, self.config.block_size))
         out.encoder_work.extend(work)
         progress = self.encoder_progress.setdefault(request.request_id, {})
         for item in work:
@@ -491,7 +442,7 @@ class Scheduler:
         """Advance each scheduled request past its chunk, append sampled tokens, and release the
         encoder outputs that every later chunk has passed."""
         for chunk in out.chunks:
-            request = chunk.request
+            request = self.requests[chunk.request_id]
             request.num_computed_tokens = chunk.end
             self.kv_cache_manager.cache_full_blocks(request, chunk.start)
             token = sampled.get(request.request_id)

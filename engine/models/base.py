@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from engine.attention import ATTN_IMPLEMENTATION, AttentionBatch
-from engine.request import MultimodalPrompt, Request
+from engine.request import MultimodalPrompt
 from engine.video import Video
 
 # Model types whose image tokens attend to each other both ways in transformers (Gemma 3 puts a bidirectional
@@ -198,17 +198,18 @@ class VLMAdapter:
             mm.encoder_slices = self.encoder_slices
         return token_ids, mm
 
-    def rope_positions(self, request: Request, start: int, end: int) -> list[Sequence[int]]:
-        """Rotary positions of the request's tokens start..end-1, one sequence per position stream (one for
+    def rope_positions(self, mm: MultimodalPrompt | None, num_prompt_tokens: int, start: int, end: int
+                       ) -> list[Sequence[int]]:
+        """Rotary positions of a request's tokens start..end-1 (its prompt's encoder inputs `mm`, of
+        `num_prompt_tokens` tokens), one sequence per position stream (one for
         ordinary RoPE, `rope_streams` for multimodal RoPE). A prompt's multimodal positions were computed once
         by the model's own rule (`MultimodalPrompt.rope_positions`) and are sliced here; later tokens
         (generated, or replayed after preemption) continue that rule, token index plus the prompt's delta;
         text-only prompts have the token index in every stream."""
-        mm = request.mm
         streams = self.rope_streams or 1
         if mm is None or mm.rope_positions is None:
             return [range(start, end)] * streams
-        delta, prompt_len = mm.rope_position_delta, request.num_prompt_tokens
+        delta, prompt_len = mm.rope_position_delta, num_prompt_tokens
         after = range(max(start, prompt_len) + delta, max(end, prompt_len) + delta)
         if start >= prompt_len:
             return [after] * streams

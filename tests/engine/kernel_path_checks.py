@@ -17,7 +17,7 @@ from engine.attention import AttentionBatch, PagedKernelMetadata, PrefillSpan, r
 from engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.paged_kernel import paged_attention  # noqa: E402
-from engine.scheduler import ScheduledChunk  # noqa: E402
+from engine.scheduler_output import ScheduledChunk  # noqa: E402
 
 
 class OpRecorder(TorchDispatchMode):

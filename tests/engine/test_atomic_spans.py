@@ -9,7 +9,8 @@ import pytest
 from engine import EngineConfig, SamplingParams
 from engine.kv_cache import BlockPool
 from engine.request import MultimodalPrompt, Request
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
 
 # (prompt length, image spans as [start, end) positions, arrival step)
 PROMPTS = [
@@ -48,14 +49,14 @@ def schedule_all_prompts(budget: int, atomic: bool) -> list[SchedulerOutput]:
             if arrival == len(steps):
                 scheduler.add(request)
         out = scheduler.schedule()
-        scheduler.update(out, {c.request.request_id: 0 for c in out.chunks if c.samples})
+        scheduler.update(out, {c.request_id: 0 for c in out.chunks if c.samples})
         steps.append(out)
         assert len(steps) < 200, "no progress"
     return steps
 
 
-def ends_inside_a_span(request: Request, end: int) -> bool:
-    spans = PROMPTS[int(request.request_id[1:])][1]
+def ends_inside_a_span(request_id: str, end: int) -> bool:
+    spans = PROMPTS[int(request_id[1:])][1]
     return any(start < end < stop for start, stop in spans)
 
 
@@ -63,14 +64,14 @@ def ends_inside_a_span(request: Request, end: int) -> bool:
 def test_atomic_spans_are_never_split_and_oversized_spans_run_without_other_prefills(budget):
     steps = schedule_all_prompts(budget, atomic=True)
     for out in steps:
-        prefills = [c for c in out.chunks if c.start < c.request.num_prompt_tokens]
+        prefills = [c for c in out.chunks if c.start < c.num_prompt_tokens]
         for chunk in prefills:
             assert chunk.num_tokens > 0
-            assert not ends_inside_a_span(chunk.request, chunk.end)
+            assert not ends_inside_a_span(chunk.request_id, chunk.end)
         if out.num_tokens > budget:  # the one allowed excess: a span alone, larger than what decodes left
             assert len(prefills) == 1
             chunk = prefills[0]
-            assert (chunk.start, chunk.end) in PROMPTS[int(chunk.request.request_id[1:])][1]
+            assert (chunk.start, chunk.end) in PROMPTS[int(chunk.request_id[1:])][1]
             assert chunk.num_tokens > budget - (len(out.chunks) - 1)
     assert any(out.num_tokens > budget for out in steps)  # the 20-token span could not fit any budget here
 
@@ -78,5 +79,5 @@ def test_atomic_spans_are_never_split_and_oversized_spans_run_without_other_pref
 @pytest.mark.parametrize("budget", [7, 8, 13])
 def test_without_the_flag_the_same_spans_are_split_and_the_budget_holds(budget):
     steps = schedule_all_prompts(budget, atomic=False)
-    assert any(ends_inside_a_span(c.request, c.end) for out in steps for c in out.chunks)
+    assert any(ends_inside_a_span(c.request_id, c.end) for out in steps for c in out.chunks)
     assert max(out.num_tokens for out in steps) <= budget

@@ -9,7 +9,7 @@ import torch
 from engine import Engine, EngineConfig, SamplingParams
 from engine.attention_backends import ChunkLayout
 from engine.presets import PRESETS, build_checkpoint
-from engine.scheduler import ScheduledChunk
+from engine.scheduler_output import ScheduledChunk
 from tests.engine.conftest import DEVICE
 
 
@@ -31,7 +31,7 @@ def _decode_at(context: int) -> ScheduledChunk:
     from engine.request import Request
 
     request = Request("r", list(range(context)), SamplingParams(), 0, 0, context + 1)
-    return ScheduledChunk(request, context - 1, 1)
+    return ScheduledChunk.of(request, context - 1, 1, 16)
 
 
 def test_a_long_context_among_short_ones_is_attended_in_its_own_batch(make_engine):
@@ -88,7 +88,7 @@ def test_gemma3_masks_are_transformers_own_block_and_window_rules(tmp_path, phot
     second_image = request.mm.unit_first_position(1)
     assert window < request.mm.unit_rows[0]  # the window cuts into an image's own block
     for start, end in [(0, n), (0, second_image), (second_image, n)]:
-        mask, sliding = engine.runner.masked_backend.prefill_masks(ScheduledChunk(request, start, end - start))
+        mask, sliding = engine.runner.masked_backend.prefill_masks(ScheduledChunk.of(request, start, end - start, 16))
         if mask is None:  # plain causal
             mask = torch.ones(end - start, end, dtype=torch.bool).tril(start)
         assert torch.equal(mask, expected_full[start:end, :end]), (start, end)
@@ -235,7 +235,7 @@ def test_prefill_chunks_read_the_cache_in_place_as_the_reference_gathers_it(dtyp
     cache.keys[0].copy_(torch.randn_like(cache.keys[0], dtype=torch.float32))
     cache.values[0].copy_(torch.randn_like(cache.values[0], dtype=torch.float32))
     request = Request("r", list(range(end)), SamplingParams(), 0, 0, end + 1)
-    layout = ChunkLayout(0, ScheduledChunk(request, start, end - start), blocks)
+    layout = ChunkLayout(0, ScheduledChunk.of(request, start, end - start, block_size), blocks)
     slots = torch.tensor(cache_slots(blocks, start, end, block_size))
     q = torch.randn(heads, end - start, d).to(dtype)
     results = []

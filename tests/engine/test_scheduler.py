@@ -7,7 +7,8 @@ from engine import EngineConfig, SamplingParams
 from engine.kv_cache import BlockPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
 
 BS = 4  # tokens a block
 
@@ -24,12 +25,12 @@ def scheduler(num_blocks: int = 64, **config) -> Scheduler:
 
 def step(s: Scheduler) -> SchedulerOutput:
     out = s.schedule()
-    s.update(out, {c.request.request_id: 7 for c in out.chunks if c.samples})
+    s.update(out, {c.request_id: 7 for c in out.chunks if c.samples})
     return out
 
 
 def chunks(out: SchedulerOutput) -> list[tuple[str, int, int]]:
-    return [(c.request.request_id, c.start, c.end) for c in out.chunks]
+    return [(c.request_id, c.start, c.end) for c in out.chunks]
 
 
 def test_decodes_first_then_prefill_chunks_then_admissions_in_priority_order_under_the_budget():
@@ -57,9 +58,9 @@ def test_a_request_that_needs_a_block_preempts_the_lowest_priority_newest_one():
     step(s)
     assert s.kv_cache_manager.pool.num_free == 0
     out = step(s)  # both decode; "old" needs its third block and none is free
-    assert [r.request_id for r in out.preempted] == ["new"]
+    assert out.preempted == ["new"]
     assert chunks(out) == [("old", 8, 9)]
-    new = out.preempted[0]
+    new = next(r for r in s.waiting if r.request_id == "new")
     assert new.block_ids == [] and new.num_computed_tokens == 0 and new in s.waiting
     assert s.num_preemptions == 1
 
@@ -71,7 +72,7 @@ def test_a_second_request_with_the_same_prompt_starts_after_the_cached_blocks_le
     s.add(request("second", 12, arrival=1))
     out = step(s)
     assert ("second", 8, 12) in chunks(out)  # blocks 0 and 1 found; block 2 holds the last token, recomputed
-    second = out.chunks[-1].request
+    second = s.requests[out.chunks[-1].request_id]
     assert second.block_ids[:2] == s.running[0].block_ids[:2]
     assert second.num_cached_tokens == 8
     stats = s.kv_cache_manager.stats()
@@ -92,7 +93,7 @@ def test_a_preempted_request_finds_its_own_blocks_when_readmitted():
     s.add(old)
     s.add(new)
     assert chunks(step(s)) == [("old", 0, 8), ("new", 0, 8)]
-    assert step(s).preempted == [new]  # "old" needs a third block: the last empty one goes to it
+    assert step(s).preempted == ["new"]  # "old" needs a third block: the last empty one goes to it
     assert new.block_ids == []
     s.finish(old, "stop")
     assert chunks(step(s)) == [("new", 8, 11)]  # its two full blocks were still findable

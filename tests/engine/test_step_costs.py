@@ -8,7 +8,8 @@ import pytest
 from engine import EngineConfig, SamplingParams
 from engine.kv_cache import BlockPool
 from engine.request import MultimodalPrompt, Request
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
 from engine.step_costs import ENCODER_GROUP, PLANNED_SHARE, StepCosts, StepShape, chunk_keys
 
 BS = 4
@@ -42,7 +43,7 @@ def scheduler(model: StepCosts | None, **config) -> Scheduler:
 
 def step(s: Scheduler) -> SchedulerOutput:
     out = s.schedule()
-    s.update(out, {c.request.request_id: 7 for c in out.chunks if c.samples})
+    s.update(out, {c.request_id: 7 for c in out.chunks if c.samples})
     return out
 
 
@@ -83,7 +84,7 @@ def test_a_prompt_progresses_even_when_the_decodes_alone_reach_the_target(target
     prompt = request("prompt", 40, arrival=20)
     s.add(prompt)
     out = step(s)
-    assert [c.num_tokens for c in out.chunks if c.request.request_id == "prompt"] == [BS if target_set else 20]
+    assert [c.num_tokens for c in out.chunks if c.request_id == "prompt"] == [BS if target_set else 20]
     decodes = model.fixed + 12 * model.per_token
     assert predicted(model, out) <= decodes + (BS * model.per_token if target_set else model.planned) + 1e-9
     while not prompt.is_decoding:
