@@ -357,8 +357,10 @@ class Engine:
                 # Input is validated in add_request, so this is a fault of the step itself (a bug, memory):
                 # end the requests it carried, free their blocks, and keep serving the others.
                 self.num_step_failures += 1
-                log.exception("step %d failed; ending the %d requests it carried", self._steps, len(scheduled.chunks))
-                return [self._fail(self.requests[chunk.request_id]) for chunk in scheduled.chunks]
+                carried = list(dict.fromkeys([c.request_id for c in scheduled.chunks]
+                                             + [w.request_id for w in scheduled.encoder_work]))
+                log.exception("step %d failed; ending the %d requests it carried", self._steps, len(carried))
+                return [self._fail(self.requests[rid]) for rid in carried]
             ran_at = time.perf_counter()
             self.scheduler.update(scheduled, result.sampled)
             self._steps += 1

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.encoder_cache import EncoderOutputCache
+from engine.encoder_inputs import EncoderInputs
 from engine.kv_cache import BlockPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import MultimodalPrompt, Request, RequestStatus
@@ -159,13 +160,10 @@ class Scheduler:
         self.config = config
         self.costs = costs  # the step cost model (engine/step_costs.py); None or not ready: no time budget
         self.kv_cache_manager = KVCacheManager(pool, config)
-        self.encoder_outputs = encoder_outputs  # features shared across requests by content (engine/encoder_cache.py)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # waiting or running, by id
-        # Per request, the encoder inputs whose state or features the runner holds, and the slices run.
-        self.encoder_progress: dict[str, dict[int, int]] = {}
-        self.freed_encoder_inputs: list[tuple[str, int]] = []  # for the runner, in the next SchedulerOutput
+        self.encoder_inputs = EncoderInputs(encoder_outputs)  # every encoder input's progress, held and freed
         self.num_preemptions = 0
 
     # -- queue changes --------------------------------------------------------------------------
@@ -186,8 +184,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
-        for unit in sorted(self.encoder_progress.pop(request.request_id, ())):
-            self.freed_encoder_inputs.append((request.request_id, unit))
+        self.encoder_inputs.release(request.request_id)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -199,8 +196,7 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(freed_encoder_inputs=self.freed_encoder_inputs)
-        self.freed_encoder_inputs = []
+        out = SchedulerOutput(freed_encoder_inputs=self.encoder_inputs.take_freed())
         budget = StepBudget.for_step(self.config, self.costs)
         scheduled: set[str] = set()
         by_priority = sorted(self.running, key=Request.sort_key)
@@ -270,12 +266,6 @@ class Scheduler:
         return True
 
     # -- chunks and encoder work ----------------------------------------------------------------
-    def _held(self, request: Request, unit: int) -> bool:
-        """The input's features are in the encoder output cache and its tower has not started."""
-        cache = self.encoder_outputs
-        return (cache is not None and bool(request.mm.unit_hashes) and request.mm.unit_hashes[unit] in cache
-                and self.encoder_progress.get(request.request_id, {}).get(unit, 0) == 0)
-
     def _chunk(self, request: Request, max_tokens: int, budget: StepBudget) -> tuple[int, list[EncoderWork]]:
         """How many prompt tokens (at most `max_tokens`) `request` computes this step, and the encoder work
         that needs."""
@@ -283,11 +273,12 @@ class Scheduler:
         remaining = request.num_tokens - start
         if not self.config.enable_chunked_prefill:
             n = remaining if remaining <= max_tokens or not budget.prefill_scheduled else 0
-            return n, [self._work(request, u, whole=True) for u in self._unfinished_units(request, start, start + n)]
+            units = self.encoder_inputs.unfinished(request, start, start + n)
+            return n, [self._work(request, u, whole=True) for u in units]
         n = min(remaining, max_tokens)
         if request.mm is not None and request.mm.atomic_units:
             n = self._keep_span_whole(request.mm, start, n, alone=not budget.prefill_scheduled)
-        units = self._unfinished_units(request, start, start + n)
+        units = self.encoder_inputs.unfinished(request, start, start + n)
         if budget.seconds is not None:
             return self._timed_chunk(request, start, n, units, budget)
         if budget.encoder_tokens is not None:
@@ -312,7 +303,7 @@ class Scheduler:
             work: list[EncoderWork] = []
         else:
             work = self._lockstep(request, start, budget)
-            after = dict(self.encoder_progress.get(request.request_id, {}))
+            after = dict(self.encoder_inputs.progress.get(request.request_id, {}))
             after.update({item.unit: item.end for item in work})
             unready = next((u for u in units if after.get(u, 0) < request.mm.encoder_slices), None)
             if unready is not None:
@@ -331,14 +322,14 @@ class Scheduler:
         same slices together, as many as fit the step's time (one input alone multiplies a third slower per
         row than two together)."""
         mm = request.mm
-        pending = self._unfinished_units(request, start, request.num_tokens)
-        held = [u for u in pending if self._held(request, u)]
+        pending = self.encoder_inputs.unfinished(request, start, request.num_tokens)
+        held = [u for u in pending if self.encoder_inputs.held(request, u)]
         work = [EncoderWork(request.request_id, mm, u, mm.encoder_slices, mm.encoder_slices, from_cache=True)
                 for u in held]
         todo = [u for u in pending if u not in held]
         if not todo:
             return work
-        progress = self.encoder_progress.get(request.request_id, {})
+        progress = self.encoder_inputs.progress.get(request.request_id, {})
         done = progress.get(todo[0], 0)
         group = [todo[0]]
         for unit in todo[1:]:
@@ -371,11 +362,13 @@ class Scheduler:
         if it fits in what is left of the encoder budget (token budgets; under a time budget `_lockstep`
         decides)."""
         busy = {item.unit for item in work}
-        ahead = next((u for u in self._unfinished_units(request, end, request.num_tokens) if u not in busy), None)
+        pending = self.encoder_inputs.unfinished(request, end, request.num_tokens)
+        ahead = next((u for u in pending if u not in busy), None)
         if ahead is None:
             return []
         encoder_left = encoder_tokens_after(budget.encoder_tokens, work)
-        if encoder_left is not None and request.mm.unit_rows[ahead] > encoder_left and not self._held(request, ahead):
+        if (encoder_left is not None and request.mm.unit_rows[ahead] > encoder_left
+                and not self.encoder_inputs.held(request, ahead)):
             return []
         return [self._work(request, ahead, whole=False)]
 
@@ -385,7 +378,7 @@ class Scheduler:
         mm = request.mm
         used = 0
         for count, unit in enumerate(units):
-            if self._held(request, unit):
+            if self.encoder_inputs.held(request, unit):
                 continue
             used += mm.unit_rows[unit]
             if used > budget.encoder_tokens and not (budget.encoder_untouched and count == 0):
@@ -396,9 +389,9 @@ class Scheduler:
         """The next slices of an input's vision tower: all that are left, or `encoder_slices_per_step` (token
         budgets; under a time budget `_lockstep` decides)."""
         slices = request.mm.encoder_slices
-        if self._held(request, unit):
+        if self.encoder_inputs.held(request, unit):
             return EncoderWork(request.request_id, request.mm, unit, slices, slices, from_cache=True)
-        done = self.encoder_progress.get(request.request_id, {}).get(unit, 0)
+        done = self.encoder_inputs.slices_done(request.request_id, unit)
         step = self.config.encoder_slices_per_step
         end = slices if whole or step is None else min(done + step, slices)
         return EncoderWork(request.request_id, request.mm, unit, done, end)
@@ -418,29 +411,19 @@ class Scheduler:
             return span_start - start
         return span_end - start if alone else 0
 
-    def _unfinished_units(self, request: Request, start: int, end: int) -> list[int]:
-        """Encoder inputs with placeholders in [start, end) whose features are not ready yet."""
-        if request.mm is None or end <= start:
-            return []
-        progress = self.encoder_progress.get(request.request_id, {})
-        slices = request.mm.encoder_slices
-        return [u for u in request.mm.units_in(start, end) if progress.get(u, 0) < slices]
-
     def _take(
         self, request: Request, n: int, work: list[EncoderWork], out: SchedulerOutput, scheduled: set[str]
     ) -> None:
         if n > 0:
             out.chunks.append(ScheduledChunk.of(request, request.num_computed_tokens, n, self.config.block_size))
         out.encoder_work.extend(work)
-        progress = self.encoder_progress.setdefault(request.request_id, {})
-        for item in work:
-            progress[item.unit] = item.end
         scheduled.add(request.request_id)
 
     # -- after the forward ----------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Advance each scheduled request past its chunk, append sampled tokens, and release the
-        encoder outputs that every later chunk has passed."""
+        """After the runner ran `out`: commit the encoder work's progress, advance each scheduled request
+        past its chunk, append sampled tokens, and free the encoder inputs that every later chunk has passed."""
+        self.encoder_inputs.commit(out.encoder_work, self.requests)
         for chunk in out.chunks:
             request = self.requests[chunk.request_id]
             request.num_computed_tokens = chunk.end
@@ -448,10 +431,6 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is not None:
                 request.output_token_ids.append(token)
-            progress = self.encoder_progress.get(request.request_id)
-            if progress:
-                passed = [u for u in progress if request.mm.unit_last_position(u) < request.num_computed_tokens]
-                for unit in sorted(passed):
-                    del progress[unit]
-                    self.freed_encoder_inputs.append((request.request_id, unit))
+            if request.mm is not None:
+                self.encoder_inputs.passed(request.request_id, request.mm, request.num_computed_tokens)
 

@@ -135,7 +135,7 @@ def test_inputs_run_in_lockstep_up_to_the_group_and_the_encoder_budget(encoder_b
     capped = scheduler(model, encoder_slices_per_step=2)
     other = request("other", 70, mm=image_prompt(first=2, inputs=6, rows=10, slices=5))
     capped.add(other)
-    capped.encoder_progress[other.request_id] = {0: 1}  # the first input one slice ahead of the others
+    capped.encoder_inputs.progress[other.request_id] = {0: 1}  # the first input one slice ahead of the others
     first = step(capped).encoder_work
     assert [(w.unit, w.first, w.end) for w in first] == [(0, 1, 3)]
 
