@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from engine.models.llava import LlavaAdapter
+from engine.models.image_tower import ImageTowerAdapter
 from engine.models.sliced_tower import join
 
 
-class Gemma3Adapter(LlavaAdapter):
-    """Prompts expand as LLaVA's do (one view an image, every image the same number of tokens); the image
-    features and the text model are Gemma 3's."""
+class Gemma3Adapter(ImageTowerAdapter):
+    """One view an image, every image the same number of tokens (`ImageTowerAdapter`); the image features and
+    the text model are Gemma 3's."""
 
     architectures = ("Gemma3ForConditionalGeneration",)
     image_marker = "<start_of_image>"
