@@ -294,7 +294,7 @@ def vision_tile_ms(engine: Engine, tiles: int, repeats: int = 2) -> dict[str, fl
         result[f"{name}_ms_per_input"] = (time.perf_counter() - began) / repeats / tiles * 1e3
     adapter.lean_vision = lean
     result["lean_layers"] = sum(layer is not None for layer in lean or ())
-    result["input_rows"] = mm.unit_rows[0]
+    result["input_rows"] = mm.input_rows[0]
     return result
 
 

@@ -69,7 +69,7 @@ class ChunkLayout:
 def needs_masks(chunk: ScheduledChunk) -> bool:
     """A prefill chunk whose image tokens attend both ways needs the reference path's explicit masks."""
     mm = chunk.mm
-    return chunk.num_tokens > 1 and mm is not None and mm.atomic_units and bool(mm.units_in(chunk.start, chunk.end))
+    return chunk.num_tokens > 1 and mm is not None and mm.atomic_inputs and bool(mm.inputs_in(chunk.start, chunk.end))
 
 
 def padded(blocks: list[int], width: int) -> list[int]:
@@ -208,18 +208,18 @@ class ReferenceBackend(AttentionBackend):
 
     def prefill_masks(self, chunk: ScheduledChunk) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Which keys each query of a prefill chunk sees: causally the positions up to its own, and where image
-        tokens attend both ways (`atomic_units`, whose spans a chunk holds whole) every token of its own
+        tokens attend both ways (`atomic_inputs`, whose spans a chunk holds whole) every token of its own
         image too. None for plain causal attention over a chunk that starts the sequence. Then the same
         within the sliding window, for models with sliding-window layers (None otherwise)."""
         start, end, mm = chunk.start, chunk.end, chunk.mm
-        images = mm.units_in(start, end) if mm is not None and mm.atomic_units else []
+        images = mm.inputs_in(start, end) if mm is not None and mm.atomic_inputs else []
         window = self.sliding_window
         plain_causal = start == 0 and not images
         if plain_causal and window is None:
             return None, None
         mask = torch.ones(chunk.num_tokens, end, dtype=torch.bool, device=self.device).tril(start)
-        for unit in images:
-            first, last = mm.unit_first_position(unit), mm.unit_last_position(unit) + 1
+        for index in images:
+            first, last = mm.input_first_position(index), mm.input_last_position(index) + 1
             mask[max(first, start) - start : last - start, first:last] = True
         sliding_mask = None
         if window is not None:
@@ -265,13 +265,13 @@ class CpuBackend(ReferenceBackend):
         ([1, 1, q, q]: 0 or -inf, the cache's dtype): causally, and where image tokens attend both ways every
         token of its own image (None: causal alone)."""
         start, end, mm = chunk.start, chunk.end, chunk.mm
-        images = mm.units_in(start, end) if mm is not None and mm.atomic_units else []
+        images = mm.inputs_in(start, end) if mm is not None and mm.atomic_inputs else []
         if not images:
             return None
         mask = torch.ones(chunk.num_tokens, chunk.num_tokens, dtype=torch.bool, device=self.device).tril()
-        for unit in images:
-            first = max(mm.unit_first_position(unit), start) - start
-            last = mm.unit_last_position(unit) + 1 - start
+        for index in images:
+            first = max(mm.input_first_position(index), start) - start
+            last = mm.input_last_position(index) + 1 - start
             mask[first:last, first:last] = True
         hidden = torch.zeros(mask.shape, dtype=self.kv_cache.keys[0].dtype, device=self.device)
         return hidden.masked_fill_(~mask, float("-inf"))[None, None]

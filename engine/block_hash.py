@@ -50,9 +50,9 @@ def _salted(root: bytes, salt: str | None) -> bytes:
     return hashlib.sha256(root + len(encoded).to_bytes(8, "little") + encoded).digest()
 
 
-def add_unit_hashes(mm: MultimodalPrompt, cache_salt: str | None = None) -> None:
+def add_input_hashes(mm: MultimodalPrompt, cache_salt: str | None = None) -> None:
     """Each encoder input's hash: its content's, salted by the request's `cache_salt`."""
-    mm.unit_hashes = [_salted(content_hash(inputs), cache_salt) for inputs in mm.encoder_inputs]
+    mm.input_hashes = [_salted(content_hash(inputs), cache_salt) for inputs in mm.encoder_inputs]
 
 
 def full_block_hashes(request: Request, block_size: int, num_tokens: int) -> list[bytes]:
@@ -60,15 +60,15 @@ def full_block_hashes(request: Request, block_size: int, num_tokens: int) -> lis
     known), extending `request.block_hashes`, which keeps those already computed."""
     hashes = request.block_hashes
     mm = request.mm
-    if mm is not None and len(mm.unit_hashes) != mm.num_units:  # `Engine.add_request` computes them off the lock
-        add_unit_hashes(mm, request.cache_salt)
+    if mm is not None and len(mm.input_hashes) != mm.num_inputs:  # `Engine.add_request` computes them off the lock
+        add_input_hashes(mm, request.cache_salt)
     for index in range(len(hashes), num_tokens // block_size):
         start = index * block_size
         digest = hashlib.sha256(hashes[-1] if hashes else _salted(PREFIX_ROOT, request.cache_salt))
         digest.update(array("q", request.token_ids_between(start, start + block_size)).tobytes())
         if mm is not None:
-            for unit in mm.units_in(start, start + block_size):
-                digest.update(mm.unit_hashes[unit])
-                digest.update(mm.unit_first_position(unit).to_bytes(8, "little"))
+            for index in mm.inputs_in(start, start + block_size):
+                digest.update(mm.input_hashes[index])
+                digest.update(mm.input_first_position(index).to_bytes(8, "little"))
         hashes.append(digest.digest())
     return hashes

@@ -94,7 +94,7 @@ def calibrate_encoder(costs: StepCosts, adapter: VLMAdapter) -> None:
     _, mm = adapter.process(prompt, [photo], options=dict(adapter.single_input_options) or None)
     if mm is None or not mm.encoder_inputs:
         return
-    rows, slices = mm.unit_rows[0], adapter.encoder_slices
+    rows, slices = mm.input_rows[0], adapter.encoder_slices
     layer = min(slices, adapter.slices_per_layer)
     inputs: list = []
     states: list = []

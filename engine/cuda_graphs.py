@@ -101,7 +101,7 @@ class DecodeGraphs:
             if chunk.num_tokens != 1 or not chunk.samples:
                 return None
             mm = chunk.mm
-            if mm is not None and chunk.start < chunk.num_prompt_tokens and mm.units_in(chunk.start, chunk.end):
+            if mm is not None and chunk.start < chunk.num_prompt_tokens and mm.inputs_in(chunk.start, chunk.end):
                 return None
         return next(size for size in self.sizes if size >= len(chunks))
 

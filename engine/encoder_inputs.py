@@ -34,7 +34,7 @@ class EncoderInputs:
     def held(self, request: Request, index: int) -> bool:
         """The input's features are in the encoder output cache and its tower has not started."""
         shared = self.shared
-        return (shared is not None and bool(request.mm.unit_hashes) and request.mm.unit_hashes[index] in shared
+        return (shared is not None and bool(request.mm.input_hashes) and request.mm.input_hashes[index] in shared
                 and self.slices_done(request.request_id, index) == 0)
 
     def unfinished(self, request: Request, start: int, end: int) -> list[int]:
@@ -43,19 +43,19 @@ class EncoderInputs:
             return []
         progress = self.progress.get(request.request_id, {})
         slices = request.mm.encoder_slices
-        return [i for i in request.mm.units_in(start, end) if progress.get(i, 0) < slices]
+        return [i for i in request.mm.inputs_in(start, end) if progress.get(i, 0) < slices]
 
     def commit(self, work: list[EncoderWork], live: dict[str, Request]) -> None:
         """Record the slices a step ran (the runner has their results), for requests still `live`."""
         for item in work:
             if item.request_id in live:
-                self.progress.setdefault(item.request_id, {})[item.unit] = item.end
+                self.progress.setdefault(item.request_id, {})[item.index] = item.end
 
     def passed(self, request_id: str, mm: MultimodalPrompt, computed: int) -> None:
         """Free the inputs of a request whose every placeholder lies before position `computed`."""
         progress = self.progress.get(request_id)
         if progress:
-            for index in sorted(i for i in progress if mm.unit_last_position(i) < computed):
+            for index in sorted(i for i in progress if mm.input_last_position(i) < computed):
                 del progress[index]
                 self._freed.append((request_id, index))
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from engine.block_hash import MAX_CACHE_SALT, add_unit_hashes
+from engine.block_hash import MAX_CACHE_SALT, add_input_hashes
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.encoder_cache import EncoderOutputCache
@@ -293,7 +293,7 @@ class Engine:
             raise ValueError(f"the prompt and images could not be processed: {exc}") from exc
 
         if mm is not None and self.config.enable_prefix_caching:
-            add_unit_hashes(mm, cache_salt)
+            add_input_hashes(mm, cache_salt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, at or above max_model_len {self.max_model_len}"

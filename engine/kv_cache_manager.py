@@ -15,7 +15,7 @@ are made), always leaving its last token to compute, and counts only the blocks 
 free ones. Blocks are registered (`cache_full_blocks`) only once every token in them has been computed, in the
 step after that, so a request never reads a block another one is still writing; a request never writes into a
 block it found (its computation starts at a block boundary). Where image tokens attend both ways
-(`MultimodalPrompt.atomic_units`), the prefix never ends inside an image's span: the span's cached keys were
+(`MultimodalPrompt.atomic_inputs`), the prefix never ends inside an image's span: the span's cached keys were
 computed with its whole image, which the block's hash covers, so they are the ones a recomputation would give,
 and the chunk that resumes starts at a span boundary as every chunk there does. A preempted request finds its
 own blocks again when it is readmitted. Reference counts and eviction live in the pool (engine/kv_cache.py).
@@ -62,14 +62,14 @@ class KVCacheManager:
         bs = self.block_size
         found = self.pool.find(full_block_hashes(request, bs, request.num_tokens - 1))
         mm = request.mm
-        if mm is not None and mm.atomic_units:
+        if mm is not None and mm.atomic_inputs:
             while found:
                 boundary = len(found) * bs
-                cut = [u for u in mm.units_in(boundary - 1, boundary + 1)
-                       if mm.unit_first_position(u) < boundary <= mm.unit_last_position(u)]
+                cut = [u for u in mm.inputs_in(boundary - 1, boundary + 1)
+                       if mm.input_first_position(u) < boundary <= mm.input_last_position(u)]
                 if not cut:
                     break
-                found = found[: mm.unit_first_position(cut[0]) // bs]
+                found = found[: mm.input_first_position(cut[0]) // bs]
         return found, len(found) * bs
 
     def can_admit(self, request: Request, computed: list[int]) -> bool:

@@ -183,12 +183,12 @@ class ModelRunner:
         """Where this chunk's slice of vision features goes in the packed batch (placeholder positions)."""
         mm = chunk.mm
         first_row, end_row = mm.rows_in(chunk.start, chunk.end)
-        for unit in mm.units_in(chunk.start, chunk.end):
-            unit_start = mm.unit_row_starts[unit]
-            lo = max(first_row, unit_start)
-            hi = min(end_row, unit_start + mm.unit_rows[unit])
+        for index in mm.inputs_in(chunk.start, chunk.end):
+            row_start = mm.input_row_starts[index]
+            lo = max(first_row, row_start)
+            hi = min(end_row, row_start + mm.input_rows[index])
             where.extend(p - chunk.start + query_start for p in mm.placeholder_positions[lo:hi])
-            features.append(self.encoder_features[(chunk.request_id, unit)][lo - unit_start : hi - unit_start])
+            features.append(self.encoder_features[(chunk.request_id, index)][lo - row_start : hi - row_start])
 
     # -- the vision encoder ---------------------------------------------------------------------
     def _encode(self, work: list[EncoderWork]) -> None:
@@ -197,25 +197,26 @@ class ModelRunner:
         began = time.perf_counter()
         shared = self.encoder_outputs
         groups: dict[tuple[int, int] | None, list[EncoderWork]] = defaultdict(list)
-        for item in work:  # features found in the shared cache first: nothing encoded below can drop them
-            if item.from_cache:
-                self.encoder_features[item.key] = shared.get(item.mm.unit_hashes[item.unit])
-        work = [item for item in work if not item.from_cache]
-        for item in work:
-            groups[None if item.first == 0 and item.finishes else (item.first, item.end)].append(item)
-        for key, items in groups.items():
-            inputs = [item.mm.encoder_inputs[item.unit] for item in items]
+        for encoding in work:  # features found in the shared cache first: nothing encoded below can drop them
+            if encoding.from_cache:
+                self.encoder_features[encoding.key] = shared.get(encoding.mm.input_hashes[encoding.index])
+        work = [encoding for encoding in work if not encoding.from_cache]
+        for encoding in work:
+            whole = encoding.first == 0 and encoding.finishes
+            groups[None if whole else (encoding.first, encoding.end)].append(encoding)
+        for key, encodings in groups.items():
+            inputs = [encoding.mm.encoder_inputs[encoding.index] for encoding in encodings]
             if key is None:
                 results = self.adapter.encode(inputs)
             else:
-                states = [self.encoder_features.get(item.key) for item in items]
+                states = [self.encoder_features.get(encoding.key) for encoding in encodings]
                 results = self.adapter.encode_slices(inputs, states, *key)
-            for item, result in zip(items, results):
-                self.encoder_features[item.key] = result
-                if shared is not None and item.finishes and item.mm.unit_hashes:
-                    shared.put(item.mm.unit_hashes[item.unit], result)
-        self.encoder_inputs_encoded += sum(item.finishes for item in work)
-        self.encoder_slices_run += sum(item.end - item.first for item in work)
+            for encoding, result in zip(encodings, results):
+                self.encoder_features[encoding.key] = result
+                if shared is not None and encoding.finishes and encoding.mm.input_hashes:
+                    shared.put(encoding.mm.input_hashes[encoding.index], result)
+        self.encoder_inputs_encoded += sum(encoding.finishes for encoding in work)
+        self.encoder_slices_run += sum(encoding.end - encoding.first for encoding in work)
         self.encoder_seconds += time.perf_counter() - began
 
 

@@ -24,9 +24,9 @@ class MultimodalPrompt:
     """Where encoder outputs go in a prompt.
 
     `placeholder_positions[r]` is the prompt position that takes feature row `r`; rows are grouped into
-    encoder inputs (a SmolVLM tile, a Qwen2-VL or LLaVA image), input `u` covering rows `unit_row_starts[u]`
-    to `unit_row_starts[u] + unit_rows[u]`. `encoder_inputs[u]` is what the model's vision encoder takes
-    for input `u`.
+    encoder inputs (a SmolVLM tile, a Qwen2-VL or LLaVA image), input `i` covering rows `input_row_starts[i]`
+    to `input_row_starts[i] + input_rows[i]`. `encoder_inputs[i]` is what the model's vision encoder takes
+    for input `i`.
 
     `rope_positions` ([streams, prompt_len]) holds the rotary positions of families whose positions are
     not the token index (Qwen2-VL's M-RoPE), computed once by the model's own rule; a token past the
@@ -35,23 +35,23 @@ class MultimodalPrompt:
     `encoder_slices`: an input's vision tower can run in this many slices (its layers), one step after
     another, carrying the hidden state between steps; 1 for towers that run whole.
 
-    `atomic_units`: the placeholder tokens of one encoder input attend to each other both ways (Gemma 3),
+    `atomic_inputs`: the placeholder tokens of one encoder input attend to each other both ways (Gemma 3),
     so each input's span, from its first to its last placeholder, must be computed in one chunk.
     """
 
     placeholder_positions: list[int]
-    unit_row_starts: list[int]
-    unit_rows: list[int]
+    input_row_starts: list[int]
+    input_rows: list[int]
     encoder_inputs: list[dict[str, torch.Tensor]]
     rope_positions: torch.Tensor | None = None
     rope_position_delta: int = 0
-    atomic_units: bool = False
+    atomic_inputs: bool = False
     encoder_slices: int = 1
-    unit_hashes: list[bytes] = field(default_factory=list)  # content hash of each encoder input (prefix caching)
+    input_hashes: list[bytes] = field(default_factory=list)  # content hash of each encoder input (prefix caching)
 
     @property
-    def num_units(self) -> int:
-        return len(self.unit_rows)
+    def num_inputs(self) -> int:
+        return len(self.input_rows)
 
     def rows_in(self, start: int, end: int) -> tuple[int, int]:
         """The feature rows whose positions lie in prompt positions [start, end)."""
@@ -60,20 +60,20 @@ class MultimodalPrompt:
             bisect.bisect_left(self.placeholder_positions, end),
         )
 
-    def units_in(self, start: int, end: int) -> range:
+    def inputs_in(self, start: int, end: int) -> range:
         """The encoder inputs with at least one row in prompt positions [start, end)."""
         first_row, end_row = self.rows_in(start, end)
         if first_row == end_row:
             return range(0)
-        first = bisect.bisect_right(self.unit_row_starts, first_row) - 1
-        last = bisect.bisect_right(self.unit_row_starts, end_row - 1) - 1
+        first = bisect.bisect_right(self.input_row_starts, first_row) - 1
+        last = bisect.bisect_right(self.input_row_starts, end_row - 1) - 1
         return range(first, last + 1)
 
-    def unit_first_position(self, unit: int) -> int:
-        return self.placeholder_positions[self.unit_row_starts[unit]]
+    def input_first_position(self, index: int) -> int:
+        return self.placeholder_positions[self.input_row_starts[index]]
 
-    def unit_last_position(self, unit: int) -> int:
-        return self.placeholder_positions[self.unit_row_starts[unit] + self.unit_rows[unit] - 1]
+    def input_last_position(self, index: int) -> int:
+        return self.placeholder_positions[self.input_row_starts[index] + self.input_rows[index] - 1]
 
 
 @dataclass

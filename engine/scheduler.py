@@ -16,7 +16,7 @@ tokens a step (always at least one); a chunk stops before the first placeholder 
 or (with `encoder_slices_per_step`, a tower run a few slices a step) whose tower has not finished. What a step
 leaves of the encoder budget starts the next input no chunk has reached yet (one per request). With chunked
 prefill off, a prompt is prefilled whole: when it fits what is left of the budget, or when no other prefill
-runs this step (one oversized step). Where image tokens attend to each other both ways (`atomic_units`,
+runs this step (one oversized step). Where image tokens attend to each other both ways (`atomic_inputs`,
 Gemma 3) a chunk never ends inside an input's span: it stops before the span, or takes a span too large for
 the budget whole when no other prefill runs this step.
 
@@ -130,7 +130,7 @@ class StepBudget:
         if work.from_cache or per_row is None:
             return 0.0
         mm = work.mm
-        return per_row * mm.unit_rows[work.unit] * (work.end - work.first) / mm.encoder_slices
+        return per_row * mm.input_rows[work.index] * (work.end - work.first) / mm.encoder_slices
 
     def affordable_slices(self, rows: int, slices: int) -> int:
         """How many slices of inputs of `rows` output rows in all fit in what is left of the step's time (which
@@ -148,7 +148,7 @@ def encoder_tokens_after(left: int | None, work: list[EncoderWork]) -> int | Non
     """The encoder budget left after `work` (inputs taken from the encoder output cache cost nothing)."""
     if left is None:
         return None
-    spent = sum(item.mm.unit_rows[item.unit] for item in work if not item.from_cache)
+    spent = sum(item.mm.input_rows[item.index] for item in work if not item.from_cache)
     return max(left - spent, 0)
 
 
@@ -273,28 +273,28 @@ class Scheduler:
         remaining = request.num_tokens - start
         if not self.config.enable_chunked_prefill:
             n = remaining if remaining <= max_tokens or not budget.prefill_scheduled else 0
-            units = self.encoder_inputs.unfinished(request, start, start + n)
-            return n, [self._work(request, u, whole=True) for u in units]
+            indices = self.encoder_inputs.unfinished(request, start, start + n)
+            return n, [self._work(request, u, whole=True) for u in indices]
         n = min(remaining, max_tokens)
-        if request.mm is not None and request.mm.atomic_units:
+        if request.mm is not None and request.mm.atomic_inputs:
             n = self._keep_span_whole(request.mm, start, n, alone=not budget.prefill_scheduled)
-        units = self.encoder_inputs.unfinished(request, start, start + n)
+        indices = self.encoder_inputs.unfinished(request, start, start + n)
         if budget.seconds is not None:
-            return self._timed_chunk(request, start, n, units, budget)
+            return self._timed_chunk(request, start, n, indices, budget)
         if budget.encoder_tokens is not None:
-            fitting = self._units_within(request, units, budget)
-            if fitting < len(units):
-                n = request.mm.unit_first_position(units[fitting]) - start
-                units = units[:fitting]
-        work = [self._work(request, unit, whole=False) for unit in units]
-        unready = next((w.unit for w in work if not w.finishes), None)
+            fitting = self._inputs_within(request, indices, budget)
+            if fitting < len(indices):
+                n = request.mm.input_first_position(indices[fitting]) - start
+                indices = indices[:fitting]
+        work = [self._work(request, index, whole=False) for index in indices]
+        unready = next((w.index for w in work if not w.finishes), None)
         if unready is not None:  # the chunk stops where it would need features still being computed
-            n = min(n, request.mm.unit_first_position(unready) - start)
+            n = min(n, request.mm.input_first_position(unready) - start)
         if budget.encoder_tokens is not None:
             work += self._work_ahead(request, start + n, work, budget)
         return n, work
 
-    def _timed_chunk(self, request: Request, start: int, n: int, units: list[int], budget: StepBudget
+    def _timed_chunk(self, request: Request, start: int, n: int, indices: list[int], budget: StepBudget
                      ) -> tuple[int, list[EncoderWork]]:
         """`_chunk` under a time budget: a prompt's encoder inputs run in lockstep (`_lockstep`), then the chunk
         stops before the first input it reaches whose features are not ready after this step, and takes as many
@@ -304,14 +304,14 @@ class Scheduler:
         else:
             work = self._lockstep(request, start, budget)
             after = dict(self.encoder_inputs.progress.get(request.request_id, {}))
-            after.update({item.unit: item.end for item in work})
-            unready = next((u for u in units if after.get(u, 0) < request.mm.encoder_slices), None)
+            after.update({item.index: item.end for item in work})
+            unready = next((u for u in indices if after.get(u, 0) < request.mm.encoder_slices), None)
             if unready is not None:
-                n = min(n, request.mm.unit_first_position(unready) - start)
+                n = min(n, request.mm.input_first_position(unready) - start)
         if n > 0:
             floor = 0 if budget.prefill_scheduled else self.config.block_size
             n = min(n, budget.affordable_tokens(start, self._seconds(budget, work), floor))
-            if request.mm is not None and request.mm.atomic_units:
+            if request.mm is not None and request.mm.atomic_inputs:
                 n = self._keep_span_whole(request.mm, start, n, alone=not budget.prefill_scheduled)
         return n, work
 
@@ -332,18 +332,18 @@ class Scheduler:
         progress = self.encoder_inputs.progress.get(request.request_id, {})
         done = progress.get(todo[0], 0)
         group = [todo[0]]
-        for unit in todo[1:]:
-            if len(group) == ENCODER_GROUP or progress.get(unit, 0) != done:
+        for index in todo[1:]:
+            if len(group) == ENCODER_GROUP or progress.get(index, 0) != done:
                 break
-            group.append(unit)
+            group.append(index)
         left = budget.encoder_tokens
-        while len(group) > 1 and left is not None and sum(mm.unit_rows[u] for u in group) > left:
+        while len(group) > 1 and left is not None and sum(mm.input_rows[u] for u in group) > left:
             group.pop()
-        if left is not None and mm.unit_rows[group[0]] > left and not budget.encoder_untouched:
+        if left is not None and mm.input_rows[group[0]] > left and not budget.encoder_untouched:
             return work
         affordable = 0
         while group:
-            affordable = budget.affordable_slices(sum(mm.unit_rows[u] for u in group), mm.encoder_slices)
+            affordable = budget.affordable_slices(sum(mm.input_rows[u] for u in group), mm.encoder_slices)
             if affordable or len(group) == 1:
                 break
             group.pop()
@@ -351,7 +351,7 @@ class Scheduler:
         end = min(mm.encoder_slices, done + affordable, done + cap if cap else mm.encoder_slices)
         if end == done:
             return work
-        return work + [EncoderWork(request.request_id, mm, unit, done, end) for unit in group]
+        return work + [EncoderWork(request.request_id, mm, index, done, end) for index in group]
 
     @staticmethod
     def _seconds(budget: StepBudget, work: list[EncoderWork]) -> float:
@@ -361,50 +361,50 @@ class Scheduler:
         """The next slices of the first unfinished input past `end` that this step's work does not touch,
         if it fits in what is left of the encoder budget (token budgets; under a time budget `_lockstep`
         decides)."""
-        busy = {item.unit for item in work}
+        busy = {item.index for item in work}
         pending = self.encoder_inputs.unfinished(request, end, request.num_tokens)
         ahead = next((u for u in pending if u not in busy), None)
         if ahead is None:
             return []
         encoder_left = encoder_tokens_after(budget.encoder_tokens, work)
-        if (encoder_left is not None and request.mm.unit_rows[ahead] > encoder_left
+        if (encoder_left is not None and request.mm.input_rows[ahead] > encoder_left
                 and not self.encoder_inputs.held(request, ahead)):
             return []
         return [self._work(request, ahead, whole=False)]
 
-    def _units_within(self, request: Request, units: list[int], budget: StepBudget) -> int:
-        """How many of `units`, in order, fit in what is left of the step's encoder budget; the first of the
+    def _inputs_within(self, request: Request, indices: list[int], budget: StepBudget) -> int:
+        """How many of `indices`, in order, fit in what is left of the step's encoder budget; the first of the
         step runs whatever its size, so that an input larger than the budget still gets encoded."""
         mm = request.mm
         used = 0
-        for count, unit in enumerate(units):
-            if self.encoder_inputs.held(request, unit):
+        for count, index in enumerate(indices):
+            if self.encoder_inputs.held(request, index):
                 continue
-            used += mm.unit_rows[unit]
+            used += mm.input_rows[index]
             if used > budget.encoder_tokens and not (budget.encoder_untouched and count == 0):
                 return count
-        return len(units)
+        return len(indices)
 
-    def _work(self, request: Request, unit: int, whole: bool) -> EncoderWork:
+    def _work(self, request: Request, index: int, whole: bool) -> EncoderWork:
         """The next slices of an input's vision tower: all that are left, or `encoder_slices_per_step` (token
         budgets; under a time budget `_lockstep` decides)."""
         slices = request.mm.encoder_slices
-        if self.encoder_inputs.held(request, unit):
-            return EncoderWork(request.request_id, request.mm, unit, slices, slices, from_cache=True)
-        done = self.encoder_inputs.slices_done(request.request_id, unit)
+        if self.encoder_inputs.held(request, index):
+            return EncoderWork(request.request_id, request.mm, index, slices, slices, from_cache=True)
+        done = self.encoder_inputs.slices_done(request.request_id, index)
         step = self.config.encoder_slices_per_step
         end = slices if whole or step is None else min(done + step, slices)
-        return EncoderWork(request.request_id, request.mm, unit, done, end)
+        return EncoderWork(request.request_id, request.mm, index, done, end)
 
     @staticmethod
     def _keep_span_whole(mm: MultimodalPrompt, start: int, n: int, alone: bool) -> int:
         """Shorten chunk [start, start + n) so that it does not end inside an encoder input's span; a span at
         the chunk's start that does not fit is taken whole when the chunk runs `alone`, else the chunk is
         empty. Chunks start at span boundaries, so only the chunk's last span can be cut."""
-        units = mm.units_in(start, start + n)
-        if not units:
+        indices = mm.inputs_in(start, start + n)
+        if not indices:
             return n
-        span_start, span_end = mm.unit_first_position(units[-1]), mm.unit_last_position(units[-1]) + 1
+        span_start, span_end = mm.input_first_position(indices[-1]), mm.input_last_position(indices[-1]) + 1
         if span_end <= start + n:
             return n
         if span_start > start:

@@ -67,12 +67,12 @@ class ScheduledChunk:
 
 @dataclass
 class EncoderWork:
-    """Slices first..end-1 of the vision tower on encoder input `unit` of request `request_id` (whose prompt's
+    """Slices first..end-1 of the vision tower on encoder input `index` of request `request_id` (whose prompt's
     encoder inputs are `mm`)."""
 
     request_id: str
     mm: MultimodalPrompt
-    unit: int
+    index: int
     first: int
     end: int
     from_cache: bool = False  # the features are taken from the encoder output cache; no tower runs
@@ -85,7 +85,7 @@ class EncoderWork:
     @property
     def key(self) -> tuple[str, int]:
         """The encoder input's key: (request id, input)."""
-        return (self.request_id, self.unit)
+        return (self.request_id, self.index)
 
 
 @dataclass
@@ -106,6 +106,6 @@ class SchedulerOutput:
 
     def shape(self) -> StepShape:
         """The step in the cost model's terms (engine/step_costs.py)."""
-        rows = sum(w.mm.unit_rows[w.unit] * (w.end - w.first) / w.mm.encoder_slices
+        rows = sum(w.mm.input_rows[w.index] * (w.end - w.first) / w.mm.encoder_slices
                    for w in self.encoder_work if not w.from_cache)
         return StepShape(self.num_tokens, sum(chunk_keys(c.start, c.num_tokens) for c in self.chunks), rows)

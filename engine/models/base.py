@@ -16,7 +16,7 @@ from engine.video import Video
 
 # Model types whose image tokens attend to each other both ways in transformers (Gemma 3 puts a bidirectional
 # block over each image's tokens; PaliGemma over its whole image-and-prompt prefix). A causal chunk boundary
-# inside such a span would change what is computed, so their spans are kept whole (`atomic_units`).
+# inside such a span would change what is computed, so their spans are kept whole (`atomic_inputs`).
 BIDIRECTIONAL_IMAGE_MODEL_TYPES = frozenset({"gemma3", "paligemma"})
 
 
@@ -25,7 +25,7 @@ def image_tokens_attend_bidirectionally(config: Any) -> bool:
 
 
 @dataclass
-class EncoderUnit:
+class EncoderInput:
     """One encoder input (a tile, an image, a video's frame or temporal patch) and how many placeholder
     tokens its features fill."""
 
@@ -54,38 +54,38 @@ def video_processor_kwargs(videos: Sequence[Video]) -> dict[str, Any]:
             "do_sample_frames": False}
 
 
-def place_units(ids: list[int], units: dict[int, list[EncoderUnit]]) -> MultimodalPrompt:
-    """The prompt's placeholders matched to encoder inputs: `units[token]` are the inputs whose features fill
-    the placeholders of that token id (an image token, a video token), in the prompt's order, `rows`
+def place_inputs(ids: list[int], inputs_by_token: dict[int, list[EncoderInput]]) -> MultimodalPrompt:
+    """The prompt's placeholders matched to encoder inputs: `inputs_by_token[token]` are the inputs whose features
+    fill the placeholders of that token id (an image token, a video token), in the prompt's order, `rows`
     placeholders each. The processor puts every input's placeholders in one run of its token (other tokens
     may lie between them, never another input's placeholders), so inputs follow one another in the prompt."""
     positions: list[int] = []
     row_starts: list[int] = []
     rows: list[int] = []
     inputs: list[dict[str, torch.Tensor]] = []
-    queues = {token: iter(listed) for token, listed in units.items()}
+    queues = {token: iter(listed) for token, listed in inputs_by_token.items()}
     open_token, left = None, 0
     for position, token in enumerate(ids):
         if token not in queues:
             continue
         if left == 0:
-            unit = next(queues[token], None)
-            if unit is None:
+            encoder_input = next(queues[token], None)
+            if encoder_input is None:
                 break
             row_starts.append(len(positions))
-            rows.append(unit.rows)
-            inputs.append(unit.inputs)
-            open_token, left = token, unit.rows
+            rows.append(encoder_input.rows)
+            inputs.append(encoder_input.inputs)
+            open_token, left = token, encoder_input.rows
         elif token != open_token:
             break
         positions.append(position)
         left -= 1
-    expected = sum(unit.rows for listed in units.values() for unit in listed)
+    expected = sum(encoder_input.rows for listed in inputs_by_token.values() for encoder_input in listed)
     if len(positions) != expected or sum(1 for t in ids if t in queues) != expected:
         found = sum(1 for t in ids if t in queues)
         raise ValueError(f"the prompt expands to {found} image and video tokens, but its images and videos give "
                          f"{expected} rows of features")
-    return MultimodalPrompt(placeholder_positions=positions, unit_row_starts=row_starts, unit_rows=rows,
+    return MultimodalPrompt(placeholder_positions=positions, input_row_starts=row_starts, input_rows=rows,
                             encoder_inputs=inputs)
 
 
@@ -126,7 +126,7 @@ class VLMAdapter:
         self.sliding_window: int | None = (
             text_config.sliding_window if "sliding_attention" in layer_types else None
         )
-        self.atomic_units = image_tokens_attend_bidirectionally(model.config)
+        self.atomic_inputs = image_tokens_attend_bidirectionally(model.config)
         self.lean: Any = None  # engine/lean_layers.LeanTextModel where the engine runs the text model lean
         # engine/lean_vision.py's layers (None where one runs stock), where the engine runs the tower lean
         self.lean_vision: list[Any] | None = None
@@ -194,7 +194,7 @@ class VLMAdapter:
         extra = {"options": dict(options)} if options else {}
         token_ids, mm = self.expand_prompt(prompt, images, list(videos), **extra)
         if mm is not None:
-            mm.atomic_units = self.atomic_units
+            mm.atomic_inputs = self.atomic_inputs
             mm.encoder_slices = self.encoder_slices
         return token_ids, mm
 

@@ -1,7 +1,7 @@
 """Gemma 3: each image is one fixed-size view through a SigLIP tower, average-pooled to `mm_tokens_per_image`
 tokens between `<start_of_image>` and `<end_of_image>`; a Gemma 3 text model whose local layers attend within
 a sliding window and whose image tokens attend to all tokens of their own image, both ways. The scheduler
-keeps each image's span in one chunk (`atomic_units`), and the runner gives the attention that block
+keeps each image's span in one chunk (`atomic_inputs`), and the runner gives the attention that block
 (see `ReferenceBackend.prefill_masks`, engine/attention_backends.py). The tower (4,096 patches of an
 896 px view through 27 layers at google/gemma-3-4b-it's sizes: seconds of a CPU's time) runs a slice of a layer
 at a time (engine/models/sliced_tower.py), so that an image prompt's encoding is spread over the steps of the

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from engine.models.base import EncoderUnit, VLMAdapter, place_units, video_processor_kwargs
+from engine.models.base import EncoderInput, VLMAdapter, place_inputs, video_processor_kwargs
 from engine.models.sliced_tower import SLICES_PER_LAYER, in_groups, join, run_slices, split
 from engine.request import MultimodalPrompt
 from engine.video import Video
@@ -36,20 +36,20 @@ class ImageTowerAdapter(VLMAdapter):
         config = self.model.config
         # Every image of a prompt gives as many rows: LLaVA's views all have one size, and OneVision tiles
         # only a lone image; so does every video of a prompt (frames of one size, as many of them).
-        units = {config.image_token_id: self._equal_units(ids, config.image_token_id, [
+        inputs_by_token = {config.image_token_id: self._equal_inputs(ids, config.image_token_id, [
             self.encoder_input(batch, i, len(images)) for i in range(len(images))])}
         if videos:
-            units[config.video_token_id] = self._equal_units(ids, config.video_token_id, [
+            inputs_by_token[config.video_token_id] = self._equal_inputs(ids, config.video_token_id, [
                 {"pixel_values_videos": batch["pixel_values_videos"][v : v + 1]} for v in range(len(videos))])
-        return ids, place_units(ids, units)
+        return ids, place_inputs(ids, inputs_by_token)
 
     @staticmethod
-    def _equal_units(ids: list[int], token: int, inputs: list[dict[str, torch.Tensor]]) -> list[EncoderUnit]:
+    def _equal_inputs(ids: list[int], token: int, inputs: list[dict[str, torch.Tensor]]) -> list[EncoderInput]:
         rows, left = divmod(sum(1 for t in ids if t == token), max(len(inputs), 1))
         if inputs and (left or not rows):
             raise ValueError(f"the prompt expands to {rows * len(inputs) + left} tokens of id {token} for "
                              f"{len(inputs)} input(s)")
-        return [EncoderUnit(rows, item) for item in inputs]
+        return [EncoderInput(rows, item) for item in inputs]
 
     # -- the tower in slices (engine/models/sliced_tower.py) --------------------------------------------------
     @property

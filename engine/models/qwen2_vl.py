@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from engine.models.base import EncoderUnit, VLMAdapter, place_units, video_processor_kwargs
+from engine.models.base import EncoderInput, VLMAdapter, place_inputs, video_processor_kwargs
 from engine.request import MultimodalPrompt
 from engine.video import Video
 
@@ -75,10 +75,11 @@ class Qwen2VLAdapter(VLMAdapter):
         if not images and not videos:
             return ids, None
         config = self.model.config
-        units = {config.image_token_id: self._units(batch.get("pixel_values"), batch.get("image_grid_thw")),
-                 config.video_token_id: self._units(batch.get("pixel_values_videos"), batch.get("video_grid_thw"),
-                                                    batch.get("second_per_grid_ts"))}
-        mm = place_units(ids, units)
+        inputs = self._encoder_inputs
+        found = {config.image_token_id: inputs(batch.get("pixel_values"), batch.get("image_grid_thw")),
+                 config.video_token_id: inputs(batch.get("pixel_values_videos"), batch.get("video_grid_thw"),
+                                               batch.get("second_per_grid_ts"))}
+        mm = place_inputs(ids, found)
         # transformers 5 finds the vision spans by `mm_token_type_ids`; 4.x by the token ids themselves.
         grids = {name: batch[name] for name in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts",
                                                 "mm_token_type_ids") if name in batch}
@@ -92,8 +93,8 @@ class Qwen2VLAdapter(VLMAdapter):
         mm.rope_position_delta = int(mm.rope_positions[:, -1].max()) + 1 - len(ids)
         return ids, mm
 
-    def _units(self, pixel_values: torch.Tensor | None, grids: torch.Tensor | None,
-               seconds_per_patch: list[float] | torch.Tensor | None = None) -> list[EncoderUnit]:
+    def _encoder_inputs(self, pixel_values: torch.Tensor | None, grids: torch.Tensor | None,
+               seconds_per_patch: list[float] | torch.Tensor | None = None) -> list[EncoderInput]:
         """One encoder input per image, or per temporal patch of a video: `pixel_values` has one row per
         patch, grid by grid, time first. A Qwen2.5-VL video's seconds per temporal patch go with each of its
         inputs: they set its rotary positions, so its content hash (and the prefix-cache blocks it fills) must
@@ -101,17 +102,17 @@ class Qwen2VLAdapter(VLMAdapter):
         if grids is None:
             return []
         merge = self.visual.spatial_merge_size
-        units = []
+        found = []
         row = 0
         for index, (t, h, w) in enumerate(grids.tolist()):
             timing = {} if seconds_per_patch is None else {
                 "second_per_grid_ts": torch.as_tensor(seconds_per_patch, dtype=torch.float64)[index : index + 1]}
             for _ in range(t):
-                units.append(EncoderUnit(h * w // merge**2, {
+                found.append(EncoderInput(h * w // merge**2, {
                     "pixel_values": pixel_values[row : row + h * w], "image_grid_thw": torch.tensor([[1, h, w]]),
                     **timing}))
                 row += h * w
-        return units
+        return found
 
     @property
     def encoder_slices(self) -> int:

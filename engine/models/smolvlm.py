@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from engine.models.base import EncoderUnit, VLMAdapter, place_units, video_processor_kwargs
+from engine.models.base import EncoderInput, VLMAdapter, place_inputs, video_processor_kwargs
 from engine.models.sliced_tower import SLICES_PER_LAYER, in_groups, join, run_slices, split
 from engine.request import MultimodalPrompt
 from engine.video import Video
@@ -56,13 +56,13 @@ class SmolVLMAdapter(VLMAdapter):
         ids = batch["input_ids"][0].tolist()
         pixel_values = batch["pixel_values"][0]  # [tiles or frames, 3, H, W]
         pixel_mask = batch.get("pixel_attention_mask")
-        units = []
+        found = []
         for tile in range(pixel_values.shape[0]):
             item = {"pixel_values": pixel_values[tile : tile + 1]}
             if pixel_mask is not None:
                 item["pixel_attention_mask"] = pixel_mask[0, tile : tile + 1]
-            units.append(EncoderUnit(self.model.model.image_seq_len, item))
-        return ids, place_units(ids, {self.model.config.image_token_id: units})
+            found.append(EncoderInput(self.model.model.image_seq_len, item))
+        return ids, place_inputs(ids, {self.model.config.image_token_id: found})
 
     @property
     def vision_layers(self) -> torch.nn.ModuleList:

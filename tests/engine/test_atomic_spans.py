@@ -27,10 +27,10 @@ def make_request(index: int, atomic: bool) -> Request:
     if spans:
         mm = MultimodalPrompt(
             placeholder_positions=[p for start, end in spans for p in range(start, end)],
-            unit_row_starts=[sum(e - s for s, e in spans[:u]) for u in range(len(spans))],
-            unit_rows=[end - start for start, end in spans],
+            input_row_starts=[sum(e - s for s, e in spans[:u]) for u in range(len(spans))],
+            input_rows=[end - start for start, end in spans],
             encoder_inputs=[{} for _ in spans],
-            atomic_units=atomic,
+            atomic_inputs=atomic,
         )
     return Request(
         request_id=f"r{index}", prompt_token_ids=list(range(length)), sampling=SamplingParams(max_tokens=100),

@@ -85,8 +85,8 @@ def test_gemma3_masks_are_transformers_own_block_and_window_rules(tmp_path, phot
     n = request.num_prompt_tokens
     queries, keys = torch.arange(n)[:, None], torch.arange(n)[None, :]
     expected_full, expected_local = full(0, 0, queries, keys), local(0, 0, queries, keys)
-    second_image = request.mm.unit_first_position(1)
-    assert window < request.mm.unit_rows[0]  # the window cuts into an image's own block
+    second_image = request.mm.input_first_position(1)
+    assert window < request.mm.input_rows[0]  # the window cuts into an image's own block
     for start, end in [(0, n), (0, second_image), (second_image, n)]:
         mask, sliding = engine.runner.masked_backend.prefill_masks(ScheduledChunk.of(request, start, end - start, 16))
         if mask is None:  # plain causal

@@ -23,7 +23,7 @@ def test_progress_is_committed_in_update_not_when_scheduled(make_engine, photos)
     engine.runner.execute(out)
     scheduler.update(out, {})
     request_id = out.encoder_work[0].request_id
-    assert inputs.progress == {request_id: {w.unit: 1 for w in out.encoder_work}}
+    assert inputs.progress == {request_id: {w.index: 1 for w in out.encoder_work}}
 
 
 def test_a_step_that_fails_during_encoding_ends_the_request_it_carried_by_its_encoder_work_alone(

@@ -180,7 +180,7 @@ def test_tiny_presets_resolve_by_name_and_load_with_their_adapter(name, monkeypa
         "tiny-gemma3": "Gemma3Adapter",
     }[name]
     assert resolve_checkpoint(name).startswith(str(tmp_path))
-    assert engine.adapter.atomic_units == (name == "tiny-gemma3")
+    assert engine.adapter.atomic_inputs == (name == "tiny-gemma3")
 
 
 # Parameter counts of the hub checkpoints these presets stand in for.

@@ -87,8 +87,8 @@ def test_a_cached_prefix_never_ends_inside_a_bidirectional_image_span(gemma3, ph
     second = _finish(engine, longer, [photos[0]], max_tokens=6)
     assert second.token_ids == oracle(longer, [photos[0]], 6)
     mm = engine.adapter.process(longer, [photos[0]])[1]
-    for unit in range(mm.num_units):
-        assert not mm.unit_first_position(unit) < second.num_cached_tokens <= mm.unit_last_position(unit)
+    for unit in range(mm.num_inputs):
+        assert not mm.input_first_position(unit) < second.num_cached_tokens <= mm.input_last_position(unit)
     assert second.num_cached_tokens > 0
 
 
@@ -104,7 +104,7 @@ def test_a_photo_sent_again_after_another_prefix_is_not_encoded_again(make_engin
     engine = make_engine(max_num_batched_tokens=64)
     _finish(engine, PROMPTS[1], [photos[0]])
     encoded = engine.stats().encoder_inputs_encoded
-    tiles = engine.adapter.process(PROMPTS[1], [photos[0]])[1].num_units
+    tiles = engine.adapter.process(PROMPTS[1], [photos[0]])[1].num_inputs
     other = "User: Look at this.<image>Who is there?<end_of_utterance>\nAssistant:"
     out = _finish(engine, other, [photos[0]])
     assert out.token_ids == oracle(other, [photos[0]], 10)
@@ -135,5 +135,5 @@ def test_a_cached_prefix_that_ends_inside_an_image_span_resumes_exactly(make_eng
     engine.abort(first)
     out = _finish(engine, PROMPTS[1], [photos[0]])
     assert span_start < out.num_cached_tokens <= span_end  # the boundary falls inside the span
-    assert out.num_cached_tokens not in mm.placeholder_positions[:: mm.unit_rows[0]]  # and inside a tile
+    assert out.num_cached_tokens not in mm.placeholder_positions[:: mm.input_rows[0]]  # and inside a tile
     assert out.token_ids == oracle(PROMPTS[1], [photos[0]], 10)

@@ -18,7 +18,7 @@ def test_unsplit_images_are_one_tile_each_and_exact(make_engine, checkpoint, pho
     unsplit = engine.add_request(prompt=prompt, images=photos, sampling=SamplingParams(max_tokens=8),
                                  mm_processor_kwargs={"do_image_splitting": False})
     lengths = {rid: engine.requests[rid].num_prompt_tokens for rid in (split, unsplit)}
-    assert engine.requests[unsplit].mm.num_units == 2  # one encoder input an image
+    assert engine.requests[unsplit].mm.num_inputs == 2  # one encoder input an image
     tokens = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -73,7 +73,7 @@ def test_vision_encoder_runs_once_per_tile_whatever_the_chunking(make_engine, ph
     engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=8, max_encoder_tokens_per_step=encoder_budget,
                          enable_prefix_caching=False)
     jobs = [Job(PROMPTS[2], photos, max_tokens=3), Job(PROMPTS[1], [photos[0]], max_tokens=3, arrive_at_step=2)]
-    tiles = [engine.adapter.process(job.prompt, job.images)[1].num_units for job in jobs]
+    tiles = [engine.adapter.process(job.prompt, job.images)[1].num_inputs for job in jobs]
     _, trace = run_jobs(engine, jobs)
     assert engine.stats().encoder_inputs_encoded == sum(tiles) == 15  # 5 tiles an image for the tiny model
     encoded = [0] + [stats.encoder_inputs_encoded for _, stats in trace]
@@ -145,7 +145,7 @@ def test_encoder_budget_counts_tokens_and_always_runs_one_input():
     rows = [40, 10, 10, 50, 5]
     starts = [sum(rows[:u]) for u in range(len(rows))]
     mm = MultimodalPrompt(
-        placeholder_positions=list(range(2, 2 + sum(rows))), unit_row_starts=starts, unit_rows=rows,
+        placeholder_positions=list(range(2, 2 + sum(rows))), input_row_starts=starts, input_rows=rows,
         encoder_inputs=[{} for _ in rows],
     )
     request = Request(request_id="r", prompt_token_ids=list(range(sum(rows) + 4)), sampling=SamplingParams(),
@@ -155,7 +155,7 @@ def test_encoder_budget_counts_tokens_and_always_runs_one_input():
     encoded = []
     while request.num_computed_tokens < request.num_prompt_tokens:
         out = scheduler.schedule()
-        encoded.append([work.unit for work in out.encoder_work])
+        encoded.append([work.index for work in out.encoder_work])
         scheduler.update(out, {})
     assert encoded == [[0], [1, 2], [3], [4]]
 
@@ -166,7 +166,7 @@ def test_the_next_inputs_tower_starts_while_the_chunk_prefills_the_input_before(
     after the first tile."""
     rows = [16, 16, 16]
     mm = MultimodalPrompt(
-        placeholder_positions=list(range(2, 2 + sum(rows))), unit_row_starts=[0, 16, 32], unit_rows=rows,
+        placeholder_positions=list(range(2, 2 + sum(rows))), input_row_starts=[0, 16, 32], input_rows=rows,
         encoder_inputs=[{} for _ in rows], encoder_slices=2,
     )
     request = Request(request_id="r", prompt_token_ids=list(range(sum(rows) + 4)), sampling=SamplingParams(),
@@ -178,7 +178,7 @@ def test_the_next_inputs_tower_starts_while_the_chunk_prefills_the_input_before(
     steps = []
     while request.num_computed_tokens < request.num_prompt_tokens:
         out = scheduler.schedule()
-        steps.append(([(c.start, c.end) for c in out.chunks], [(w.unit, w.first) for w in out.encoder_work]))
+        steps.append(([(c.start, c.end) for c in out.chunks], [(w.index, w.first) for w in out.encoder_work]))
         scheduler.update(out, {})
     # (chunks, [(tile, slice)]): tile 0's first slice holds the chunk before its span; tiles 1 and 2 start
     # in the steps that prefill the tokens before them.

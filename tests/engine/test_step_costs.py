@@ -31,7 +31,7 @@ def request(rid: str, num_tokens: int, arrival: int = 0, mm: MultimodalPrompt | 
 def image_prompt(first: int, inputs: int, rows: int, slices: int) -> MultimodalPrompt:
     """`inputs` encoder inputs of `rows` placeholders each from position `first`, towers of `slices`."""
     return MultimodalPrompt(placeholder_positions=list(range(first, first + inputs * rows)),
-                            unit_row_starts=[u * rows for u in range(inputs)], unit_rows=[rows] * inputs,
+                            input_row_starts=[u * rows for u in range(inputs)], input_rows=[rows] * inputs,
                             encoder_inputs=[{} for _ in range(inputs)], encoder_slices=slices)
 
 
@@ -110,7 +110,7 @@ def test_the_vision_tower_runs_as_many_slices_a_step_as_fit():
     runs = []
     while not image.is_decoding:
         out = step(s)
-        runs.append([(w.unit, w.first, w.end) for w in out.encoder_work])
+        runs.append([(w.index, w.first, w.end) for w in out.encoder_work])
         assert predicted(model, out) <= model.planned + BS * model.per_token + 1e-9  # a chunk's first block at most
     assert runs[0] == [(0, 0, 3), (1, 0, 3)] and runs[1] == [(0, 3, 5), (1, 3, 5)]
     assert sum(end - first for run in runs for _, first, end in run) == 10
@@ -130,14 +130,14 @@ def test_inputs_run_in_lockstep_up_to_the_group_and_the_encoder_budget(encoder_b
         out = step(s)
         if out.encoder_work:
             runs.append(out.encoder_work)
-    assert [[w.unit for w in run] for run in runs] == groups
+    assert [[w.index for w in run] for run in runs] == groups
     assert all((w.first, w.end) == (0, 5) for run in runs for w in run)
     capped = scheduler(model, encoder_slices_per_step=2)
     other = request("other", 70, mm=image_prompt(first=2, inputs=6, rows=10, slices=5))
     capped.add(other)
     capped.encoder_inputs.progress[other.request_id] = {0: 1}  # the first input one slice ahead of the others
     first = step(capped).encoder_work
-    assert [(w.unit, w.first, w.end) for w in first] == [(0, 1, 3)]
+    assert [(w.index, w.first, w.end) for w in first] == [(0, 1, 3)]
 
 
 def test_the_first_slice_of_a_step_runs_whatever_it_costs_and_unknown_costs_run_one_slice():

@@ -110,9 +110,9 @@ def test_video_tokens_equal_generate_at_budgets_that_cut_the_video(video_checkpo
     # The video's span was cut inside an encoder input's rows (odd budgets) or between two of them.
     inside = [c for c in cuts if c in placeholders and c - 1 in placeholders]
     assert inside or budget == 64
-    frames_per_unit = 2 if name == "tiny-qwen2-vl" else 1  # a temporal patch, or one frame
-    assert mm.num_units == -(-clip.num_frames // frames_per_unit)
-    assert engine.stats().encoder_inputs_encoded == mm.num_units
+    frames_per_input = 2 if name == "tiny-qwen2-vl" else 1  # a temporal patch, or one frame
+    assert mm.num_inputs == -(-clip.num_frames // frames_per_input)
+    assert engine.stats().encoder_inputs_encoded == mm.num_inputs
     if encoder and name == "tiny":  # each frame's tower ran two slices a step, over several steps
         assert max(b - a for a, b in zip(slices, slices[1:])) < mm.encoder_slices
     assert engine.stats().kv_blocks_used == 0
