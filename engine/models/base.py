@@ -146,8 +146,16 @@ class VLMAdapter:
         """The prompt's token ids as the model's processor expands them, and where its images and videos go."""
         raise NotImplementedError
 
+    @torch.inference_mode()
     def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """Vision features of each encoder input, one [rows, hidden] tensor each."""
+        """Vision features of each encoder input, one [rows, hidden] tensor each: the tower whole
+        (`encode_whole`), or, where its layers run lean, all of its slices, which are the lean layers' path."""
+        if self.lean_vision is not None:
+            return self.encode_slices(inputs, [None] * len(inputs), 0, self.encoder_slices)
+        return self.encode_whole(inputs)
+
+    def encode_whole(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """The family's vision features of each encoder input, the tower run whole as transformers runs it."""
         raise NotImplementedError
 
     # Families whose vision tower can run a slice at a time set this to the number of slices and

@@ -48,9 +48,7 @@ class Gemma3Adapter(ImageTowerAdapter):
         return list(self.model.model.multi_modal_projector(self._tower.post_layernorm(join(hidden))).unbind(0))
 
     @torch.inference_mode()
-    def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        if self.lean_vision is not None:  # the same slices, all of them: the lean layers' path
-            return self.encode_slices(inputs, [None] * len(inputs), 0, self.encoder_slices)
+    def encode_whole(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         pixel_values = torch.cat([i["pixel_values"] for i in inputs]).to(self.device, self.dtype)
         out = self.model.get_image_features(pixel_values=pixel_values)
         return list(getattr(out, "pooler_output", out).unbind(0))

@@ -36,9 +36,7 @@ class LlavaAdapter(ImageTowerAdapter):
         return list(features.unbind(0) if isinstance(features, torch.Tensor) else features)
 
     @torch.inference_mode()
-    def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        if self.lean_vision is not None:  # the same slices, all of them: the lean layers' path
-            return self.encode_slices(inputs, [None] * len(inputs), 0, self.encoder_slices)
+    def encode_whole(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         pixel_values = torch.cat([i["pixel_values"] for i in inputs]).to(self.device, self.dtype)
         return self._image_features(pixel_values=pixel_values)
 
@@ -70,10 +68,8 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         }
 
     @torch.inference_mode()
-    def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def encode_whole(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         # One image or video a call: images differ in their number of views and in whether they are tiled.
-        if self.lean_vision is not None:  # the same slices, all of them: the lean layers' path
-            return self.encode_slices(inputs, [None] * len(inputs), 0, self.encoder_slices)
         return [self._video_features(i["pixel_values_videos"]) if "pixel_values_videos" in i else
                 self._image_features(
                     pixel_values=i["pixel_values"].to(self.device, self.dtype),

@@ -165,7 +165,7 @@ class Qwen2VLAdapter(VLMAdapter):
         return list(merged.split([count // visual.spatial_merge_size**2 for count in patches]))
 
     @torch.inference_mode()
-    def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def encode_whole(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         # Several inputs go through the tower in one call, as transformers does for a prompt's images:
         # attention never crosses an input's patches.
         pixel_values = torch.cat([i["pixel_values"] for i in inputs]).to(self.device, self.dtype)

@@ -69,9 +69,7 @@ class SmolVLMAdapter(VLMAdapter):
         return self.model.model.vision_model.encoder.layers
 
     @torch.inference_mode()
-    def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        if self.lean_vision is not None:  # the same slices, all of them: the lean layers' path
-            return self.encode_slices(inputs, [None] * len(inputs), 0, self.encoder_slices)
+    def encode_whole(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         pixel_values = torch.cat([i["pixel_values"] for i in inputs]).to(self.device, self.dtype)
         masks = [i.get("pixel_attention_mask") for i in inputs]
         pixel_mask = None if any(m is None for m in masks) else torch.cat(masks).to(self.device)
