@@ -63,31 +63,32 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-def _walk(value: Any, loc: tuple, last: Any) -> tuple[bool, list] | None:
+def _walk(value: Any, loc: tuple, absent: bool) -> tuple[bool, list] | None:
     """The steps of `loc` that are keys or indexes of `value`, skipping pydantic's names of union branches and
-    tags; (whether `last`, the loc's final step, was one of them, the steps)."""
+    tags; (whether the loc's final step was one of them, the steps). `absent`: the final step may be a field the
+    body lacks (a missing one) or one it should not have."""
     if not loc:
         return None
     head, rest = loc[0], loc[1:]
     found: list[tuple[bool, list]] = []
     if (isinstance(value, dict) and isinstance(head, str) and head in value) or \
             (isinstance(value, list) and isinstance(head, int) and 0 <= head < len(value)):
-        below = _walk(value[head], rest, last) if rest else None
+        below = _walk(value[head], rest, absent) if rest else None
         found.append((below[0], [head, *below[1]]) if below else (not rest, [head]))
-    elif not rest and isinstance(value, dict) and isinstance(head, str) and "[" not in head:
+    elif absent and not rest and isinstance(value, dict) and isinstance(head, str):
         found.append((True, [head]))  # a missing or unknown field
-    skipped = _walk(value, rest, last) if rest else None
+    skipped = _walk(value, rest, absent) if rest else None
     if skipped:
         found.append(skipped)
     return max(found, key=lambda f: (f[0], len(f[1])), default=None)
 
 
-def param_path(loc: tuple, body: Any = None) -> str | None:
+def param_path(loc: tuple, body: Any = None, absent: bool = False) -> str | None:
     """OpenAI's `param` of a validation error at pydantic's `loc`: the field's path in the body, as
     `messages[0].content[1].image_url` (union branch and tag names that pydantic puts in `loc` left out)."""
     where = [p for p in loc if p not in ("body", "query", "path", "header")]
     if loc and loc[0] == "body" and where:
-        walked = _walk(body, tuple(where), where[-1])
+        walked = _walk(body, tuple(where), absent)
         if walked:
             where = walked[1]
     text = ""
@@ -113,8 +114,10 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     if errors and errors[0].get("type") == "json_invalid":
         return error_response(400, f"the body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}",
                               None, "invalid_json")
-    paths = [param_path(tuple(e.get("loc", ())), body) for e in errors]
-    ranked = sorted(range(len(errors)), key=lambda i: -len(paths[i] or ""))
+    paths = [param_path(tuple(e.get("loc", ())), body, e.get("type") in ("missing", "extra_forbidden"))
+             for e in errors]
+    depth = [(p or "").count(".") + (p or "").count("[") for p in paths]
+    ranked = sorted(range(len(errors)), key=lambda i: -depth[i])  # stable: pydantic's order among equals
     first = ranked[0] if ranked else None
     details = []
     for i in ranked[:5]:

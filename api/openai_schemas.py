@@ -209,7 +209,7 @@ class SamplingFields(BaseModel):
     temperature: float | None = ranged("temperature")
     top_p: float | None = ranged("top_p")
     top_k: int | None = ranged("top_k", description="vlmcap extension: -1 or 0 disables it")
-    seed: int | None = ranged("seed", description="negative seeds are accepted, as OpenAI accepts them")
+    seed: int | None = Field(None, ge=-(2**63), le=INT64_MAX, description="an int64; negative too, as OpenAI takes")
     ignore_eos: bool = Field(False, description="vlmcap extension: generate max_tokens tokens, past EOS")
     priority: Priority = 0
     cache_salt: CacheSalt = None

@@ -32,7 +32,7 @@ from jobqueue.producer import JobProducer
 pytest.importorskip("xgrammar")
 
 MODEL = "tiny"
-CAP = 4096  # Limits().max_tokens_cap
+CAP = 8192  # the context (Limits().max_tokens_cap is None)
 IMAGE = "data:image/jpeg;base64," + base64.b64encode(BUS).decode()
 # Raw JSON literals: 10**400 and its negative, a float overflowing to infinity, NaN, a subnormal, -1.
 EXTREMES = ["1" + "0" * 400, "-1" + "0" * 400, "1e999", "NaN", "1e-320", "-1"]
@@ -43,7 +43,7 @@ def api_range(name: str) -> tuple[float, float, bool, bool]:
     if name in SAMPLING_RANGES:
         allowed = SAMPLING_RANGES[name]
         high = CAP if name == "max_tokens" else 2**63 - 1 if name == "seed" else allowed.high
-        low = 0 if name == "seed" else allowed.low
+        low = -(2**63) if name == "seed" else allowed.low
         return low, high, allowed.integer, allowed.low_open
     return {"priority": (0, 2**31 - 1, True, False), "n": (1, 1, True, False),
             "top_logprobs": (0, MAX_LOGPROBS, True, False)}[name]
@@ -154,14 +154,14 @@ def test_top_k_over_the_vocabulary_is_a_400(client):
 
 
 @pytest.mark.parametrize("path,extra,param", [
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"n": 2}, "n"),
     ("/v1/chat/completions", {"logit_bias": {"17": 5}}, "logit_bias"),
     ("/v1/chat/completions", {"audio": {"voice": "alloy"}}, "audio"),
     ("/v1/chat/completions", {"best_of": 3}, "best_of"),
     ("/v1/chat/completions", {"store": True}, "store"),
-    ("/v1/responses", {"tools": [{"type": "web_search"}]}, "tools"),
+    ("/v1/responses", {"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ("/v1/responses", {"reasoning": {"effort": "high"}}, "reasoning"),
     ("/v1/responses", {"previous_response_id": "resp_1"}, "previous_response_id"),
 ])

@@ -115,7 +115,7 @@ def test_rest_caption_cut_at_max_tokens_fails_saying_so(http):
 
 
 @pytest.mark.parametrize("schema,status,message", [
-    ("{not json", 422, "schema is not valid JSON"),
+    ("{not json", 400, "schema is not valid JSON"),
     (json.dumps({"type": "string", "minLength": 4, "maxLength": 2}), 400, "could not be compiled"),
 ])
 def test_rest_upload_with_an_unusable_schema_is_refused(http, schema, status, message):
