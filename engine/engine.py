@@ -14,6 +14,7 @@ import os
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +217,9 @@ class Engine:
             )
         return possible if wanted is None else wanted
 
+        if sampling.min_tokens:
+            held = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
+            sampling = replace(sampling, min_tokens_suppressed=tuple(sorted(held)))
     def _num_kv_blocks(self) -> int:
         config = self.config
         if config.num_kv_blocks is not None:
@@ -453,7 +457,8 @@ class Engine:
             log.error("request %s sampled token %d outside its grammar", request.request_id, token)
             return self._fail(request)
         reason = None
-        if not params.ignore_eos and request.output_token_ids[-1] in self.eos_token_ids:
+        last = request.output_token_ids[-1]
+        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
             reason = "stop"
         elif matcher is not None and matcher.is_terminated:
             reason = "stop"

@@ -51,6 +51,7 @@ SAMPLING_RANGES: dict[str, Range] = {
     "frequency_penalty": Range(-2.0, 2.0),
     "repetition_penalty": Range(0.01, 100.0),
     "logprobs": Range(0, MAX_LOGPROBS, integer=True),
+    "min_tokens": Range(0, INT64_MAX, integer=True),
 }
 
 
@@ -64,6 +65,9 @@ class SamplingParams:
     vLLM's), dividing positive and multiplying negative logits of every token in the prompt or the output (1: off).
     logprobs: return the log-probability of each generated token and of its `logprobs` likeliest alternatives
     (None: none), from the logits the token was chosen from (after penalties and grammar, before temperature).
+    min_tokens: the end-of-sequence tokens (unless ignore_eos) and `stop_token_ids` cannot be sampled before this
+    many tokens are generated (transformers' min_new_tokens, vLLM's min_tokens); stop strings still apply.
+    stop_token_ids: tokens that end the request like end-of-sequence (kept in the output's token ids, as vLLM).
     """
 
     max_tokens: int = 64
@@ -79,6 +83,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    # Filled by the engine when it admits the request (Engine.add_request): the tokens min_tokens holds back.
+    min_tokens_suppressed: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +99,12 @@ class SamplingParams:
             self.top_k = 0
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < INT64_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError(f"grammar must be a GrammarSpec or None, got {type(self.grammar).__name__}")
 
@@ -161,6 +175,18 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
     logits[index] = x
 
 
+def suppress_before_min_tokens(logits: torch.Tensor, params: list[SamplingParams],
+                               histories: list[tuple[list[int], list[int]]]) -> None:
+    """Set to -inf, in place, the logits of the tokens `min_tokens` holds back in the rows that have generated fewer
+    than `min_tokens` tokens (transformers' MinNewTokensLengthLogitsProcessor)."""
+    cells = [(row, token) for row, p in enumerate(params)
+             if p.min_tokens_suppressed and len(histories[row][1]) < p.min_tokens
+             for token in p.min_tokens_suppressed if token < logits.shape[-1]]
+    if cells:
+        rows, tokens = zip(*cells)
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)] = float("-inf")
+
+
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
     histories: list[tuple[list[int], list[int]]] | None = None,
@@ -178,6 +204,7 @@ def sample(
     """
     if histories is not None:
         apply_penalties(logits, params, histories)
+        suppress_before_min_tokens(logits, params, histories)
     tokens = logits.argmax(dim=-1)
     failed = torch.zeros_like(tokens)
     rows = [i for i, p in enumerate(params) if not p.greedy]
