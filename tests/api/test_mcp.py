@@ -1,0 +1,162 @@
+"""The MCP server on the app (/v1/mcp, streamable HTTP) with the `mcp` SDK's own client against a real uvicorn
+server (tiny random model) over a camera memory filled beforehand (tests/camera_memory_support.py): the four
+tools and their schemas, answers from the store (search with words, camera, fall and a cursor; an event's frames
+as images, the very bytes of GET /v1/events/{id}/frames/{i}; a camera's latest frame; a window's summary under the
+summary schema with the events it read), errors as tool errors, the server's keys (401 without one; a named key
+sees its cameras only), and the same tools as chat function tools (`function_tools`, `call_function_tool`)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Iterator
+
+import httpx
+import httpx2
+import jsonschema_rs
+import pytest
+from camera_memory_support import NOW, known_events, seed
+from mcp.client.session import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+from starlette.requests import Request
+
+from api.background import BackgroundServer
+from api.guard import KEY_NAME_SCOPE
+from api.mcp_server import MCP_PATH, call_function_tool, function_tools
+from api.routes_summaries import SUMMARY_SCHEMA
+from api.server import create_app
+from api.settings import ServerSettings
+from engine import EngineConfig
+
+TOOLS = {"search_events", "get_event", "camera_summary", "latest_frame"}
+KEYS = {"alice": "key-a", "ops": "key-o"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[BackgroundServer]:
+    data_dir = seed(tmp_path_factory.mktemp("mcp") / "data", known_events())
+    settings = ServerSettings(engine=EngineConfig(model="tiny"), data_dir=str(data_dir), api_keys=KEYS,
+                              events_key_cameras=("alice:gate-1", "ops:gate-1,gate-2"))
+    with BackgroundServer(create_app(settings)) as running:
+        yield running
+
+
+async def session_calls(url: str, key: str | None, calls: list[tuple[str, dict]]) -> tuple[list, list]:
+    """The tools listed and the result of each call, in one MCP session of the SDK's client."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx2.AsyncClient(headers=headers, timeout=120) as client, \
+            streamable_http_client(url + MCP_PATH, http_client=client) as (read, write), \
+            ClientSession(read, write) as session:
+        await session.initialize()
+        tools = (await session.list_tools()).tools
+        return tools, [await session.call_tool(name, args) for name, args in calls]
+
+
+def run(server, calls: list[tuple[str, dict]], key: str | None = "key-o") -> tuple[list, list]:
+    return asyncio.run(session_calls(server.url, key, calls))
+
+
+def payload(result) -> dict:
+    assert not result.is_error, result.content
+    return json.loads(result.content[0].text)
+
+
+def test_the_tools_answer_from_the_store(server):
+    tools, (words, falls, first, second, event, latest) = run(server, [
+        ("search_events", {"query": "delivery van"}),
+        ("search_events", {"fall": True}),
+        ("search_events", {"limit": 1}),
+        ("search_events", {"cameras": ["gate-1"], "since": str(NOW + 10)}),
+        ("get_event", {"event_id": "van", "frames": 3}),
+        ("latest_frame", {"camera": "gate-1"}),
+    ])
+    assert {t.name for t in tools} == TOOLS
+    schema = {t.name: t.input_schema for t in tools}
+    assert {"query", "cameras", "since", "until", "kind", "fall", "limit", "cursor"} <= set(
+        schema["search_events"]["properties"])
+    assert schema["get_event"]["required"] == ["event_id"]
+    assert [e["id"] for e in payload(words)["events"]] == ["van"]
+    assert [e["id"] for e in payload(falls)["events"]] == ["fall"]
+    page = payload(first)
+    assert [e["id"] for e in page["events"]] == ["dog"] and page["next_cursor"]
+    assert [e["id"] for e in payload(second)["events"]] == ["dog"]
+
+    described = payload(event)
+    assert (described["id"], described["camera_id"], described["frame_count"]) == ("van", "gate-2", 4)
+    images = [c for c in event.content if c.type == "image"]
+    assert len(images) == 3 and all(c.mime_type == "image/jpeg" for c in images)
+    with httpx.Client(base_url=server.url, headers={"Authorization": "Bearer key-o"}) as http:
+        for index, image in enumerate(images):
+            assert base64.b64decode(image.data) == http.get(f"/v1/events/van/frames/{index}").content
+        dog_last = http.get("/v1/events/dog/frames/1").content
+    assert payload(latest)["event"]["id"] == "dog" and payload(latest)["frame_index"] == 1
+    assert base64.b64decode(latest.content[1].data) == dog_last
+
+    _, (next_page,) = run(server, [("search_events", {"limit": 1, "cursor": page["next_cursor"]})])
+    assert [e["id"] for e in payload(next_page)["events"]] == ["fall"]
+
+
+def test_a_summary_of_the_kept_events(server):
+    _, (summary, empty) = run(server, [
+        ("camera_summary", {"camera": "gate-2", "since": str(NOW - 10), "until": str(NOW + 1000)}),
+        ("camera_summary", {"camera": "gate-2", "since": str(NOW + 5000), "until": str(NOW + 6000)}),
+    ])
+    answer = payload(summary)
+    assert answer["object"] == "camera.summary" and answer["event_ids"] == ["van", "fall"]
+    assert not answer["empty"] and answer["captions"] == 2
+    jsonschema_rs.validate(SUMMARY_SCHEMA, answer["summary"])  # grammar-held, even from random weights
+    assert payload(empty)["empty"] and payload(empty)["event_ids"] == []
+
+
+def test_errors_are_tool_errors(server):
+    _, results = run(server, [
+        ("get_event", {"event_id": "no-such-event"}),
+        ("search_events", {"since": "yesterday"}),
+        ("search_events", {"kind": "parade"}),
+        ("search_events", {"cursor": "forged"}),
+        ("search_events", {"limit": 10_000}),
+        ("latest_frame", {"camera": "nowhere"}),
+        ("camera_summary", {"camera": "gate-2", "window_s": -1}),
+    ])
+    for result in results:
+        assert result.is_error and result.content[0].text, result
+
+
+def test_the_server_s_keys(server):
+    with pytest.raises(Exception) as refused:  # the SDK raises when the server answers 401
+        run(server, [("search_events", {})], key=None)
+    assert "401" in repr(refused.value) or "Unauthorized" in repr(refused.value) or refused.value
+    with httpx.Client(base_url=server.url) as http:
+        answer = http.post(MCP_PATH, json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+        assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+    _, (mine, theirs, latest) = run(server, [
+        ("search_events", {}), ("get_event", {"event_id": "van"}), ("latest_frame", {"camera": "gate-2"})],
+        key="key-a")
+    assert {e["camera_id"] for e in payload(mine)["events"]} == {"gate-1"}
+    assert theirs.is_error and latest.is_error, "alice sees gate-1 only"
+
+
+def test_the_same_tools_as_chat_function_tools(server):
+    app = server.app
+    definitions = asyncio.run(function_tools(app))
+    assert {d["function"]["name"] for d in definitions} == TOOLS
+    assert all(d["type"] == "function" and d["function"]["parameters"]["type"] == "object" for d in definitions)
+
+    def connection(key_name: str) -> Request:
+        return Request({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [],
+                        KEY_NAME_SCOPE: key_name})
+
+    async def calls() -> list[str]:
+        return [await call_function_tool(app, connection("ops"), "search_events", '{"query": "warehouse"}'),
+                await call_function_tool(app, connection("alice"), "search_events", {"fall": True}),
+                await call_function_tool(app, connection("ops"), "get_event", {"event_id": "fall"}),
+                await call_function_tool(app, connection("ops"), "get_event", "{not json"),
+                await call_function_tool(app, connection("ops"), "no_such_tool", {}),
+                await call_function_tool(app, connection("ops"), "search_events", {"limit": "many"})]
+
+    found, hidden, event, bad_json, unknown, bad_arg = [json.loads(c) for c in asyncio.run(calls())]
+    assert [e["id"] for e in found["events"]] == ["fall"]
+    assert hidden["events"] == [], "alice's key does not see gate-2's fall"
+    assert event["id"] == "fall" and event["frames_url"] == "/v1/events/fall/frames"
+    assert "error" in bad_json and "error" in unknown and "error" in bad_arg
