@@ -129,6 +129,8 @@ def render_tools(messages: list[dict[str, Any]], functions: tuple[Function, ...]
             rendered.append(turn)
             continue
         content = list(message["content"])
+        for _, _, arguments, param in calls:
+            _arguments(arguments, param)  # JSON, as the template's own rendering needs it
         if calls:
             content.append({"type": "text", "text": "\n".join(call_text(name, arguments)
                                                               for _, name, arguments, _ in calls)})

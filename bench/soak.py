@@ -6,7 +6,7 @@ steady rates, and replaces a share `hostile_fraction` of each with a hostile one
 more: extreme sampling values, deep or NaN JSON, decompression bombs, truncated images, oversized chunked
 bodies, unknown methods, foreign Host headers, cross-site posts, bad `cache_salt`s, one event stream more than
 the server's cap, grammars past their limits, schema `$ref`s outside the schema, unsupported parameters,
-priorities below the floor; camera jobs with malformed fields, unusable schemas or frames past their limits).
+priorities below the floor, tools with too many or too large schemas; camera jobs with malformed fields, unusable schemas or frames past their limits).
 Every third good job is an event of several frames (captioned as one prompt), every fifth a
 fall, whose alert goes to a webhook receiver that answers with an SSH banner: the webhook must stay alive,
 counting failures. Then it
@@ -45,7 +45,7 @@ from bench.report import machine, photo_paths, pyplot, save_figure
 
 @dataclass
 class Outcome:
-    kind: str  # "chat", "caption", or "hostile:<name>"
+    kind: str  # "chat", "caption", "events", "tools" (chats with function tools), or "hostile:<name>"
     status: int | None  # None: no answer (connection error), with `error`
     error: str | None = None
 
@@ -146,6 +146,27 @@ class Client:
             request = self.http.post("/v1/embeddings", json={"input": [data_url(rng.choice(self.photos)), "a coat"]})
         await self._record(tally, "events", request)
 
+    async def good_tools(self, tally: Tally, rng: random.Random) -> None:
+        """A chat with tools (a named function, `required` or `auto`): 2xx, and every finished call's arguments
+        valid under its function's schema (a call that is not counts as a 500)."""
+        choice = rng.choice([{"type": "function", "function": {"name": "weather"}}, "required", "auto"])
+        body = self.chat_body(f"Weather at stop {rng.randrange(1000)}?", tools=SOAK_TOOLS, tool_choice=choice,
+                              parallel_tool_calls=False, temperature=1.0, seed=rng.randrange(2**31),
+                              max_tokens=TOOL_MAX_TOKENS)
+        try:
+            response = await self.http.post("/v1/chat/completions", json=body)
+        except httpx.HTTPError as exc:
+            tally.outcomes.append(Outcome("tools", None, f"{type(exc).__name__}: {exc}"))
+            return
+        status, error = response.status_code, None
+        if status == 200:
+            choice_out = response.json()["choices"][0]
+            if choice_out["finish_reason"] == "tool_calls":
+                for call in choice_out["message"]["tool_calls"]:
+                    if not _valid_call(call["function"]["name"], call["function"]["arguments"]):
+                        status, error = 500, f"invalid tool call {call['function']}"
+        tally.outcomes.append(Outcome("tools", status, error))
+
     async def hostile(self, tally: Tally, rng: random.Random) -> None:
         name = rng.choice(sorted(HOSTILE_REQUESTS))
         await self._record(tally, f"hostile:{name}", HOSTILE_REQUESTS[name](self))
@@ -156,6 +177,34 @@ class Client:
             tally.outcomes.append(Outcome(kind, response.status_code))
         except httpx.HTTPError as exc:
             tally.outcomes.append(Outcome(kind, None, f"{type(exc).__name__}: {exc}"))
+
+
+SOAK_TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "clock", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}},
+]
+TOOL_MAX_TOKENS = 160  # a whole call of the tools above, written out by the tiny model's byte-level tokens
+
+
+def _valid_call(name: str, arguments: str) -> bool:
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return False
+    if name == "weather":
+        return set(value) == {"city", "days"} and isinstance(value["city"], str) and len(value["city"]) <= 8 \
+            and isinstance(value["days"], int) and 1 <= value["days"] <= 7
+    return name == "clock" and value == {"zone": value.get("zone")} and value["zone"] in ("UTC", "CET")
+
+
+def _many_tools(count: int, properties: int) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": {
+        f"p{j}": {"type": "integer"} for j in range(properties)}}}} for i in range(count)]
 
 
 def _json_post(client: Client, path: str, raw: bytes) -> Any:
@@ -219,8 +268,22 @@ HOSTILE_REQUESTS: dict[str, Any] = {
     "top_k_1e400": lambda c: _json_post(c, "/v1/chat/completions", json.dumps(c.chat_body("Hi", top_k="@")).replace(
         '"@"', "1" + "0" * 400).encode()),
     "priority_below_floor": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("Hi", priority=-2**31)),
-    "unsupported_tools": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
-        "Hi", tools=[{"type": "function", "function": {"name": "f"}}])),
+    # Tools (issue 36): their schemas count together against the grammar limits; bad choices and history arguments
+    # that are not JSON are refused by name.
+    "tools_many": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
+        "Hi", tools=_many_tools(200, 10), tool_choice="required")),
+    "tools_huge_schema": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
+        "Hi", tools=[{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "description": "x" * 200_000}}}])),
+    "tools_deep_regex": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
+        "Hi", tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "a": {"type": "string", "pattern": "(" * 30_000 + "a" + ")" * 30_000}}}}}], tool_choice="auto")),
+    "tool_choice_unknown": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
+        "Hi", tools=SOAK_TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})),
+    "tool_history_bad_arguments": lambda c: c.http.post("/v1/chat/completions", json={**c.chat_body("Hi"),
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{not json"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "tools": SOAK_TOOLS}),
     "unsupported_n": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("Hi", n=2)),
     # The camera memory (issue 37): user words are never full-text syntax; times, cursors and uploads have limits.
     "events_fts_syntax": lambda c: c.http.get("/v1/events", params={"q": '"NEAR(a b) OR caption:* ^x \'; --'}),
@@ -379,6 +442,12 @@ async def _load(cfg: SoakConfig, url: str, redis_url: str, server_pid: int, tall
             await store.hset(result_key(good.job_id), mapping=good.queued_result().to_fields())
             await store.xadd("vlmcap:jobs", {**good.to_fields(), **rng.choice(HOSTILE_JOB_FIELDS)})
 
+        async def tools() -> None:
+            if rng.random() < cfg.hostile_fraction:
+                await client.hostile(tally, rng)
+            else:
+                await client.good_tools(tally, rng)
+
         async def event_search() -> None:
             if rng.random() < cfg.hostile_fraction:
                 await client.hostile(tally, rng)
@@ -397,6 +466,7 @@ async def _load(cfg: SoakConfig, url: str, redis_url: str, server_pid: int, tall
             _ticker(cfg.caption_rate, until, caption, random.Random(cfg.seed + 1), tasks),
             _ticker(cfg.job_rate, until, job, random.Random(cfg.seed + 2), tasks),
             _ticker(cfg.caption_rate, until, event_search, random.Random(cfg.seed + 3), tasks),
+            _ticker(cfg.caption_rate, until, tools, random.Random(cfg.seed + 4), tasks),
         )
         while tasks:
             await asyncio.gather(*list(tasks))

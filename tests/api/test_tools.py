@@ -136,6 +136,8 @@ def test_a_history_with_calls_and_results_renders(client):
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}, "frobnicate": 1}}]},
      "tools[0].function.frobnicate"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "weather", "arguments": "{not json"}}]}]}, "messages[1].tool_calls[0].function.arguments"),
 ])
 def test_bad_tools_answer_400_naming_the_field(http, body, param):
     reply = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4, **body})
