@@ -202,3 +202,50 @@ def test_a_call_cut_at_max_tokens_keeps_its_arguments_without_the_marker():
     events = [e for i in range(len(text)) for e in parser.feed(text[i], final=i == len(text) - 1)]
     assert [e[0] for e in events][0] == "call" and parser.text == ""
     assert parser.calls[0].arguments == '{"zone": "CET"}' and not parser.calls[0].complete
+
+
+# A Hermes-style template that renders tools, calls and results itself (as Qwen2.5-VL's does), for the tiny model.
+NATIVE_TEMPLATE = (
+    "{% if tools %}<|tools|>{% for tool in tools %}{{ tool.function.name }}={{ tool.function.parameters | tojson }};"
+    "{% endfor %}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: "
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type == 'text' %}{{ p.text }}{% else %}<image>{% endif %}{% endfor %}{% endif %}"
+    "{% for c in m.tool_calls or [] %}[call {{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}"
+    "{% if m.role == 'tool' %}[for {{ m.tool_call_id }}]{% endif %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_a_template_that_takes_tools_renders_them_itself():
+    settings = ServerSettings(engine=EngineConfig(model="tiny", max_num_batched_tokens=256,
+                                                  chat_template=NATIVE_TEMPLATE), api_key=KEY, served_model_name=MODEL)
+    history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_9", "type": "function", "function": {"name": "clock", "arguments": '{"zone": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "12:00"}]
+    with BackgroundServer(create_app(settings)) as running:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key=KEY, max_retries=0)
+        completion = client.chat.completions.create(
+            model=MODEL, messages=history, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "clock"}},
+            max_tokens=120, extra_body={"return_token_ids": True})
+        prompt = running.state.bridge.engine.tokenizer.decode(completion.model_extra["prompt_token_ids"])
+    assert '<|tools|>weather={"type": "object"' in prompt and "clock=" in prompt
+    assert '[call clock {"zone": "UTC"}]' in prompt and "tool: 12:00[for call_9]" in prompt
+    assert "You can call these functions" not in prompt  # not the generic rendering
+    [call] = completion.choices[0].message.tool_calls
+    valid("clock", call.function.arguments)
+
+
+def test_tool_choice_none_applies_no_grammar(client):
+    """With tools and tool_choice "none", the greedy answer is the plain answer to the same rendered prompt (the
+    generic system turn sent as text): no grammar touches it, so it is generate's greedy tokens as every path is."""
+    from api.tools import Function, generic_tools_turn
+
+    functions = tuple(Function(t["function"]["name"], t["function"].get("description"), t["function"]["parameters"])
+                      for t in TOOLS)
+    with_tools = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none",
+                                                temperature=0.0, max_tokens=24, extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": [{"type": "text", "text": generic_tools_turn(functions)}]},
+                               *ASK], temperature=0.0, max_tokens=24, extra_body={"ignore_eos": True})
+    assert with_tools.choices[0].message.content == plain.choices[0].message.content
+    assert with_tools.usage.prompt_tokens == plain.usage.prompt_tokens
