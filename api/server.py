@@ -22,6 +22,7 @@ from api import (
     routes_alerts,
     routes_ask,
     routes_captions,
+    routes_completions,
     routes_dashboard,
     routes_events,
     routes_openai,
@@ -169,6 +170,7 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics, routes=app.router.routes)
     app.include_router(routes_openai.router)
+    app.include_router(routes_completions.router)
     app.include_router(routes_captions.router)
     app.include_router(routes_dashboard.router)
     app.include_router(routes_alerts.router)

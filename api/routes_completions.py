@@ -1,0 +1,290 @@
+"""OpenAI's legacy `/v1/completions` (what litellm's text_completion and lm-eval's local-completions call) and
+`GET /v1/models/{id}`.
+
+A prompt is a string, a list of strings, a list of token ids or a list of lists of token ids (token ids are decoded
+to text with the model's tokenizer, then processed as text prompts are). Each prompt gives `n` choices, choice
+`prompt_index * n + i`; with a `seed`, choice i samples with seed + i, so `n` choices with seed s equal n requests
+sent one by one with seeds s, s + 1, ... `logprobs` is OpenAI's legacy format (tokens, token_logprobs,
+top_logprobs, text_offset); with `echo` the prompt's tokens come first, their log-probabilities null (the engine
+does not score prompts). `suffix` (insertion) is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field
+
+from api.bridge import EngineFailure, RequestStream
+from api.errors import APIError, error_body
+from api.grammars import compile_ahead
+from api.guard import cache_salt
+from api.openai_schemas import (
+    MAX_LOGPROBS,
+    ResponseFormat,
+    SamplingFields,
+    Stop,
+    StreamOptions,
+    client_priority,
+    ranged,
+    refuse_unsupported,
+)
+from api.routes_openai import (
+    IMPOSSIBLE_LOGPROB,
+    chat_usage,
+    check_model,
+    check_stream_options,
+    final_output,
+    request_grammar,
+    sampling_params,
+    text_deltas,
+)
+from api.state import ServerState, server_state
+from api.streaming import ClientDisconnected, SSEResponse, sse
+from engine import RequestOutput, SamplingParams
+from engine.sampling import INT64_MAX, TokenLogprobs
+
+router = APIRouter(prefix="/v1")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHOICES = 128  # prompts times n in one request
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Prompt = str | TokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
+
+
+class CompletionRequest(SamplingFields):
+    model: str
+    prompt: Prompt
+    suffix: str | None = None
+    max_tokens: int | None = ranged("max_tokens")
+    min_tokens: int | None = ranged("min_tokens", description="vLLM's extension: EOS held back until then")
+    stop: Stop = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="vLLM's extension")
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    best_of: int | None = Field(None, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    presence_penalty: float | None = ranged("presence_penalty")
+    frequency_penalty: float | None = ranged("frequency_penalty")
+    repetition_penalty: float | None = ranged("repetition_penalty", description="vLLM's extension: 1 is off")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+
+
+def prompt_texts(prompt: Prompt, state: ServerState) -> list[str]:
+    """The request's prompts as text (token ids decoded by the model's tokenizer)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]  # one prompt of token ids
+    tokenizer = state.bridge.engine.tokenizer
+    vocab = state.bridge.engine.adapter.lm_head.weight.shape[0]
+    texts = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            texts.append(p)
+            continue
+        bad = next((t for t in p if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"prompt[{i}] has token id {bad}, outside the model's vocabulary of {vocab}",
+                           f"prompt[{i}]", "invalid_value")
+        texts.append(tokenizer.decode(p))
+    if not all(texts):
+        raise APIError(400, "every prompt must be non-empty", "prompt", "invalid_value")
+    return texts
+
+
+def choice_seeds(seed: int | None, n: int) -> list[int | None]:
+    """Choice i's seed: seed + i (None without a seed), so n choices equal n one-by-one requests with those seeds."""
+    return [None if seed is None else seed + i for i in range(n)]
+
+
+def legacy_logprobs(prompt_ids: list[int] | None, logprobs: list[TokenLogprobs], start: int,
+                    state: ServerState) -> dict[str, Any]:
+    """OpenAI's legacy `logprobs`: each token's text, log-probability, top alternatives ({text: logprob}) and
+    character offset in the choice's text from `start`; `prompt_ids` (echo) come first with null log-probs."""
+    tokenizer = state.bridge.engine.tokenizer
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = start
+    for token_id in prompt_ids or []:
+        text = tokenizer.decode([token_id])
+        tokens.append(text)
+        values.append(None)
+        tops.append(None)
+        offsets.append(offset)
+        offset += len(text)
+    for lp in logprobs:
+        text = tokenizer.decode([lp.token_id])
+        tokens.append(text)
+        values.append(max(lp.logprob, IMPOSSIBLE_LOGPROB))
+        tops.append({tokenizer.decode([t]): max(v, IMPOSSIBLE_LOGPROB) for t, v in lp.top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def completion_params(body: CompletionRequest, state: ServerState) -> tuple[list[SamplingParams], Any, str]:
+    """The engine's parameters of each of the n choices, and the request's grammar and its parameter's name."""
+    if body.suffix:
+        raise APIError(400, "suffix (text insertion) is not supported by this server: send the prompt alone",
+                       "suffix", "unsupported_parameter")
+    if body.best_of not in (None, body.n):
+        raise APIError(400, f"best_of={body.best_of} is not supported: send it equal to n or not at all",
+                       "best_of", "unsupported_value")
+    check_stream_options(body.stream, body.stream_options)
+    grammar, grammar_param = request_grammar(body, body.response_format, "response_format", None)
+    base = sampling_params(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, body.stop, state,
+                           "max_tokens", grammar, presence_penalty=body.presence_penalty,
+                           frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                           logprobs=body.logprobs, min_tokens=body.min_tokens,
+                           stop_token_ids=body.stop_token_ids)
+    if body.seed is not None and body.seed + body.n - 1 > INT64_MAX:
+        raise APIError(400, f"seed {body.seed} + n - 1 is over {INT64_MAX}", "seed", "invalid_value")
+    params = []
+    for seed in choice_seeds(body.seed, body.n):
+        try:
+            params.append(SamplingParams(**{**base.__dict__, "seed": seed}))
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+    return params, grammar, grammar_param
+
+
+@router.post("/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request,
+                      state: ServerState = Depends(server_state)) -> Response:
+    check_model(body.model, state)
+    refuse_unsupported(body)
+    client_priority(body.priority, 0, state.settings.limits.min_client_priority)
+    texts = prompt_texts(body.prompt, state)
+    if len(texts) * body.n > MAX_CHOICES:
+        raise APIError(400, f"{len(texts)} prompts times n={body.n} is over {MAX_CHOICES} choices", "n",
+                       "invalid_value")
+    params, grammar, grammar_param = completion_params(body, state)
+    try:
+        await compile_ahead(state.bridge.engine, grammar, grammar_param, request)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    salt = cache_salt(request, state.settings, body.cache_salt)
+    streams: list[RequestStream] = []
+    try:
+        for text in texts:
+            for sampling in params:  # choice order: the n choices of prompt 0, then of prompt 1, ...
+                streams.append(await state.bridge.add(prompt=text, sampling=sampling, priority=body.priority,
+                                                      cache_salt=salt))
+    except BaseException:
+        for stream in streams:
+            state.bridge.abort(stream.request_id)
+        raise
+    completion_id, created = f"cmpl-{streams[0].request_id}", int(time.time())
+    prompts = [text for text in texts for _ in params]
+    if body.stream:
+        options = body.stream_options
+        return SSEResponse(completion_events(streams, prompts, body, state, completion_id, created,
+                                             bool(options and options.include_usage)))
+    try:
+        finished = await asyncio.gather(*(final_output(request, stream, state) for stream in streams))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        for stream in streams:
+            state.bridge.abort(stream.request_id)
+    choices = []
+    for index, ((output, logprobs), prompt) in enumerate(zip(finished, prompts, strict=True)):
+        text = prompt + output.text if body.echo else output.text
+        choices.append({
+            "index": index, "text": text, "finish_reason": output.finish_reason,
+            "logprobs": None if body.logprobs is None else
+            legacy_logprobs(output.prompt_token_ids if body.echo else None, logprobs, 0, state),
+        })
+    return JSONResponse({"id": completion_id, "object": "text_completion", "created": created,
+                         "model": state.settings.model_name, "choices": choices,
+                         "usage": total_usage([output for output, _ in finished])})
+
+
+def total_usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+    """Usage over the choices: each distinct prompt counted once (its n choices share it), completions summed."""
+    seen: dict[tuple[int, ...], int] = {}
+    for output in outputs:
+        seen.setdefault(tuple(output.prompt_token_ids or ()) or (id(output),), output.num_prompt_tokens)
+    usages = [chat_usage(output) for output in outputs]
+    prompt = sum(seen.values())
+    completion = sum(u["completion_tokens"] for u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def completion_events(streams: list[RequestStream], prompts: list[str], body: CompletionRequest,
+                            state: ServerState, completion_id: str, created: int,
+                            include_usage: bool) -> AsyncIterator[str]:
+    """The choices' chunks as they come (each with its `index`), the usage chunk if asked, then [DONE]."""
+    model = state.settings.model_name
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    def chunk(index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None) -> str:
+        return sse({"id": completion_id, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": index, "text": text, "finish_reason": finish_reason,
+                                 "logprobs": logprobs}]})
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for delta, output in text_deltas(stream, state):
+                await queue.put((index, (delta, output)))
+        except EngineFailure as exc:
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    offsets = [len(p) if body.echo else 0 for p in prompts]
+    last: dict[int, RequestOutput] = {}
+    open_streams = len(streams)
+    failed = False
+    try:
+        if body.echo:
+            for index, prompt in enumerate(prompts):
+                yield chunk(index, prompt, None, None)
+        while open_streams:
+            index, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+                continue
+            if isinstance(item, EngineFailure):
+                yield sse(error_body(500, str(item), code="engine_error"))
+                failed = True
+                break
+            delta, output = item
+            first = index not in last
+            last[index] = output
+            logprobs = None
+            if body.logprobs is not None:
+                echoed = output.prompt_token_ids if body.echo and first else None
+                logprobs = legacy_logprobs(echoed, output.new_logprobs or [], 0 if echoed else offsets[index], state)
+                offsets[index] += len(delta)
+            if delta or output.finished or logprobs:
+                yield chunk(index, delta, output.finish_reason, logprobs)
+        if include_usage and not failed:
+            yield sse({"id": completion_id, "object": "text_completion", "created": created, "model": model,
+                       "choices": [], "usage": total_usage(list(last.values()))})
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            state.bridge.abort(stream.request_id)
+    yield sse("[DONE]")
+
+
+@router.get("/models/{model_id:path}")
+async def retrieve_model(model_id: str, state: ServerState = Depends(server_state)) -> dict[str, Any]:
+    """The served model (`/v1/models`' one entry); 404 in OpenAI's error body for any other id."""
+    check_model(model_id, state)
+    return {"id": state.settings.model_name, "object": "model", "created": int(state.started_at),
+            "owned_by": "vlmcap", "max_model_len": state.bridge.engine.max_model_len}

@@ -1,0 +1,145 @@
+"""`/v1/completions` and `GET /v1/models/{id}` on a real uvicorn server with the tiny model, driven by the official
+`openai` client: prompts as strings, lists and token ids; streaming equal to the whole answer; echo and the legacy
+logprobs; stop; n with a seed equal to one-by-one requests with derived seeds; min_tokens; suffix refused."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from api.background import BackgroundServer
+from api.server import create_app
+from api.settings import Limits, ServerSettings
+from engine import EngineConfig
+
+MODEL = "vlmcap-tiny"
+PROMPT = "User: What is in a street scene?<end_of_utterance>\nAssistant:"
+
+
+@pytest.fixture(scope="module")
+def server():
+    settings = ServerSettings(engine=EngineConfig(model="tiny", max_num_batched_tokens=256),
+                              served_model_name=MODEL, limits=Limits(max_tokens_cap=4096))
+    with BackgroundServer(create_app(settings)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def greedy(client, prompt, **kwargs):
+    return client.completions.create(model=MODEL, prompt=prompt, **{"max_tokens": 12, "temperature": 0, **kwargs})
+
+
+def test_a_string_prompt_gives_text_and_usage(client, server):
+    answer = greedy(client, PROMPT)
+    assert answer.object == "text_completion" and len(answer.choices) == 1
+    choice = answer.choices[0]
+    assert choice.text and choice.finish_reason in ("stop", "length")
+    tokenizer = server.state.bridge.engine.tokenizer
+    assert answer.usage.completion_tokens >= len(tokenizer(choice.text, add_special_tokens=False).input_ids) - 1
+    assert answer.usage.prompt_tokens > 0
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
+
+
+def test_lists_of_prompts_and_token_ids_give_one_choice_each_in_order(client, server):
+    other = "User: Describe the people.<end_of_utterance>\nAssistant:"
+    one, two = greedy(client, PROMPT).choices[0].text, greedy(client, other).choices[0].text
+    both = greedy(client, [PROMPT, other])
+    assert [c.index for c in both.choices] == [0, 1]
+    assert [c.text for c in both.choices] == [one, two]
+    ids = server.state.bridge.engine.tokenizer(PROMPT, add_special_tokens=False).input_ids
+    assert greedy(client, ids).choices[0].text == one
+    assert [c.text for c in greedy(client, [ids, ids]).choices] == [one, one]
+
+
+def test_streamed_text_equals_the_whole_answer_and_ends_with_usage(client):
+    whole = greedy(client, PROMPT).choices[0].text
+    chunks = list(greedy(client, PROMPT, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_echo_and_logprobs_in_the_legacy_format(client, server):
+    whole = greedy(client, PROMPT).choices[0].text
+    choice = greedy(client, PROMPT, echo=True, logprobs=3).choices[0]
+    assert choice.text == PROMPT + whole
+    lp = choice.logprobs
+    prompt_ids = server.state.bridge.engine.adapter.process(PROMPT, [], [], None)[0]
+    n = len(prompt_ids)
+    assert lp.token_logprobs[:n] == [None] * n
+    generated = lp.token_logprobs[n:]
+    assert generated and all(v <= 0 for v in generated)
+    assert all(len(top) <= 3 and max(top.values()) >= value - 1e-5  # the chosen token is the likeliest (greedy)
+               for top, value in zip(lp.top_logprobs[n:], generated, strict=True))
+    tokenizer = server.state.bridge.engine.tokenizer
+    assert "".join(lp.tokens[n:]) == tokenizer.decode(tokenizer(whole, add_special_tokens=False).input_ids) \
+        or whole in "".join(lp.tokens[n:])  # special tokens are in `tokens`, not in the text
+    assert lp.text_offset == sorted(lp.text_offset) and len(lp.text_offset) == len(lp.tokens)
+
+
+def test_stop_ends_the_text_before_the_stop_string(client):
+    whole = greedy(client, PROMPT, max_tokens=24).choices[0].text
+    stop = whole[len(whole) // 2: len(whole) // 2 + 2]
+    assert stop.strip()
+    choice = greedy(client, PROMPT, max_tokens=24, stop=[stop]).choices[0]
+    assert choice.finish_reason == "stop" and choice.text == whole[: whole.index(stop)]
+
+
+def test_n_choices_with_a_seed_equal_one_by_one_requests_with_derived_seeds(client):
+    def sampled(**kwargs):
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, **kwargs)
+
+    together = sampled(n=3, seed=7)
+    assert [c.index for c in together.choices] == [0, 1, 2]
+    alone = [sampled(seed=7 + i).choices[0].text for i in range(3)]
+    assert [c.text for c in together.choices] == alone
+    assert len(set(alone)) > 1  # derived seeds, not one seed three times
+    streamed: dict[int, str] = {}
+    for chunk in sampled(n=3, seed=7, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == alone
+
+
+def test_min_tokens_and_stop_token_ids_over_http(client, server):
+    ids = server.state.bridge.engine.tokenizer(greedy(client, PROMPT).choices[0].text,
+                                                  add_special_tokens=False).input_ids
+    held = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                     extra_body={"min_tokens": 8, "stop_token_ids": [ids[0]]})
+    assert held.usage.completion_tokens == 8
+    stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                        extra_body={"stop_token_ids": [ids[0]]})
+    assert stopped.usage.completion_tokens < 8 and stopped.choices[0].finish_reason == "stop"
+
+
+def test_bad_requests_are_400_in_openais_body(server):
+    def post(**body):
+        return httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, **body}, timeout=30)
+
+    cases = [({"suffix": "the end"}, "suffix"), ({"min_tokens": 9, "max_tokens": 4}, None),
+             ({"prompt": [10**9]}, "prompt[0]"), ({"best_of": 3}, "best_of"),
+             ({"stream_options": {}}, "stream_options")]
+    for body, param in cases:
+        response = post(**body)
+        assert response.status_code == 400, body
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        if param:
+            assert error["param"] == param
+    assert "min_tokens" in post(min_tokens=9, max_tokens=4).json()["error"]["message"]
+    assert post(model="nope").status_code == 404
+
+
+def test_models_retrieve_and_an_unknown_id(client, server):
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("no-such-model")
+    assert caught.value.body["code"] == "model_not_found"
+    response = httpx.get(f"{server.url}/v1/models/no-such-model", timeout=30)
+    assert response.status_code == 404 and set(response.json()["error"]) == {"message", "type", "param", "code"}
