@@ -6,7 +6,8 @@ steady rates, and replaces a share `hostile_fraction` of each with a hostile one
 more: extreme sampling values, deep or NaN JSON, decompression bombs, truncated images, oversized chunked
 bodies, unknown methods, foreign Host headers, cross-site posts, bad `cache_salt`s, one event stream more than
 the server's cap, grammars past their limits, schema `$ref`s outside the schema, unsupported parameters,
-priorities below the floor, tools with too many or too large schemas; camera jobs with malformed fields, unusable schemas or frames past their limits).
+priorities below the floor, tools with too many or too large schemas; camera jobs with malformed fields,
+unusable schemas or frames past their limits).
 Every third good job is an event of several frames (captioned as one prompt), every fifth a
 fall, whose alert goes to a webhook receiver that answers with an SSH banner: the webhook must stay alive,
 counting failures. Then it
