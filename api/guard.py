@@ -23,7 +23,7 @@ from api.pools import CLIENT_KEY
 from api.settings import ServerSettings
 
 # Behind the API key when one is set: the API and its description (the docs page loads scripts from a CDN).
-KEYED_PREFIXES = ("/v1", "/docs", "/redoc", "/openapi.json")
+KEYED_PREFIXES = ("/v1", "/api", "/docs", "/redoc", "/openapi.json")  # /api: Ollama's routes
 METRICS_PATH = "/metrics"
 # Probes and scrapers reach these by any address (an orchestrator's probe sends the pod's IP as Host).
 PROBE_PATHS = frozenset({"/health", "/ready", METRICS_PATH})

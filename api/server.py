@@ -25,6 +25,7 @@ from api import (
     routes_completions,
     routes_dashboard,
     routes_events,
+    routes_ollama,
     routes_openai,
     routes_summaries,
 )
@@ -171,6 +172,7 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics, routes=app.router.routes)
     app.include_router(routes_openai.router)
     app.include_router(routes_completions.router)
+    app.include_router(routes_ollama.router)
     app.include_router(routes_captions.router)
     app.include_router(routes_dashboard.router)
     app.include_router(routes_alerts.router)
