@@ -378,3 +378,55 @@ def test_alerts_published_while_the_broker_is_down_reach_it_when_it_is_back(tmp_
         publisher.stop()
         gate.shut()
         broker.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_server_publishes_the_jobs_its_queue_worker_finishes(broker, prefix, redis_url, tmp_path):
+    """`--mqtt-url` on a real server (tiny model, embedded Redis): a sighting and a fall job sent by the real
+    producer reach the broker as the camera's retained caption and a QoS 1 alert, beside the event store's hook;
+    /ready shows the publisher."""
+    import io
+
+    import httpx
+    from PIL import Image
+    from queue_support import enqueue
+
+    from api.background import BackgroundServer
+    from api.server import create_app
+    from api.settings import ServerSettings
+    from engine import EngineConfig
+    from jobqueue.contract import Detection, Job
+
+    picture = io.BytesIO()
+    Image.new("RGB", (64, 48), (90, 120, 30)).save(picture, format="JPEG")
+    box = [Detection(1, 2, 30, 40, 0.9, 3)]
+    jobs = [Job(camera_id="yard:1.a", frame_ts=1000.0, prompt="Who?", image=picture.getvalue(), detections=box,
+                job_id="seen-1", track_id=3),
+            Job(camera_id="yard:1.a", frame_ts=1001.0, prompt="Fallen?", image=picture.getvalue(), detections=box,
+                job_id="fell-1", fall=True, track_id=3)]
+    settings = ServerSettings(engine=EngineConfig(model="tiny"), caption_max_tokens=4, redis_url=redis_url,
+                              data_dir=str(tmp_path / "data"), mqtt_url=f"mqtt://127.0.0.1:{broker.port}",
+                              mqtt_prefix=prefix)
+    live = Subscriber(broker.port, "#")
+    try:
+        with BackgroundServer(create_app(settings)) as server:
+            enqueue(redis_url, jobs)
+            camera = camera_topic_id("yard:1.a")
+            alert = json.loads(_wait(live, f"{prefix}/{camera}/fall")[0].payload)
+            assert (alert["id"], alert["camera_id"], alert["fall"]) == ("fell-1", "yard:1.a", True)
+            captions = _wait(live, f"{prefix}/{camera}/caption", 2)
+            assert {json.loads(m.payload)["id"] for m in captions} == {"seen-1", "fell-1"}
+            live.wait_for(f"homeassistant/sensor/{prefix}_{camera}_caption/config")
+            with httpx.Client(base_url=server.url) as http:
+                ready = http.get("/ready").json()
+                assert ready["mqtt"]["connected"] and ready["mqtt"]["published"] >= 5
+                assert {e["id"] for e in http.get("/v1/events").json()["data"]} <= {"seen-1", "fell-1"}
+        assert live.on(f"{prefix}/available")[-1].payload == b"offline", "a clean stop says offline"
+    finally:
+        live.close()
+
+
+def _wait(subscriber: Subscriber, topic: str, count: int = 1) -> list[mqtt.MQTTMessage]:
+    """As `Subscriber.wait_for`, with a deadline for captioning on a loaded machine."""
+    wait_until(lambda: len(subscriber.on(topic)) >= count, f"{count} message(s) on {topic}", timeout=240)
+    return subscriber.on(topic)
