@@ -46,7 +46,7 @@ from bench.report import machine, photo_paths, pyplot, save_figure
 
 @dataclass
 class Outcome:
-    kind: str  # "chat", "caption", "events", "tools" (chats with function tools), or "hostile:<name>"
+    kind: str  # "chat", "caption", "events", "ask", "mcp", "tools" (chats with function tools), or "hostile:<name>"
     status: int | None  # None: no answer (connection error), with `error`
     error: str | None = None
 
@@ -147,6 +147,23 @@ class Client:
             request = self.http.post("/v1/embeddings", json={"input": [data_url(rng.choice(self.photos)), "a coat"]})
         await self._record(tally, "events", request)
 
+    async def good_ask(self, tally: Tally, rng: random.Random) -> None:
+        """The camera memory asked: a question over POST /v1/cameras/ask (now and then streamed), or an MCP tool
+        call (search_events, get_event of the newest event) as raw JSON-RPC on /v1/mcp."""
+        choice = rng.randrange(3)
+        if choice == 0:
+            body = {"question": rng.choice(("Who waited at the bus?", "Did anyone fall?", "What happened?")),
+                    "max_tokens": self.cfg.max_tokens, "max_frames": 2, "stream": rng.random() < 0.5}
+            await self._record(tally, "ask", self.http.post("/v1/cameras/ask", json=body))
+            return
+        if choice == 1:
+            call = {"name": "search_events", "arguments": {"query": rng.choice(("person", "bus")), "limit": 5}}
+        else:
+            newest = (await self.http.get("/v1/events", params={"limit": 1})).json().get("data") or []
+            call = {"name": "get_event", "arguments": {"event_id": newest[0]["id"] if newest else "none", "frames": 1}}
+        await self._record(tally, "mcp", self.http.post("/v1/mcp", headers=MCP_HEADERS, json={
+            "jsonrpc": "2.0", "id": rng.randrange(10**6), "method": "tools/call", "params": call}))
+
     async def good_tools(self, tally: Tally, rng: random.Random) -> None:
         """A chat with tools (a named function, `required` or `auto`): 2xx, and every finished call's arguments
         valid under its function's schema (a call that is not counts as a 500)."""
@@ -189,6 +206,7 @@ SOAK_TOOLS = [
         "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
         "additionalProperties": False}}},
 ]
+MCP_HEADERS = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-06-18"}
 TOOL_MAX_TOKENS = 160  # a whole call of the tools above, written out by the tiny model's byte-level tokens
 
 
@@ -293,6 +311,19 @@ HOSTILE_REQUESTS: dict[str, Any] = {
     "events_bomb_upload": lambda c: c.http.post("/v1/events/similar", files={"image": ("b.png", c.bomb, "image/png")}),
     "embeddings_bomb": lambda c: c.http.post("/v1/embeddings", json={"input": [data_url(c.bomb, "image/png")]}),
     "embeddings_too_many": lambda c: c.http.post("/v1/embeddings", json={"input": ["x"] * 10_000}),
+    # Asking the memory (issue 37): a question of query syntax, out-of-range bounds, broken or unknown MCP calls.
+    "ask_fts_syntax": lambda c: c.http.post("/v1/cameras/ask", json={
+        "question": '"NEAR(a b) OR caption:* ^x \'; -- ' * 40, "max_tokens": 2}),
+    "ask_over_bounds": lambda c: c.http.post("/v1/cameras/ask", json={
+        "question": "who?", "max_events": 10**6, "max_frames": 10**6, "max_tokens": 10**9}),
+    "ask_bad_time": lambda c: c.http.post("/v1/cameras/ask", json={"question": "who?", "since": "1e400"}),
+    "mcp_bad_json": lambda c: c.http.post("/v1/mcp", headers={**MCP_HEADERS, "Content-Type": "application/json"},
+                                          content=b"{" * 10_000),
+    "mcp_unknown_tool": lambda c: c.http.post("/v1/mcp", headers=MCP_HEADERS, json={
+        "jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "rm_rf", "arguments": {}}}),
+    "mcp_huge_limit": lambda c: c.http.post("/v1/mcp", headers=MCP_HEADERS, json={
+        "jsonrpc": "2.0", "id": 2, "method": "tools/call",
+        "params": {"name": "search_events", "arguments": {"limit": 10**9, "since": "-1"}}}),
 }
 
 
@@ -368,6 +399,8 @@ HOSTILE_JOB_FIELDS: list[dict[str, str]] = [
     # Jobs of several frames (issue 23): over the frame limit, a frame missing, notes that are no strings.
     {"frame_count": "17"}, {"frame_count": "2", "frame_times": "[1, 2]", "notes": '["", ""]'},
     {"frame_count": "1", "frame_times": "[1]", "notes": "[1]"},
+    # Camera ids that would leave their MQTT topic prefix (issue 37): refused by the job's contract.
+    {"camera_id": "cam/#"}, {"camera_id": "+/homeassistant/sensor/x"}, {"camera_id": "cam\x00"},
 ]
 EVENT_EVERY = 3  # every third good camera job (that is no fall) is an event of EVENT_FRAMES photos
 EVENT_FRAMES = 3
@@ -452,6 +485,8 @@ async def _load(cfg: SoakConfig, url: str, redis_url: str, server_pid: int, tall
         async def event_search() -> None:
             if rng.random() < cfg.hostile_fraction:
                 await client.hostile(tally, rng)
+            elif rng.random() < 0.25:
+                await client.good_ask(tally, rng)
             else:
                 await client.good_event_search(tally, rng)
 
