@@ -175,12 +175,21 @@ async def completions(body: CompletionRequest, request: Request,
     except ClientDisconnected:
         return Response(status_code=499)
     salt = cache_salt(request, state.settings, body.cache_salt)
-    streams: list[RequestStream] = []
+    streams: list[Any] = []
     try:
         for text in texts:
-            for sampling in params:  # choice order: the n choices of prompt 0, then of prompt 1, ...
-                streams.append(await state.bridge.add(prompt=text, sampling=sampling, priority=body.priority,
-                                                      cache_salt=salt))
+            for i, sampling in enumerate(params):  # choice order: the n choices of prompt 0, then of prompt 1, ...
+                stream = await state.bridge.add(prompt=text, sampling=sampling, priority=body.priority,
+                                                cache_salt=salt)
+                if i == 0 and len(params) > 1:
+                    # The other choices are admitted once this one's prompt is computed, so they find its full
+                    # blocks in the prefix cache: the prompt is computed once for the n choices.
+                    stream = await Primed.first_output(stream)
+                streams.append(stream)
+    except EngineFailure as exc:
+        for stream in streams:
+            state.bridge.abort(stream.request_id)
+        raise APIError(500, str(exc), code="engine_error") from None
     except BaseException:
         for stream in streams:
             state.bridge.abort(stream.request_id)
@@ -211,6 +220,27 @@ async def completions(body: CompletionRequest, request: Request,
                          "usage": total_usage([output for output, _ in finished])})
 
 
+class Primed:
+    """A request's stream whose first output has already been awaited (its prompt is computed); iterates as the
+    stream does, from that first output."""
+
+    def __init__(self, request_id: str, first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> None:
+        self.request_id = request_id
+        self.first = first
+        self.rest = rest
+
+    @classmethod
+    async def first_output(cls, stream: RequestStream) -> Primed:
+        rest = stream.__aiter__()
+        return cls(stream.request_id, await rest.__anext__(), rest)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        yield self.first
+        if not self.first.finished:
+            async for output in self.rest:
+                yield output
+
+
 def total_usage(outputs: list[RequestOutput]) -> dict[str, Any]:
     """Usage over the choices: each distinct prompt counted once (its n choices share it), completions summed."""
     seen: dict[tuple[int, ...], int] = {}
@@ -222,7 +252,7 @@ def total_usage(outputs: list[RequestOutput]) -> dict[str, Any]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def completion_events(streams: list[RequestStream], prompts: list[str], body: CompletionRequest,
+async def completion_events(streams: list[Any], prompts: list[str], body: CompletionRequest,
                             state: ServerState, completion_id: str, created: int,
                             include_usage: bool) -> AsyncIterator[str]:
     """The choices' chunks as they come (each with its `index`), the usage chunk if asked, then [DONE]."""
@@ -234,7 +264,7 @@ async def completion_events(streams: list[RequestStream], prompts: list[str], bo
                     "choices": [{"index": index, "text": text, "finish_reason": finish_reason,
                                  "logprobs": logprobs}]})
 
-    async def pump(index: int, stream: RequestStream) -> None:
+    async def pump(index: int, stream: Any) -> None:
         try:
             async for delta, output in text_deltas(stream, state):
                 await queue.put((index, (delta, output)))

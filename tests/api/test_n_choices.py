@@ -1,0 +1,52 @@
+"""n choices on `/v1/completions` share the prompt's KV blocks: the prompt is computed once (the others hit the
+prefix cache for its full blocks), each choice samples on its own, streamed with each chunk's index."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from api.background import BackgroundServer
+from api.server import create_app
+from api.settings import ServerSettings
+from engine import EngineConfig
+
+MODEL = "vlmcap-tiny"
+
+
+@pytest.fixture(scope="module")
+def server():
+    settings = ServerSettings(engine=EngineConfig(model="tiny", max_num_batched_tokens=256), served_model_name=MODEL)
+    with BackgroundServer(create_app(settings)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_prompt_is_computed_once_for_n_choices(client, server, stream):
+    engine = server.state.bridge.engine
+    prompt = f"User: Describe a street scene with {'many' if stream else 'few'} buses and people walking by the " \
+             "station in the rain, slowly.<end_of_utterance>\nAssistant:"
+    prompt_tokens = len(engine.adapter.process(prompt, [], [], None)[0])
+    block = engine.pool.block_size
+    full = (prompt_tokens - 1) // block * block  # the blocks a later request can reuse (its last token is computed)
+    assert full >= block
+    before = engine.stats()
+    answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, n=3, seed=5, temperature=1,
+                                       stream=stream)
+    if stream:
+        texts: dict[int, str] = {}
+        for chunk in answer:
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + choice.text
+        assert sorted(texts) == [0, 1, 2]
+    else:
+        assert [c.index for c in answer.choices] == [0, 1, 2]
+        assert answer.usage.prompt_tokens == prompt_tokens  # the prompt counted once
+    after = engine.stats()
+    assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens >= 2 * full
+    assert after.prefix_cache_queried_tokens - before.prefix_cache_queried_tokens >= 3 * full
