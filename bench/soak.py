@@ -46,7 +46,8 @@ from bench.report import machine, photo_paths, pyplot, save_figure
 
 @dataclass
 class Outcome:
-    kind: str  # "chat", "caption", "events", "ask", "mcp", "tools" (chats with function tools), or "hostile:<name>"
+    kind: str  # "chat", "caption", "events", "ask", "mcp", "tools" (chats with function tools), "completions",
+    # "ollama" (the drop-in routes), or "hostile:<name>"
     status: int | None  # None: no answer (connection error), with `error`
     error: str | None = None
 
@@ -185,6 +186,33 @@ class Client:
                         status, error = 500, f"invalid tool call {call['function']}"
         tally.outcomes.append(Outcome("tools", status, error))
 
+    async def good_clients(self, tally: Tally, rng: random.Random) -> None:
+        """The drop-in routes (issue 36): /v1/completions with n=2 (now and then streamed) or Ollama's /api/generate
+        with an image and /api/chat streamed as NDJSON; a stream whose lines carry an error counts as a 500."""
+        choice = rng.randrange(3)
+        if choice == 0:
+            body = {"model": self.model, "prompt": f"Bus stop {rng.randrange(1000)}:", "n": 2,
+                    "seed": rng.randrange(2**31), "max_tokens": self.cfg.max_tokens, "stream": rng.random() < 0.5}
+            await self._record(tally, "completions", self.http.post("/v1/completions", json=body))
+            return
+        if choice == 1:
+            body = {"model": self.model, "prompt": "Who is there?", "stream": False,
+                    "images": [base64.b64encode(rng.choice(self.photos)).decode()],
+                    "options": {"num_predict": self.cfg.max_tokens, "seed": rng.randrange(2**31)}}
+            await self._record(tally, "ollama", self.http.post("/api/generate", json=body))
+            return
+        body = {"model": self.model, "messages": [{"role": "user", "content": "Hello"}],
+                "options": {"num_predict": self.cfg.max_tokens}, "keep_alive": "5m"}
+        try:
+            async with self.http.stream("POST", "/api/chat", json=body) as response:
+                status, error = response.status_code, None
+                async for line in response.aiter_lines():
+                    if status == 200 and line and "error" in json.loads(line):
+                        status, error = 500, json.loads(line)["error"]
+            tally.outcomes.append(Outcome("ollama", status, error))
+        except httpx.HTTPError as exc:
+            tally.outcomes.append(Outcome("ollama", None, f"{type(exc).__name__}: {exc}"))
+
     async def hostile(self, tally: Tally, rng: random.Random) -> None:
         name = rng.choice(sorted(HOSTILE_REQUESTS))
         await self._record(tally, f"hostile:{name}", HOSTILE_REQUESTS[name](self))
@@ -304,6 +332,23 @@ HOSTILE_REQUESTS: dict[str, Any] = {
             {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{not json"}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "tools": SOAK_TOOLS}),
     "unsupported_n": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("Hi", n=2)),
+    # The drop-in routes (issue 36): refused insertion, token ids past the vocabulary, too many choices, Ollama's
+    # unknown options, models and undecodable images.
+    "completions_suffix": lambda c: c.http.post("/v1/completions", json={"model": c.model, "prompt": "a",
+                                                                          "suffix": "b"}),
+    "completions_bad_token_ids": lambda c: c.http.post("/v1/completions", json={"model": c.model,
+                                                                                 "prompt": [[2**62, -1]]}),
+    "completions_too_many_choices": lambda c: c.http.post("/v1/completions", json={
+        "model": c.model, "prompt": ["a"] * 100, "n": 100}),
+    "completions_min_over_max": lambda c: c.http.post("/v1/completions", json={
+        "model": c.model, "prompt": "a", "min_tokens": 10**6, "max_tokens": 2}),
+    "ollama_bad_options": lambda c: _json_post(c, "/api/generate", json.dumps({
+        "model": c.model, "prompt": "a", "stream": False, "options": {"temperature": 0.5}}).replace(
+        "0.5", "1e400").encode()),
+    "ollama_unknown_model": lambda c: c.http.post("/api/chat", json={"model": "llama3:70b", "messages": [
+        {"role": "user", "content": "hi"}]}),
+    "ollama_bomb_image": lambda c: c.http.post("/api/generate", json={
+        "model": c.model, "prompt": "a", "stream": False, "images": [base64.b64encode(c.bomb).decode(), "@@@"]}),
     # The camera memory (issue 37): user words are never full-text syntax; times, cursors and uploads have limits.
     "events_fts_syntax": lambda c: c.http.get("/v1/events", params={"q": '"NEAR(a b) OR caption:* ^x \'; --'}),
     "events_bad_cursor": lambda c: c.http.get("/v1/events", params={"cursor": "eyJ4IjogMX0" * 10}),
@@ -479,6 +524,8 @@ async def _load(cfg: SoakConfig, url: str, redis_url: str, server_pid: int, tall
         async def tools() -> None:
             if rng.random() < cfg.hostile_fraction:
                 await client.hostile(tally, rng)
+            elif rng.random() < 0.5:
+                await client.good_clients(tally, rng)
             else:
                 await client.good_tools(tally, rng)
 
