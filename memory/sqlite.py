@@ -51,6 +51,7 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_start ON events (start_ts);
 CREATE INDEX IF NOT EXISTS events_camera_start ON events (camera_id, start_ts);
 CREATE INDEX IF NOT EXISTS events_finished ON events (finished_at);
+CREATE INDEX IF NOT EXISTS events_fall_start ON events (fall, start_ts);
 CREATE TABLE IF NOT EXISTS frames (
   seq INTEGER NOT NULL,
   idx INTEGER NOT NULL,
@@ -203,9 +204,10 @@ class SQLiteEventStore:
             if position is not None:
                 where += " AND (t.rank > ? OR (t.rank = ? AND e.id > ?))"
                 params += [position[0], position[0], position[1]]
-            sql = (f"SELECT {', '.join('e.' + c.strip() for c in COLUMNS.split(','))}, t.rank FROM "
-                   f"(SELECT rowid, bm25(events_text, 1.0, 0.5) AS rank FROM events_text WHERE events_text MATCH ?) t "
-                   f"JOIN events e ON e.seq = t.rowid WHERE {where} ORDER BY t.rank, e.id LIMIT ?")
+            # The matches ranked first, once (materialized): the planner otherwise probes the index per row.
+            sql = (f"WITH t AS MATERIALIZED (SELECT rowid, bm25(events_text, 1.0, 0.5) AS rank FROM events_text "
+                   f"WHERE events_text MATCH ?) SELECT {', '.join('e.' + c.strip() for c in COLUMNS.split(','))}, "
+                   f"t.rank FROM t JOIN events e ON e.seq = t.rowid WHERE {where} ORDER BY t.rank, e.id LIMIT ?")
             params = [match, *params]
         rows = self._reader().execute(sql, [*params, query.limit + 1]).fetchall()
         return page_from_rows(rows, query)
