@@ -15,9 +15,9 @@ from engine.request import MultimodalPrompt
 from engine.video import Video
 
 # Model types whose image tokens attend to each other both ways in transformers (Gemma 3 puts a bidirectional
-# block over each image's tokens; PaliGemma over its whole image-and-prompt prefix). A causal chunk boundary
+# block over each image's tokens), among the families with an adapter. A causal chunk boundary
 # inside such a span would change what is computed, so their spans are kept whole (`atomic_inputs`).
-BIDIRECTIONAL_IMAGE_MODEL_TYPES = frozenset({"gemma3", "paligemma"})
+BIDIRECTIONAL_IMAGE_MODEL_TYPES = frozenset({"gemma3"})
 
 
 def image_tokens_attend_bidirectionally(config: Any) -> bool:

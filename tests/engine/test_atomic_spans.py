@@ -1,4 +1,4 @@
-"""Where image tokens attend to each other both ways (Gemma 3, PaliGemma), the scheduler never splits an
+"""Where image tokens attend to each other both ways (Gemma 3), the scheduler never splits an
 image's span across chunks: a chunk stops before a span it cannot finish, and a span larger than what is left
 of the budget runs whole in a step with no other prefill. Checked on the scheduler alone."""
 

@@ -207,8 +207,7 @@ def test_dummy_presets_have_the_real_models_sizes(name, params):
 
 
 def test_bidirectional_image_attention_is_detected_from_the_model_type():
-    from transformers import Gemma3Config, PaliGemmaConfig, Qwen2VLConfig
+    from transformers import Gemma3Config, Qwen2VLConfig
 
     assert image_tokens_attend_bidirectionally(Gemma3Config())
-    assert image_tokens_attend_bidirectionally(PaliGemmaConfig())
     assert not image_tokens_attend_bidirectionally(Qwen2VLConfig())
