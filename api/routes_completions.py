@@ -12,12 +12,13 @@ does not score prompts). `suffix` (insertion) is refused.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 
 from api.bridge import EngineFailure, RequestStream
@@ -309,6 +310,103 @@ async def completion_events(streams: list[Any], prompts: list[str], body: Comple
             task.cancel()
         for stream in streams:
             state.bridge.abort(stream.request_id)
+    yield sse("[DONE]")
+
+
+async def chat_choices(body: Any, request: Request, state: ServerState, one: Any) -> Response:
+    """Chat completions with n > 1: `one` (the n=1 handler) once per choice, choice i with seed + i (the rule of
+    `choice_seeds`). The first choice's prompt is computed before the others are submitted (whole when not
+    streamed, up to its first chunk when streamed), so they find its full blocks in the prefix cache."""
+    if body.n > MAX_CHOICES:
+        raise APIError(400, f"n={body.n} is over {MAX_CHOICES} choices", "n", "invalid_value")
+    if body.seed is not None and body.seed + body.n - 1 > INT64_MAX:
+        raise APIError(400, f"seed {body.seed} + n - 1 is over {INT64_MAX}", "seed", "invalid_value")
+    bodies = [body.model_copy(update={"n": 1, "seed": seed}) for seed in choice_seeds(body.seed, body.n)]
+    if not body.stream:
+        first = await one(bodies[0], request, state)
+        if first.status_code != 200:
+            return first
+        rest = await asyncio.gather(*(one(b, request, state) for b in bodies[1:]))
+        failed = next((r for r in rest if r.status_code != 200), None)
+        if failed is not None:
+            return failed
+        answers = [json.loads(r.body) for r in (first, *rest)]
+        merged = answers[0]
+        merged["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
+        usage = merged["usage"]
+        usage["completion_tokens"] = sum(a["usage"]["completion_tokens"] for a in answers)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return JSONResponse(merged)
+    first = await one(bodies[0], request, state)
+    if not isinstance(first, StreamingResponse):
+        return first
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return SSEResponse(merged_chat_events(first, bodies[1:], request, state, one, include_usage))
+
+
+def sse_items(lines: str) -> list[Any]:
+    """The JSON data of the server-sent events in `lines` ("[DONE]" left out)."""
+    return [json.loads(line[6:]) for line in lines.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+async def merged_chat_events(first: StreamingResponse, later: list[Any], request: Request, state: ServerState,
+                             one: Any, include_usage: bool) -> AsyncIterator[str]:
+    """The choices' chunks as they come, each with its choice's index; one usage chunk over all at the end."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    first_iter = first.body_iterator.__aiter__()
+    primed = [await first_iter.__anext__()]  # the first chunk: the first choice's prompt is computed
+
+    async def pump(index: int, iterator: Any, head: list[Any]) -> None:
+        try:
+            for item in head:
+                await queue.put((index, item))
+            async for item in iterator:
+                await queue.put((index, item))
+        finally:
+            await queue.put((index, None))
+
+    responses = [await one(b, request, state) for b in later]
+    tasks = [asyncio.ensure_future(pump(0, first_iter, primed))]
+    for i, response in enumerate(responses, start=1):
+        if isinstance(response, StreamingResponse):
+            tasks.append(asyncio.ensure_future(pump(i, response.body_iterator, [])))
+    usages: list[dict[str, Any]] = []
+    chunk_id = "chatcmpl-n"
+    open_streams = len(tasks)
+    try:
+        while open_streams:
+            index, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+                continue
+            for data in sse_items(item if isinstance(item, str) else item.decode()):
+                if "choices" not in data:  # an error
+                    yield sse(data)
+                    continue
+                chunk_id = data.get("id", chunk_id)
+                if not data["choices"]:
+                    usages.append(data.get("usage") or {})
+                    continue
+                for choice in data["choices"]:
+                    choice["index"] = index
+                if not include_usage:
+                    data.pop("usage", None)
+                yield sse(data)
+        if include_usage and usages:
+            prompt = usages[0].get("prompt_tokens", 0)
+            completion = sum(u.get("completion_tokens", 0) for u in usages)
+            yield sse({"id": chunk_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                       "model": state.settings.model_name, "choices": [],
+                       "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}})
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for iterator in [first_iter, *(r.body_iterator for r in responses if isinstance(r, StreamingResponse))]:
+            close = getattr(iterator, "aclose", None)
+            if close is not None:
+                await close()  # the choice's own generator aborts its request if it has not finished
     yield sse("[DONE]")
 
 

@@ -306,9 +306,10 @@ def chat_usage(output: RequestOutput) -> dict[str, Any]:
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            state: ServerState = Depends(server_state)) -> Response:
     check_model(body.model, state)
-    if body.n not in (None, 1):
-        raise APIError(400, f"n={body.n} is not supported: this server returns exactly one choice (n=1)", "n",
-                       "unsupported_value")
+    if body.n not in (None, 1):  # one request per choice (api/routes_completions.py)
+        from api.routes_completions import chat_choices
+
+        return await chat_choices(body, request, state, chat_completions)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     check_stream_options(body.stream, body.stream_options)

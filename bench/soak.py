@@ -331,7 +331,7 @@ HOSTILE_REQUESTS: dict[str, Any] = {
         "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{not json"}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "tools": SOAK_TOOLS}),
-    "unsupported_n": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("Hi", n=2)),
+    "too_many_n": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("Hi", n=10**6)),
     # The drop-in routes (issue 36): refused insertion, token ids past the vocabulary, too many choices, Ollama's
     # unknown options, models and undecodable images.
     "completions_suffix": lambda c: c.http.post("/v1/completions", json={"model": c.model, "prompt": "a",

@@ -72,7 +72,7 @@ BAD_CHATS = [
     ("no messages", {"model": "tiny", "messages": []}, 400, "messages", "at least 1"),
     ("negative max_tokens", chat(max_tokens=-3), 400, "max_tokens", "greater than or equal to 1"),
     ("temperature out of range", chat(temperature=7), 400, "temperature", "less than or equal to 2"),
-    ("n=2", chat(n=2), 400, "n", "n=2 is not supported"),
+    ("n over the choices cap", chat(n=1000), 400, "n", "over 128 choices"),
     ("unknown model", {**chat(), "model": "gpt-9"}, 404, "model", "does not exist"),
     ("max_tokens over the cap", chat(max_tokens=17), 400, "max_tokens", "over this server's cap of 16"),
     ("a data URL that is not an image", chat(data_url(b"hello", "text/plain")), 400,

@@ -50,3 +50,35 @@ def test_the_prompt_is_computed_once_for_n_choices(client, server, stream):
     after = engine.stats()
     assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens >= 2 * full
     assert after.prefix_cache_queried_tokens - before.prefix_cache_queried_tokens >= 3 * full
+
+
+def chat(client, **kwargs):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me of buses."}],
+                                          max_tokens=8, temperature=1, **kwargs)
+
+
+def test_chat_n_choices_with_a_seed_equal_one_by_one_requests(client, server):
+    alone = [chat(client, seed=11 + i).choices[0].message.content for i in range(3)]
+    assert len(set(alone)) > 1
+    before = server.state.bridge.engine.stats()
+    together = chat(client, n=3, seed=11)
+    after = server.state.bridge.engine.stats()
+    assert [c.index for c in together.choices] == [0, 1, 2]
+    assert [c.message.content for c in together.choices] == alone
+    single = chat(client, seed=11)
+    assert together.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counted once
+    assert together.usage.completion_tokens >= 3 * 1
+    assert after.prefix_cache_hit_tokens > before.prefix_cache_hit_tokens  # the choices found the prompt cached
+
+
+def test_chat_n_choices_streamed_with_each_chunks_index(client):
+    alone = [chat(client, seed=21 + i).choices[0].message.content for i in range(2)]
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in chat(client, n=2, seed=21, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None and not chunk.choices:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    assert [texts[0], texts[1]] == alone
+    assert usage is not None and usage.completion_tokens >= 2

@@ -156,7 +156,7 @@ def test_top_k_over_the_vocabulary_is_a_400(client):
 @pytest.mark.parametrize("path,extra,param", [
     ("/v1/chat/completions", {"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-    ("/v1/chat/completions", {"n": 2}, "n"),
+    ("/v1/chat/completions", {"n": 1000}, "n"),  # n > 1 is served, up to 128 choices
     ("/v1/chat/completions", {"logit_bias": {"17": 5}}, "logit_bias"),
     ("/v1/chat/completions", {"audio": {"voice": "alloy"}}, "audio"),
     ("/v1/chat/completions", {"best_of": 3}, "best_of"),
