@@ -231,6 +231,8 @@ class ChatCompletionRequest(SamplingFields):
     presence_penalty: float | None = ranged("presence_penalty")
     frequency_penalty: float | None = ranged("frequency_penalty")
     repetition_penalty: float | None = ranged("repetition_penalty", description="vLLM's extension: 1 is off")
+    min_tokens: int | None = ranged("min_tokens", description="vLLM's extension: EOS held back until then")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="vLLM's extension")
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     stream: bool | None = False

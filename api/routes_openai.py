@@ -319,7 +319,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     grammar, grammar_param = request_grammar(body, body.response_format, "response_format", plan)
     sampling = sampling_params(body, max_tokens, body.stop, state, param, grammar,
                                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                               repetition_penalty=body.repetition_penalty,
+                               repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+                               stop_token_ids=body.stop_token_ids,
                                logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     turns, tool_turns = chat_turns(body)
     try:

@@ -143,3 +143,17 @@ def test_models_retrieve_and_an_unknown_id(client, server):
     assert caught.value.body["code"] == "model_not_found"
     response = httpx.get(f"{server.url}/v1/models/no-such-model", timeout=30)
     assert response.status_code == 404 and set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_chat_takes_min_tokens_and_stop_token_ids(client, server):
+    messages = [{"role": "user", "content": "Hello"}]
+    text = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    first = server.state.bridge.engine.tokenizer(text.choices[0].message.content, add_special_tokens=False).input_ids
+    stopped = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                             extra_body={"stop_token_ids": [first[0]]})
+    assert stopped.usage.completion_tokens < 8 and stopped.choices[0].finish_reason == "stop"
+    held = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                          extra_body={"stop_token_ids": [first[0]], "min_tokens": 8})
+    assert held.usage.completion_tokens == 8
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={"min_tokens": 3})
