@@ -1,7 +1,8 @@
 """Ollama's API on the same engine and keys (what Home Assistant's Ollama integration, Frigate's Ollama provider and
-the `ollama` Python client call): `/api/chat` and `/api/generate` with base64 `images`, `format` ("json" or a JSON
-Schema), `options`, `stream` (default true: NDJSON, one object a line), `keep_alive` accepted and ignored (the model
-stays loaded); `/api/tags`, `/api/show`, `/api/ps`, `/api/version`. Errors are Ollama's `{"error": "..."}`.
+the `ollama` Python client call): `/api/chat` (with `tools`) and `/api/generate` with base64 `images`, `format`
+("json" or a JSON Schema), `options`, `stream` (default true: NDJSON, one object a line), `keep_alive` accepted
+and ignored (the model stays loaded); `/api/tags`, `/api/show`, `/api/ps`, `/api/version`. Errors are Ollama's
+`{"error": "..."}`.
 
 Sampling defaults are Ollama's (OLLAMA_OPTIONS), not OpenAI's: a client that sends no options gets what it would
 get from Ollama. `num_predict` -1 (Ollama's default) and -2 mean up to the context.
@@ -25,9 +26,10 @@ from api.errors import APIError
 from api.grammars import compile_ahead
 from api.guard import cache_salt
 from api.images import decode_image
-from api.routes_openai import final_output, text_deltas
+from api.routes_openai import EnginePrompt, final_output, text_deltas, with_tools
 from api.state import ServerState, server_state
 from api.streaming import ClientDisconnected
+from api.tools import Function, ToolCallParser, tool_plan
 from engine import RequestOutput, SamplingParams
 from engine.grammar import GrammarSpec
 
@@ -65,6 +67,8 @@ class Message(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = ""
     images: list[str] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_name: str | None = None
 
 
 class Common(BaseModel):
@@ -81,6 +85,8 @@ class Common(BaseModel):
 class ChatBody(Common):
     messages: list[Message] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
+    # vlmcap's extension (Ollama has none): "auto" (Ollama's behaviour), "none", "required" or a function's name.
+    tool_choice: str | None = None
 
 
 class GenerateBody(Common):
@@ -91,6 +97,29 @@ class GenerateBody(Common):
     suffix: str | None = None
     context: list[int] | None = None
     template: str | None = None
+
+
+def tool_function(tool: dict[str, Any], index: int) -> Function:
+    """An Ollama tool ({"type": "function", "function": {name, description, parameters}}) as a Function."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if tool.get("type", "function") != "function" or not isinstance(function, dict) \
+            or not isinstance(function.get("name"), str):
+        raise APIError(400, f"tools[{index}]: a tool is {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+    return Function(function["name"], function.get("description"), function.get("parameters"))
+
+
+def history_calls(message: Message, index: int) -> dict[str, Any]:
+    """A turn's tool calls (assistant) or the called function's name (tool), as `with_tools` takes them."""
+    if message.role == "tool":
+        return {"tool_call_id": message.tool_name or ""}
+    calls = []
+    for k, call in enumerate(message.tool_calls or []):
+        function = call.get("function") or {}
+        arguments = function.get("arguments", {})
+        calls.append((call.get("id") or f"call_{index}_{k}", function.get("name", ""),
+                      arguments if isinstance(arguments, str) else json.dumps(arguments),
+                      f"messages[{index}].tool_calls[{k}].function.arguments"))
+    return {"tool_calls": calls} if calls else {}
 
 
 def ollama_error(status: int, message: str) -> JSONResponse:
@@ -223,28 +252,44 @@ async def chat(request: Request, state: ServerState = Depends(server_state)) -> 
     async def work() -> Response:
         body: ChatBody = await parse(request, ChatBody)
         check_model(body.model, state)
-        if body.tools:
-            raise APIError(400, "tools are not supported on /api/chat by this server: use /v1/chat/completions")
         if not body.messages:  # Ollama's way to load a model
             return JSONResponse({"model": body.model, "created_at": now(), "message": {"role": "assistant",
                                  "content": ""}, "done_reason": "load", "done": True})
         grammar = format_grammar(body.format)
+        named = body.tool_choice if body.tool_choice not in (None, "auto", "none", "required") else None
+        plan = tool_plan([tool_function(t, i) for i, t in enumerate(body.tools or [])],
+                         None if named else body.tool_choice, named, None)
+        if plan is not None and plan.calls:
+            if grammar is not None:
+                raise APIError(400, "format and tools cannot be combined: send one")
+            grammar = plan.grammar
         params = sampling(body, state, grammar)
-        messages, images = [], []
+        messages, images, tool_turns = [], [], []
         for i, message in enumerate(body.messages):
             loaded = decode_images(message.images, state, f"messages[{i}].images")
             images += loaded
             parts = [{"type": "image"} for _ in loaded] + [{"type": "text", "text": message.content or ""}]
             messages.append({"role": message.role, "content": parts})
+            tool_turns.append(history_calls(message, i))
+        prompt = EnginePrompt(messages, images, [])
+        if plan is not None or any(tool_turns):
+            prompt = with_tools(prompt, plan, tool_turns, state)
+        parser = ToolCallParser(tuple(f.name for f in plan.functions)) if plan is not None and plan.calls else None
 
         def shape(text: str, output: RequestOutput | None) -> dict[str, Any]:
-            answer = {"model": body.model, "created_at": now(), "message": {"role": "assistant", "content": text},
-                      "done": output is not None}
+            if parser is not None:
+                text = "".join(e[1] for e in parser.feed(text, final=output is not None) if e[0] == "text")
+            reply: dict[str, Any] = {"role": "assistant", "content": text}
+            answer = {"model": body.model, "created_at": now(), "message": reply, "done": output is not None}
             if output is not None:
                 answer["done_reason"] = done_reason(output)
+                if parser is not None and parser.calls:
+                    reply["tool_calls"] = [{"function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                                           for c in parser.calls]
             return answer
 
-        return await run(request, state, body, params, grammar, shape, messages=messages, images=images)
+        return await run(request, state, body, params, grammar, shape, images=prompt.images,
+                         messages=None if prompt.text is not None else prompt.messages, prompt=prompt.text)
 
     return await answered(work())
 

@@ -110,3 +110,50 @@ def test_errors_in_ollamas_body(client, server):
         assert response.status_code == 400, body
         assert set(response.json()) == {"error"} and response.json()["error"]
     assert httpx.post(f"{server.url}/api/generate", json={"model": MODEL, "prompt": "hi"}).status_code == 401
+
+
+COUNT_TOOL = {"type": "function", "function": {"name": "count_people", "description": "Count people at a camera.",
+              "parameters": {"type": "object", "properties": {
+                  "camera": {"type": "string", "enum": ["door", "yard"]},
+                  "minimum": {"type": "integer", "minimum": 0, "maximum": 9}},
+                  "required": ["camera", "minimum"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_with_tools_gives_calls_whose_arguments_validate(client, stream):
+    schema = COUNT_TOOL["function"]["parameters"]
+    calls, content = [], ""
+    for seed in range(4):
+        options = {"seed": seed, "temperature": 1.0, "num_predict": 120}
+        replies = client.chat(model=MODEL, messages=[{"role": "user", "content": "How many at the door?"}],
+                              tools=[COUNT_TOOL], options=options, stream=stream)
+        for reply in (replies if stream else [replies]):
+            content += reply.message.content or ""
+            calls += reply.message.tool_calls or []
+    for call in calls:
+        assert call.function.name == "count_people"
+        jsonschema.validate(dict(call.function.arguments), schema)
+    assert calls or content
+    # with vlmcap's tool_choice extension a call is certain, and its arguments follow the schema
+    forced = httpx.post(f"{client._client.base_url}/api/chat", headers={"Authorization": f"Bearer {KEY}"}, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "How many?"}], "tools": [COUNT_TOOL],
+        "tool_choice": "required", "stream": stream, "options": {"temperature": 1.0, "seed": 1, "num_predict": 200}},
+        timeout=120)
+    lines = [json.loads(line) for line in forced.text.splitlines() if line]
+    forced_calls = [c for line in lines for c in line["message"].get("tool_calls", [])]
+    assert forced_calls and lines[-1]["done"]
+    for call in forced_calls:
+        assert call["function"]["name"] == "count_people"
+        jsonschema.validate(call["function"]["arguments"], schema)
+
+
+def test_chat_with_a_tool_history(client):
+    messages = [{"role": "user", "content": "How many at the door?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"function": {"name": "count_people", "arguments": {"camera": "door", "minimum": 1}}}]},
+                {"role": "tool", "content": "3", "tool_name": "count_people"}]
+    reply = client.chat(model=MODEL, messages=messages, tools=[COUNT_TOOL], options=GREEDY)
+    assert reply.done
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.chat(model=MODEL, messages=messages[:1], tools=[COUNT_TOOL], format="json")
+    assert caught.value.status_code == 400
