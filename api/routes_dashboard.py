@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 from PIL import ImageDraw
@@ -20,10 +22,12 @@ from starlette.types import Scope
 from api.errors import APIError
 from api.images import decode_image
 from api.percentiles import percentiles_ms
+from api.pools import work_pools
 from api.routes_captions import result_json
 from api.settings import Limits
 from api.state import ServerState, server_state
 from jobqueue.contract import (
+    CAMERA_ID_PATTERN,
     CAMERA_STATS_TTL_SECONDS,
     CAMERAS_INDEX,
     FALL_CLASS,
@@ -48,7 +52,54 @@ PAGE_HEADERS = {
     "Cache-Control": "no-cache",
 }
 
+# Rendered frames kept for views to come (a frame is viewed again and again: thumbnails, then the full size),
+# at most this many bytes of JPEG; views of a frame being rendered wait for that render instead of starting one.
+RENDER_CACHE_BYTES = 64 * 1024 * 1024
+
 router = APIRouter()
+
+
+class RenderCache:
+    """Rendered frames by (caption id, frame, boxes, width), the least recently used dropped past `max_bytes`,
+    and the renders in flight, which a second view of the same frame awaits."""
+
+    def __init__(self, max_bytes: int = RENDER_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._done: OrderedDict[tuple, bytes] = OrderedDict()
+        self._rendering: dict[tuple, asyncio.Future] = {}
+
+    async def get(self, key: tuple, render: Any) -> bytes:
+        """The cached JPEG of `key`, else `await render()`'s (kept; an error is not)."""
+        if key in self._done:
+            self._done.move_to_end(key)
+            return self._done[key]
+        if key in self._rendering:
+            return await asyncio.shield(self._rendering[key])
+        future = asyncio.get_running_loop().create_future()
+        self._rendering[key] = future
+        try:
+            jpeg = await render()
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: a view that awaits none raises no warning
+            raise
+        finally:
+            del self._rendering[key]
+        future.set_result(jpeg)
+        self._done[key] = jpeg
+        self.bytes += len(jpeg)
+        while self.bytes > self.max_bytes and self._done:
+            self.bytes -= len(self._done.popitem(last=False)[1])
+        return jpeg
+
+
+def render_cache(holder: Any) -> RenderCache:
+    """The render cache kept on `holder` (the app's state), made at first use."""
+    cache = getattr(holder, "render_cache", None)
+    if cache is None:
+        cache = holder.render_cache = RenderCache()
+    return cache
 
 
 class PageFiles(StaticFiles):
@@ -89,7 +140,8 @@ def render_frame(frame: JobFrame, limits: Limits, boxes: bool, max_width: int | 
 
 @router.get("/v1/captions/{caption_id}/image", response_class=Response,
             responses={200: {"content": {"image/jpeg": {}}, "description": "the frame as a JPEG"}})
-async def caption_image(caption_id: str, boxes: bool = Query(True, description="draw the person boxes"),
+async def caption_image(request: Request, caption_id: str,
+                        boxes: bool = Query(True, description="draw the person boxes"),
                         max_width: int | None = Query(None, ge=16, le=8192, description="scale down to this width"),
                         frame_index: int = Query(0, alias="frame", ge=0, lt=MAX_FRAMES_PER_JOB,
                                                  description="which frame of an event or fall job (0: the first)"),
@@ -97,13 +149,19 @@ async def caption_image(caption_id: str, boxes: bool = Query(True, description="
     """The frame of a camera job's caption (kept for a few hours), with its person boxes drawn; `frame` picks
     one of an event's frames. REST captions keep no frame."""
     redis = state.redis
-    frame = await get_frame(redis, caption_id, frame_index) if redis is not None else None
-    if frame is None:
-        raise APIError(404, f"no frame for caption {caption_id!r} (not a camera job's, or expired)",
-                       "caption_id", "not_found")
+
+    async def render() -> bytes:
+        frame = await get_frame(redis, caption_id, frame_index) if redis is not None else None
+        if frame is None:
+            raise APIError(404, f"no frame for caption {caption_id!r} (not a camera job's, or expired)",
+                           "caption_id", "not_found")
+        return await work_pools(state).run("render", render_frame, frame, state.settings.limits, boxes, max_width)
+
     try:
-        jpeg = await asyncio.to_thread(render_frame, frame, state.settings.limits, boxes, max_width)
+        jpeg = await render_cache(request.app.state).get((caption_id, frame_index, boxes, max_width), render)
     except APIError as exc:
+        if exc.code in ("not_found", "busy"):
+            raise
         raise APIError(404, f"the frame of caption {caption_id!r} is unreadable: {exc.message}",
                        "caption_id", "not_found") from None
     return Response(jpeg, media_type="image/jpeg", headers={"Cache-Control": "private, max-age=3600"})
@@ -113,7 +171,8 @@ async def published_cameras(redis: aioredis.Redis) -> list[CameraStats]:
     """The latest stats of every camera that published within `CAMERA_STATS_TTL_SECONDS`, by id. Only reads:
     publishers drop cameras gone silent from the index."""
     recent = await redis.zrangebyscore(CAMERAS_INDEX, time.time() - CAMERA_STATS_TTL_SECONDS, "+inf")
-    camera_ids = [as_text(camera_id) for camera_id in recent]
+    # Only ids the routes take: the page filters captions by each camera it lists.
+    camera_ids = [text for text in map(as_text, recent) if re.fullmatch(CAMERA_ID_PATTERN, text)]
     async with redis.pipeline(transaction=False) as pipe:
         for camera_id in camera_ids:
             pipe.hgetall(camera_stats_key(camera_id))

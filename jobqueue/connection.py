@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 2.0
 SOCKET_TIMEOUT_S = 5.0
+# An asyncio client's pool: at most this many connections (a burst of SSE subscribers opened one each, and
+# Redis's `maxclients` is shared by the whole fleet); a command finding them all busy waits up to
+# POOL_WAIT_S for one, then fails as a connection error (the caller's backoff or a 503).
+MAX_CONNECTIONS = 16
+POOL_WAIT_S = 10.0
 
 
 def _retry(retry_class: type) -> object:
@@ -42,12 +47,15 @@ def connect_sync(redis_url: str) -> redis.Redis:
                                 socket_timeout=SOCKET_TIMEOUT_S, retry=_retry(redis.retry.Retry))
 
 
-def connect(redis_url: str, block_seconds: float = 1.0) -> aioredis.Redis:
+def connect(redis_url: str, block_seconds: float = 1.0, max_connections: int = MAX_CONNECTIONS) -> aioredis.Redis:
     """An asyncio client (the queue worker, result readers, the server) whose socket timeout outlasts a
-    blocking read of `block_seconds` (XREADGROUP, XREAD)."""
-    return aioredis.Redis.from_url(redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                                   socket_timeout=block_seconds + 10, health_check_interval=30,
-                                   retry=_retry(redis.asyncio.retry.Retry))
+    blocking read of `block_seconds` (XREADGROUP, XREAD), over a pool of at most `max_connections`."""
+    if max_connections < 1:
+        raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+    pool = aioredis.BlockingConnectionPool.from_url(
+        redis_url, max_connections=max_connections, timeout=POOL_WAIT_S, socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_timeout=block_seconds + 10, health_check_interval=30, retry=_retry(redis.asyncio.retry.Retry))
+    return aioredis.Redis.from_pool(pool)
 
 
 STOP_GRACE_S = 10.0  # an embedded Redis gets this long to save its data on SIGTERM before it is killed

@@ -22,8 +22,10 @@ seconds to `camera_stats_key(camera_id)` (a hash with a TTL), listed in the sort
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -68,6 +70,16 @@ MAX_JOB_IMAGE_BYTES = 16 * 1024 * 1024
 MAX_JOB_VIDEO_BYTES = 16 * 1024 * 1024
 VIDEO_FIELD = "video"
 MAX_NOTE_CHARS = 2_000
+# A camera's id: what the server's routes take (`?camera=`, `/cameras/{id}`), so every job's camera can be
+# filtered on; a job with another is dead-lettered.
+CAMERA_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
+# The person boxes of one frame: at most this many (a detector's own cap: ultralytics' max_det), their JSON at
+# most this many characters, so that no job's boxes cost the worker more than a few milliseconds to parse.
+MAX_BOXES_PER_FRAME = 300
+MAX_BOXES_JSON_CHARS = MAX_BOXES_PER_FRAME * 400
+# The pixels of a job's frames together, as their headers say (stills decode at the size they declare): what a
+# job's decoding may take, besides the bytes (16 frames of 4 MP, or 1 of 64 MP).
+MAX_JOB_PIXELS = 64_000_000
 # Camera summaries over time windows (api/routes_summaries.py): one stream per camera.
 SUMMARIES_STREAM_PREFIX = "vlmcap:summaries:"
 # The job entry's fields as a JSON Schema, for producers written in other languages (docs/pipeline-and-queue.md:
@@ -300,11 +312,47 @@ class Detection:
 
 
 def detections_from_json(name: str, value: str) -> list[Detection]:
-    """The detections of a stream field: a JSON list of detection objects."""
+    """The detections of a stream field: a JSON list of at most MAX_BOXES_PER_FRAME detection objects."""
+    if len(value) > MAX_BOXES_JSON_CHARS:
+        raise ValueError(f"{name} is {len(value)} characters, over the limit of {MAX_BOXES_JSON_CHARS}")
     items = json_field(name, value)
     if not isinstance(items, list):
         raise ValueError(f"{name} must be a JSON list, got {_shown(items)}")
+    return boxes_from_list(name, items)
+
+
+def boxes_from_list(name: str, items: list) -> list[Detection]:
+    if len(items) > MAX_BOXES_PER_FRAME:
+        raise ValueError(f"{name} has {len(items)} boxes, over the limit of {MAX_BOXES_PER_FRAME} per frame")
     return [Detection.from_json(item, f"{name}[{i}]") for i, item in enumerate(items)]
+
+
+def camera_id(name: str, value: object) -> str:
+    """A camera id of CAMERA_ID_PATTERN."""
+    if not isinstance(value, str) or not re.fullmatch(CAMERA_ID_PATTERN, value):
+        raise ValueError(f"{name} must be 1-128 letters, digits or _ . : - (what the server's routes filter on), "
+                         f"got {_shown(value)}")
+    return value
+
+
+def declared_pixels(image: bytes) -> int | None:
+    """The pixels an image's header declares (None when no header is readable: the decoder refuses it later)."""
+    try:
+        from PIL import Image
+
+        with Image.open(io.BytesIO(image)) as opened:
+            width, height = opened.size
+    except Exception:  # any unreadable header: not this check's to judge
+        return None
+    return width * height
+
+
+def check_job_pixels(images: list[bytes]) -> None:
+    """A job's frames together declare at most MAX_JOB_PIXELS pixels."""
+    total = sum(declared_pixels(image) or 0 for image in images)
+    if total > MAX_JOB_PIXELS:
+        raise ValueError(f"the job's {len(images)} frame(s) are {total} pixels, over the limit of {MAX_JOB_PIXELS} "
+                         "pixels per job")
 
 
 # A job's cache salt (`Job.cache_salt`): the engine's bound (engine.block_hash.MAX_CACHE_SALT), which the queue may
@@ -419,14 +467,18 @@ def _frames_from_fields(values: dict) -> list[JobImage]:
     notes = notes_from_json(str(values["notes"]), count)
     boxes: list[list[Detection]] = [[] for _ in range(count)]
     if "frame_detections" in values:
-        per_frame = json_field("frame_detections", str(values["frame_detections"]))
+        text_value = str(values["frame_detections"])
+        if len(text_value) > MAX_BOXES_JSON_CHARS * count:
+            raise ValueError(f"frame_detections is {len(text_value)} characters, over the limit of "
+                             f"{MAX_BOXES_JSON_CHARS * count} for {count} frames")
+        per_frame = json_field("frame_detections", text_value)
         if not isinstance(per_frame, list) or len(per_frame) != count:
             raise ValueError(f"frame_detections must be a JSON list of {count} lists of boxes, got "
                              f"{_shown(per_frame)}")
         for i, items in enumerate(per_frame):
             if not isinstance(items, list):
                 raise ValueError(f"frame_detections[{i}] must be a JSON list, got {_shown(items)}")
-            boxes[i] = [Detection.from_json(item, f"frame_detections[{i}][{j}]") for j, item in enumerate(items)]
+            boxes[i] = boxes_from_list(f"frame_detections[{i}]", items)
     return [JobImage(image, ts, note, detections)
             for image, ts, note, detections in zip(images, times, notes, boxes, strict=True)]
 
@@ -560,9 +612,11 @@ class Job:
             if "person_count" in values:
                 integer("person_count", values["person_count"])
             frames = _frames_from_fields(values) if "frame_count" in values else []
+            check_job_pixels([frame.image for frame in frames] or [image if isinstance(image, bytes)
+                                                                    else image.encode()])
             return cls(
                 job_id=text("job_id", values["job_id"], 256),
-                camera_id=text("camera_id", values["camera_id"], 256),
+                camera_id=camera_id("camera_id", values["camera_id"]),
                 frame_ts=finite_number("frame_ts", values["frame_ts"]),
                 prompt=text("prompt", values["prompt"]),
                 image=image if isinstance(image, bytes) else image.encode(),

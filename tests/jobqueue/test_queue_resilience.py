@@ -156,7 +156,8 @@ BAD_JOB_FIELDS = [
     ({"detections": '[{"x1": "a", "y1": 2, "x2": 30, "y2": 40, "confidence": 0.9}]'}, "detections[0].x1"),
     ({"detections": '[{"x1": 30, "y1": 2, "x2": 1, "y2": 40, "confidence": 0.9}]'}, "reversed box"),
     ({"detections": '[{"x1": 1, "y1": 2, "x2": 30, "y2": 40, "confidence": NaN}]'}, "NaN, which is not JSON"),
-    ({"detections": "[" * 100_000 + "]" * 100_000}, "nested too deeply"),
+    ({"detections": "[" * 50_000 + "]" * 50_000}, "nested too deeply"),  # within MAX_BOXES_JSON_CHARS
+    ({"detections": "[" * 100_000 + "]" * 100_000}, "over the limit of"),
     ({"frame_ts": "nan"}, "frame_ts must be a finite number"),
     ({"created_at": "inf"}, "created_at must be a finite number"),
     ({"prompt": ""}, "prompt must be a non-empty string"),
