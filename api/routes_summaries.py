@@ -59,9 +59,12 @@ INSTRUCTION = ("Summarize what this camera saw in the window: a short title, a s
 
 
 class SummaryWindow(BaseModel):
-    start: float | None = Field(None, description="Unix time the window starts (default: end - window_s)")
-    end: float | None = Field(None, description="Unix time the window ends (default: now)")
-    window_s: float = Field(DEFAULT_WINDOW_S, gt=0, le=MAX_WINDOW_S, description="window length without start")
+    # Finite numbers only: a NaN or infinite bound makes no window (NaN compared false to every caption's time).
+    start: float | None = Field(None, allow_inf_nan=False, description="Unix time the window starts (default: "
+                                                                       "end - window_s)")
+    end: float | None = Field(None, allow_inf_nan=False, description="Unix time the window ends (default: now)")
+    window_s: float = Field(DEFAULT_WINDOW_S, gt=0, le=MAX_WINDOW_S, allow_inf_nan=False,
+                            description="window length without start")
 
 
 def _clock(ts: float) -> str:

@@ -104,3 +104,15 @@ def test_durations_and_bad_settings_are_named():
     assert [parse_duration(t) for t in ("90", "90s", "15m", "2h", "1d")] == [90, 90, 900, 7200, 86400]
     with pytest.raises(ValueError, match="got '15 minutes'"):
         ServerSettings(engine=EngineConfig(model="tiny"), summary_every="15 minutes")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("body", ['{"start": NaN}', '{"end": Infinity}', '{"start": -Infinity, "end": 5}',
+                                  '{"window_s": NaN}'])
+def test_a_window_bound_that_is_not_finite_is_refused_beside_a_plain_window(server, body):
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        refused = http.post("/v1/cameras/quiet/summary", content=body, headers={"Content-Type": "application/json"})
+        assert 400 <= refused.status_code < 500, refused.text
+        assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
+        plain = http.post("/v1/cameras/quiet/summary", json={"window_s": 60})
+        assert plain.status_code == 200 and plain.json()["empty"] is True
