@@ -30,6 +30,7 @@ from engine.kv_cache import BlockPool, KVCache
 from engine.model_runner import ModelRunner
 from engine.models import load_adapter
 from engine.outputs import EngineStats, RequestOutput, StepTimings
+from engine.platform import Platform
 from engine.request import Request
 from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler
@@ -68,14 +69,7 @@ class Engine:
         self.num_threads = torch.get_num_threads()  # what the thread that runs the steps should use
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
-        if self.device.type == "cpu":
-            from engine import cpu_kernel
-            from engine.host_memory import keep_freed_memory
-
-            keep_freed_memory()
-            cpu_kernel.choose_variant(config.cpu_kernels)
-        elif config.cpu_kernels is not None:
-            raise ValueError(f"cpu_kernels chooses the CPU's kernels; the device is {config.device!r}")
+        self.platform = Platform(config, self.device)  # engine/platform.py: how the model runs on this device
         self.adapter = load_adapter(config.model, self.device, config.torch_dtype, config.chat_template)
         self.tokenizer = self.adapter.tokenizer
         self.eos_token_ids = self.adapter.eos_token_ids
@@ -98,14 +92,7 @@ class Engine:
         )
         self.step_costs = self._step_costs()
         self.scheduler = Scheduler(config, self.pool, self.encoder_outputs, self.step_costs)
-        self.attention_backend = self._attention_backend()
-        self.cpu_linear = self._use_cpu_linear()
-        self.cpu_kernels: str | None = None
-        self.cpu_bf16_products: str | None = None
-        self.lean_vision_layers = 0  # vision encoder layers run lean (engine/lean_vision.py)
-        self.linear_rows: dict[str, tuple[int, int]] = {}
-        if self.cpu_linear:
-            self._route_cpu_kernels()
+        self.platform.prepare(self.adapter)
         self.compile_seconds = 0.0
         if config.compile_model:
             if self.device.type != "cpu":
@@ -117,7 +104,7 @@ class Engine:
             log.info("compiled the text model's decoder layers in %.1f s", self.compile_seconds)
         self.runner = ModelRunner(self.adapter, self.kv_cache, config.block_size, self.attention_backend,
                                   self.encoder_outputs)
-        if self._use_cuda_graphs():
+        if self.platform.use_cuda_graphs():
             from engine.cuda_graphs import DecodeGraphs
 
             self.runner.graphs = DecodeGraphs.capture(self.runner, config.max_num_seqs, self.max_model_len)
@@ -138,22 +125,30 @@ class Engine:
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self._grammars_lock = threading.Lock()
 
-    def _attention_backend(self) -> str:
-        """The attention path (`EngineConfig.attention_backend`), resolved for this device and dtype."""
-        from engine.attention_backends import choose_backend
+    # The platform's choices (engine/platform.py), as the engine has always reported them.
+    @property
+    def attention_backend(self) -> str:
+        return self.platform.attention_backend
 
-        config = self.config
-        return choose_backend(config.attention_backend, self.device, config.torch_dtype, config.block_size).name
+    @property
+    def cpu_linear(self) -> bool:
+        return self.platform.cpu_linear
 
-    def _use_cpu_linear(self) -> bool:
-        from engine import cpu_kernel
+    @property
+    def cpu_kernels(self) -> str | None:
+        return self.platform.cpu_kernels
 
-        wanted = self.config.cpu_linear
-        possible = self.device.type == "cpu" and cpu_kernel.available(self.device)
-        if wanted and not possible:
-            raise ValueError(f"cpu_linear needs the CPU and a C compiler to build its kernel (device "
-                             f"{self.config.device!r}, CC={os.environ.get('CC', 'cc')!r})")
-        return possible if wanted is None else wanted
+    @property
+    def cpu_bf16_products(self) -> str | None:
+        return self.platform.cpu_bf16_products
+
+    @property
+    def linear_rows(self) -> dict[str, tuple[int, int]]:
+        return self.platform.linear_rows
+
+    @property
+    def lean_vision_layers(self) -> int:
+        return self.platform.lean_vision_layers
 
     def _step_costs(self) -> StepCosts | None:
         """The step cost model for the inter-token-latency target (None: steps budgeted by tokens only)."""
@@ -162,64 +157,6 @@ class Engine:
             target = DEFAULT_ITL_TARGET_MS.get(self.device.type, DEFAULT_ITL_TARGET_MS["cuda"])
         return StepCosts(target / 1e3) if target else None
 
-    def _route_cpu_kernels(self) -> None:
-        """The text model's fitting layers lean (engine/lean_layers.py, before routing: it fuses their weights),
-        and a sliced vision tower's (engine/lean_vision.py), every other Linear and Llama-style norm through the
-        CPU kernels, and each weight shape's row limit measured (`EngineConfig.cpu_linear_rows` fixes it
-        instead)."""
-        from engine import cpu_kernel
-        from engine.lean_layers import LeanTextModel
-        from engine.lean_vision import lean_vision_layers
-        from engine.lean_vision import measure as measure_vision
-
-        adapter, rows = self.adapter, self.config.cpu_linear_rows
-        lean_possible = self.attention_backend != "kernel" and LeanTextModel.applies(adapter.text_model)
-        if self.config.lean_layers is not False and lean_possible:
-            adapter.lean = LeanTextModel(adapter.text_model, adapter.num_heads, adapter.num_kv_heads,
-                                         adapter.head_dim)
-        elif self.config.lean_layers:
-            raise ValueError(f"lean_layers: no decoder layer of {type(adapter.text_model).__name__} is Llama-style or "
-                             f"Gemma 3's (engine/lean_layers.py `fits`), or the attention backend is "
-                             f"{self.attention_backend!r} (lean layers run the CPU's attention)")
-        if self.config.lean_layers is not False and adapter.vision_layers is not None:
-            layers = lean_vision_layers(adapter.vision_layers)
-            adapter.lean_vision = layers if any(layer is not None for layer in layers) else None
-        cpu_kernel.route_linears(adapter.model)
-        cpu_kernel.route_norms(adapter.model)
-        self.cpu_kernels = cpu_kernel.variant()
-        if self.cpu_kernels is not None:  # measured before the row ranges, whose timings use it
-            self.cpu_bf16_products = cpu_kernel.bf16_products(cpu_kernel.load_variant(self.cpu_kernels))
-        if rows is None:
-            self.linear_rows = cpu_kernel.measure_row_ranges(adapter.model)
-            if adapter.lean is not None:
-                self.linear_rows.update(adapter.lean.measure())
-            if adapter.lean_vision is not None:
-                self.linear_rows.update(measure_vision(adapter.lean_vision))
-        else:
-            cpu_kernel.set_row_ranges(adapter.model, rows)
-            lean_vision = [layer for layer in adapter.lean_vision or () if layer is not None]
-            projections = [p for layer in lean_vision for p in layer.projections()]
-            for projection in (adapter.lean.projections() if adapter.lean is not None else []) + projections:
-                projection.rows = (1, rows) if rows else (0, 0)
-        self.lean_vision_layers = sum(layer is not None for layer in adapter.lean_vision or ())
-        log.info("CPU kernels: %s build (bfloat16 products: %s), %d lean decoder layers, %d lean vision layers, "
-                 "kernel rows by weight shape %s", self.cpu_kernels, self.cpu_bf16_products,
-                 adapter.lean.count if adapter.lean is not None else 0, self.lean_vision_layers,
-                 self.linear_rows or rows)
-
-    def _use_cuda_graphs(self) -> bool:
-        wanted = self.config.cuda_graphs
-        possible = self.device.type == "cuda" and self.attention_backend == "kernel"
-        if wanted and not possible:
-            raise ValueError(
-                f"cuda_graphs needs the kernel attention backend on CUDA (device {self.config.device!r}, "
-                f"backend {self.attention_backend!r})"
-            )
-        return possible if wanted is None else wanted
-
-        if sampling.min_tokens:
-            held = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
-            sampling = replace(sampling, min_tokens_suppressed=tuple(sorted(held)))
     def _num_kv_blocks(self) -> int:
         config = self.config
         if config.num_kv_blocks is not None:
@@ -280,6 +217,9 @@ class Engine:
         if sampling.top_k > vocab_size:
             raise ValueError(f"top_k is {sampling.top_k}, over the model's vocabulary of {vocab_size} tokens "
                              "(0 or -1: all tokens)")
+        if sampling.min_tokens:
+            held = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
+            sampling = replace(sampling, min_tokens_suppressed=tuple(sorted(held)))
         matcher = self._matcher(sampling.grammar) if sampling.grammar is not None else None
         loaded = [_load_image(image, i) for i, image in enumerate(images or [])]
         markers = prompt.count(self.adapter.image_marker)
@@ -498,7 +438,7 @@ class Engine:
                 compile_seconds=self.compile_seconds,
                 cpu_kernels=self.cpu_kernels,
                 cpu_bf16_products=self.cpu_bf16_products,
-                lean_layers=self.adapter.lean.count if self.adapter.lean is not None else 0,
+                lean_layers=self.platform.lean_layers,
                 lean_vision_layers=self.lean_vision_layers,
                 linear_rows=dict(self.linear_rows),
                 step_costs=self.step_costs.as_dict() if self.step_costs is not None and self.step_costs.ready else {},
