@@ -1,11 +1,13 @@
 """Videos as the engine takes them: sampled frames with where they lie in the clip.
 
 A `Video` is a few frames (RGB, one size) and the source's frame rate, so that each frame's time is known:
-SmolVLM writes it into the prompt, Qwen2.5-VL spaces its temporal rotary positions by it. A file is read
-with OpenCV through a file object (never a name FFmpeg could take for a URL or a protocol), frame by frame:
-frames between the sampled ones are grabbed (demuxed and decoded, never converted or kept), so a clip's
-decoded frames in memory are at most `max_frames` frames of at most `max_frame_pixels` pixels whatever its
-length. Limits a file passes raise `VideoLimitError` naming the limit; a file that cannot be read, ValueError.
+SmolVLM writes it into the prompt, Qwen2.5-VL spaces its temporal rotary positions by it. Encoded bytes are decoded
+in the media box (engine/media_box.py): only an accepted container (`sniff_container`: mp4/mov, webm/mkv, avi, by
+its first bytes) reaches FFmpeg, forced to that demuxer, in a supervised child process with a deadline and a memory
+limit. Frames are read one by one: frames between the sampled ones are grabbed (demuxed and decoded, never
+converted or kept), so a clip's decoded frames in memory are at most `max_frames` frames of at most
+`max_frame_pixels` pixels whatever its length. Limits a file passes raise `VideoLimitError` naming the limit; a
+file that cannot be read, ValueError.
 """
 
 from __future__ import annotations
@@ -15,21 +17,22 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 from PIL import Image
+
+from engine.media_box import MediaLimitError
+
+if TYPE_CHECKING:
+    from engine.media_box import MediaBox
 
 # The frame rate given to frames that come without one (a list of frames): one a second.
 UNTIMED_FPS = 1.0
 
 
-class VideoLimitError(ValueError):
+class VideoLimitError(MediaLimitError):
     """A video over one of the limits it was read under; `limit` names the limit."""
-
-    def __init__(self, limit: str, message: str) -> None:
-        super().__init__(message)
-        self.limit = limit
 
 
 @dataclass(frozen=True)
@@ -158,43 +161,37 @@ def as_video(value: VideoInput, where: str, sampling: VideoSampling) -> Video:
     raise ValueError(f"{where} has unsupported type {type(value).__name__}")
 
 
-def read_video(file: BinaryIO, sampling: VideoSampling, where: str = "video") -> Video:
-    """The frames `sampling` picks from an encoded video read from `file` (seekable), checked against its
-    limits before any frame is decoded."""
-    import cv2
-
-    # One decoding thread: a clip is decoded beside the engine's steps, which use every core.
-    capture = cv2.VideoCapture(file, cv2.CAP_FFMPEG, [cv2.CAP_PROP_N_THREADS, 1])
-    try:
-        if not capture.isOpened():
-            raise ValueError(f"{where} is not a readable video (corrupt, truncated, or a format FFmpeg cannot open)")
-        total = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
-        fps = float(capture.get(cv2.CAP_PROP_FPS))
-        width, height = int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)), int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
-        if total < 1 or not np.isfinite(fps) or fps <= 0 or width < 1 or height < 1:
-            raise ValueError(f"{where} is not a readable video: {total} frames at {fps} fps, {width}x{height}")
-        _check_limits(sampling, total / fps, width * height, f"{width}x{height}", where)
-        wanted = sampling.indices(total, fps)
-        frames, kept = _sampled_frames(capture, wanted, (height, width))
-    finally:
-        capture.release()
-    if not frames:
-        raise ValueError(f"{where} is not a readable video: no frame could be decoded")
-    return Video(np.stack(frames), fps, kept, total)
+def sniff_container(data: bytes, where: str = "video") -> str:
+    """The container of an encoded video by its first bytes (`engine.media_box.DEMUXERS` names each one's demuxer):
+    "mov" (an ISO/QuickTime 'ftyp' box), "matroska" (EBML, also WebM) or "avi" (RIFF AVI); ValueError for anything
+    else (concat scripts, SDP descriptions, playlists, raw streams, images) before any decoder sees it."""
+    head = bytes(data[:12])
+    if len(head) == 12 and head[4:8] == b"ftyp":
+        return "mov"
+    if head[:4] == b"\x1a\x45\xdf\xa3":
+        return "matroska"
+    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        return "avi"
+    raise ValueError(f"{where} is not a readable video: not one of the accepted containers (mp4/mov, webm/mkv, avi)")
 
 
-def _check_limits(sampling: VideoSampling, seconds: float, pixels: int, size: str, where: str) -> None:
+def read_video(file: BinaryIO, sampling: VideoSampling, where: str = "video", box: MediaBox | None = None) -> Video:
+    """The frames `sampling` picks from an encoded video read from `file`, decoded in `box` (the process's media
+    box by default) and checked against `sampling`'s limits before any frame is decoded."""
+    from engine.media_box import default_box
+
+    return (box or default_box()).decode_video(file.read(), sampling, where)
+
+
+def check_duration(sampling: VideoSampling, seconds: float, where: str) -> None:
     if sampling.max_seconds is not None and seconds > sampling.max_seconds:
         raise VideoLimitError("max_video_seconds", f"{where} lasts {seconds:.1f} s, over the limit of "
                                                    f"{sampling.max_seconds:g} s")
-    if sampling.max_frame_pixels is not None and pixels > sampling.max_frame_pixels:
-        raise VideoLimitError("max_video_frame_pixels", f"{where} has frames of {size} = {pixels} pixels, over "
-                                                        f"the limit of {sampling.max_frame_pixels}")
 
 
-def _sampled_frames(capture: Any, wanted: list[int], size: tuple[int, int]) -> tuple[list[np.ndarray], list[int]]:
-    """Frames at the `wanted` indices (ascending): each frame up to the last is grabbed, only the wanted ones
-    converted and kept. A stream that ends early gives the frames read until then."""
+def sampled_frames(capture: Any, wanted: list[int]) -> tuple[list[np.ndarray], list[int]]:
+    """Frames at the `wanted` indices (ascending) of an open OpenCV capture: each frame up to the last is grabbed,
+    only the wanted ones converted (to RGB) and kept. A stream that ends early gives the frames read until then."""
     import cv2
 
     frames: list[np.ndarray] = []
@@ -205,7 +202,7 @@ def _sampled_frames(capture: Any, wanted: list[int], size: tuple[int, int]) -> t
     while target is not None and capture.grab():
         if index == target:
             ok, frame = capture.retrieve()
-            if ok and frame is not None and frame.shape[:2] == size:
+            if ok and frame is not None:
                 frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
                 kept.append(index)
             target = next(targets, None)
