@@ -15,7 +15,8 @@ from api.errors import APIError
 from api.images import Media, data_url_bytes, fetch_remote
 from api.settings import Limits
 from engine import Engine
-from engine.video import Video, VideoLimitError, VideoSampling, read_video
+from engine.media_box import MediaLimitError
+from engine.video import Video, VideoSampling, read_video
 
 
 def check_video_input(engine: Engine, param: str) -> None:
@@ -51,8 +52,9 @@ def decode_video(data: bytes, sampling: VideoSampling, limits: Limits, param: st
                             f"{limits.max_video_bytes}", param, "video_too_large")
     try:
         return read_video(io.BytesIO(data), sampling, param)
-    except VideoLimitError as exc:
-        raise APIError(413, f"{exc} ({exc.limit})", param, "video_too_large") from None
+    except MediaLimitError as exc:  # a limit of the request's sampling, or of the media box (deadline, memory)
+        raise APIError(413, f"{exc} ({exc.limit})" if f"({exc.limit})" not in str(exc) else str(exc), param,
+                       "video_too_large") from None
     except ValueError as exc:
         raise APIError(400, str(exc), param, "invalid_video") from None
 
