@@ -152,9 +152,14 @@ def limit_logs(per_s: float) -> RateLimitedLog:
     return limit
 
 
+def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
+    """uvicorn's options for the connection settings of `settings` (the log's rate limit put in place now)."""
+    limit_logs(settings.access_log_per_s)
+    return {"http": connection_class(settings)}
+
+
 def uvicorn_config(app: Any, settings: ServerSettings, **options: Any) -> Any:
     """uvicorn's Config for `app` with the connection settings of `settings` (`options`: uvicorn's others)."""
     import uvicorn
 
-    limit_logs(settings.access_log_per_s)
-    return uvicorn.Config(app, http=connection_class(settings), **options)
+    return uvicorn.Config(app, **uvicorn_options(settings), **options)

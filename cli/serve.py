@@ -64,7 +64,7 @@ def run_server(**options: Any) -> None:
     import typer
     import uvicorn
 
-    from api.connections import uvicorn_config
+    from api.connections import uvicorn_options
     from api.guard import check_exposure
     from api.server import create_app
     from jobqueue.alerts import validate_webhook_url
@@ -79,9 +79,8 @@ def run_server(**options: Any) -> None:
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     # The connections' timeouts, limit and log rate are the settings' (api/connections.py).
-    uvicorn.Server(uvicorn_config(app, settings, host=options["host"], port=options["port"],
-                                  log_level=options["log_level"].lower(),
-                                  timeout_graceful_shutdown=settings.shutdown_grace_s)).run()
+    uvicorn.run(app, host=options["host"], port=options["port"], log_level=options["log_level"].lower(),
+                timeout_graceful_shutdown=settings.shutdown_grace_s, **uvicorn_options(settings))
 
 
 serve = command(run_server, HAND, DECLARED, RENAMES)

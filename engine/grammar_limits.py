@@ -28,6 +28,8 @@ class GrammarLimits:
     max_repetition: the largest bounded repetition of a regex. `{m,n}`, nested ones multiplied (xgrammar expands
         them, about quadratically); a schema's `minLength`/`maxLength`/`minItems`/`maxItems` compile in constant
         size and are not limited.
+    max_total_repetition: the sum of all repetition bounds of a grammar (every `{m,n}` of its regex, or of all its
+        schema's patterns): each within max_repetition, their sum bounds the compile's cost.
     max_enum_values: the most `enum` values plus `const`s in a whole schema.
     max_properties: the most `properties` entries in a whole schema.
     compile_timeout_s: seconds one grammar may take to compile (its child process is killed past it).
@@ -40,6 +42,7 @@ class GrammarLimits:
     max_regex_chars: int = 2048
     max_regex_depth: int = 32
     max_repetition: int = 1024
+    max_total_repetition: int = 8192
     max_enum_values: int = 256
     max_properties: int = 64
     compile_timeout_s: float = 10.0
@@ -68,9 +71,10 @@ _REFS = ("$ref", "$dynamicRef", "$recursiveRef")
 _QUANTIFIER = re.compile(r"\{(\d*)(?:,(\d*))?\}")
 
 
-def check_regex(pattern: str, limits: GrammarLimits, where: str = "regex") -> None:
+def check_regex(pattern: str, limits: GrammarLimits, where: str = "regex", spent: int = 0) -> int:
     """Length, group nesting and repetition bounds of a regex (a repetition inside a repeated group counts
-    as their product)."""
+    as their product); `spent`: the repetition already counted in the same grammar. Returns the grammar's
+    repetition with this regex's (at most max_total_repetition)."""
     if len(pattern) > limits.max_regex_chars:
         raise _over("max_regex_chars", f"the {where}'s length", len(pattern), limits.max_regex_chars)
     depth = 0
@@ -103,6 +107,10 @@ def check_regex(pattern: str, limits: GrammarLimits, where: str = "regex") -> No
             product = bound * last_group
             if product > limits.max_repetition:
                 raise _over("max_repetition", f"a repetition bound in the {where}", product, limits.max_repetition)
+            spent += product
+            if spent > limits.max_total_repetition:
+                raise _over("max_total_repetition", f"the grammar's repetition bounds together (at the {where})",
+                            spent, limits.max_total_repetition)
             products[-1] = max(products[-1], product)
             i = match.end()
             last_group = 1
@@ -111,6 +119,7 @@ def check_regex(pattern: str, limits: GrammarLimits, where: str = "regex") -> No
             raise _over("max_regex_depth", f"the nesting of the {where}'s groups", depth, limits.max_regex_depth)
         last_group = 1
         i += 1
+    return spent
 
 
 def check_schema(schema_text: str, limits: GrammarLimits) -> None:
@@ -119,7 +128,7 @@ def check_schema(schema_text: str, limits: GrammarLimits) -> None:
     if size > limits.max_schema_bytes:
         raise _over("max_schema_bytes", "the schema's size in bytes", size, limits.max_schema_bytes)
     schema = json.loads(schema_text)
-    enums = properties = 0
+    enums = properties = repetition = 0
     stack: list[tuple[Any, int]] = [(schema, 1)]
     while stack:
         node, depth = stack.pop()
@@ -135,10 +144,10 @@ def check_schema(schema_text: str, limits: GrammarLimits) -> None:
                 raise ValueError(f"{key} {value[:200]!r} points outside the schema: only references within it "
                                  "(#/...) are followed, nothing is fetched")
             if key == "pattern" and isinstance(value, str):
-                check_regex(value, limits, "schema's pattern")
+                repetition = check_regex(value, limits, "schema's pattern", repetition)
             elif key == "patternProperties" and isinstance(value, dict):
                 for pattern in value:
-                    check_regex(pattern, limits, "schema's patternProperties")
+                    repetition = check_regex(pattern, limits, "schema's patternProperties", repetition)
             elif key == "enum" and isinstance(value, list):
                 enums += len(value)
             elif key == "const":

@@ -97,7 +97,8 @@ def unlimited():
     """A server whose grammar limits let anything reach the compiler: only the child process and the deadline
     stand between a grammar and the server."""
     limits = GrammarLimits(max_regex_depth=10**7, max_regex_chars=10**7, max_properties=10**6, max_repetition=10**7,
-                           max_schema_bytes=10**8, max_schema_depth=10**6, compile_timeout_s=3.0, workers=1)
+                           max_schema_bytes=10**8, max_schema_depth=10**6, max_total_repetition=10**9,
+                           compile_timeout_s=3.0, workers=1)
     settings = ServerSettings(engine=EngineConfig(model=MODEL, max_num_batched_tokens=256, grammar_limits=limits),
                               run_queue_worker=False)
     with BackgroundServer(create_app(settings)) as running:

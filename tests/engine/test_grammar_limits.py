@@ -17,7 +17,7 @@ pytest.importorskip("xgrammar")
 
 # Past every size limit: what a compiler with these limits runs is bounded only by its deadline.
 UNLIMITED = dict(max_regex_depth=10**7, max_regex_chars=10**7, max_properties=10**6, max_schema_bytes=10**8,
-                 max_repetition=10**7, max_schema_depth=10**6)
+                 max_repetition=10**7, max_total_repetition=10**9, max_schema_depth=10**6)
 DEEP_PATTERN = {"type": "string", "pattern": "(" * 30_000 + "a" + ")" * 30_000}  # overflows xgrammar's C stack
 
 
@@ -49,6 +49,12 @@ def compiler_with(tokenizer, **limits) -> GrammarCompiler:
     (lambda: GrammarSpec.from_schema({"type": "array", "items": {"type": "string", "pattern": "[a-z]{0,5000}"}}),
      "max_repetition"),
     (lambda: GrammarSpec(json_schema='{"items":' * 100 + "{}" + "}" * 100), "max_schema_depth"),
+    # Each repetition within max_repetition, their sum not: 200 of a{0,1024} (each pattern, or one regex).
+    (lambda: GrammarSpec.from_schema({"type": "object", "properties": {
+        f"p{i}": {"type": "string", "pattern": "a{0,1024}"} for i in range(60)}}), "max_total_repetition"),
+    (lambda: GrammarSpec.from_schema({"type": "array", "prefixItems": [
+        {"type": "string", "pattern": "a{0,1024}"} for _ in range(200)]}), "max_total_repetition"),
+    (lambda: GrammarSpec(regex="a{0,1024}" * 200), "max_total_repetition"),
 ])
 def test_limits_refuse_before_any_compile(tokenizer, spec, limit):
     compiler = compiler_with(tokenizer)
@@ -159,3 +165,12 @@ def _alive(pid: int) -> bool:
             return stat.read().split(") ")[1][0] != "Z"  # a zombie has ended (its parent, init, reaps it)
     except FileNotFoundError:
         return False
+
+
+def test_repetition_within_the_total_compiles_beside_a_refused_sum(tokenizer):
+    compiler = compiler_with(tokenizer)
+    plain = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "a{0,1024}"} for i in range(4)}}
+    assert compiler.compile(GrammarSpec.from_schema(plain)) is not None
+    with pytest.raises(GrammarLimitError, match="max_total_repetition"):
+        compiler.compile(GrammarSpec(regex="(b{0,1000})" * 9))
+    compiler.close()
