@@ -1,12 +1,12 @@
 """OpenAI's legacy `/v1/completions` (what litellm's text_completion and lm-eval's local-completions call) and
 `GET /v1/models/{id}`.
 
-A prompt is a string, a list of strings, a list of token ids or a list of lists of token ids (token ids are decoded
-to text with the model's tokenizer, then processed as text prompts are). Each prompt gives `n` choices, choice
-`prompt_index * n + i`; with a `seed`, choice i samples with seed + i, so `n` choices with seed s equal n requests
-sent one by one with seeds s, s + 1, ... `logprobs` is OpenAI's legacy format (tokens, token_logprobs,
-top_logprobs, text_offset); with `echo` the prompt's tokens come first, their log-probabilities null (the engine
-does not score prompts). `suffix` (insertion) is refused.
+A prompt is a string, a list of strings, a list of token ids or a list of lists of token ids (token ids go to the
+engine as they are, no image markers among them; `echo` gives them back decoded by the model's tokenizer). Each
+prompt gives `n` choices, choice `prompt_index * n + i`; with a `seed`, choice i samples with seed + i, so `n`
+choices with seed s equal n requests sent one by one with seeds s, s + 1, ... `logprobs` is OpenAI's legacy format
+(tokens, token_logprobs, top_logprobs, text_offset); with `echo` the prompt's tokens come first, their log-
+probabilities null (the engine does not score prompts). `suffix` (insertion) is refused.
 """
 
 from __future__ import annotations
@@ -79,10 +79,11 @@ class CompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
 
 
-def prompt_texts(prompt: Prompt, state: ServerState) -> list[str]:
-    """The request's prompts as text (token ids decoded by the model's tokenizer)."""
+def prompt_texts(prompt: Prompt, state: ServerState) -> list[tuple[str, list[int] | None]]:
+    """The request's prompts, each as text and, where it came as token ids, those ids (the engine takes them as
+    they are; the text, decoded by the model's tokenizer, is what `echo` gives back)."""
     if isinstance(prompt, str):
-        return [prompt]
+        return [(prompt, None)]
     if all(isinstance(p, int) for p in prompt):
         prompt = [prompt]  # one prompt of token ids
     tokenizer = state.bridge.engine.tokenizer
@@ -90,14 +91,14 @@ def prompt_texts(prompt: Prompt, state: ServerState) -> list[str]:
     texts = []
     for i, p in enumerate(prompt):
         if isinstance(p, str):
-            texts.append(p)
+            texts.append((p, None))
             continue
         bad = next((t for t in p if t >= vocab), None)
         if bad is not None:
             raise APIError(400, f"prompt[{i}] has token id {bad}, outside the model's vocabulary of {vocab}",
                            f"prompt[{i}]", "invalid_value")
-        texts.append(tokenizer.decode(p))
-    if not all(texts):
+        texts.append((tokenizer.decode(p), list(p)))
+    if not all(text or ids for text, ids in texts):
         raise APIError(400, "every prompt must be non-empty", "prompt", "invalid_value")
     return texts
 
@@ -178,10 +179,10 @@ async def completions(body: CompletionRequest, request: Request,
     salt = cache_salt(request, state.settings, body.cache_salt)
     streams: list[Any] = []
     try:
-        for text in texts:
+        for text, ids in texts:
             for i, sampling in enumerate(params):  # choice order: the n choices of prompt 0, then of prompt 1, ...
-                stream = await state.bridge.add(prompt=text, sampling=sampling, priority=body.priority,
-                                                cache_salt=salt)
+                stream = await state.bridge.add(prompt=None if ids else text, prompt_token_ids=ids, sampling=sampling,
+                                                priority=body.priority, cache_salt=salt)
                 if i == 0 and len(params) > 1:
                     # The other choices are admitted once this one's prompt is computed, so they find its full
                     # blocks in the prefix cache: the prompt is computed once for the n choices.
@@ -196,7 +197,7 @@ async def completions(body: CompletionRequest, request: Request,
             state.bridge.abort(stream.request_id)
         raise
     completion_id, created = f"cmpl-{streams[0].request_id}", int(time.time())
-    prompts = [text for text in texts for _ in params]
+    prompts = [text for text, _ in texts for _ in params]
     if body.stream:
         options = body.stream_options
         return SSEResponse(completion_events(streams, prompts, body, state, completion_id, created,

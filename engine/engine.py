@@ -40,6 +40,8 @@ from engine.video import VideoInput, VideoSampling, as_video
 log = logging.getLogger(__name__)
 
 ImageInput = Image.Image | bytes | bytearray | str | os.PathLike
+# Where transformers' VLM configs name the token ids their image and video features fill.
+PLACEHOLDER_TOKEN_FIELDS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
 
 
 def _load_image(image: ImageInput, index: int) -> Image.Image:
@@ -186,16 +188,19 @@ class Engine:
         cache_salt: str | None = None,
         videos: list[VideoInput] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> str:
         """Queue a request and return its id. Raises ValueError for a request that can never run.
+        Give exactly one of `prompt` (text, with a marker per image and video), `messages` (rendered through the
+        chat template) or `prompt_token_ids` (a text prompt already tokenized: taken as it is, no images).
         `cache_salt`: the request shares cached prefix blocks and image features only with requests of the same
         salt (engine/block_hash.py).
         `mm_processor_kwargs`: options for the model's processor that the family allows
         (`VLMAdapter.processor_options`; SmolVLM: `do_image_splitting`).
         `videos`: each a `engine.video.Video`, a list of frames (PIL images or arrays), or a file path or encoded
         bytes (read with OpenCV, frames sampled by `VideoSampling()`), one for each video marker of the prompt."""
-        if (prompt is None) == (messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+        if sum(given is not None for given in (prompt, messages, prompt_token_ids)) != 1:
+            raise ValueError("give exactly one of prompt or messages (or prompt_token_ids)")
         sampling = sampling or SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
@@ -211,9 +216,11 @@ class Engine:
                 prompt = self.adapter.render_messages(messages)
             except Exception as exc:  # the template rejects malformed messages in many ways
                 raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
-        if not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
         vocab_size = self.adapter.lm_head.weight.shape[0]
+        if prompt_token_ids is not None:
+            self._check_token_ids(prompt_token_ids, vocab_size, images, videos)
+        elif not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
         if sampling.top_k > vocab_size:
             raise ValueError(f"top_k is {sampling.top_k}, over the model's vocabulary of {vocab_size} tokens "
                              "(0 or -1: all tokens)")
@@ -221,20 +228,10 @@ class Engine:
             held = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
             sampling = replace(sampling, min_tokens_suppressed=tuple(sorted(held)))
         matcher = self._matcher(sampling.grammar) if sampling.grammar is not None else None
-        loaded = [_load_image(image, i) for i, image in enumerate(images or [])]
-        markers = prompt.count(self.adapter.image_marker)
-        if markers != len(loaded):
-            raise ValueError(
-                f"the prompt has {markers} {self.adapter.image_marker} marker(s) but {len(loaded)} image(s) were given"
-            )
-        clips = [as_video(video, f"video {i}", VideoSampling()) for i, video in enumerate(videos or [])]
-        self._check_video_markers(prompt, clips)
-        try:
-            token_ids, mm = self.adapter.process(prompt, loaded, clips, mm_processor_kwargs)
-        except ValueError:
-            raise
-        except Exception as exc:
-            raise ValueError(f"the prompt and images could not be processed: {exc}") from exc
+        if prompt_token_ids is not None:
+            token_ids, mm = list(prompt_token_ids), None
+        else:
+            token_ids, mm = self._process(prompt, images, videos, mm_processor_kwargs)
 
         if mm is not None and self.config.enable_prefix_caching:
             add_input_hashes(mm, cache_salt)
@@ -268,6 +265,42 @@ class Engine:
             self.requests[request_id] = request
             self.scheduler.add(request)
         return request_id
+
+    def _process(self, prompt: str, images: list[ImageInput] | None, videos: list[VideoInput] | None,
+                 mm_processor_kwargs: dict[str, Any] | None) -> tuple[list[int], Any]:
+        """A text prompt's token ids and its images' and videos' encoder inputs, as the model's processor gives them."""
+        loaded = [_load_image(image, i) for i, image in enumerate(images or [])]
+        markers = prompt.count(self.adapter.image_marker)
+        if markers != len(loaded):
+            raise ValueError(
+                f"the prompt has {markers} {self.adapter.image_marker} marker(s) but {len(loaded)} image(s) were given"
+            )
+        clips = [as_video(video, f"video {i}", VideoSampling()) for i, video in enumerate(videos or [])]
+        self._check_video_markers(prompt, clips)
+        try:
+            return self.adapter.process(prompt, loaded, clips, mm_processor_kwargs)
+        except ValueError:
+            raise
+        except Exception as exc:
+            raise ValueError(f"the prompt and images could not be processed: {exc}") from exc
+
+    def _check_token_ids(self, token_ids: Any, vocab_size: int, images: Any, videos: Any) -> None:
+        """A tokenized prompt: a non-empty list of ids within the vocabulary, none of them an image's or a video's
+        placeholder (their features come only with a text prompt's images and videos)."""
+        if images or videos:
+            raise ValueError("prompt_token_ids takes no images or videos: send a text prompt with their markers")
+        if not isinstance(token_ids, (list, tuple)) or not token_ids:
+            raise ValueError(f"prompt_token_ids must be a non-empty list of token ids, got {str(token_ids)[:80]!r}")
+        config = self.adapter.model.config
+        placeholders = {getattr(config, name) for name in PLACEHOLDER_TOKEN_FIELDS
+                        if isinstance(getattr(config, name, None), int)}
+        for index, token in enumerate(token_ids):
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
+                raise ValueError(f"prompt_token_ids[{index}] is {token!r}, not a token id of the model's vocabulary "
+                                 f"of {vocab_size}")
+            if token in placeholders:
+                raise ValueError(f"prompt_token_ids[{index}] is {token}, an image or video placeholder: send a text "
+                                 "prompt with its images instead")
 
     def _check_video_markers(self, prompt: str, clips: list) -> None:
         """As many video markers as videos (a family without video refuses videos in `adapter.process`)."""

@@ -12,6 +12,7 @@ from api.background import BackgroundServer
 from api.server import create_app
 from api.settings import Limits, ServerSettings
 from engine import EngineConfig
+from engine.presets import preset_checkpoint
 
 MODEL = "vlmcap-tiny"
 PROMPT = "User: What is in a street scene?<end_of_utterance>\nAssistant:"
@@ -157,3 +158,28 @@ def test_chat_takes_min_tokens_and_stop_token_ids(client, server):
     assert held.usage.completion_tokens == 8
     with pytest.raises(openai.BadRequestError, match="min_tokens"):
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={"min_tokens": 3})
+
+
+def test_token_id_prompts_run_as_given_equal_to_generate_on_those_ids(client, server):
+    """Ids the tokenizer would never produce from their text (a word as single characters) run as they are."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    engine = server.state.bridge.engine
+    tokenizer = engine.tokenizer
+    ids = tokenizer(PROMPT, add_special_tokens=False).input_ids
+    spelled = [tokenizer.convert_tokens_to_ids(c) for c in "street"]
+    assert tokenizer.unk_token_id not in spelled
+    ids = ids[:3] + spelled + ids[3:]
+    assert tokenizer(tokenizer.decode(ids), add_special_tokens=False).input_ids != ids  # text would not round-trip
+    answer = greedy(client, ids, max_tokens=8)
+    assert answer.usage.prompt_tokens == len(ids)
+    model = AutoModelForImageTextToText.from_pretrained(preset_checkpoint("tiny"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    expected = tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+    assert answer.choices[0].text == expected
+    image_token = engine.adapter.model.config.image_token_id
+    response = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": ids + [image_token]},
+                          timeout=30)
+    assert response.status_code == 400 and "placeholder" in response.json()["error"]["message"]

@@ -189,3 +189,29 @@ def test_a_failing_step_ends_only_its_requests_and_the_engine_keeps_serving(make
 def test_budget_must_cover_one_token_per_running_request():
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineConfig(max_num_batched_tokens=8, max_num_seqs=16)
+
+
+def test_prompt_token_ids_run_as_given_exactly_as_generate(make_engine, checkpoint):
+    from transformers import AutoModelForImageTextToText
+
+    engine = make_engine()
+    ids = engine.tokenizer("User: a person at the gate", add_special_tokens=False).input_ids
+    ids = ids + [engine.tokenizer.convert_tokens_to_ids(c) for c in "door"]  # not what the tokenizer would give
+    rid = engine.add_request(prompt_token_ids=ids, sampling=SamplingParams(max_tokens=8))
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens = next((o.token_ids for o in engine.step() if o.request_id == rid), tokens)
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):]
+    assert tokens == expected.tolist()
+    image_token = engine.adapter.model.config.image_token_id
+    for bad, match in [([], "non-empty"), ([1, -1], r"prompt_token_ids\[1\] is -1"),
+                       ([1, 10**9], r"\[1\] is 1000000000"), ([1, image_token], "placeholder"), (["a"], "'a'")]:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request(prompt_token_ids=bad)
+    with pytest.raises(ValueError, match="exactly one"):
+        engine.add_request(prompt="x", prompt_token_ids=ids)
+    with pytest.raises(ValueError, match="no images"):
+        engine.add_request(prompt_token_ids=ids, images=[b"x"])
+    assert not engine.has_unfinished_requests()
