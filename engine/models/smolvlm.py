@@ -54,14 +54,19 @@ class SmolVLMAdapter(VLMAdapter):
         else:
             batch = self.processor(text=[prompt], images=[images], return_tensors="pt", **(options or {}))
         ids = batch["input_ids"][0].tolist()
-        pixel_values = batch["pixel_values"][0]  # [tiles or frames, 3, H, W]
+        # Images: [1, tiles, 3, H, W], every image's tiles in the one row. Videos: [videos, frames, 3, H, W], a row
+        # per video padded with zero frames to the longest (transformers' model drops those), so each video's own
+        # frames are taken, in the prompt's order.
+        pixel_values = batch["pixel_values"]
         pixel_mask = batch.get("pixel_attention_mask")
+        counts = [video.num_frames for video in videos] if videos else [pixel_values.shape[1]]
         found = []
-        for tile in range(pixel_values.shape[0]):
-            item = {"pixel_values": pixel_values[tile : tile + 1]}
-            if pixel_mask is not None:
-                item["pixel_attention_mask"] = pixel_mask[0, tile : tile + 1]
-            found.append(EncoderInput(self.model.model.image_seq_len, item))
+        for row, count in enumerate(counts):
+            for tile in range(count):
+                item = {"pixel_values": pixel_values[row, tile : tile + 1]}
+                if pixel_mask is not None:
+                    item["pixel_attention_mask"] = pixel_mask[row, tile : tile + 1]
+                found.append(EncoderInput(self.model.model.image_seq_len, item))
         return ids, place_inputs(ids, {self.model.config.image_token_id: found})
 
     @property

@@ -40,16 +40,18 @@ def clip(photos) -> Video:
     return Video(np.stack(clip_frames(photos[0], count=8, size=(96, 64))), fps=2.0)
 
 
-def video_oracle(checkpoint: str) -> Callable[[str, Video, int], list[int]]:
-    """transformers' `generate` on the processor's own output for a prompt with one video."""
+def video_oracle(checkpoint: str) -> Callable[[str, Video | list[Video], int], list[int]]:
+    """transformers' `generate` on the processor's own output for a prompt with one video (or several, in order)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(checkpoint)
     model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).to(DEVICE).eval()
 
-    def generate(prompt: str, video: Video, max_tokens: int) -> list[int]:
-        inputs = processor(text=[prompt], videos=[video.frames], video_metadata=[video.metadata()],
-                           do_sample_frames=False, return_tensors="pt").to(DEVICE)
+    def generate(prompt: str, video: Video | list[Video], max_tokens: int) -> list[int]:
+        videos = video if isinstance(video, list) else [video]
+        inputs = processor(text=[prompt], videos=[v.frames for v in videos],
+                           video_metadata=[v.metadata() for v in videos], do_sample_frames=False,
+                           return_tensors="pt").to(DEVICE)
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
         return out[0, inputs["input_ids"].shape[1] :].tolist()
@@ -130,6 +132,25 @@ def test_the_other_video_families_equal_generate(video_checkpoints, clip, name, 
     tokens = run(engine, [dict(messages=turn, videos=[clip], sampling=SamplingParams(max_tokens=10))])
     assert list(tokens.values()) == [video_oracle(checkpoint)(engine.adapter.render_messages(turn), clip, 10)]
     assert engine.stats().encoder_inputs_encoded == (1 if name == "tiny-llava-onevision" else clip.num_frames // 2)
+
+
+@pytest.mark.parametrize("name", VIDEO_FAMILIES)
+def test_two_videos_in_one_prompt_equal_generate(video_checkpoints, clip, photos, name):
+    """Two videos of different lengths in one turn (the documented limit): each video's own frames fill its span
+    (the processor pads the shorter one with frames transformers drops), at a budget that cuts the spans."""
+    checkpoint = video_checkpoints(name)
+    other = Video(np.stack(clip_frames(photos[1], count=4, size=(96, 64))), fps=1.0)
+    engine = engine_for(checkpoint, max_num_batched_tokens=13, max_num_seqs=4)
+    turn = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "and"}, {"type": "video"},
+                                         {"type": "text", "text": "What changed between the clips?"}]}]
+    prompt = engine.adapter.render_messages(turn)
+    tokens = run(engine, [dict(messages=turn, videos=[clip, other], sampling=SamplingParams(max_tokens=10))])
+    assert list(tokens.values()) == [video_oracle(checkpoint)(prompt, [clip, other], 10)]
+    frames_per_input = 2 if name == "tiny-qwen2-vl" else 1
+    assert engine.stats().encoder_inputs_encoded == (clip.num_frames + other.num_frames) // frames_per_input
+    # The order matters: the videos swapped give another prompt, which the engine follows as generate does.
+    swapped = run(engine, [dict(messages=turn, videos=[other, clip], sampling=SamplingParams(max_tokens=10))])
+    assert list(swapped.values()) == [video_oracle(checkpoint)(prompt, [other, clip], 10)]
 
 
 @pytest.mark.parametrize("name", VIDEO_FAMILIES)
