@@ -3,7 +3,6 @@ uses, and what the captioning REST routes run."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 
 from PIL import Image
@@ -12,6 +11,7 @@ from api.bridge import EngineBridge, RequestStream
 from api.errors import ENGINE_FAILED, APIError
 from api.grammars import GrammarRefused, compile_ahead
 from api.images import decode_image
+from api.pools import work_pools
 from api.settings import Limits
 from api.videos import check_video_input, decode_video, video_sampling
 from engine import SamplingParams
@@ -36,13 +36,13 @@ class EngineCaptioner:
         """The caption of one encoded image (JSON text under `schema` when one is given; sharing cached prefixes
         and image features only with requests of the same `cache_salt`). Raises APIError for an image, prompt or
         schema the server refuses (its message says why)."""
-        image = await asyncio.to_thread(decode_image, image_jpeg, self.limits, "image")
+        image = await work_pools(self.limits).run("decode", decode_image, image_jpeg, self.limits, "image")
         return await self.collect(await self.submit(image, prompt, priority, schema=schema, cache_salt=cache_salt))
 
     async def caption_frames(self, images: list[bytes], notes: list[str], prompt: str, priority: int,
                              schema: dict | None = None, cache_salt: str | None = None) -> str:
         """The caption of several encoded frames as one prompt (`jobqueue.consumer.frame_parts`)."""
-        decoded = [await asyncio.to_thread(decode_image, data, self.limits, f"frame {index}")
+        decoded = [await work_pools(self.limits).run("decode", decode_image, data, self.limits, f"frame {index}")
                    for index, data in enumerate(images)]
         content = frame_parts(notes, prompt, lambda _: {"type": "image"})
         # Each frame one encoder input where the family tiles images (SmolVLM: 64 tokens a frame, not ~1,000).
@@ -57,7 +57,7 @@ class EngineCaptioner:
         when the model has no video path."""
         check_video_input(self.bridge.engine, "video")
         sampling = video_sampling(self.limits, None, None, "video")
-        clip = await asyncio.to_thread(decode_video, video, sampling, self.limits, "video")
+        clip = await work_pools(self.limits).run("decode", decode_video, video, sampling, self.limits, "video")
         content = [{"type": "video"}, {"type": "text", "text": prompt}]
         return await self.collect(await self.submit_content(content, [], priority, schema=schema,
                                                             cache_salt=cache_salt, videos=[clip]))

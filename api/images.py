@@ -22,6 +22,7 @@ import httpx
 from PIL import Image, UnidentifiedImageError
 
 from api.errors import APIError
+from api.pools import work_pools
 from api.settings import Limits
 
 FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
@@ -227,6 +228,6 @@ async def load_image_url(url: str, limits: Limits, param: str) -> Image.Image:
     if not isinstance(url, str) or not url:
         raise APIError(400, f"{param}: the image URL must be a non-empty string", param, "invalid_image_url")
     if url.startswith("data:"):
-        return await asyncio.to_thread(decode_data_url, url, limits, param)
+        return await work_pools(limits).run("decode", decode_data_url, url, limits, param)
     data = await fetch_remote(url, limits, param)
-    return await asyncio.to_thread(decode_image, data, limits, param)
+    return await work_pools(limits).run("decode", decode_image, data, limits, param)

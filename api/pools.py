@@ -225,16 +225,22 @@ _made = threading.Lock()
 
 
 def work_pools(holder: Any) -> WorkPools:
-    """The pools kept on `holder` (a `ServerState` or an app's state: anything with `settings`, or none for
-    the defaults), made at first use."""
-    pools = getattr(holder, "work_pools", None)
+    """The pools of one server, made at first use. `holder`: its `ServerState` or app state (anything with
+    `settings`), its `ServerSettings`, or the `Limits` of those settings (what the media helpers have): the
+    pools are kept on that `Limits`, so each of these finds the same ones. Made from the settings' deadline and
+    key share where the holder has them, else the defaults."""
+    settings = getattr(holder, "settings", None)
+    if settings is None and hasattr(holder, "work_deadline_s"):
+        settings = holder
+    home = settings.limits if settings is not None else holder
+    pools = getattr(home, "work_pools", None)
     if pools is None:
         with _made:
-            pools = getattr(holder, "work_pools", None)
+            pools = getattr(home, "work_pools", None)
             if pools is None:
                 from api.settings import ServerSettings  # the defaults, where the holder has no settings
 
-                settings = getattr(holder, "settings", None) or ServerSettings()
+                settings = settings or ServerSettings()
                 pools = WorkPools(settings.work_deadline_s, settings.key_share)
-                holder.work_pools = pools
+                home.work_pools = pools
     return pools

@@ -16,7 +16,6 @@ then `[DONE]`."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import re
@@ -34,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.bridge import EngineFailure, one_thread_here
 from api.errors import APIError, error_body
 from api.guard import cache_salt
+from api.pools import work_pools
 from api.routes_events import CameraMemory, camera_memory, event_json, timestamp, visible_query
 from api.routes_openai import final_output, text_deltas
 from api.state import ServerState, server_state
@@ -274,7 +274,7 @@ async def prepare(body: AskRequest, request: Request, memory: CameraMemory, stat
         return fit_prompt(state.bridge.engine, body.question, ranked, frames, context - max_tokens)
 
     try:
-        return Asked(await asyncio.to_thread(run), max_tokens)
+        return Asked(await work_pools(state).run("summary", run), max_tokens)
     except ValueError as exc:
         raise APIError(400, str(exc), "question", "question_too_long") from None
 

@@ -24,6 +24,7 @@ from api.grammars import compile_ahead
 from api.guard import cache_salt
 from api.images import decode_base64, decode_image
 from api.openai_schemas import CacheSalt, Priority, client_priority, ranged
+from api.pools import work_pools
 from api.state import ServerState, server_state
 from api.streaming import ClientDisconnected, SSEResponse, sse, until_disconnect
 from engine.grammar import GrammarSpec
@@ -131,7 +132,7 @@ async def run_caption(state: ServerState, result: CaptionResult, stream: Request
     try:
         result.caption = await state.captioner.collect(stream, on_running=running)
         if schema is not None:
-            result.structured = await asyncio.to_thread(structured_caption, result.caption, schema)
+            result.structured = await work_pools(state).run("schema", structured_caption, result.caption, schema)
         result.status = JobStatus.DONE.value
     except asyncio.CancelledError:
         result.status, result.error = JobStatus.FAILED.value, "cancelled: the client disconnected"
@@ -161,7 +162,7 @@ async def create_caption(request: Request, wait: bool = Query(False, description
     priority = client_priority(fields.priority, settings.caption_priority, settings.limits.min_client_priority)
     if fields.schema_ is not None:
         try:  # the checks that need no engine, then the grammar (cancelled if the client leaves meanwhile)
-            await asyncio.to_thread(caption_validator, fields.schema_)
+            await work_pools(state).run("schema", caption_validator, fields.schema_)
             spec = GrammarSpec.from_schema(fields.schema_)
         except (SchemaRefused, ValueError) as exc:
             raise APIError(400, f"schema: {exc}", "schema", "invalid_json_schema") from None
@@ -169,7 +170,7 @@ async def create_caption(request: Request, wait: bool = Query(False, description
             await compile_ahead(state.bridge.engine, spec, "schema", request)
         except ClientDisconnected:
             return Response(status_code=499)
-    image = await asyncio.to_thread(decode_image, data, settings.limits, "image")
+    image = await work_pools(state).run("decode", decode_image, data, settings.limits, "image")
     stream = await state.captioner.submit(
         image, fields.prompt or settings.caption_prompt, priority, fields.max_tokens, schema=fields.schema_,
         cache_salt=cache_salt(request, settings, fields.cache_salt),

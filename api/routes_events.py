@@ -32,6 +32,7 @@ from api.bridge import one_thread_here
 from api.errors import APIError
 from api.guard import DEFAULT_KEY_NAME, key_name
 from api.images import data_url_bytes, decode_base64, decode_image
+from api.pools import work_pools
 from api.settings import ServerSettings
 from api.state import ServerState, server_state
 from engine.embeddings import MAX_EMBED_INPUTS
@@ -162,7 +163,7 @@ def event_json(event: Event, score: float | None = None, frames: bool = False) -
 async def _get_visible(request: Request, memory: CameraMemory, event_id: str) -> Event:
     if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", event_id):
         raise APIError(404, f"no event {event_id[:64]!r}", "event_id", "event_not_found")
-    event = await asyncio.to_thread(memory.store.get, event_id)
+    event = await work_pools(memory.settings).run("summary", memory.store.get, event_id)
     if event is None or not may_see(request, memory.settings, event):
         raise APIError(404, f"no event {event_id!r}", "event_id", "event_not_found")
     return event
@@ -190,7 +191,7 @@ async def list_events(
                           until=timestamp(until, "until"), kind=kind, fall=fall, q=q, cursor=cursor, limit=limit)
     if query is None:
         return {"object": "list", "data": [], "next_cursor": None, "has_more": False}
-    page = await asyncio.to_thread(memory.store.search, query)
+    page = await work_pools(memory.settings).run("summary", memory.store.search, query)
     scores = page.scores or [None] * len(page.events)
     return {"object": "list", "data": [event_json(e, s) for e, s in zip(page.events, scores)],
             "next_cursor": page.next_cursor, "has_more": page.next_cursor is not None}
@@ -234,7 +235,8 @@ async def similar_events(event_id: str, request: Request, camera: list[str] = Qu
         raise APIError(409, f"event {event_id!r} has no embedding (its frames could not be embedded)", "event_id",
                        "no_embedding")
     query = visible_query(request, memory.settings, cameras=camera, limit=limit)
-    found = [] if query is None else await asyncio.to_thread(memory.store.similar, event.embedding, query)
+    found = [] if query is None else await work_pools(memory.settings).run("summary", memory.store.similar,
+                                                                           event.embedding, query)
     return _similar_json(found)
 
 
@@ -248,7 +250,8 @@ async def events_like_image(request: Request, camera: list[str] = Query([], desc
     data = await _uploaded_image(request, state.settings)
     query = visible_query(request, memory.settings, cameras=camera, limit=limit)
     vector = (await embed_inputs(state, [data], []))[0]
-    found = [] if query is None else await asyncio.to_thread(memory.store.similar, vector, query)
+    found = [] if query is None else await work_pools(memory.settings).run("summary", memory.store.similar,
+                                                                           vector, query)
     return _similar_json(found)
 
 
@@ -333,7 +336,7 @@ async def embed_inputs(state: ServerState, images: list[bytes], texts: list[str]
             return engine.embed(images=images, texts=texts)
 
     try:
-        return await asyncio.to_thread(run)
+        return await work_pools(state).run("decode", run)
     except ValueError as exc:
         raise APIError(400, str(exc), "input", "invalid_input") from None
 

@@ -36,6 +36,7 @@ from api.errors import RETRY_AFTER_S, install_error_handlers
 from api.feeds import FeedHub
 from api.guard import GuardMiddleware, configured_keys
 from api.metrics import Metrics
+from api.pools import work_pools
 from api.settings import ServerSettings
 from api.state import ServerState
 
@@ -48,7 +49,9 @@ async def _build_state(settings: ServerSettings, metrics: Metrics, engine: Any |
     if engine is None:
         log.info("loading model %s", settings.engine.model)
         engine = await asyncio.to_thread(build_engine, settings.engine)
-    bridge = EngineBridge(engine, settings.limits.max_waiting_requests, metrics)
+    # One server's pools (api/pools.py), kept on its settings: admission is the bridge's, the others the routes'.
+    bridge = EngineBridge(engine, settings.limits.max_waiting_requests, metrics,
+                          admission=work_pools(settings)["admission"])
     bridge.start()
     metrics.watch_engine(lambda: bridge.stats)
     captions: CaptionStore

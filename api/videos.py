@@ -8,11 +8,11 @@ max_video_frames x max_video_frame_pixels x 3 bytes."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 
 from api.errors import APIError
 from api.images import Media, data_url_bytes, fetch_remote
+from api.pools import work_pools
 from api.settings import Limits
 from engine import Engine
 from engine.media_box import MediaLimitError
@@ -65,7 +65,7 @@ async def load_video_url(url: str, sampling: VideoSampling, limits: Limits, para
     if not isinstance(url, str) or not url:
         raise APIError(400, f"{param}: the video URL must be a non-empty string", param, media.url_code)
     if url.startswith("data:"):
-        data = await asyncio.to_thread(data_url_bytes, url, limits, param, media)
+        data = await work_pools(limits).run("decode", data_url_bytes, url, limits, param, media)
     else:
         data = await fetch_remote(url, limits, param, media)
-    return await asyncio.to_thread(decode_video, data, sampling, limits, param)
+    return await work_pools(limits).run("decode", decode_video, data, sampling, limits, param)

@@ -116,3 +116,20 @@ def test_the_client_key_goes_with_the_call_and_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="key_share"):
         WorkPools(10.0, 0.0)
     assert WorkPools(10.0, 0.5)["decode"].per_key >= 1
+
+
+def test_one_servers_pools_are_found_from_its_state_settings_and_limits() -> None:
+    from types import SimpleNamespace
+
+    from api.pools import work_pools
+    from api.settings import ServerSettings
+
+    settings = ServerSettings(work_deadline_s=7.0, key_share=1.0)
+    state = SimpleNamespace(settings=settings)
+    pools = work_pools(state)
+    assert work_pools(settings) is pools and work_pools(settings.limits) is pools
+    assert pools["decode"].deadline_s == 7.0 and pools["decode"].per_key == pools["decode"].threads
+    other = ServerSettings()
+    assert work_pools(other) is not pools
+    pools.close()
+    work_pools(other).close()
