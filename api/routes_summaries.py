@@ -1,9 +1,13 @@
 """Camera summaries: what one camera saw over a time window, as JSON under SUMMARY_SCHEMA. One text prompt
 carries the window's finished captions and events (oldest first, with their times) and runs on the server's
-engine, grammar-constrained, at `ServerSettings.summary_priority` (after chats, before camera captions). An
-answer is cached per window and set of captions; a window without captions answers an empty summary without
-running the model. With `summary_every_s` the server appends one summary per camera and interval to
-`summaries_stream(camera)` (`summarize_every`), which the dashboard shows."""
+engine, grammar-constrained, at `ServerSettings.summary_priority` (after chats, before camera captions). A
+window of any size (up to the feed's cap, CAPTIONS_STREAM_MAXLEN) is read in pages in the summary pool, off the
+event loop, and condensed to fit the context rather than refused: consecutive near-identical captions become one
+line with their count, then lines are sampled evenly across the window until the prompt's tokens (counted by
+the engine's processor) leave `summary_max_tokens` of `max_model_len`. An answer is cached per window and set of
+captions; a window without captions answers an empty summary without running the model. With `summary_every_s`
+the server appends one summary per camera and interval to `summaries_stream(camera)` (`summarize_every`), which
+the dashboard shows."""
 
 from __future__ import annotations
 
@@ -19,19 +23,22 @@ from fastapi import APIRouter, Body, Depends, Query, Request
 from pydantic import BaseModel, Field
 
 from api.errors import APIError
+from api.pools import work_pools
 from api.routes_captions import CameraId
 from api.state import ServerState, server_state
 from engine import SamplingParams
 from engine.grammar import GrammarSpec
 from jobqueue.consumer import structured_caption
 from jobqueue.contract import CAMERAS_INDEX, CAPTIONS_STREAM_MAXLEN, CaptionResult, as_text, summaries_stream
+from jobqueue.results import captions_feed, readable
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
 
 DEFAULT_WINDOW_S = 3600.0
 MAX_WINDOW_S = 7 * 24 * 3600.0
-MAX_SUMMARY_CAPTIONS = 200  # the newest of a window's captions that go into its prompt
+MAX_SUMMARY_CAPTIONS = 200  # the most lines (captions, merged runs) a summary's prompt carries, sampled evenly
+WINDOW_PAGE = 500  # feed entries read (and parsed in the summary pool) at a time
 MAX_LINE_CHARS = 300
 CACHE_SIZE = 256
 # Bounded strings and lists: a summary always ends within the server's summary max_tokens.
@@ -80,9 +87,73 @@ def caption_line(result: CaptionResult) -> str:
 
 
 def summary_prompt(camera: str, start: float, end: float, results: list[CaptionResult]) -> str:
-    lines = "\n".join(caption_line(r) for r in results)
-    return (f"Camera {camera}, {_clock(start)} to {_clock(end)} UTC. Its captions and events, oldest first:\n"
-            f"{lines}\n{INSTRUCTION}")
+    return summary_text(camera, start, end, [caption_line(r) for r in results])
+
+
+def summary_text(camera: str, start: float, end: float, lines: list[str], left_out: int = 0) -> str:
+    """The prompt's text: the window, its lines (oldest first) and, when the window was condensed, how many
+    captions its lines stand for."""
+    note = f" ({left_out} more captions left out, evenly across the window)" if left_out else ""
+    return (f"Camera {camera}, {_clock(start)} to {_clock(end)} UTC. Its captions and events, oldest first{note}:\n"
+            + "\n".join(lines) + f"\n{INSTRUCTION}")
+
+
+def _same(a: CaptionResult, b: CaptionResult) -> bool:
+    """Near-identical: the same kind and person saying the same thing (case and spacing aside)."""
+    def said(r: CaptionResult) -> str:
+        return " ".join((json.dumps(r.structured) if r.structured is not None else r.caption or "").lower().split())
+    return (a.kind, a.track_id) == (b.kind, b.track_id) and said(a) == said(b)
+
+
+def merged_lines(results: list[CaptionResult]) -> list[str]:
+    """The window's lines, oldest first, each run of consecutive near-identical captions one line with its count
+    and the time of its last."""
+    lines: list[str] = []
+    run: list[CaptionResult] = []
+    for result in [*results, None]:
+        if result is not None and run and _same(run[-1], result):
+            run.append(result)
+            continue
+        if run:
+            line = caption_line(run[0])
+            if len(run) > 1:
+                line = f"{line[:MAX_LINE_CHARS - 40]} [x{len(run)}, until {_clock(run[-1].created_at)}]"
+            lines.append(line)
+        run = [result] if result is not None else []
+    return lines
+
+
+def evenly(items: list[str], count: int) -> list[str]:
+    """`count` of `items` spread evenly, the first and last kept (all of them when there are no more)."""
+    if count >= len(items):
+        return list(items)
+    if count <= 1:
+        return items[-1:] if count == 1 else []
+    return [items[round(i * (len(items) - 1) / (count - 1))] for i in range(count)]
+
+
+def prompt_tokens(engine: Any, prompt: str) -> int:
+    """A text prompt's tokens as the engine will see them (its processor)."""
+    token_ids, _ = engine.adapter.process(prompt, [], (), None)
+    return len(token_ids)
+
+
+def fit_summary(engine: Any, camera: str, start: float, end: float, results: list[CaptionResult],
+                budget: int) -> str:
+    """The summary prompt of `results` (oldest first), condensed until its tokens are within `budget`: merged runs
+    of near-identical captions, then at most MAX_SUMMARY_CAPTIONS lines sampled evenly, fewer until it fits.
+    ValueError when not even one line fits. Runs in the summary pool (the processor)."""
+    lines = merged_lines(results)
+    count = min(len(lines), MAX_SUMMARY_CAPTIONS)
+    while count >= 1:
+        chosen = evenly(lines, count)
+        prompt = engine.user_prompt([{"type": "text", "text": summary_text(
+            camera, start, end, chosen, len(results) - len(chosen) if count < len(lines) else 0)}])
+        tokens = prompt_tokens(engine, prompt)
+        if tokens <= budget:
+            return prompt
+        count = min(count - 1, int(count * budget / tokens))  # about the share that fits, then exactly
+    raise ValueError(f"the summary's prompt does not fit the {budget} tokens this server's context leaves for it")
 
 
 def empty_summary(camera: str) -> dict[str, Any]:
@@ -90,12 +161,31 @@ def empty_summary(camera: str) -> dict[str, Any]:
             "notable_events": [], "threat_level": 0}
 
 
+def _parse_page(feed: str, entries: list) -> list[CaptionResult]:
+    results = (readable(CaptionResult.from_fields, fields, f"{feed} {as_text(entry_id)}")
+               for entry_id, fields in entries)
+    return [r for r in results if r is not None]
+
+
 async def window_captions(state: ServerState, camera: str, start: float, end: float) -> list[CaptionResult]:
-    """The camera's finished, captioned results made within [start, end], oldest first (at most
-    MAX_SUMMARY_CAPTIONS, the newest)."""
-    recent = await state.captions.recent(camera, CAPTIONS_STREAM_MAXLEN)
+    """The camera's finished, captioned results made within [start, end], oldest first. From Redis the feed is
+    read newest first in pages of WINDOW_PAGE, each parsed in the summary pool, down to the window's start (a
+    result enters its feed after it was made, so older entries hold only older results)."""
+    pools = work_pools(state)
+    redis = state.redis
+    if redis is None:
+        recent = await state.captions.recent(camera, CAPTIONS_STREAM_MAXLEN)
+    else:
+        feed, recent, upper = captions_feed(camera), [], "+"
+        lower = f"{max(0, int(start * 1000))}-0"
+        while len(recent) < CAPTIONS_STREAM_MAXLEN:
+            entries = await redis.xrevrange(feed, max=upper, min=lower, count=WINDOW_PAGE)
+            recent.extend(await pools.run("summary", _parse_page, feed, entries))
+            if len(entries) < WINDOW_PAGE:
+                break
+            upper = f"({as_text(entries[-1][0])}"  # exclusive: the page after the last entry read
     inside = [r for r in recent if start <= r.created_at <= end and r.status == "done"]
-    return sorted(inside[:MAX_SUMMARY_CAPTIONS], key=lambda r: r.created_at)
+    return sorted(inside, key=lambda r: r.created_at)
 
 
 def summary_cache(holder: Any) -> OrderedDict:
@@ -117,10 +207,17 @@ async def summarize(state: ServerState, camera: str, start: float, end: float, c
         cache.move_to_end(digest)
         return {**cache[digest], "cached": True}
     if results:
+        engine = state.bridge.engine
+        max_tokens = state.settings.summary_max_tokens
+        try:
+            prompt = await work_pools(state).run("summary", fit_summary, engine, camera, start, end, results,
+                                                 engine.max_model_len - max_tokens)
+        except ValueError as exc:
+            raise APIError(400, f"{exc} (summary_max_tokens is {max_tokens} of max_model_len "
+                                f"{engine.max_model_len})", "window_s", "summary_too_long") from None
         stream = await state.bridge.add(
-            messages=[{"role": "user", "content": [{"type": "text",
-                                                    "text": summary_prompt(camera, start, end, results)}]}],
-            sampling=SamplingParams(max_tokens=state.settings.summary_max_tokens, temperature=0.0,
+            prompt=prompt,  # any checkpoint: with or without a chat template (Engine.user_prompt)
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                     grammar=GrammarSpec.from_schema(SUMMARY_SCHEMA)),
             priority=state.settings.summary_priority,
         )

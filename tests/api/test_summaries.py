@@ -6,6 +6,7 @@ camera and interval lands on `vlmcap:summaries:<camera>`."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import cv2
@@ -16,11 +17,11 @@ import pytest
 import redis
 
 from api.background import BackgroundServer
-from api.routes_summaries import SUMMARY_SCHEMA, caption_line, summary_prompt
+from api.routes_summaries import SUMMARY_SCHEMA, caption_line, evenly, merged_lines, summary_prompt
 from api.server import create_app
 from api.settings import ServerSettings, parse_duration
 from engine import EngineConfig
-from jobqueue.contract import CaptionResult, Detection, Job, JobImage, summaries_stream
+from jobqueue.contract import CaptionResult, Detection, Job, JobImage, camera_captions_stream, summaries_stream
 from jobqueue.producer import JobProducer
 
 
@@ -116,3 +117,45 @@ def test_a_window_bound_that_is_not_finite_is_refused_beside_a_plain_window(serv
         assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
         plain = http.post("/v1/cameras/quiet/summary", json={"window_s": 60})
         assert plain.status_code == 200 and plain.json()["empty"] is True
+
+
+def test_near_identical_captions_in_a_row_merge_with_their_count_and_sampling_keeps_the_ends():
+    def result(n: int, caption: str) -> CaptionResult:
+        return CaptionResult(f"r{n}", "done", "yard", 3600.0 + n, 1.0, 1, caption=caption, kind="sighting")
+
+    results = [result(0, "The yard is empty."), result(1, "the yard  is EMPTY."), result(2, "the yard is empty."),
+               result(3, "A dog runs."), result(4, "The yard is empty.")]
+    lines = merged_lines(results)
+    assert len(lines) == 3 and lines[0].endswith("[x3, until 01:00:02]") and "dog" in lines[1]
+    assert "[x" not in lines[2]
+    assert evenly(list("abcdefghij"), 4) == ["a", "d", "g", "j"] and evenly(list("abc"), 5) == list("abc")
+
+
+@pytest.mark.timeout(600)
+def test_a_window_of_ten_thousand_captions_is_condensed_and_answers_beside_a_chat(server, module_redis_url):
+    client = redis.Redis.from_url(module_redis_url)
+    now = time.time()
+    pipe = client.pipeline(transaction=False)
+    for n in range(10_000):  # runs of a quiet yard between 5,000 different sightings, oldest first
+        caption = f"Person {n} crosses the yard carrying box {n}." if n % 2 else "The yard is quiet."
+        result = CaptionResult(f"crowd-{n}", "done", "crowd", now - 3000 + n * 0.25, 1.0, 1, caption=caption,
+                               finished_at=now, kind="sighting")
+        pipe.xadd(camera_captions_stream("crowd"), result.to_fields())
+    pipe.execute()
+    client.close()
+    answers: dict[str, httpx.Response] = {}
+
+    def post(name: str, path: str, body: dict) -> None:
+        with httpx.Client(base_url=server.url, timeout=500) as http:
+            answers[name] = http.post(path, json=body)
+
+    summary = threading.Thread(target=post, args=("summary", "/v1/cameras/crowd/summary", {"window_s": 3600}))
+    summary.start()
+    post("chat", "/v1/chat/completions", {"model": "tiny", "max_tokens": 4,
+                                          "messages": [{"role": "user", "content": "hello"}]})
+    summary.join(500)
+    assert answers["chat"].status_code == 200, answers["chat"].text
+    assert answers["summary"].status_code == 200, answers["summary"].text
+    answer = answers["summary"].json()
+    assert (answer["captions"], answer["empty"]) == (10_000, False)
+    jsonschema_rs.validate(SUMMARY_SCHEMA, answer["summary"])
