@@ -24,6 +24,7 @@ from PIL import Image, UnidentifiedImageError
 from api.errors import APIError
 from api.pools import work_pools
 from api.settings import Limits
+from engine.media_box import ImageTooLarge, MediaLimitError, UnreadableImage, decodes_inline, default_box
 
 FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -79,7 +80,9 @@ def image_errors(param: str, what: str) -> Iterator[None]:
 
 
 def decode_image(data: bytes, limits: Limits, param: str) -> Image.Image:
-    """An RGB image from encoded bytes, or an APIError (413 too large, 400 unreadable)."""
+    """An RGB image from encoded bytes, or an APIError (413 too large or past the media box's deadline or memory
+    limit, 400 unreadable). Blocks: call it off the event loop. A small PNG or sequential JPEG is decoded here, any
+    other image in the media box (engine/media_box.py `decodes_inline` says why)."""
     if len(data) > limits.max_image_bytes:
         raise APIError(413, f"{param}: the image has {len(data)} bytes, over the limit of {limits.max_image_bytes}",
                        param, "image_too_large")
@@ -93,9 +96,27 @@ def decode_image(data: bytes, limits: Limits, param: str) -> Image.Image:
                                 f"of {limits.max_image_pixels}", param, "image_too_large")
         if width < 1 or height < 1:
             raise APIError(400, f"{param}: the image has no pixels ({width}x{height})", param, "invalid_image")
+        if not decodes_inline(image, data):
+            return _decode_in_box(data, limits, param)
         with image_errors(param, "the image could not be decoded (truncated or corrupt?)"):
             image.load()
             return image.convert("RGB")
+
+
+def _decode_in_box(data: bytes, limits: Limits, param: str) -> Image.Image:
+    try:
+        return default_box().decode_image(data, FORMATS, limits.max_image_pixels, param)
+    except ImageTooLarge as exc:
+        raise APIError(413, f"{param}: the image is too large to decode: {exc}", param, "image_too_large") from None
+    except MediaLimitError as exc:  # the box's deadline or memory limit; its message names `param`
+        raise APIError(413, str(exc) if f"({exc.limit})" in str(exc) else f"{exc} ({exc.limit})", param,
+                       "image_too_large") from None
+    except UnreadableImage as exc:
+        what = (f"not a readable image (accepted formats: {', '.join(FORMATS)})" if exc.stage == "open"
+                else "the image could not be decoded (truncated or corrupt?)")
+        raise APIError(400, f"{param}: {what} ({exc})", param, "invalid_image") from None
+    except ValueError as exc:  # the decoding process failed on these bytes
+        raise APIError(400, f"{param}: the image could not be decoded ({exc})", param, "invalid_image") from None
 
 
 def decode_base64(text: str, limits: Limits, param: str, media: Media | None = None) -> bytes:

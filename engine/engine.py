@@ -45,22 +45,33 @@ PLACEHOLDER_TOKEN_FIELDS = ("image_token_id", "image_token_index", "video_token_
 
 
 def _load_image(image: ImageInput, index: int) -> Image.Image:
+    """An RGB image from a Pillow image, encoded bytes or a file. Encoded images whose decode can be slow
+    (progressive JPEGs, large or other formats: engine/media_box.py `decodes_inline`) are decoded in the media box,
+    under its deadline and memory limit; its refusals are ValueErrors naming the image."""
+    from engine.media_box import decodes_inline, default_box
+
+    where = f"image {index}"
     try:
         if isinstance(image, Image.Image):
             image.load()
             return image.convert("RGB")
         if isinstance(image, (bytes, bytearray)):
-            opened = Image.open(io.BytesIO(image))
+            data = bytes(image)
         elif isinstance(image, (str, os.PathLike)):
-            opened = Image.open(Path(image))
+            data = Path(image).read_bytes()
         else:
-            raise ValueError(f"image {index} has unsupported type {type(image).__name__}")
-        opened.load()
-        return opened.convert("RGB")
-    except ValueError:
+            raise ValueError(f"{where} has unsupported type {type(image).__name__}")
+        with Image.open(io.BytesIO(data)) as opened:  # the header only
+            if not decodes_inline(opened, data):
+                return default_box().decode_image(data, where=where)
+            opened.load()
+            return opened.convert("RGB")
+    except ValueError as exc:  # kept as raised (the box's MediaLimitError names its limit), naming the image
+        if not str(exc).startswith(where):
+            exc.args = (f"{where} could not be read: {exc}",)
         raise
     except Exception as exc:  # PIL raises many types for bad data, and plugins add their own
-        raise ValueError(f"image {index} could not be read: {type(exc).__name__}: {exc}") from exc
+        raise ValueError(f"{where} could not be read: {type(exc).__name__}: {exc}") from exc
 
 
 class Engine:

@@ -127,3 +127,102 @@ def test_a_decode_past_the_deadline_is_killed_and_the_next_one_decodes(photos):
         assert slow.started == 2
     finally:
         slow.close()
+
+
+# --- images: which decode here, which in the box --------------------------------------------------------------------
+
+def jpeg_segments(data: bytes) -> list[tuple[int, int, int]]:
+    """(marker, start, end) of a JPEG's segments; a scan's segment runs on over its entropy-coded data."""
+    pos, found = 2, []
+    while pos < len(data):
+        marker = data[pos + 1]
+        if marker == 0xD9:
+            found.append((marker, pos, pos + 2))
+            break
+        end = pos + 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if marker == 0xDA:
+            while not (data[end] == 0xFF and data[end + 1] != 0 and not 0xD0 <= data[end + 1] <= 0xD7):
+                end += 1
+        found.append((marker, pos, end))
+        pos = end
+    return found
+
+
+def many_scans_jpeg(side: int, copies: int) -> bytes:
+    """A progressive JPEG of `side` x `side` with one of its luma AC scans repeated `copies` times: a few bytes
+    each (a flat image's coefficients are end-of-band runs), a pass over every block each when decoded. libjpeg
+    warns of the bogus progression and decodes it."""
+    out = io.BytesIO()
+    Image.new("RGB", (side, side), (120, 130, 140)).save(out, "JPEG", progressive=True, quality=90)
+    data = out.getvalue()
+    segments = jpeg_segments(data)
+    luma = [(start, end) for marker, start, end in segments
+            if marker == 0xDA and data[start + 4] == 1 and data[start + 5] == 1]
+    start, end = min(luma, key=lambda span: span[1] - span[0])
+    last = segments[-1][1]
+    return data[:last] + data[start:end] * copies + data[last:]
+
+
+def encoded(image: Image.Image, fmt: str, **options) -> bytes:
+    out = io.BytesIO()
+    image.save(out, fmt, **options)
+    return out.getvalue()
+
+
+def test_small_pngs_and_sequential_jpegs_decode_here_the_rest_in_the_box(photos):
+    from engine.media_box import INLINE_MAX_PIXELS, decodes_inline
+
+    photo = photos[0].convert("RGB")
+    big = photo.resize((2500, 2000))
+    assert 2500 * 2000 > INLINE_MAX_PIXELS
+    cases = {"baseline": (encoded(photo, "JPEG"), True), "png": (encoded(photo, "PNG"), True),
+             "progressive": (encoded(photo, "JPEG", progressive=True), False),
+             "many scans": (many_scans_jpeg(256, 50), False), "webp": (encoded(photo, "WEBP"), False),
+             "large": (encoded(big, "JPEG"), False)}
+    for name, (data, inline) in cases.items():
+        with Image.open(io.BytesIO(data)) as opened:
+            assert decodes_inline(opened, data) is inline, name
+
+
+def test_the_box_decodes_an_image_to_the_pixels_pillow_gives(box, photos):
+    for data in (encoded(photos[0].convert("RGBA"), "PNG"), encoded(photos[1], "JPEG", progressive=True),
+                 many_scans_jpeg(128, 20)):
+        expected = Image.open(io.BytesIO(data)).convert("RGB")
+        decoded = box.decode_image(data, ("JPEG", "PNG"), 10**6)
+        assert decoded.size == expected.size and decoded.tobytes() == expected.tobytes()
+
+
+def test_images_refused_in_the_box_name_why(box):
+    from engine.media_box import ImageTooLarge, UnreadableImage
+
+    with pytest.raises(ImageTooLarge, match="over the limit of 1000") as refused:
+        box.decode_image(jpeg(64, 64, 10), ("JPEG",), 1000)
+    assert refused.value.size == (64, 64)
+    with pytest.raises(UnreadableImage) as unreadable:
+        box.decode_image(b"GIF89a" + b"\0" * 40, ("JPEG",), 1000)
+    assert unreadable.value.stage == "open"
+    truncated = encoded(Image.new("RGB", (300, 300), (9, 9, 9)), "JPEG", progressive=True)
+    with pytest.raises(UnreadableImage):
+        box.decode_image(truncated[: len(truncated) // 3], ("JPEG",), 10**6)
+
+
+def test_a_jpeg_of_many_scans_past_the_deadline_is_killed_and_the_engine_names_the_image(photos):
+    from engine.engine import _load_image
+    from engine.media_box import configure_default_box, default_box
+
+    slow = many_scans_jpeg(3000, 1000)  # in the byte and pixel limits; seconds of decoding
+    configure_default_box(BoxLimits(timeout_s=0.2, workers=1))
+    try:
+        with pytest.raises(MediaTimeout, match="image 0 took longer than 0.2 s to decode") as refused:
+            _load_image(slow, 0)
+        assert refused.value.limit == "decode_timeout_s" and default_box().killed == 1
+        progressive = encoded(photos[0].convert("RGB"), "JPEG", progressive=True)
+        assert _load_image(progressive, 1).tobytes() == Image.open(io.BytesIO(progressive)).convert("RGB").tobytes()
+        assert default_box().started == 2  # the killed child replaced
+        before = default_box().started
+        assert _load_image(encoded(photos[0].convert("RGB"), "JPEG"), 2).size == photos[0].size  # decoded here
+        assert default_box().started == before
+        with pytest.raises(ValueError, match="image 3 could not be read"):
+            _load_image(b"\xff\xd8 not a jpeg", 3)
+    finally:
+        configure_default_box(BoxLimits())
