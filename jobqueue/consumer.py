@@ -44,6 +44,7 @@ from jobqueue.contract import (
     JobStatus,
     as_text,
     dead_letter_fields,
+    flag_text,
     flat,
     frame_key,
     result_key,
@@ -156,6 +157,18 @@ class WorkerStats:
     errors: int = 0  # unexpected errors, each logged with its job or round; the worker went on
 
 
+def is_alert(fields: dict) -> bool:
+    """Whether a job's stream entry is a fall alert (`Job.fall`: its fall flag, or its kind), read without
+    decoding the job."""
+    def value(name: str) -> str:
+        raw = fields.get(name.encode(), fields.get(name, b""))
+        try:
+            return as_text(raw) if isinstance(raw, bytes) else str(raw)
+        except UnicodeDecodeError:  # a malformed entry: an ordinary job, dead-lettered when decoded
+            return ""
+    return value("fall") == flag_text(True) or value("kind") == "fall"
+
+
 def default_consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -206,6 +219,12 @@ class QueueWorker:
         self._stop_event: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._redis_down_since: float | None = None
+        # The flow of `run`: jobs claimed and not started yet (alerts first), the jobs running (alerts apart, so
+        # they never wait for a slot behind other jobs), and the ids of both (a job claimed again is not run twice).
+        self._waiting: list[tuple[str, dict, int]] = []
+        self._running: dict[bool, set[asyncio.Task]] = {True: set(), False: set()}
+        self._claimed: set[str] = set()
+        self._failures: list[BaseException] = []
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -218,8 +237,8 @@ class QueueWorker:
         return self._task
 
     async def stop(self, timeout: float = 30.0) -> None:
-        """Stop after the batch in progress (cancelled after `timeout`; its jobs stay pending and are
-        reclaimed by another consumer)."""
+        """Stop after the jobs in progress (cancelled after `timeout`; its jobs, and those claimed but not
+        started, stay pending and are reclaimed by another consumer)."""
         if self._task is None or self._stop_event is None:
             return
         self._stop_event.set()
@@ -250,15 +269,31 @@ class QueueWorker:
             pass
 
     async def run(self, stop_event: asyncio.Event | None = None) -> None:
-        """Rounds until `stop_event` is set. No error ends it: Redis errors back off and reconnect, any
-        other error is logged and the loop goes on (a job that failed that way stays pending, is reclaimed
-        and, past `max_deliveries`, dead-lettered)."""
+        """Hands each job on to the captioner as it is claimed, until `stop_event` is set: at most `batch_size`
+        jobs run at once, fall alerts apart (at most `batch_size` more), so an alert claimed behind slow jobs
+        starts at once; alerts first among the jobs claimed together. No error ends it: Redis errors back off
+        and reconnect, any other error is logged and the loop goes on (a job that failed that way stays
+        pending, is reclaimed and, past `max_deliveries`, dead-lettered)."""
         stop_event = stop_event or asyncio.Event()
         log.info("queue worker %s joined group %s on %s", self.consumer_name, CONSUMER_GROUP, JOBS_STREAM)
+        try:
+            await self._run(stop_event)
+        finally:  # the jobs in progress end (a cancelled stop cancels them: they stay pending)
+            running = [task for tasks in self._running.values() for task in tasks]
+            if running:
+                try:
+                    await asyncio.gather(*running, return_exceptions=True)
+                finally:
+                    for task in running:
+                        task.cancel()
+            self._waiting.clear()
+            self._claimed.clear()
+
+    async def _run(self, stop_event: asyncio.Event) -> None:
         backoff = 0.0
         while not stop_event.is_set():
             try:
-                await self.run_once()
+                await self._feed()
                 backoff = 0.0
                 self._redis_down_since = None
             except (RedisConnectionError, RedisTimeoutError, OSError) as err:
@@ -296,6 +331,48 @@ class QueueWorker:
                                    for entry_id, fields, deliveries in entries))
         return len(entries)
 
+    async def _feed(self) -> None:
+        """One step of `run`: a Redis error of a job that ended goes up (the loop's backoff); claimed jobs start
+        where a slot is free; then stale or new jobs are claimed while fewer than `batch_size` wait, else the
+        step waits for a job to end."""
+        if self._failures:
+            failure, self._failures = self._failures[0], []
+            raise failure
+        await self._ensure_group()
+        self._start_waiting()
+        room = self.batch_size - len(self._waiting)
+        if room <= 0:
+            running = self._running[True] | self._running[False]
+            if running:
+                await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            return
+        entries = await self._claim_stale(room)
+        if not entries:
+            entries = await self._read_new(room)
+        for entry_id, _, _ in entries:
+            self._claimed.add(entry_id)
+        self._waiting.extend(entries)
+        self._waiting.sort(key=lambda entry: not is_alert(entry[1]))  # stable: alerts first, else in claim order
+        self._start_waiting()
+
+    def _start_waiting(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for entry in waiting:
+            tasks = self._running[is_alert(entry[1])]
+            if len(tasks) >= self.batch_size:
+                self._waiting.append(entry)
+                continue
+            task = asyncio.create_task(self._process_guarded(*entry), name=f"job-{entry[0]}")
+            tasks.add(task)
+            task.add_done_callback(lambda done, entry_id=entry[0], tasks=tasks: self._job_ended(done, entry_id,
+                                                                                                tasks))
+
+    def _job_ended(self, task: asyncio.Task, entry_id: str, tasks: set[asyncio.Task]) -> None:
+        tasks.discard(task)
+        self._claimed.discard(entry_id)
+        if not task.cancelled() and task.exception() is not None:
+            self._failures.append(task.exception())
+
     # -- reading -----------------------------------------------------------------------------------
 
     async def _ensure_group(self) -> None:
@@ -308,20 +385,21 @@ class QueueWorker:
                 raise
         self._group_ready = True
 
-    async def _read_new(self) -> list[tuple[str, dict, int]]:
+    async def _read_new(self, count: int | None = None) -> list[tuple[str, dict, int]]:
         reply = await self.redis.xreadgroup(CONSUMER_GROUP, self.consumer_name, {JOBS_STREAM: ">"},
-                                            count=self.batch_size, block=self.block_ms)
+                                            count=count or self.batch_size, block=self.block_ms)
         return [(as_text(entry_id), fields, 1) for _, entries in reply or [] for entry_id, fields in entries]
 
-    async def _claim_stale(self) -> list[tuple[str, dict, int]]:
+    async def _claim_stale(self, count: int | None = None) -> list[tuple[str, dict, int]]:
         reply = await self.redis.xautoclaim(JOBS_STREAM, CONSUMER_GROUP, self.consumer_name,
                                             min_idle_time=int(self.claim_idle_seconds * 1000),
-                                            start_id=self._claim_cursor, count=self.batch_size)
+                                            start_id=self._claim_cursor, count=count or self.batch_size)
         self._claim_cursor = as_text(reply[0])
         claimed = [(as_text(entry_id), fields) for entry_id, fields in reply[1] if entry_id is not None]
         if len(claimed) < len(reply[1]):
             # Redis 6.2 returns deleted entries as nil and keeps them pending; drop them from our list.
             await self._ack_deleted_pending()
+        claimed = [(entry_id, fields) for entry_id, fields in claimed if entry_id not in self._claimed]  # ours
         if not claimed:
             return []
         self.stats.claimed += len(claimed)

@@ -243,3 +243,60 @@ def test_job_whose_consumers_keep_dying_is_dead_lettered_without_another_attempt
     asyncio.run(scenario())
     assert client.xlen(DEAD_STREAM) == 1
     client.close()
+
+
+class HeldCaptioner(DecodingCaptioner):
+    """Holds every job but fall alerts until `release` is set, and records the order captions finish in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.finished: list[str] = []
+
+    async def caption(self, image_jpeg: bytes, prompt: str, priority: int) -> str:
+        if "fall" not in prompt:
+            await asyncio.wait_for(self.release.wait(), 30)  # a worker that waits for them fails, not hangs
+        self.finished.append(prompt)
+        return await super().caption(image_jpeg, prompt, priority)
+
+
+def test_a_fall_alert_claimed_behind_slow_jobs_is_captioned_without_waiting_for_them(redis_url):
+    slow = [make_job(f"slow{i}") for i in range(8)]
+    alert = Job(camera_id="hall", frame_ts=2.0, prompt="did someone fall?", image=slow[0].image,
+                detections=slow[0].detections, fall=True)
+    enqueue(redis_url, [*slow, alert])
+
+    async def scenario() -> None:
+        captioner = HeldCaptioner()
+        worker = QueueWorker(redis_url, captioner, block_seconds=0.1, batch_size=8)
+        worker.start()
+        for _ in range(600):
+            result = await get_result(worker.redis, alert.job_id)
+            if result is not None and result.status == "done":
+                break
+            await asyncio.sleep(0.05)
+        assert captioner.finished == [alert.prompt]  # the 8 jobs claimed before it are all still held
+        for job in slow:
+            assert (await get_result(worker.redis, job.job_id)).status in ("queued", "running")
+        captioner.release.set()
+        for _ in range(600):
+            if await queue_stats(worker.redis) == {"backlog": 0, "pending": 0, "dead": 0}:
+                break
+            await asyncio.sleep(0.05)
+        await worker.stop()
+        for job in [*slow, alert]:
+            assert (await get_result(worker.redis, job.job_id)).status == "done"
+        assert sorted(captioner.finished[1:]) == sorted(job.prompt for job in slow) and captioner.calls == 9
+        assert worker.stats.done == 9
+        await worker.redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_alerts_are_recognised_from_their_stream_entry():
+    from jobqueue.consumer import is_alert
+
+    job = make_job()
+    assert not is_alert(job.to_fields())
+    job.fall = True
+    assert is_alert(job.to_fields()) and is_alert({b"kind": b"fall"}) and not is_alert({b"fall": b"\xff"})
