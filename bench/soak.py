@@ -7,7 +7,8 @@ more: extreme sampling values, deep or NaN JSON, decompression bombs, truncated 
 bodies, unknown methods, foreign Host headers, cross-site posts, bad `cache_salt`s, one event stream more than
 the server's cap, grammars past their limits, schema `$ref`s outside the schema, unsupported parameters,
 priorities below the floor, tools with too many or too large schemas; camera jobs with malformed fields,
-unusable schemas or frames past their limits).
+unusable schemas or frames past their limits; media: concat scripts naming a server file, SDP descriptions,
+progressive JPEGs of a thousand scans).
 Every third good job is an event of several frames (captioned as one prompt), every fifth a
 fall, whose alert goes to a webhook receiver that answers with an SSH banner: the webhook must stay alive,
 counting failures. Then it
@@ -86,6 +87,40 @@ def data_url(data: bytes, media: str = "image/jpeg") -> str:
     return f"data:{media};base64,{base64.b64encode(data).decode()}"
 
 
+def jpeg_segments(data: bytes) -> list[tuple[int, int, int]]:
+    """(marker, start, end) of a JPEG's segments; a scan's segment runs on over its entropy-coded data."""
+    pos, found = 2, []
+    while pos < len(data):
+        marker = data[pos + 1]
+        if marker == 0xD9:
+            found.append((marker, pos, pos + 2))
+            break
+        end = pos + 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if marker == 0xDA:
+            while not (data[end] == 0xFF and data[end + 1] != 0 and not 0xD0 <= data[end + 1] <= 0xD7):
+                end += 1
+        found.append((marker, pos, end))
+        pos = end
+    return found
+
+
+def many_scans_jpeg(side: int, copies: int) -> bytes:
+    """A progressive JPEG of `side` x `side` with one of its luma AC scans repeated `copies` times: a few bytes
+    each (a flat image's coefficients are end-of-band runs), a pass over every block each when decoded (libjpeg
+    warns of the bogus progression and decodes it): small and within the pixel limit, seconds to decode."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (side, side), (120, 130, 140)).save(out, "JPEG", progressive=True, quality=90)
+    data = out.getvalue()
+    segments = jpeg_segments(data)
+    luma = [(start, end) for marker, start, end in segments
+            if marker == 0xDA and data[start + 4] == 1 and data[start + 5] == 1]
+    start, end = min(luma, key=lambda span: span[1] - span[0])
+    last = segments[-1][1]
+    return data[:last] + data[start:end] * copies + data[last:]
+
+
 class Client:
     """The soak's requests to one server."""
 
@@ -95,6 +130,7 @@ class Client:
         self.photos = photos
         self.model = model
         self.bomb = bomb_png()
+        self.many_scans = many_scans_jpeg(3000, 1000)  # about a second of decoding, in the media box
         self.flooding = asyncio.Lock()  # one stream flood at a time, so that each one alone meets the cap
 
     def chat_body(self, content: Any, **extra: Any) -> dict[str, Any]:
@@ -369,6 +405,14 @@ HOSTILE_REQUESTS: dict[str, Any] = {
     "mcp_huge_limit": lambda c: c.http.post("/v1/mcp", headers=MCP_HEADERS, json={
         "jsonrpc": "2.0", "id": 2, "method": "tools/call",
         "params": {"name": "search_events", "arguments": {"limit": 10**9, "since": "-1"}}}),
+    # Media (issue 38): a concat script naming a server file (as a chat's video, behind a forged mp4 header, as a
+    # Responses input_video), an SDP description, a JPEG of a thousand scans; a reply with the file counts as 500.
+    "ffconcat_video": lambda c: _media_case(c, "chat", _concat_script()),
+    "ffconcat_forged_magic": lambda c: _media_case(c, "chat", b"\x00\x00\x00\x18ftypmp42\n" + _concat_script()),
+    "ffconcat_responses": lambda c: _media_case(c, "responses", _concat_script()),
+    "sdp_video": lambda c: _media_case(c, "chat", SDP_BODY),
+    "many_scans_jpeg": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
+        [{"type": "image_url", "image_url": {"url": data_url(c.many_scans)}}, {"type": "text", "text": "?"}])),
 }
 
 
@@ -400,6 +444,33 @@ async def _sse_flood(client: Client) -> _Answer:
         finally:
             for stream in streams:
                 await stream.aclose()
+
+
+SDP_BODY = (b"v=0\r\no=- 0 0 IN IP4 127.0.0.1\r\ns=cam\r\nc=IN IP4 0.0.0.0\r\nt=0 0\r\n"
+            b"m=video 5004 RTP/AVP 96\r\na=rtpmap:96 H264/90000\r\n")
+# A server file the concat scripts name (the server runs on this machine) and a line of it no reply may carry.
+LEAK_FILE = __file__
+LEAK_MARK = b"a bounded soak of a real server"
+
+
+def _concat_script() -> bytes:
+    return f"ffconcat version 1.0\nfile {LEAK_FILE}\n".encode()
+
+
+async def _media_case(client: Client, route: str, media: bytes) -> Any:
+    """A hostile video sent as a chat `video_url` or a Responses `input_video`: its answer, or a 500 where the
+    server answered it (2xx) or a reply carries a line of the file it names."""
+    url = data_url(media, "video/mp4")
+    if route == "responses":
+        response = await client.http.post("/v1/responses", json={"model": client.model, "max_output_tokens": 4,
+            "input": [{"role": "user", "content": [{"type": "input_video", "video_url": url},
+                                                   {"type": "input_text", "text": "?"}]}]})
+    else:
+        response = await client.http.post("/v1/chat/completions", json=client.chat_body(
+            [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "?"}]))
+    if 200 <= response.status_code < 300 or LEAK_MARK in response.content:
+        return _Answer(500)
+    return response
 
 
 class SSHReceiver:

@@ -18,12 +18,12 @@ from ultralytics.utils import ASSETS
 from api.background import BackgroundServer
 from api.server import create_app
 from api.settings import Limits, ServerSettings
+from bench.soak import SDP_BODY, many_scans_jpeg
 from engine import EngineConfig
 from engine.media_box import BoxLimits, configure_default_box, default_box
 from jobqueue.contract import Detection, Job
 from jobqueue.producer import JobProducer
 from tests.api.test_api_captions import poll
-from tests.engine.test_media_box import many_scans_jpeg
 from tests.video_support import clip_frames, mp4_bytes
 
 MODEL = "vlmcap-tiny"
@@ -41,10 +41,6 @@ def data_url(data: bytes, media_type: str) -> str:
 
 def concat_script(name: str) -> bytes:
     return f"ffconcat version 1.0\nfile {name}\n".encode()
-
-
-SDP = (b"v=0\r\no=- 0 0 IN IP4 127.0.0.1\r\ns=cam\r\nc=IN IP4 0.0.0.0\r\nt=0 0\r\n"
-       b"m=video 5004 RTP/AVP 96\r\na=rtpmap:96 H264/90000\r\n")
 
 
 @pytest.fixture(scope="module")
@@ -133,9 +129,9 @@ def test_an_ffconcat_script_naming_a_server_file_is_refused_on_every_route(serve
 def test_an_sdp_description_is_refused_before_any_decoder_reads_it(server, http):
     started = default_box().started
     for media_type in ("video/mp4", "application/sdp", "video/x-sdp"):
-        reply = http.post("/v1/chat/completions", json=video_chat(data_url(SDP, media_type)))
+        reply = http.post("/v1/chat/completions", json=video_chat(data_url(SDP_BODY, media_type)))
         assert reply.status_code == 400, reply.text
-    reply = http.post("/v1/chat/completions", json=video_chat(data_url(SDP, "video/mp4")))
+    reply = http.post("/v1/chat/completions", json=video_chat(data_url(SDP_BODY, "video/mp4")))
     assert_openai_error(reply, 400, "not one of the accepted containers")
     assert default_box().started == started  # sniffed in the server's process: no child was asked
 
@@ -167,3 +163,27 @@ def test_a_jpeg_of_thousands_of_scans_beside_a_plain_chat(server, http):
     image_chat["messages"][0]["content"][0]["image_url"]["url"] = data_url(small, "image/jpeg")
     assert http.post("/v1/chat/completions", json=image_chat).status_code == 200
     assert http.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]["content"] == alone
+
+
+SOAK_MEDIA = ["ffconcat_video", "ffconcat_forged_magic", "ffconcat_responses", "sdp_video", "many_scans_jpeg"]
+
+
+def test_the_soaks_media_cases_are_refused_here(server):
+    """`vlmcap bench soak`'s media cases against this server: each a 4xx (the slow JPEG may also decode), none
+    a 5xx, none counted a leak (a 2xx to a concat script, or a reply with a line of the file it names)."""
+    from bench.configs import SoakConfig
+    from bench.soak import HOSTILE_REQUESTS, Client, Tally
+
+    async def send() -> list:
+        tally = Tally()
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+            client = Client(http, SoakConfig(max_tokens=4), [], MODEL)
+            for name in SOAK_MEDIA:
+                await client._record(tally, f"hostile:{name}", HOSTILE_REQUESTS[name](client))
+        return tally.outcomes
+
+    outcomes = {o.kind.removeprefix("hostile:"): o.status for o in asyncio.run(send())}
+    assert set(outcomes) == set(SOAK_MEDIA)
+    for name, status in outcomes.items():
+        assert status is not None and (400 <= status < 500 or (name == "many_scans_jpeg" and status == 200)), \
+            (name, status)

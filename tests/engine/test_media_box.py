@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from bench.soak import many_scans_jpeg
 from engine.media_box import BoxLimits, MediaBox, MediaTimeout, packet_size
 from engine.video import VideoLimitError, VideoSampling, sniff_container
 from tests.video_support import clip_frames, mp4_bytes
@@ -130,38 +131,6 @@ def test_a_decode_past_the_deadline_is_killed_and_the_next_one_decodes(photos):
 
 
 # --- images: which decode here, which in the box --------------------------------------------------------------------
-
-def jpeg_segments(data: bytes) -> list[tuple[int, int, int]]:
-    """(marker, start, end) of a JPEG's segments; a scan's segment runs on over its entropy-coded data."""
-    pos, found = 2, []
-    while pos < len(data):
-        marker = data[pos + 1]
-        if marker == 0xD9:
-            found.append((marker, pos, pos + 2))
-            break
-        end = pos + 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
-        if marker == 0xDA:
-            while not (data[end] == 0xFF and data[end + 1] != 0 and not 0xD0 <= data[end + 1] <= 0xD7):
-                end += 1
-        found.append((marker, pos, end))
-        pos = end
-    return found
-
-
-def many_scans_jpeg(side: int, copies: int) -> bytes:
-    """A progressive JPEG of `side` x `side` with one of its luma AC scans repeated `copies` times: a few bytes
-    each (a flat image's coefficients are end-of-band runs), a pass over every block each when decoded. libjpeg
-    warns of the bogus progression and decodes it."""
-    out = io.BytesIO()
-    Image.new("RGB", (side, side), (120, 130, 140)).save(out, "JPEG", progressive=True, quality=90)
-    data = out.getvalue()
-    segments = jpeg_segments(data)
-    luma = [(start, end) for marker, start, end in segments
-            if marker == 0xDA and data[start + 4] == 1 and data[start + 5] == 1]
-    start, end = min(luma, key=lambda span: span[1] - span[0])
-    last = segments[-1][1]
-    return data[:last] + data[start:end] * copies + data[last:]
-
 
 def encoded(image: Image.Image, fmt: str, **options) -> bytes:
     out = io.BytesIO()
