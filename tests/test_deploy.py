@@ -271,7 +271,8 @@ def test_server_gets_a_gpu_and_every_healthcheck_asks_a_real_route(monkeypatch):
     from api.server import create_app
     from api.settings import ServerSettings
 
-    get_routes = {route.path for route in create_app(ServerSettings()).routes if "GET" in getattr(route, "methods", ())}
+    app = create_app(ServerSettings())  # an ASGI app mounted as a route (the MCP server) has methods None
+    get_routes = {route.path for route in app.routes if "GET" in (getattr(route, "methods", None) or ())}
     server, dockerfile = vlmcap_services()["server"]
     (device,) = server["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
