@@ -110,7 +110,7 @@ class BoxLimits:
 
     timeout_s: seconds one decode may take in its child; past them the child is killed and the decode refused.
     memory_bytes: address space a decoding child may take beyond what it holds once started (RLIMIT_AS).
-    workers: children decoding at once; more decodes wait for one.
+    workers: children decoding at once; more decodes wait for one, at most timeout_s.
     """
 
     timeout_s: float = 30.0
@@ -304,7 +304,11 @@ class MediaBox:
     def _run(self, request: dict[str, Any], data: bytes, bound: int, where: str) -> tuple[dict[str, Any], bytearray]:
         if self._closed:
             raise RuntimeError("the media box is closed")
-        child = self._slots.get()
+        try:  # a free child within the deadline too: a decode waits at most timeout_s, then runs at most as long
+            child = self._slots.get(timeout=self.limits.timeout_s)
+        except queue.Empty:
+            raise MediaTimeout(f"{where} waited longer than {self.limits.timeout_s:g} s for a decoding process (all "
+                               f"{self.limits.workers} busy; decode_timeout_s)") from None
         try:
             if child is None or not child.alive():
                 if child is not None:

@@ -195,3 +195,16 @@ def test_a_jpeg_of_many_scans_past_the_deadline_is_killed_and_the_engine_names_t
             _load_image(b"\xff\xd8 not a jpeg", 3)
     finally:
         configure_default_box(BoxLimits())
+
+
+def test_a_decode_waits_for_a_busy_box_at_most_its_deadline(photos):
+    busy = MediaBox(BoxLimits(timeout_s=1.0, workers=1))
+    try:
+        held = busy._slots.get()  # the one child's place, taken as a long decode would
+        with pytest.raises(MediaTimeout, match=r"waited longer than 1 s for a decoding process \(all 1 busy") as late:
+            busy.decode_image(encoded(photos[0], "JPEG", progressive=True))
+        assert late.value.limit == "decode_timeout_s" and busy.started == 0
+        busy._slots.put(held)
+        assert busy.decode_image(encoded(photos[0], "JPEG", progressive=True)).size == photos[0].size
+    finally:
+        busy.close()
