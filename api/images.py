@@ -24,7 +24,7 @@ from PIL import Image, UnidentifiedImageError
 from api.errors import APIError
 from api.pools import work_pools
 from api.settings import Limits
-from engine.media_box import ImageTooLarge, MediaLimitError, UnreadableImage, decodes_inline, default_box
+from engine.media_box import ImageTooLarge, MediaBusy, MediaLimitError, UnreadableImage, decodes_inline, default_box
 
 FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -106,6 +106,8 @@ def decode_image(data: bytes, limits: Limits, param: str) -> Image.Image:
 def _decode_in_box(data: bytes, limits: Limits, param: str) -> Image.Image:
     try:
         return default_box().decode_image(data, FORMATS, limits.max_image_pixels, param)
+    except MediaBusy as exc:
+        raise APIError(503, f"{exc}; retry later", param, "busy") from None
     except ImageTooLarge as exc:
         raise APIError(413, f"{param}: the image is too large to decode: {exc}", param, "image_too_large") from None
     except MediaLimitError as exc:  # the box's deadline or memory limit; its message names `param`

@@ -15,7 +15,7 @@ from api.images import Media, data_url_bytes, fetch_remote
 from api.pools import work_pools
 from api.settings import Limits
 from engine import Engine
-from engine.media_box import MediaLimitError
+from engine.media_box import MediaBusy, MediaLimitError
 from engine.video import Video, VideoSampling, read_video
 
 
@@ -52,6 +52,8 @@ def decode_video(data: bytes, sampling: VideoSampling, limits: Limits, param: st
                             f"{limits.max_video_bytes}", param, "video_too_large")
     try:
         return read_video(io.BytesIO(data), sampling, param)
+    except MediaBusy as exc:
+        raise APIError(503, f"{exc}; retry later", param, "busy") from None
     except MediaLimitError as exc:  # a limit of the request's sampling, or of the media box (deadline, memory)
         raise APIError(413, f"{exc} ({exc.limit})" if f"({exc.limit})" not in str(exc) else str(exc), param,
                        "video_too_large") from None

@@ -87,6 +87,11 @@ class MediaTimeout(MediaLimitError):
         super().__init__("decode_timeout_s", message)
 
 
+class MediaBusy(MediaTimeout):
+    """Every decoding child stayed busy for `BoxLimits.timeout_s`: the media was not looked at (the server's fault
+    of capacity, not the media's)."""
+
+
 class ImageTooLarge(MediaLimitError):
     """An image whose header gives more pixels than allowed (`size` is its width and height), or one Pillow calls a
     decompression bomb (`size` None)."""
@@ -307,7 +312,7 @@ class MediaBox:
         try:  # a free child within the deadline too: a decode waits at most timeout_s, then runs at most as long
             child = self._slots.get(timeout=self.limits.timeout_s)
         except queue.Empty:
-            raise MediaTimeout(f"{where} waited longer than {self.limits.timeout_s:g} s for a decoding process (all "
+            raise MediaBusy(f"{where} waited longer than {self.limits.timeout_s:g} s for a decoding process (all "
                                f"{self.limits.workers} busy; decode_timeout_s)") from None
         try:
             if child is None or not child.alive():

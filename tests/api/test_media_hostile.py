@@ -187,3 +187,20 @@ def test_the_soaks_media_cases_are_refused_here(server):
     for name, status in outcomes.items():
         assert status is not None and (400 <= status < 500 or (name == "many_scans_jpeg" and status == 200)), \
             (name, status)
+
+
+def test_a_busy_media_box_answers_503_busy_and_the_next_image_decodes(server, http):
+    box = default_box()
+    progressive = many_scans_jpeg(64, 2)
+    image_chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(progressive, "image/jpeg")}},
+        {"type": "text", "text": "What is in the picture?"}]}]}
+    held = [box._slots.get() for _ in range(box.limits.workers)]  # every child's place, as long decodes hold them
+    try:
+        busy = http.post("/v1/chat/completions", json=image_chat)
+    finally:
+        for child in held:
+            box._slots.put(child)
+    assert_openai_error(busy, 503, f"waited longer than {DEADLINE_S:g} s for a decoding process")
+    assert busy.json()["error"]["code"] == "busy"
+    assert http.post("/v1/chat/completions", json=image_chat).status_code == 200

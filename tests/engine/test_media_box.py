@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from bench.soak import many_scans_jpeg
-from engine.media_box import BoxLimits, MediaBox, MediaTimeout, packet_size
+from engine.media_box import BoxLimits, MediaBox, MediaBusy, MediaTimeout, packet_size
 from engine.video import VideoLimitError, VideoSampling, sniff_container
 from tests.video_support import clip_frames, mp4_bytes
 
@@ -201,7 +201,7 @@ def test_a_decode_waits_for_a_busy_box_at_most_its_deadline(photos):
     busy = MediaBox(BoxLimits(timeout_s=1.0, workers=1))
     try:
         held = busy._slots.get()  # the one child's place, taken as a long decode would
-        with pytest.raises(MediaTimeout, match=r"waited longer than 1 s for a decoding process \(all 1 busy") as late:
+        with pytest.raises(MediaBusy, match=r"waited longer than 1 s for a decoding process \(all 1 busy") as late:
             busy.decode_image(encoded(photos[0], "JPEG", progressive=True))
         assert late.value.limit == "decode_timeout_s" and busy.started == 0
         busy._slots.put(held)
