@@ -418,8 +418,8 @@ HOSTILE_REQUESTS: dict[str, Any] = {
 
 def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "soak", "schema": schema}}
-# Hostile cases whose right answer is a 5xx: one event stream past the cap is refused with 503 and Retry-After.
-# 503s that are right: a stream past the cap; a slow image while every media-box child stays busy past its deadline.
+# Hostile cases whose right answer is a 5xx: one event stream past the cap is refused with 503 and Retry-After; a
+# slow image is refused 503 busy while every media-box child stays busy past its deadline.
 EXPECTED_5XX = {"hostile:sse_flood": 503, "hostile:many_scans_jpeg": 503}
 SSE_CAP = 8  # the soak server's --max-sse-subscribers
 FALL_EVERY = 5  # every fifth good camera job is a fall: its alert goes to the soak's misbehaving webhook
