@@ -26,6 +26,7 @@ from api.errors import APIError
 from api.grammars import compile_ahead
 from api.guard import cache_salt
 from api.images import decode_image
+from api.pools import work_pools
 from api.routes_openai import EnginePrompt, final_output, text_deltas, with_tools
 from api.state import ServerState, server_state
 from api.streaming import ClientDisconnected
@@ -266,7 +267,8 @@ async def chat(request: Request, state: ServerState = Depends(server_state)) -> 
         params = sampling(body, state, grammar)
         messages, images, tool_turns = [], [], []
         for i, message in enumerate(body.messages):
-            loaded = decode_images(message.images, state, f"messages[{i}].images")
+            loaded = await work_pools(state).run(
+                "decode", decode_images, message.images, state, f"messages[{i}].images")
             images += loaded
             parts = [{"type": "image"} for _ in loaded] + [{"type": "text", "text": message.content or ""}]
             messages.append({"role": message.role, "content": parts})
@@ -306,7 +308,7 @@ async def generate(request: Request, state: ServerState = Depends(server_state))
                                  "done": True})
         grammar = format_grammar(body.format)
         params = sampling(body, state, grammar)
-        images = decode_images(body.images, state, "images")
+        images = await work_pools(state).run("decode", decode_images, body.images, state, "images")
 
         def shape(text: str, output: RequestOutput | None) -> dict[str, Any]:
             answer = {"model": body.model, "created_at": now(), "response": text, "done": output is not None}

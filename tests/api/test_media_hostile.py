@@ -1,8 +1,9 @@
 """Hostile media against a real server (tiny SmolVLM, a real Redis): an ffconcat script naming a real file in the
 server's working directory, sent as a chat `video_url`, a Responses `input_video` and a job's `video`, is refused
 and no reply carries a byte of that file; an SDP description is refused before any decoder sees it; a progressive
-JPEG of thousands of scans, within the byte and pixel limits, decodes or is refused at the media box's deadline
-while a plain chat beside it gets the answer it gets alone; and a plain chat still answers after all of them."""
+JPEG of thousands of scans, within the byte and pixel limits, sent as a chat's image and to Ollama's generate,
+decodes or is refused at the media box's deadline while a plain chat beside it gets the answer it gets alone; a
+full media box answers 503 busy; and a plain chat still answers after all of them."""
 
 from __future__ import annotations
 
@@ -148,8 +149,13 @@ def test_a_jpeg_of_thousands_of_scans_beside_a_plain_chat(server, http):
     async def beside() -> tuple[httpx.Response, list[str]]:
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
             image = asyncio.create_task(client.post("/v1/chat/completions", json=image_chat))
+            ollama = asyncio.create_task(client.post("/api/generate", json={
+                "model": MODEL, "prompt": "What is in the picture?", "stream": False,
+                "images": [base64.b64encode(slow).decode()], "options": {"num_predict": 2}}))
             await asyncio.sleep(0)
             chats = [(await client.post("/v1/chat/completions", json=CHAT)).json() for _ in range(2)]
+            answered = await ollama
+            assert answered.status_code == 200 or 400 <= answered.status_code < 500, answered.text
             return await image, [c["choices"][0]["message"]["content"] for c in chats]
 
     image, chats = asyncio.run(beside())
