@@ -78,7 +78,8 @@ class EngineCaptioner:
             grammar = None if schema is None else GrammarSpec.from_schema(schema)
         except ValueError as exc:
             raise GrammarRefused(400, f"schema: {exc}", "schema", "invalid_json_schema") from None
-        await compile_ahead(self.bridge.engine, grammar, "schema")  # GrammarRefused: a job is dead-lettered at once
+        await compile_ahead(self.bridge.engine, grammar, "schema", key=cache_salt,  # GrammarRefused: dead-lettered
+                            pools=work_pools(self.limits))
         default = self.max_tokens if grammar is None else self.structured_max_tokens
         return await self.bridge.add(
             prompt=self.bridge.engine.user_prompt(content),  # any checkpoint: with or without a chat template

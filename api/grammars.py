@@ -12,11 +12,12 @@ from fastapi import Request
 
 from api.errors import APIError
 from api.openai_schemas import JSONSchemaFormat, ResponseFormat, ResponsesTextFormat, SamplingFields
+from api.pools import CLIENT_KEY, WorkPools, work_pools
 from api.streaming import until_disconnect
 from engine import Engine
 from engine.grammar import GrammarSpec
 from engine.grammar_limits import GrammarLimitError
-from engine.grammar_pool import GrammarTimeout
+from engine.grammar_pool import GrammarBusy, GrammarTimeout, keyed
 from jobqueue.structured import SchemaRefused
 
 
@@ -24,10 +25,14 @@ class GrammarRefused(APIError, SchemaRefused):
     """A grammar the server will never compile: a 4xx for a client, a dead letter for a job."""
 
 
-async def compile_ahead(engine: Engine, spec: GrammarSpec | None, param: str, request: Request | None = None) -> None:
-    """Compile `spec` into the engine's grammar cache. GrammarRefused: 413 for a schema over its size limit,
-    400 over another limit, past the deadline or for a grammar that does not compile. ClientDisconnected (the
-    compile cancelled) when `request`'s client leaves first."""
+async def compile_ahead(engine: Engine, spec: GrammarSpec | None, param: str, request: Request | None = None,
+                        key: str | None = None, pools: WorkPools | None = None) -> None:
+    """Compile `spec` into the engine's grammar cache, for `key` (default: the request's client key): the
+    compile's thread from `pools`' schema pool (the server's, found from `request` when not given), its
+    compiler process within the key's share (engine/grammar_pool.py), so one client's slow schemas do not hold
+    up another's. GrammarRefused: 413 for a schema over its size limit, 400 over another limit, past the
+    deadline or for a grammar that does not compile; APIError 503 (`busy`) when no compiler was free in time.
+    ClientDisconnected (the compile cancelled) when `request`'s client leaves first."""
     if spec is None:
         return
     try:
@@ -35,11 +40,22 @@ async def compile_ahead(engine: Engine, spec: GrammarSpec | None, param: str, re
     except ValueError as exc:  # xgrammar is not installed
         raise GrammarRefused(400, f"{param}: {exc}", param, "unsupported_value") from None
     cancelled = threading.Event()
-    work = asyncio.get_running_loop().run_in_executor(compiler.executor, compiler.compile, spec, cancelled)
+    key = key or CLIENT_KEY.get()
+    if pools is None and request is not None and getattr(request.app.state, "vlmcap", None) is not None:
+        pools = work_pools(request.app.state.vlmcap)
+    if pools is None:
+        work = asyncio.get_running_loop().run_in_executor(compiler.executor, keyed, key, compiler.compile, spec,
+                                                          cancelled)
+    else:
+        work = asyncio.ensure_future(pools.run("schema", keyed, key, compiler.compile, spec, cancelled, key=key))
     try:
         await (work if request is None else until_disconnect(request, work))
     except BaseException as exc:
         cancelled.set()  # a client that left, a cancelled task: the child compiling it is stopped
+        if not work.done():
+            work.cancel()
+        if isinstance(exc, GrammarBusy):
+            raise APIError(503, f"{param}: {exc}", param, "busy") from None
         if isinstance(exc, GrammarLimitError):
             status = 413 if exc.limit == "max_schema_bytes" else 400
             raise GrammarRefused(status, f"{param}: {exc}", param, "grammar_too_large") from None

@@ -133,3 +133,33 @@ def test_one_servers_pools_are_found_from_its_state_settings_and_limits() -> Non
     assert work_pools(other) is not pools
     pools.close()
     work_pools(other).close()
+
+
+def test_a_grammar_compile_that_finds_no_worker_is_a_503_for_the_callers_key() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from api.errors import APIError
+    from api.grammars import compile_ahead
+    from engine.grammar import GrammarSpec
+    from engine.grammar_pool import GRAMMAR_KEY, GrammarBusy
+
+    seen = []
+
+    def compile(spec, cancelled):  # the engine's compiler, as busy as it gets
+        seen.append(GRAMMAR_KEY.get())
+        raise GrammarBusy("no grammar compiler was free within 1 s (compile_timeout_s)")
+
+    engine = SimpleNamespace(grammars=SimpleNamespace(compile=compile, executor=ThreadPoolExecutor(1)))
+    pools = WorkPools(5.0, 0.5)
+
+    async def scenario() -> None:
+        for given in ({"key": "salt-1", "pools": pools}, {"key": "salt-2"}):
+            with pytest.raises(APIError) as refused:
+                await compile_ahead(engine, GrammarSpec(regex="[a-z]+"), "schema", **given)
+            assert (refused.value.status, refused.value.code) == (503, "busy")
+
+    asyncio.run(scenario())
+    assert seen == ["salt-1", "salt-2"]
+    pools.close()
+    engine.grammars.executor.shutdown()
