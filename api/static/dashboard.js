@@ -724,6 +724,7 @@ function eventMeta(event) {
 function eventItem(event, current) {
   const item = el("li", current ? "event-item current" : "event-item");
   item.dataset.id = event.id;
+  rememberCamera(event.camera_id);
   item.tabIndex = 0;
   const thumb = el("div", "event-thumb", "…");
   const body = el("div", "caption-body");
@@ -770,6 +771,10 @@ async function searchEvents(more = false) {
     $("events-note").textContent = "";
   } catch (err) {
     $("events-note").textContent = err.message;
+    if (err instanceof Unauthorized) { // searched again once a key is entered
+      await auth.nextKey();
+      await searchEvents(more);
+    }
   }
 }
 
@@ -828,7 +833,105 @@ function openEventFromAddress() {
   if (match) openEvent(match[1]);
 }
 
+// -- the ask box: POST /v1/cameras/ask, streamed ------------------------------------------------------------
+// The question, the camera chosen in the feed's filter and a time range; the answer's text as it streams, then
+// the events the model was given (their references, first frames and captions) as links to their pages, the
+// ones the answer cites marked. Model and caption text go in as text only.
+
+const ask = { busy: false, urls: [] };
+
+// One event the answer was given: a link to its page (#event=<id>) with its first frame, reference and caption.
+function askItem(event) {
+  const item = el("li", "ask-item");
+  item.dataset.id = event.id;
+  const link = el("a", "ask-event");
+  link.href = `#event=${encodeURIComponent(event.id)}`;
+  const thumb = el("div", "event-thumb", event.frame_count ? "…" : "no frame");
+  const body = el("div", "caption-body");
+  const meta = el("div", "meta");
+  meta.append(el("span", "ask-reference", `[${event.reference}]`), ...eventMeta(event));
+  body.append(meta, el("p", "caption-text", event.caption));
+  link.append(thumb, body);
+  item.append(link);
+  if (event.frame_count) {
+    eventFrameUrl(event.id, 0).then((url) => {
+      if (!url) return void (thumb.textContent = "—");
+      ask.urls.push(url);
+      const image = el("img");
+      image.alt = `First frame of event ${event.id}`;
+      image.src = url;
+      thumb.replaceChildren(image);
+    });
+  }
+  return item;
+}
+
+function askBody() {
+  const body = { question: $("ask-question").value.trim(), stream: true };
+  const camera = $("camera-filter").value;
+  if (camera) body.cameras = [camera];
+  const range = Number($("ask-since").value);
+  if (range) body.since = Date.now() / 1000 - range;
+  return body;
+}
+
+async function askCameras(submitted) {
+  submitted.preventDefault();
+  const body = askBody();
+  if (ask.busy || !body.question) return;
+  ask.busy = true;
+  $("ask-send").disabled = true;
+  for (const url of ask.urls.splice(0)) URL.revokeObjectURL(url);
+  const answer = $("ask-answer");
+  const list = $("ask-events");
+  answer.hidden = false;
+  answer.textContent = "";
+  answer.dataset.state = "streaming";
+  list.replaceChildren();
+  $("ask-note").textContent = "asking…";
+  let text = "";
+  try {
+    for (;;) {
+      try {
+        const response = await api("v1/cameras/ask", {
+          method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+        });
+        let cited = [];
+        await readEvents(response, (sse) => {
+          if (sse.data === "[DONE]") return;
+          const chunk = JSON.parse(sse.data);
+          if (chunk.error) throw new Error(chunk.error.message);
+          if (chunk.events) list.replaceChildren(...chunk.events.map(askItem));
+          if (chunk.delta) {
+            text += chunk.delta;
+            answer.textContent = text;
+            $("ask-note").textContent = "answering…";
+          }
+          if (chunk.cited_event_ids) cited = chunk.cited_event_ids;
+        });
+        for (const item of list.children) item.classList.toggle("cited", cited.includes(item.dataset.id));
+        answer.dataset.state = "done";
+        $("ask-note").textContent = list.children.length
+          ? `from ${list.children.length} events, ${cited.length} cited` : "";
+        return;
+      } catch (err) {
+        if (!(err instanceof Unauthorized)) throw err;
+        await auth.nextKey();
+      }
+    }
+  } catch (err) {
+    answer.dataset.state = "failed";
+    answer.textContent = text;
+    $("ask-note").textContent = err instanceof ServerDown || err instanceof ServerLoading
+      ? `${err.message} Try again in a moment.` : `Error: ${err.message}`;
+  } finally {
+    ask.busy = false;
+    $("ask-send").disabled = false;
+  }
+}
+
 function bindMemory() {
+  $("ask-form").addEventListener("submit", askCameras);
   $("events-form").addEventListener("submit", (submitted) => {
     submitted.preventDefault();
     searchEvents(false);
