@@ -48,7 +48,7 @@ from bench.report import machine, photo_paths, pyplot, save_figure
 @dataclass
 class Outcome:
     kind: str  # "chat", "caption", "events", "ask", "mcp", "tools" (chats with function tools), "completions",
-    # "ollama" (the drop-in routes), or "hostile:<name>"
+    # "ollama" (the drop-in routes), "summary", or "hostile:<name>"
     status: int | None  # None: no answer (connection error), with `error`
     error: str | None = None
 
@@ -183,6 +183,12 @@ class Client:
         else:
             request = self.http.post("/v1/embeddings", json={"input": [data_url(rng.choice(self.photos)), "a coat"]})
         await self._record(tally, "events", request)
+
+    async def good_summary(self, tally: Tally, rng: random.Random) -> None:
+        """The soak camera's summary over a window of a minute to a week (its captions condensed to the context)."""
+        window = rng.choice((60, 3600, 7 * 24 * 3600))
+        await self._record(tally, "summary", self.http.post("/v1/cameras/soak-cam/summary",
+                                                            json={"window_s": window}))
 
     async def good_ask(self, tally: Tally, rng: random.Random) -> None:
         """The camera memory asked: a question over POST /v1/cameras/ask (now and then streamed), or an MCP tool
@@ -413,6 +419,12 @@ HOSTILE_REQUESTS: dict[str, Any] = {
     "sdp_video": lambda c: _media_case(c, "chat", SDP_BODY),
     "many_scans_jpeg": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
         [{"type": "image_url", "image_url": {"url": data_url(c.many_scans)}}, {"type": "text", "text": "?"}])),
+    # Fairness and bounds (issue 38): clients that send their headers or body a byte a second are cut (408 here
+    # when the server closes them in time); summaries of the longest window, and of one past the limit.
+    "slow_client_headers": lambda c: _slow_client(c, body=False),
+    "slow_client_body": lambda c: _slow_client(c, body=True),
+    "summary_window_over_limit": lambda c: c.http.post("/v1/cameras/soak-cam/summary", json={"window_s": 10**9}),
+    "summary_window_not_finite": lambda c: _json_post(c, "/v1/cameras/soak-cam/summary", b'{"end": -Infinity}'),
 }
 
 
@@ -428,6 +440,40 @@ FALL_EVERY = 5  # every fifth good camera job is a fall: its alert goes to the s
 class _Answer:
     def __init__(self, status_code: int) -> None:
         self.status_code = status_code
+
+
+SLOW_BODY_TIMEOUT_S = 3.0  # the soak server's --body-timeout-s (its header timeout is the default)
+
+
+async def _slow_client(client: Client, body: bool) -> _Answer:
+    """A client that sends the second half of its headers (or, with `body`, its body) a byte a second: the
+    server closing the connection within three times its timeout is right (counted 408); a connection still
+    open then, or an answer other than a 408, counts as 500."""
+    from api.settings import ServerSettings
+
+    url = client.http.base_url
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.host}:{url.port}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n").encode()
+    sent, drip = (head, b"{" * 100_000) if body else (head[:len(head) // 2], head[len(head) // 2:])
+    ends = time.monotonic() + 3 * (SLOW_BODY_TIMEOUT_S if body else ServerSettings.header_timeout_s)
+    try:
+        writer.write(sent)
+        for byte in drip:
+            if time.monotonic() > ends:
+                return _Answer(500)
+            writer.write(bytes([byte]))
+            await writer.drain()
+            try:
+                got = await asyncio.wait_for(reader.read(4096), 1.0)
+            except TimeoutError:
+                continue
+            return _Answer(408 if not got or got.startswith(b"HTTP/1.1 408") else 500)
+        return _Answer(500)
+    except OSError:  # reset by the server
+        return _Answer(408)
+    finally:
+        writer.close()
 
 
 async def _sse_flood(client: Client) -> _Answer:
@@ -606,6 +652,8 @@ async def _load(cfg: SoakConfig, url: str, redis_url: str, server_pid: int, tall
                 await client.hostile(tally, rng)
             elif rng.random() < 0.25:
                 await client.good_ask(tally, rng)
+            elif rng.random() < 0.2:
+                await client.good_summary(tally, rng)
             else:
                 await client.good_event_search(tally, rng)
 
@@ -690,7 +738,8 @@ def _start_server(cfg: SoakConfig, redis_url: str, webhook_url: str, log: IO[str
          "--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url,
          "--caption-max-tokens", str(cfg.max_tokens), "--max-body-bytes", str(cfg.max_body_bytes),
          "--max-deliveries", "2", "--claim-idle-seconds", "10", "--max-sse-subscribers", str(SSE_CAP),
-         "--alert-webhook", webhook_url, "--data-dir", data_dir, "--log-level", "warning"],
+         "--alert-webhook", webhook_url, "--data-dir", data_dir, "--log-level", "warning",
+         "--body-timeout-s", str(SLOW_BODY_TIMEOUT_S)],
         stdout=subprocess.DEVNULL, stderr=log, text=True,
     )
     url = f"http://127.0.0.1:{port}"
