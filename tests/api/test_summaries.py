@@ -159,3 +159,24 @@ def test_a_window_of_ten_thousand_captions_is_condensed_and_answers_beside_a_cha
     answer = answers["summary"].json()
     assert (answer["captions"], answer["empty"]) == (10_000, False)
     jsonschema_rs.validate(SUMMARY_SCHEMA, answer["summary"])
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_without_a_chat_template_summarizes_within_a_small_context(redis_url, tmp_path):
+    from engine.presets import preset_checkpoint, reshape_checkpoint
+
+    bare = str(reshape_checkpoint(preset_checkpoint("tiny"), tmp_path, "no_chat_template"))
+    client = redis.Redis.from_url(redis_url)
+    now = time.time()
+    for n in range(300):
+        client.xadd(camera_captions_stream("porch"), CaptionResult(
+            f"porch-{n}", "done", "porch", now - 600 + n, 1.0, 1, caption=f"A visitor number {n} rings the bell.",
+            finished_at=now, kind="sighting").to_fields())
+    client.close()
+    settings = ServerSettings(engine=EngineConfig(model=bare, max_model_len=2048), redis_url=redis_url,
+                              run_queue_worker=False)  # 768 summary tokens leave the prompt 1280
+    with BackgroundServer(create_app(settings)) as running, httpx.Client(base_url=running.url, timeout=240) as http:
+        answer = http.post("/v1/cameras/porch/summary", json={"window_s": 900})
+        assert answer.status_code == 200, answer.text  # its prompt condensed, through plain_prompt
+        assert answer.json()["captions"] == 300
+        jsonschema_rs.validate(SUMMARY_SCHEMA, answer.json()["summary"])
