@@ -177,7 +177,7 @@ async def window_captions(state: ServerState, camera: str, start: float, end: fl
         recent = await state.captions.recent(camera, CAPTIONS_STREAM_MAXLEN)
     else:
         feed, recent, upper = captions_feed(camera), [], "+"
-        lower = f"{max(0, int(start * 1000))}-0"
+        lower = f"{min(max(0, int(start * 1000)), 2**63 - 1)}-0"  # a stream id's range, whatever the window
         while len(recent) < CAPTIONS_STREAM_MAXLEN:
             entries = await redis.xrevrange(feed, max=upper, min=lower, count=WINDOW_PAGE)
             recent.extend(await pools.run("summary", _parse_page, feed, entries))
