@@ -162,15 +162,12 @@ class EngineBridge:
 
     The step thread is the process's one thread that runs torch and the CPU kernels on several threads
     (`Engine.num_threads`); every other thread that reaches torch (request preprocessing) runs it on one
-    (`one_thread_here`). Each
-    thread that starts parallel work keeps an OpenMP pool of its own, and while more pool threads live than
-    the machine has cores, OpenMP's barriers stop spinning: every parallel region of the step then waits on
-    the kernel (a decode step of 20 ms took 30 in a thread beside another pool; `build_engine` keeps the
-    loading thread's pool from living on). Likewise while requests are being preprocessed: where the step's
-    threads and those would be more than the cores, a step runs on one thread fewer for each (`step_threads`),
-    since a parallel region waits for its slowest thread, and one that shares a core waits for a time slice
-    in every region of the step (8 decodes of SmolVLM-256M on 2 cores: 17 ms a step alone, up to 220 ms
-    while two photos were preprocessed beside two threads, 31-39 ms on one; the preprocessing got faster too).
+    (`one_thread_here`). Each thread that starts parallel work keeps an OpenMP pool of its own, and while more pool
+    threads live than the machine has cores, OpenMP's barriers stop spinning: every parallel region of the step then
+    waits on the kernel (`build_engine` keeps the loading thread's pool from living on). Likewise while requests are
+    being preprocessed: where the step's threads and those would be more than the cores, a step runs on one thread
+    fewer for each (`step_threads`), since a parallel region waits for its slowest thread, and one that shares a
+    core waits for a time slice in every region of the step (what that costs: BENCHMARKS.md, the stall benchmark).
 
     After each step the thread waits (at most `HANDOVER_S`) until the event loop has sent what the step
     produced, and only then starts the next one: the loop's work for a step (events, JSON, socket writes)
