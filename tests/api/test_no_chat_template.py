@@ -58,4 +58,6 @@ def test_chat_template_option_serves_chats_on_it(bare_checkpoint, tmp_path):
             httpx.Client(base_url=server.url, timeout=120) as http:
         reply = http.post("/v1/chat/completions", json=CHAT | {"model": bare_checkpoint})
         assert reply.status_code == 200, reply.text
-        assert reply.json()["usage"]["completion_tokens"] == 3
+        answer = reply.json()  # the random model may end early; tests/engine checks the rendering is exact
+        assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+        assert 1 <= answer["usage"]["completion_tokens"] <= 3 and answer["usage"]["prompt_tokens"] > 16
