@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 ATTENTION_BACKENDS = ("auto", "kernel", "cpu", "reference")
 DTYPES = ("float32", "bfloat16", "float16")  # torch's names of the dtypes the engine runs in
+QUANTIZATIONS = ("int8",)  # what `quantization` takes besides None
 
 
 @dataclass
@@ -34,6 +35,15 @@ class EngineConfig:
         "the torch device (cpu, cuda, cuda:1, ...).")})
     dtype: str = field(default="float32", metadata={"help": (
         "the weights' and KV cache's dtype (float32, bfloat16 or float16).")})
+    quantization: str | None = field(default=None, metadata={"help": (
+        "quantize the weights at load: `int8` (per output channel, symmetric, from the checkpoint's float weights; "
+        "nothing written to disk). Every Linear layer of the text model, the output head (its own copy where it is "
+        "tied to the embeddings, which stay float) and the vision tower and its connector keep int8 weights and a "
+        "float32 scale a row, their float weights dropped; activations are quantized per token at each call and "
+        "multiplied in int32 by the CPU's C kernels (engine/quantization.py). Where those do not run (no C "
+        "compiler, `cpu_linear` off, a GPU) a PyTorch path computes the same numbers, much slower. A checkpoint "
+        "quantized already (compressed-tensors W8A8, as vLLM loads) is loaded as it is, whatever this says. `None`: "
+        "the checkpoint's weights as they are, in `dtype`.")})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": (
         "the step budget, in tokens (decode tokens plus prefill chunk tokens).")})
     max_num_seqs: int = field(default=64, metadata={"help": (
@@ -125,6 +135,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {self.quantization!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
