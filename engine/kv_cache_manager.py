@@ -56,11 +56,15 @@ class KVCacheManager:
     def computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The cached blocks a waiting request can start from, and the tokens they hold: the longest run of its
         full blocks found in the pool, leaving at least its last token to compute (it must yield a token), and,
-        where image tokens attend both ways, not ending inside an image's span."""
+        where image tokens attend both ways, not ending inside an image's span. A request that asks for its
+        prompt's log-probabilities starts only from blocks whose positions it has scored already (none at first):
+        it computes the positions it scores, and registers their blocks for others as any request does."""
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
         found = self.pool.find(full_block_hashes(request, bs, request.num_tokens - 1))
+        if request.sampling.prompt_logprobs is not None:
+            found = found[: request.prompt_positions_to_score // bs]
         mm = request.mm
         if mm is not None and mm.atomic_inputs:
             while found:

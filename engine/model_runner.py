@@ -22,7 +22,7 @@ from engine.encoder_cache import EncoderOutputCache
 from engine.kv_cache import KVCache
 from engine.models.base import VLMAdapter
 from engine.outputs import StepTimings
-from engine.sampling import TokenLogprobs, sample
+from engine.sampling import TokenLogprobs, prompt_token_logprobs, sample
 from engine.scheduler_output import EncoderWork, ScheduledChunk, SchedulerOutput
 
 
@@ -31,6 +31,8 @@ class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> its next token
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why no token could be sampled
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # of the sampled token, requests that ask
+    # Scores of the prompt tokens after each chunk's scored positions (ScheduledChunk.scoring), in order.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class Uploader:
@@ -114,6 +116,8 @@ class ModelRunner:
         forwarded = time.perf_counter()
         timings.forward = forwarded - run_at
         result = ModelRunnerOutput()
+        if graph is None:
+            self._score_prompts(out.chunks, hidden, result)
         if sampled_chunks:
             inputs = [chunk.sample for chunk in sampled_chunks]
             if any(s.matcher is not None for s in inputs):
@@ -132,6 +136,17 @@ class ModelRunner:
                     result.sampled[chunk.request_id] = token
         timings.sample = time.perf_counter() - forwarded
         return result
+
+    def _score_prompts(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
+        """The lm head over the prompt positions that chunks score (only theirs), as their tokens' log-probabilities."""
+        query_start = 0
+        for chunk in chunks:
+            scoring = chunk.scoring
+            if scoring is not None:
+                rows = hidden[query_start + scoring.first - chunk.start : query_start + scoring.end - chunk.start]
+                result.prompt_logprobs[chunk.request_id] = prompt_token_logprobs(
+                    rows, self.adapter.lm_head, scoring.targets, scoring.top)
+            query_start += chunk.num_tokens
 
     # -- the step's inputs ----------------------------------------------------------------------
     def _prepare(self, chunks: list[ScheduledChunk]):

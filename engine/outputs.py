@@ -24,6 +24,9 @@ class RequestOutput:
     # Log-probabilities of the tokens new in this output (`SamplingParams.logprobs`; None when not asked for):
     # a request's are the concatenation over its outputs.
     new_logprobs: list[TokenLogprobs] | None = None
+    # The prompt's token scores (`SamplingParams.prompt_logprobs`), None first (the first token has no context), in
+    # the output that carries the first generated token; None in the others and when not asked for.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import Matcher
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -100,6 +100,16 @@ class Request:
     # Where the output stands in its grammar (None without one); it is fed each sampled token once, and a
     # preempted request keeps its output tokens, so it stays valid across recompute.
     matcher: Matcher | None = field(default=None, repr=False)
+    # The scores of prompt tokens 1, 2, ... so far (`SamplingParams.prompt_logprobs`); kept across preemption.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)
+
+    @property
+    def prompt_positions_to_score(self) -> int:
+        """The first prompt position whose logits score a prompt token not scored yet (position p scores token
+        p + 1); the prompt's last position when every token is scored or none is asked for."""
+        if self.sampling.prompt_logprobs is None:
+            return max(self.num_prompt_tokens - 1, 0)
+        return len(self.prompt_logprobs)
 
     @property
     def num_prompt_tokens(self) -> int:

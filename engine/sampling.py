@@ -51,6 +51,7 @@ SAMPLING_RANGES: dict[str, Range] = {
     "frequency_penalty": Range(-2.0, 2.0),
     "repetition_penalty": Range(0.01, 100.0),
     "logprobs": Range(0, MAX_LOGPROBS, integer=True),
+    "prompt_logprobs": Range(0, MAX_LOGPROBS, integer=True),
     "min_tokens": Range(0, INT64_MAX, integer=True),
 }
 
@@ -68,6 +69,10 @@ class SamplingParams:
     min_tokens: the end-of-sequence tokens (unless ignore_eos) and `stop_token_ids` cannot be sampled before this
     many tokens are generated (transformers' min_new_tokens, vLLM's min_tokens); stop strings still apply.
     stop_token_ids: tokens that end the request like end-of-sequence (kept in the output's token ids, as vLLM).
+    prompt_logprobs: return the log-probability of each prompt token after the first (from the model's logits at
+    the position before it, as transformers' forward gives them: no penalty, grammar or temperature) and of its
+    `prompt_logprobs` likeliest alternatives (vLLM's prompt_logprobs; None: none). Such a request computes every
+    prompt position it has not scored yet, not starting from a cached prefix (engine/kv_cache_manager.py).
     """
 
     max_tokens: int = 64
@@ -83,6 +88,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     # Filled by the engine when it admits the request (Engine.add_request): the tokens min_tokens holds back.
@@ -93,7 +99,7 @@ class SamplingParams:
             self.stop = [self.stop]
         for name, allowed in SAMPLING_RANGES.items():
             value = getattr(self, name)
-            if value is not None or name not in ("seed", "logprobs"):
+            if value is not None or name not in ("seed", "logprobs", "prompt_logprobs"):
                 allowed.check(name, value)
         if self.top_k < 0:
             self.top_k = 0
@@ -134,11 +140,35 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 @dataclass
 class TokenLogprobs:
-    """A generated token's log-probability and its likeliest alternatives (id, log-probability), best first."""
+    """A token's log-probability and its likeliest alternatives (id, log-probability), best first; `rank`: its
+    place among all tokens, 1 the likeliest (given for prompt tokens)."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
+
+
+PROMPT_LOGPROB_ROWS = 512  # prompt positions whose full vocabulary of logits is held at once
+
+
+def prompt_token_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: list[int],
+                          top: int) -> list[TokenLogprobs]:
+    """The log-probabilities (log-softmax of the float32 logits) of `targets[i]` at hidden state row i, their rank
+    and the `top` likeliest alternatives: the prompt tokens' scores. `PROMPT_LOGPROB_ROWS` rows at a time, each
+    slice read back once."""
+    scored: list[TokenLogprobs] = []
+    for at in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+        rows = hidden[at : at + PROMPT_LOGPROB_ROWS]
+        wanted = torch.tensor(targets[at : at + PROMPT_LOGPROB_ROWS], device=rows.device)[:, None]
+        logprobs = torch.log_softmax(lm_head(rows).float(), dim=-1)
+        chosen = logprobs.gather(-1, wanted)
+        rank = (logprobs > chosen).sum(dim=-1, keepdim=True).to(chosen.dtype) + 1
+        top_values, top_ids = logprobs.topk(top, dim=-1) if top else (chosen[:, :0], wanted[:, :0])
+        values, ids = torch.cat([chosen, rank, top_values], dim=-1).tolist(), top_ids.tolist()
+        scored += [TokenLogprobs(token, row[0], list(zip(row_ids, row[2:])), int(row[1]))
+                   for token, row, row_ids in zip(targets[at : at + PROMPT_LOGPROB_ROWS], values, ids)]
+    return scored
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],

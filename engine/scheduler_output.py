@@ -29,6 +29,17 @@ class SamplingInputs:
 
 
 @dataclass
+class PromptScoring:
+    """Prompt positions first..end-1 of a chunk score the prompt tokens after them (`targets`) and their `top`
+    likeliest alternatives (`SamplingParams.prompt_logprobs`)."""
+
+    first: int
+    end: int
+    targets: list[int]
+    top: int
+
+
+@dataclass
 class ScheduledChunk:
     """Tokens start..start+num_tokens-1 of request `request_id` (`token_ids`), computed this step; `block_ids`
     are the KV cache blocks of its positions 0..end-1; `sample` is set where the chunk reaches the request's last
@@ -42,6 +53,7 @@ class ScheduledChunk:
     block_ids: list[int]
     mm: MultimodalPrompt | None = None
     sample: SamplingInputs | None = None
+    scoring: PromptScoring | None = None
 
     @classmethod
     def of(cls, request: Request, start: int, num_tokens: int, block_size: int) -> ScheduledChunk:
@@ -51,9 +63,14 @@ class ScheduledChunk:
         if end == request.num_tokens:
             sample = SamplingInputs(request.sampling, request.generator, request.matcher, request.prompt_token_ids,
                                     request.output_token_ids)
+        scoring = None
+        first, last = max(start, request.prompt_positions_to_score), min(end, request.num_prompt_tokens - 1)
+        if first < last:
+            scoring = PromptScoring(first, last, request.prompt_token_ids[first + 1 : last + 1],
+                                    request.sampling.prompt_logprobs)
         return cls(request.request_id, start, num_tokens, request.num_prompt_tokens,
                    request.token_ids_between(start, end), request.block_ids[: -(-end // block_size)], request.mm,
-                   sample)
+                   sample, scoring)
 
     @property
     def end(self) -> int:
