@@ -126,6 +126,7 @@ class Engine:
 
             calibrate(self.step_costs, config, self.pool, self.runner, self.max_model_len,
                       self.tokenizer.eos_token_id or 0)
+        self.platform.started()
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._lock = threading.RLock()

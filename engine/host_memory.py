@@ -9,6 +9,12 @@ allocations up to `MMAP_THRESHOLD` (the most it allows) from its heaps and to ke
 freed memory for reuse (`keep_freed_memory`); the process's resident memory then stays near its peak instead of
 following each step. Adapters keep a call's largest tensor under `MMAP_THRESHOLD` where they can
 (engine/models/smolvlm.py groups tiles). Elsewhere than glibc this does nothing.
+
+Start-up is the exception: loading copies every weight once (the lean layers' fused matrices, the vision
+tower's) and calibration runs the largest steps, and the heaps would keep all of that garbage for good (the
+originals' freed chunks lie between live weights, where the trim threshold never reaches). So once the engine has
+started, `release_freed_memory` hands every free page of the heaps back (glibc's `malloc_trim(0)`): the loaded
+engine holds its weights and what the steps keep, not the copies it made on the way.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -42,3 +49,28 @@ def keep_freed_memory() -> bool:
     log.info("host memory: glibc serves allocations up to %d MB from its heaps and keeps %d MB of freed memory: %s",
              MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20, done)
     return done
+
+
+def release_freed_memory() -> int:
+    """Every wholly free page of glibc's heaps given back to the system (`malloc_trim(0)`, every arena); the bytes
+    the process's resident memory went down by (0 elsewhere than glibc)."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return 0
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    before = resident_bytes()
+    trim(0)
+    released = max(0, before - resident_bytes())
+    log.info("host memory: %d MB of start-up garbage given back", released >> 20)
+    return released
+
+
+def resident_bytes() -> int:
+    """The process's resident memory (/proc/self/statm; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
