@@ -22,6 +22,8 @@ from engine.sampling import INT64_MAX, MAX_LOGPROBS, SAMPLING_RANGES
 
 Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1, description="vlmcap extension: lower runs first")]
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
+PromptLogprobs = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+    "vLLM's extension: each prompt token's log-probability and this many likeliest alternatives (not streamed)"))
 CacheSalt = Annotated[str | None, Field(min_length=1, max_length=MAX_CACHE_SALT, description=(
     "vLLM's extension: requests share cached prefixes and image features only with requests of the same salt "
     "(and, on a server with several API keys, of the same key)"))]
@@ -235,6 +237,7 @@ class ChatCompletionRequest(SamplingFields):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="vLLM's extension")
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = PromptLogprobs
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = Field(False, description=(

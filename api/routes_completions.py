@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from api.bridge import EngineFailure, RequestStream
@@ -27,6 +27,7 @@ from api.grammars import compile_ahead
 from api.guard import cache_salt
 from api.openai_schemas import (
     MAX_LOGPROBS,
+    PromptLogprobs,
     ResponseFormat,
     SamplingFields,
     Stop,
@@ -39,14 +40,16 @@ from api.routes_openai import (
     IMPOSSIBLE_LOGPROB,
     chat_usage,
     check_model,
+    check_prompt_logprobs,
     check_stream_options,
     final_output,
     request_grammar,
     sampling_params,
     text_deltas,
+    vllm_prompt_logprobs,
 )
 from api.state import ServerState, server_state
-from api.streaming import ClientDisconnected, SSEResponse, sse
+from api.streaming import ClientDisconnected, SSEResponse, sse, until_disconnect
 from engine import RequestOutput, SamplingParams
 from engine.sampling import INT64_MAX, TokenLogprobs
 
@@ -71,6 +74,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(None, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = PromptLogprobs
     presence_penalty: float | None = ranged("presence_penalty")
     frequency_penalty: float | None = ranged("frequency_penalty")
     repetition_penalty: float | None = ranged("repetition_penalty", description="vLLM's extension: 1 is off")
@@ -87,7 +91,7 @@ def prompt_texts(prompt: Prompt, state: ServerState) -> list[tuple[str, list[int
     if all(isinstance(p, int) for p in prompt):
         prompt = [prompt]  # one prompt of token ids
     tokenizer = state.bridge.engine.tokenizer
-    vocab = state.bridge.engine.adapter.lm_head.weight.shape[0]
+    vocab = state.bridge.engine.vocab_size
     texts = []
     for i, p in enumerate(prompt):
         if isinstance(p, str):
@@ -103,26 +107,37 @@ def prompt_texts(prompt: Prompt, state: ServerState) -> list[tuple[str, list[int
     return texts
 
 
+def prompt_scores(body: CompletionRequest) -> int | None:
+    """The engine's prompt_logprobs of a request: its own (vLLM's), or with `echo` its `logprobs` (the echoed
+    prompt's tokens scored as the generated ones are), the larger of the two."""
+    asked = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
+    return max(asked) if asked else None
+
+
 def choice_seeds(seed: int | None, n: int) -> list[int | None]:
     """Choice i's seed: seed + i (None without a seed), so n choices equal n one-by-one requests with those seeds."""
     return [None if seed is None else seed + i for i in range(n)]
 
 
 def legacy_logprobs(prompt_ids: list[int] | None, logprobs: list[TokenLogprobs], start: int,
-                    state: ServerState) -> dict[str, Any]:
+                    state: ServerState, prompt_scores: list[TokenLogprobs | None] | None = None) -> dict[str, Any]:
     """OpenAI's legacy `logprobs`: each token's text, log-probability, top alternatives ({text: logprob}) and
-    character offset in the choice's text from `start`; `prompt_ids` (echo) come first with null log-probs."""
+    character offset in the choice's text from `start`; `prompt_ids` (echo) come first, scored by `prompt_scores`
+    (the engine's prompt log-probabilities: the first token's null, as OpenAI and vLLM give it)."""
     tokenizer = state.bridge.engine.tokenizer
     tokens: list[str] = []
     values: list[float | None] = []
     tops: list[dict[str, float] | None] = []
     offsets: list[int] = []
     offset = start
-    for token_id in prompt_ids or []:
+    scores = prompt_scores or []
+    for i, token_id in enumerate(prompt_ids or []):
         text = tokenizer.decode([token_id])
+        score = scores[i] if i < len(scores) else None
         tokens.append(text)
-        values.append(None)
-        tops.append(None)
+        values.append(None if score is None else max(score.logprob, IMPOSSIBLE_LOGPROB))
+        tops.append(None if score is None else
+                    {tokenizer.decode([t]): max(v, IMPOSSIBLE_LOGPROB) for t, v in score.top})
         offsets.append(offset)
         offset += len(text)
     for lp in logprobs:
@@ -144,12 +159,13 @@ def completion_params(body: CompletionRequest, state: ServerState) -> tuple[list
         raise APIError(400, f"best_of={body.best_of} is not supported: send it equal to n or not at all",
                        "best_of", "unsupported_value")
     check_stream_options(body.stream, body.stream_options)
+    check_prompt_logprobs(body.stream, body.prompt_logprobs)
     grammar, grammar_param = request_grammar(body, body.response_format, "response_format", None)
     base = sampling_params(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, body.stop, state,
                            "max_tokens", grammar, presence_penalty=body.presence_penalty,
                            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                            logprobs=body.logprobs, min_tokens=body.min_tokens,
-                           stop_token_ids=body.stop_token_ids)
+                           stop_token_ids=body.stop_token_ids, prompt_logprobs=prompt_scores(body))
     if body.seed is not None and body.seed + body.n - 1 > INT64_MAX:
         raise APIError(400, f"seed {body.seed} + n - 1 is over {INT64_MAX}", "seed", "invalid_value")
     params = []
@@ -212,11 +228,15 @@ async def completions(body: CompletionRequest, request: Request,
     choices = []
     for index, ((output, logprobs), prompt) in enumerate(zip(finished, prompts, strict=True)):
         text = prompt + output.text if body.echo else output.text
-        choices.append({
+        scores = output.prompt_logprobs
+        choice = {
             "index": index, "text": text, "finish_reason": output.finish_reason,
             "logprobs": None if body.logprobs is None else
-            legacy_logprobs(output.prompt_token_ids if body.echo else None, logprobs, 0, state),
-        })
+            legacy_logprobs(output.prompt_token_ids if body.echo else None, logprobs, 0, state, scores),
+        }
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(scores, state)
+        choices.append(choice)
     return JSONResponse({"id": completion_id, "object": "text_completion", "created": created,
                          "model": state.settings.model_name, "choices": choices,
                          "usage": total_usage([output for output, _ in finished])})
@@ -299,7 +319,8 @@ async def completion_events(streams: list[Any], prompts: list[str], body: Comple
             logprobs = None
             if body.logprobs is not None:
                 echoed = output.prompt_token_ids if body.echo and first else None
-                logprobs = legacy_logprobs(echoed, output.new_logprobs or [], 0 if echoed else offsets[index], state)
+                logprobs = legacy_logprobs(echoed, output.new_logprobs or [], 0 if echoed else offsets[index], state,
+                                           output.prompt_logprobs)
                 offsets[index] += len(delta)
             if delta or output.finished or logprobs:
                 yield chunk(index, delta, output.finish_reason, logprobs)
@@ -314,35 +335,61 @@ async def completion_events(streams: list[Any], prompts: list[str], body: Comple
     yield sse("[DONE]")
 
 
-async def chat_choices(body: Any, request: Request, state: ServerState, one: Any) -> Response:
-    """Chat completions with n > 1: `one` (the n=1 handler) once per choice, choice i with seed + i (the rule of
-    `choice_seeds`). The first choice's prompt is computed before the others are submitted (whole when not
-    streamed, up to its first chunk when streamed), so they find its full blocks in the prefix cache."""
+async def chat_choices(body: Any, request: Request, state: ServerState) -> Response:
+    """Chat completions with n > 1: one engine request per choice, choice i with seed + i (the rule of
+    `choice_seeds`). The others are submitted once the first one's prompt is computed (its first output: its
+    full blocks are in the prefix cache), streamed or not, so they find those blocks and run beside it."""
+    from api.routes_openai import answer_chat, start_chat
+
     if body.n > MAX_CHOICES:
         raise APIError(400, f"n={body.n} is over {MAX_CHOICES} choices", "n", "invalid_value")
     if body.seed is not None and body.seed + body.n - 1 > INT64_MAX:
         raise APIError(400, f"seed {body.seed} + n - 1 is over {INT64_MAX}", "seed", "invalid_value")
     bodies = [body.model_copy(update={"n": 1, "seed": seed}) for seed in choice_seeds(body.seed, body.n)]
-    if not body.stream:
-        first = await one(bodies[0], request, state)
-        if first.status_code != 200:
+    calls: list[Any] = []
+    try:
+        first = await start_chat(bodies[0], request, state)
+        if isinstance(first, Response):
             return first
-        rest = await asyncio.gather(*(one(b, request, state) for b in bodies[1:]))
-        failed = next((r for r in rest if r.status_code != 200), None)
-        if failed is not None:
-            return failed
-        answers = [json.loads(r.body) for r in (first, *rest)]
-        merged = answers[0]
-        merged["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
-        usage = merged["usage"]
-        usage["completion_tokens"] = sum(a["usage"]["completion_tokens"] for a in answers)
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return JSONResponse(merged)
-    first = await one(bodies[0], request, state)
-    if not isinstance(first, StreamingResponse):
-        return first
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return SSEResponse(merged_chat_events(first, bodies[1:], request, state, one, include_usage))
+        calls.append(first)
+        first.stream = await until_disconnect(request, Primed.first_output(first.stream))
+        for one in bodies[1:]:
+            started = await start_chat(one, request, state)
+            if isinstance(started, Response):
+                raise ClientDisconnected()
+            calls.append(started)
+    except ClientDisconnected:
+        abort_all(calls, state)
+        return Response(status_code=499)
+    except EngineFailure as exc:
+        abort_all(calls, state)
+        raise APIError(500, str(exc), code="engine_error") from None
+    except BaseException:
+        abort_all(calls, state)
+        raise
+    if body.stream:
+        responses = [await answer_chat(call, request, state) for call in calls]
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return SSEResponse(merged_chat_events(responses, state, include_usage))
+    try:
+        answered = await asyncio.gather(*(answer_chat(call, request, state) for call in calls))
+    finally:
+        abort_all(calls, state)
+    failed = next((r for r in answered if r.status_code != 200), None)
+    if failed is not None:
+        return failed
+    answers = [json.loads(r.body) for r in answered]
+    merged = answers[0]
+    merged["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
+    usage = merged["usage"]
+    usage["completion_tokens"] = sum(a["usage"]["completion_tokens"] for a in answers)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return JSONResponse(merged)
+
+
+def abort_all(calls: list[Any], state: ServerState) -> None:
+    for call in calls:
+        state.bridge.abort(call.stream.request_id)  # a no-op once finished
 
 
 def sse_items(lines: str) -> list[Any]:
@@ -350,27 +397,19 @@ def sse_items(lines: str) -> list[Any]:
     return [json.loads(line[6:]) for line in lines.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
 
 
-async def merged_chat_events(first: StreamingResponse, later: list[Any], request: Request, state: ServerState,
-                             one: Any, include_usage: bool) -> AsyncIterator[str]:
+async def merged_chat_events(responses: list[Any], state: ServerState,
+                             include_usage: bool) -> AsyncIterator[str]:
     """The choices' chunks as they come, each with its choice's index; one usage chunk over all at the end."""
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    first_iter = first.body_iterator.__aiter__()
-    primed = [await first_iter.__anext__()]  # the first chunk: the first choice's prompt is computed
 
-    async def pump(index: int, iterator: Any, head: list[Any]) -> None:
+    async def pump(index: int, iterator: Any) -> None:
         try:
-            for item in head:
-                await queue.put((index, item))
             async for item in iterator:
                 await queue.put((index, item))
         finally:
             await queue.put((index, None))
 
-    responses = [await one(b, request, state) for b in later]
-    tasks = [asyncio.ensure_future(pump(0, first_iter, primed))]
-    for i, response in enumerate(responses, start=1):
-        if isinstance(response, StreamingResponse):
-            tasks.append(asyncio.ensure_future(pump(i, response.body_iterator, [])))
+    tasks = [asyncio.ensure_future(pump(i, response.body_iterator)) for i, response in enumerate(responses)]
     usages: list[dict[str, Any]] = []
     chunk_id = "chatcmpl-n"
     open_streams = len(tasks)
@@ -404,7 +443,7 @@ async def merged_chat_events(first: StreamingResponse, later: list[Any], request
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for iterator in [first_iter, *(r.body_iterator for r in responses if isinstance(r, StreamingResponse))]:
+        for iterator in [response.body_iterator for response in responses]:
             close = getattr(iterator, "aclose", None)
             if close is not None:
                 await close()  # the choice's own generator aborts its request if it has not finished

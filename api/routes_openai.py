@@ -171,15 +171,18 @@ async def submit(prompt: EnginePrompt, sampling: SamplingParams, body: SamplingF
 
 async def final_output(request: Request, stream: RequestStream,
                        state: ServerState) -> tuple[RequestOutput, list[TokenLogprobs]]:
-    """Wait for the request to finish (its last output, and its tokens' log-probabilities if it asked for them);
-    abort it if the client leaves first."""
+    """Wait for the request to finish (its last output, and its tokens' log-probabilities if it asked for them;
+    its prompt's, from its first output, set on the last); abort it if the client leaves first."""
     logprobs: list[TokenLogprobs] = []
 
     async def collect() -> RequestOutput:
         last = None
+        scores = None
         async for last in stream:
             logprobs.extend(last.new_logprobs or [])
+            scores = last.prompt_logprobs if last.prompt_logprobs is not None else scores
         assert last is not None
+        last.prompt_logprobs = scores
         return last
 
     try:
@@ -306,13 +309,34 @@ def chat_usage(output: RequestOutput) -> dict[str, Any]:
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            state: ServerState = Depends(server_state)) -> Response:
     check_model(body.model, state)
-    if body.n not in (None, 1):  # one request per choice (api/routes_completions.py)
+    if body.n not in (None, 1):  # one engine request per choice (api/routes_completions.py)
         from api.routes_completions import chat_choices
 
-        return await chat_choices(body, request, state, chat_completions)
+        return await chat_choices(body, request, state)
+    started = await start_chat(body, request, state)
+    if isinstance(started, Response):
+        return started
+    return await answer_chat(started, request, state)
+
+
+@dataclass
+class ChatCall:
+    """A chat completion whose engine request is submitted: what its answer is made from."""
+
+    body: ChatCompletionRequest
+    stream: Any  # a RequestStream, or one whose first output was awaited (routes_completions.Primed)
+    parser: ToolCallParser | None
+    completion_id: str
+    created: int
+
+
+async def start_chat(body: ChatCompletionRequest, request: Request, state: ServerState) -> ChatCall | Response:
+    """The checks of one chat completion (one choice) and its engine request; a Response (499) if the client left
+    before it was submitted."""
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     check_stream_options(body.stream, body.stream_options)
+    check_prompt_logprobs(body.stream, body.prompt_logprobs)
     max_tokens = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     plan = chat_tool_plan(body)
@@ -321,15 +345,22 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
                                stop_token_ids=body.stop_token_ids,
-                               logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                               logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                               prompt_logprobs=body.prompt_logprobs)
     turns, tool_turns = chat_turns(body)
     try:
         stream = await start(body, sampling, grammar, grammar_param, turns, request, state, plan, tool_turns)
     except ClientDisconnected:
         return Response(status_code=499)
-    completion_id, created = f"chatcmpl-{stream.request_id}", int(time.time())
-    model = state.settings.model_name
     parser = ToolCallParser(tuple(f.name for f in plan.functions)) if plan is not None and plan.calls else None
+    return ChatCall(body, stream, parser, f"chatcmpl-{stream.request_id}", int(time.time()))
+
+
+async def answer_chat(call: ChatCall, request: Request, state: ServerState) -> Response:
+    """The chat completion's answer: its event stream, or (not streamed) its message once it has finished."""
+    body, stream, parser = call.body, call.stream, call.parser
+    completion_id, created = call.completion_id, call.created
+    model = state.settings.model_name
     if body.stream:
         options = body.stream_options
         return SSEResponse(chat_events(stream, state, completion_id, created, model,
@@ -358,7 +389,35 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     if body.return_token_ids:
         choice["token_ids"] = output.token_ids
         answer["prompt_token_ids"] = output.prompt_token_ids
+    if body.prompt_logprobs is not None:
+        answer["prompt_logprobs"] = vllm_prompt_logprobs(output.prompt_logprobs, state)
     return JSONResponse(answer)
+
+
+def check_prompt_logprobs(stream: bool | None, prompt_logprobs: int | None) -> None:
+    """vLLM refuses prompt log-probabilities on a streamed request."""
+    if prompt_logprobs is not None and stream:
+        raise APIError(400, "prompt_logprobs is not available with stream: true", "prompt_logprobs", "invalid_value")
+
+
+def vllm_prompt_logprobs(scored: list[TokenLogprobs | None] | None, state: ServerState) -> list[Any]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
+    for the token itself and its likeliest alternatives."""
+    tokenizer = state.bridge.engine.tokenizer
+
+    def entry(logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": max(logprob, IMPOSSIBLE_LOGPROB), "rank": rank}
+
+    answer: list[Any] = []
+    for lp in scored or []:
+        if lp is None:
+            answer.append(None)
+            continue
+        tops = {str(token): entry(value, rank) for rank, (token, value) in enumerate(lp.top, start=1)}
+        tops.setdefault(str(lp.token_id), entry(lp.logprob, lp.rank or 0))
+        answer.append({token: {**value, "decoded_token": tokenizer.decode([int(token)])}
+                       for token, value in tops.items()})
+    return answer
 
 
 def check_stream_options(stream: bool | None, options: Any) -> None:

@@ -72,7 +72,10 @@ def test_echo_and_logprobs_in_the_legacy_format(client, server):
     lp = choice.logprobs
     prompt_ids = server.state.bridge.engine.adapter.process(PROMPT, [], [], None)[0]
     n = len(prompt_ids)
-    assert lp.token_logprobs[:n] == [None] * n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first token has no context
+    scored = lp.token_logprobs[1:n]
+    assert all(v <= 0 for v in scored) and all(len(top) <= 3 for top in lp.top_logprobs[1:n])
+    assert all(max(top.values()) >= value - 1e-5 for top, value in zip(lp.top_logprobs[1:n], scored, strict=True))
     generated = lp.token_logprobs[n:]
     assert generated and all(v <= 0 for v in generated)
     assert all(len(top) <= 3 and max(top.values()) >= value - 1e-5  # the chosen token is the likeliest (greedy)
@@ -81,6 +84,29 @@ def test_echo_and_logprobs_in_the_legacy_format(client, server):
     assert "".join(lp.tokens[n:]) == tokenizer.decode(tokenizer(whole, add_special_tokens=False).input_ids) \
         or whole in "".join(lp.tokens[n:])  # special tokens are in `tokens`, not in the text
     assert lp.text_offset == sorted(lp.text_offset) and len(lp.text_offset) == len(lp.tokens)
+
+
+def test_echoed_prompt_logprobs_equal_vllms_prompt_logprobs_streamed_or_not(client, server):
+    """lm-eval's loglikelihood call: token ids, echo, logprobs 1, one new token; the prompt's scores equal those of
+    vLLM's `prompt_logprobs` field, and a streamed answer's first chunk carries them too."""
+    ids = server.state.bridge.engine.tokenizer(PROMPT, add_special_tokens=False).input_ids
+    echoed = greedy(client, ids, echo=True, logprobs=1, max_tokens=1).choices[0].logprobs
+    extension = greedy(client, ids, max_tokens=1, extra_body={"prompt_logprobs": 0}).choices[0]
+    scores = extension.model_extra["prompt_logprobs"]
+    assert len(scores) == len(ids) and scores[0] is None
+    assert [s[str(t)]["logprob"] for s, t in zip(scores[1:], ids[1:], strict=True)] == pytest.approx(
+        echoed.token_logprobs[1:len(ids)], abs=1e-5)
+    assert all(s[str(t)]["rank"] >= 1 for s, t in zip(scores[1:], ids[1:], strict=True))
+    chunks = list(greedy(client, ids, echo=True, logprobs=1, max_tokens=1, stream=True))
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[:len(ids)] == pytest.approx(echoed.token_logprobs[:len(ids)], abs=1e-5)
+
+
+def test_prompt_logprobs_are_refused_when_streamed_or_out_of_range(client):
+    for extra, stream in (({"prompt_logprobs": 1}, True), ({"prompt_logprobs": 21}, False)):
+        with pytest.raises(openai.BadRequestError) as raised:
+            greedy(client, PROMPT, stream=stream, extra_body=extra)
+        assert raised.value.body["param"] == "prompt_logprobs"
 
 
 def test_stop_ends_the_text_before_the_stop_string(client):

@@ -82,3 +82,15 @@ def test_chat_n_choices_streamed_with_each_chunks_index(client):
             texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
     assert [texts[0], texts[1]] == alone
     assert usage is not None and usage.completion_tokens >= 2
+
+
+def test_non_streamed_chat_choices_run_beside_the_first(client, server):
+    """The other choices are submitted once the first has its prompt computed, not once it has ended: n choices of
+    12 tokens each take far fewer steps than n x 12."""
+    engine = server.state.bridge.engine
+    before = engine.stats()
+    answer = chat(client, n=3, seed=3, extra_body={"ignore_eos": True, "max_tokens": 12})
+    steps = engine.stats().num_steps - before.num_steps
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert answer.usage.completion_tokens == 3 * 12
+    assert steps < 2 * 12

@@ -161,3 +161,16 @@ def test_omitted_max_tokens_runs_to_the_context(http):
     assert usage["prompt_tokens"] + usage["completion_tokens"] == CONTEXT
     reply = chat(http, max_tokens=CONTEXT + 1)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "max_tokens"
+
+
+def test_chat_prompt_logprobs_score_every_prompt_token(http):
+    reply = chat(http, max_tokens=2, prompt_logprobs=2, return_token_ids=True)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    scores, ids = body["prompt_logprobs"], body["prompt_token_ids"]
+    assert len(scores) == len(ids) == body["usage"]["prompt_tokens"] and scores[0] is None
+    for score, token in zip(scores[1:], ids[1:], strict=True):
+        assert str(token) in score and len(score) <= 3
+        assert all(entry["logprob"] <= 0 and entry["rank"] >= 1 and "decoded_token" in entry for entry in score.values())
+    refused = chat(http, prompt_logprobs=1, stream=True)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
