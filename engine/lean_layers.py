@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionBatch
 from engine.cpu import abi, build, ops, routing, tuning
 from engine.cpu.routing import Norm
+from engine.quantization import Int8Linear, Int8Weight, compute_dtype
 
 log = logging.getLogger(__name__)
 
@@ -80,15 +81,22 @@ def fits(layer: torch.nn.Module) -> bool:
         return False
     linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    if not all(isinstance(m, torch.nn.Linear) for m in linears):
+    if not uniform_linears(linears):
         return False
-    dtypes = {m.weight.dtype for m in linears}
+    dtypes = {compute_dtype(m) for m in linears}
     window = getattr(attn, "sliding_window", None)
     return (len(dtypes) == 1 and dtypes <= set(routing.KERNEL_ROWS) and _norms(layer, next(iter(dtypes)))
             is not None and getattr(attn, "is_causal", True) and getattr(attn, "attn_logit_softcapping", None) is None
             and (window is None or (isinstance(window, int) and window > 0))
             and isinstance(getattr(attn, "scaling", None), float)
             and routing.activation_of(getattr(mlp, "act_fn", None)) in abi.GLU_ACTIVATIONS)
+
+
+def uniform_linears(modules: list[torch.nn.Module | None]) -> bool:
+    """Whether `modules` are all float Linear layers or all int8 ones (engine/quantization.py), in one dtype."""
+    kinds = {type(m) is Int8Linear for m in modules}
+    return (len(kinds) == 1 and all(compute_dtype(m) is not None for m in modules)
+            and len({compute_dtype(m) for m in modules}) == 1)
 
 
 def _rope_kind(text_model: torch.nn.Module, layer: torch.nn.Module) -> str | None:
@@ -100,18 +108,26 @@ def _rope_kind(text_model: torch.nn.Module, layer: torch.nn.Module) -> str | Non
 
 @dataclass
 class Projection:
-    """One weight (maybe several modules' fused) as the kernel reads it, and up to how many rows it wins."""
+    """One weight (maybe several modules' fused) as the kernel reads it, and up to how many rows it wins. An int8
+    weight (engine/quantization.py) goes through the kernel at every row count: torch has no product that gives
+    its numbers."""
 
-    weight: torch.Tensor  # [n, k], contiguous rows
+    weight: torch.Tensor | Int8Weight  # [n, k], contiguous rows
     bias32: torch.Tensor | None
     rows: tuple[int, int]  # the row counts that go through the kernel (tuning.measure_row_range)
 
     def __post_init__(self) -> None:
+        self.int8 = isinstance(self.weight, Int8Weight)
+        if self.int8:
+            return
         self.weight_t = self.weight.t()  # torch's path multiplies by this view, made once
         self.bias = None if self.bias32 is None else self.bias32.to(self.weight.dtype)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor, glu: str | None = None) -> None:
         """out = x W^T (+ b); with `glu` (an activation), act(x W_g^T) * (x W_u^T)."""
+        if self.int8:
+            ops.linear(x, self.weight, self.bias32, glu, out)
+            return
         if self.rows[0] <= x.shape[0] <= self.rows[1]:
             ops.run_linear(build.load_variant(build.variant()), x, self.weight, self.bias32, glu, out)
             return
@@ -127,9 +143,12 @@ class Projection:
         torch.mul(gate, both[:, half:], out=out)
 
 
-def fuse(modules: list[torch.nn.Linear]) -> Projection:
+def fuse(modules: list[torch.nn.Module]) -> Projection:
     """One matrix of the modules' weights stacked (their biases likewise); each module's weight (and bias) becomes
-    a view of its rows, so the weights are held once."""
+    a view of its rows, so the weights are held once. Int8 layers (engine/quantization.py) stack their int8 rows,
+    scales and row sums alike (quantized per row, so the stack is the stacked weight's quantization)."""
+    if isinstance(modules[0], Int8Linear):
+        return _fuse_int8(modules)
     weight = torch.cat([m.weight.detach() for m in modules])
     biases = [m.bias for m in modules]
     bias = None if all(b is None for b in biases) else torch.cat([
@@ -145,11 +164,30 @@ def fuse(modules: list[torch.nn.Linear]) -> Projection:
     return Projection(weight, None if bias is None else bias.to(torch.float32), routing.KERNEL_ROWS[weight.dtype])
 
 
+def _fuse_int8(modules: list[Int8Linear]) -> Projection:
+    parts = [m.weight for m in modules]
+    weight = parts[0] if len(parts) == 1 else Int8Weight(*(torch.cat([getattr(p, name) for p in parts]) for name in
+                                                           ("qweight", "scale", "row_sums")))
+    biases = [m.bias32 for m in modules]
+    bias = None if all(b is None for b in biases) else torch.cat([
+        b if b is not None else torch.zeros(m.out_features, dtype=torch.float32) for m, b in zip(modules, biases)])
+    start = 0
+    for module in modules:
+        end = start + module.out_features
+        module.weight = Int8Weight(weight.qweight[start:end], weight.scale[start:end], weight.row_sums[start:end])
+        if module.bias32 is not None:
+            module.bias32 = bias[start:end]
+        start = end
+    return Projection(weight, bias, (1, routing.ALL_ROWS))
+
+
 def measure_projections(projections: list[Projection]) -> dict[str, tuple[int, int]]:
     """Each projection's `rows` measured here (tuning.measure_row_range), one measurement per shape;
     returns them by shape ("n x k dtype")."""
     ranges: dict[str, tuple[int, int]] = {}
     for projection in projections:
+        if projection.int8:  # the kernel at every row count
+            continue
         key = tuning.shape_key(projection.weight)
         if key not in ranges:
             ranges[key] = tuning.measure_row_range(projection.weight)
@@ -166,7 +204,7 @@ class LeanLayer:
         self.o = fuse([attn.o_proj])
         self.gate_up = fuse([mlp.gate_proj, mlp.up_proj])
         self.down = fuse([mlp.down_proj])
-        norms = _norms(layer, self.qkv.weight.dtype)
+        norms = _norms(layer, compute_dtype(attn.q_proj))
         self.input_norm, self.mlp_norm = norms["input"], norms["mlp"]
         self.attn_out_norm, self.mlp_out_norm = norms["attn_out"], norms["mlp_out"]
         self.q_norm, self.k_norm = norms["q"], norms["k"]

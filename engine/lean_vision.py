@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from engine.cpu import build, ops, routing
 from engine.cpu.tuning import median_seconds
-from engine.lean_layers import Projection, fuse, measure_projections
+from engine.lean_layers import Projection, fuse, measure_projections, uniform_linears
+from engine.quantization import compute_dtype
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +44,18 @@ def fits(layer: torch.nn.Module) -> bool:
         return False
     linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
     linears += [getattr(mlp, n, None) for n in ("fc1", "fc2")]
-    if not all(isinstance(m, torch.nn.Linear) for m in linears):
+    if not uniform_linears(linears):
         return False
-    dtypes = {m.weight.dtype for m in linears}
-    return (len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16}
+    dtypes = {compute_dtype(m) for m in linears}
+    return (dtypes <= {torch.float32, torch.bfloat16}
             and routing.activation_of(getattr(mlp, "activation_fn", None)) == "gelu_tanh"
-            and all(m.weight.device.type == "cpu" for m in linears)
+            and all(_device(m).type == "cpu" for m in linears)
             and not getattr(attn, "is_causal", False) and hasattr(attn, "head_dim") and hasattr(attn, "scale"))
+
+
+def _device(linear: torch.nn.Module) -> torch.device:
+    weight = linear.weight
+    return getattr(weight, "qweight", weight).device  # an Int8Weight's values, or the float weight
 
 
 @functools.cache
@@ -131,7 +137,8 @@ class LeanVisionLayer:
         self.out, self.fc1, self.fc2 = fuse([attn.out_proj]), fuse([mlp.fc1]), fuse([mlp.fc2])
         self.norm1, self.norm2 = layer.layer_norm1, layer.layer_norm2
         self.heads, self.head_dim, self.scale = attn.num_heads, attn.head_dim, float(attn.scale)
-        self.fused = fused_products(self.qkv.weight.dtype)
+        # oneDNN's products are float ones: an int8 layer's go through the kernel (Projection)
+        self.fused = not self.qkv.int8 and fused_products(self.qkv.weight.dtype)
 
     def projections(self) -> list[Projection]:
         return [self.qkv, self.out, self.fc1, self.fc2]

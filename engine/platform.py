@@ -52,14 +52,6 @@ class Platform:
         if self.cpu_linear:
             self._route_cpu_kernels(adapter)
 
-    def started(self) -> None:
-        """Start-up done (the model prepared, the steps calibrated): on the CPU, the copies made on the way given
-        back to the system (engine/host_memory.py)."""
-        if self.device.type == "cpu":
-            from engine.host_memory import release_freed_memory
-
-            release_freed_memory()
-
     @property
     def lean_layers(self) -> int:
         """Decoder layers run lean."""
@@ -118,7 +110,8 @@ class Platform:
             lean_vision = [layer for layer in self.lean_vision or () if layer is not None]
             projections = [p for layer in lean_vision for p in layer.projections()]
             for projection in (self.lean.projections() if self.lean is not None else []) + projections:
-                projection.rows = (1, rows) if rows else (0, 0)
+                if not projection.int8:  # an int8 weight takes the kernel at every row count
+                    projection.rows = (1, rows) if rows else (0, 0)
         log.info("CPU kernels: %s build (bfloat16 products: %s), %d lean decoder layers, %d lean vision layers, "
                  "kernel rows by weight shape %s", self.cpu_kernels, self.cpu_bf16_products, self.lean_layers,
                  self.lean_vision_layers, self.linear_rows or rows)

@@ -99,3 +99,73 @@ def reference_linear_int8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tenso
         raise ValueError(f"glu is 'silu' or 'gelu_tanh', got {glu!r}")
     out = act.to(dtype).float() * up
     return out.to(dtype).reshape(*x.shape[:-1], half)
+
+
+# -- int8 weights in the model (the engine's wiring of the rule above) ---------------------------------------------
+
+
+class Int8Linear(torch.nn.Module):
+    """A Linear layer whose weight is an `Int8Weight` (its float weight dropped): x [..., k] -> [..., n] in x's
+    dtype by the rule above. Through the CPU's C kernel where routing made it so (`kernel`, set by
+    `engine.cpu.routing.route_linears`), else through `reference_linear_int8`, which gives the same numbers on any
+    device. `weight` and `bias32` are plain attributes, not parameters or buffers: a dtype cast of the model must
+    not touch the int8 values or their float32 scales."""
+
+    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+        self.bias32 = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        self.dtype = dtype  # the float dtype of the weight it was quantized from, the dtype it computes in
+        self.kernel = False
+
+    @classmethod
+    def of(cls, linear: torch.nn.Linear) -> Int8Linear:
+        """`linear` quantized (the rule above); its own weight is not kept."""
+        weight = linear.weight.detach()
+        return cls(quantize_weight(weight), linear.bias, weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel and x.device.type == "cpu":
+            from engine.cpu import ops
+
+            return ops.linear(x, self.weight, self.bias32)
+        return reference_linear_int8(x, self.weight, self.bias32)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 from {self.dtype}, " \
+               f"bias={self.bias32 is not None}"
+
+
+def compute_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    """The float dtype a Linear layer (`nn.Linear` or `Int8Linear`) computes in; None for another module."""
+    if isinstance(module, Int8Linear):
+        return module.dtype
+    if isinstance(module, torch.nn.Linear):
+        return module.weight.dtype
+    return None
+
+
+def quantize_linears(model: torch.nn.Module) -> int:
+    """Every `nn.Linear` of `model` replaced by an `Int8Linear` of its weight, the float weight dropped (a weight
+    tied to an embedding stays the embedding's, the Linear gets its own int8 copy). Returns how many. Tests run
+    transformers' own model through this, the kernels off, as the int8 engine's reference."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, name, Int8Linear.of(child))
+                count += 1
+    return count
+
+
+def int8_bytes(model: torch.nn.Module) -> int:
+    """Bytes the `Int8Linear` layers of `model` hold (int8 values, scales, row sums, float32 biases), each storage
+    counted once (fused layers' weights are views of one)."""
+    storages: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            w = module.weight
+            for t in (w.qweight, w.scale, w.row_sums) + (() if module.bias32 is None else (module.bias32,)):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())

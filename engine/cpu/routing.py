@@ -36,10 +36,16 @@ KERNEL_ROWS: dict[torch.dtype, tuple[int, int]] = {torch.float32: (1, 16), torch
 def route_linears(model: torch.nn.Module) -> int:
     """Make every `nn.Linear` of `model` a `KernelLinear` (its weights untouched): inputs whose row count lies in
     its `rows` range go through `linear`, the rest through F.linear as before; likewise every patch embedding
-    (`nn.Conv2d` whose stride is its kernel, no padding) a `KernelPatchConv`, one row a patch. Returns how
-    many."""
+    (`nn.Conv2d` whose stride is its kernel, no padding) a `KernelPatchConv`, one row a patch; an int8 layer
+    (engine/quantization.py `Int8Linear`) runs through the int8 kernel at every row count. Returns how many."""
+    from engine.quantization import Int8Linear
+
     routed = 0
     for module in model.modules():
+        if type(module) is Int8Linear:  # its own forward: the int8 kernel at every row count
+            module.kernel = True
+            routed += 1
+            continue
         if type(module) is torch.nn.Linear and module.weight.dtype in KERNEL_ROWS:
             module.__class__ = KernelLinear
         elif _is_patch_conv(module):

@@ -67,9 +67,10 @@ def read_chat_template(source: str) -> str:
 
 
 def load_adapter(model: str, device: torch.device, dtype: torch.dtype,
-                 chat_template: str | None = None) -> VLMAdapter:
+                 chat_template: str | None = None, quantization: str | None = None) -> VLMAdapter:
     """The model's adapter. `chat_template` (a file or Jinja text, `read_chat_template`) replaces the
-    checkpoint's own template."""
+    checkpoint's own template; `quantization` "int8" quantizes every Linear layer's weight as it is loaded
+    (engine/quantization.py `quantize_linears`: the float weights dropped)."""
     template = read_chat_template(chat_template) if chat_template is not None else None
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
     from transformers.utils import logging as hf_logging
@@ -90,6 +91,12 @@ def load_adapter(model: str, device: torch.device, dtype: torch.dtype,
         )
     processor = AutoProcessor.from_pretrained(path)
     hf_model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
+    if quantization == "int8":
+        from engine.quantization import quantize_linears
+
+        log.info("int8 weights: %d Linear layers quantized at load", quantize_linears(hf_model))
+    elif quantization is not None:
+        raise ValueError(f"quantization is 'int8' or None, got {quantization!r}")
     adapter = adapter_cls(hf_model, processor, device, dtype)
     if template is not None:
         adapter.chat_template = template

@@ -44,14 +44,18 @@ def photos() -> list[Image.Image]:
     return [Image.open(path).convert("RGB") for path in photo_paths()]
 
 
-def oracle_for(checkpoint: str, **processor_kwargs) -> Callable[[str, list[Image.Image], int], list[int]]:
+def oracle_for(checkpoint: str, prepare: Callable[[torch.nn.Module], object] | None = None,
+               **processor_kwargs) -> Callable[[str, list[Image.Image], int], list[int]]:
     """Greedy tokens from transformers' `generate` on `checkpoint`, one request at a time, memoised (images
-    by identity: pass the same image objects for the same images); `processor_kwargs` go to the processor
-    with images."""
+    by identity: pass the same image objects for the same images); `prepare`, where given, is applied to the
+    loaded model first (tests/engine/test_int8.py quantizes its Linear layers); `processor_kwargs` go to the
+    processor with images."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(checkpoint)
     model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).to(DEVICE).eval()
+    if prepare is not None:
+        prepare(model)
     memo: dict[tuple, list[int]] = {}
 
     def generate(prompt: str, images: list[Image.Image], max_tokens: int) -> list[int]:
