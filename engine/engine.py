@@ -127,6 +127,7 @@ class Engine:
 
             calibrate(self.step_costs, config, self.pool, self.runner, self.max_model_len,
                       self.tokenizer.eos_token_id or 0)
+        self.platform.started()
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._lock = threading.RLock()
@@ -351,6 +352,8 @@ class Engine:
                 log.exception("step %d failed; ending the %d requests it carried", self._steps, len(carried))
                 return [self._fail(self.requests[rid]) for rid in carried]
             ran_at = time.perf_counter()
+            for rid, scored in result.prompt_logprobs.items():
+                self.requests[rid].prompt_logprobs.extend(scored)
             self.scheduler.update(scheduled, result.sampled)
             self._steps += 1
             self._last_step_num_tokens = scheduled.num_tokens
@@ -377,6 +380,7 @@ class Engine:
         return self._output(request)
 
     def _output(self, request: Request) -> RequestOutput:
+        first = request.sampling.prompt_logprobs is not None and len(request.output_token_ids) == 1
         return RequestOutput(
             request_id=request.request_id,
             token_ids=list(request.output_token_ids),
@@ -386,6 +390,7 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=[None, *request.prompt_logprobs] if first else None,
         )
 
     @property

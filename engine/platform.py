@@ -52,6 +52,14 @@ class Platform:
         if self.cpu_linear:
             self._route_cpu_kernels(adapter)
 
+    def started(self) -> None:
+        """Start-up done (the model prepared, the steps calibrated): on the CPU, the copies made on the way given
+        back to the system (engine/host_memory.py)."""
+        if self.device.type == "cpu":
+            from engine.host_memory import release_freed_memory
+
+            release_freed_memory()
+
     @property
     def lean_layers(self) -> int:
         """Decoder layers run lean."""
