@@ -70,7 +70,9 @@ def load_adapter(model: str, device: torch.device, dtype: torch.dtype,
                  chat_template: str | None = None, quantization: str | None = None) -> VLMAdapter:
     """The model's adapter. `chat_template` (a file or Jinja text, `read_chat_template`) replaces the
     checkpoint's own template; `quantization` "int8" quantizes every Linear layer's weight as it is loaded
-    (engine/quantization.py `quantize_linears`: the float weights dropped)."""
+    (engine/quantization.py `quantize_linears`: the float weights dropped). A compressed-tensors W8A8 checkpoint
+    (config.json's `quantization_config`) loads its int8 layers as saved, whatever `quantization` says, and one of
+    a scheme the engine cannot run exactly is refused by name."""
     template = read_chat_template(chat_template) if chat_template is not None else None
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
     from transformers.utils import logging as hf_logging
@@ -90,13 +92,22 @@ def load_adapter(model: str, device: torch.device, dtype: torch.dtype,
             f"supported: {', '.join(sorted(ADAPTERS))}"
         )
     processor = AutoProcessor.from_pretrained(path)
-    hf_model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
-    if quantization == "int8":
-        from engine.quantization import quantize_linears
-
-        log.info("int8 weights: %d Linear layers quantized at load", quantize_linears(hf_model))
-    elif quantization is not None:
+    if quantization not in (None, "int8"):
         raise ValueError(f"quantization is 'int8' or None, got {quantization!r}")
+    from engine.quantization import compressed_scheme, load_compressed_model, quantize_linears
+
+    quantization_config = getattr(config, "quantization_config", None)
+    if quantization_config is not None and not isinstance(quantization_config, dict):
+        quantization_config = quantization_config.to_dict()
+    scheme = compressed_scheme(quantization_config)
+    if scheme is not None:  # int8 weights as the checkpoint holds them
+        hf_model = load_compressed_model(path, config, scheme, dtype, device)
+        log.info("compressed-tensors checkpoint: %d Linear layers int8 as saved",
+                 sum(type(m).__name__ == "Int8Linear" for m in hf_model.modules()))
+    else:
+        hf_model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
+    if quantization == "int8":
+        log.info("int8 weights: %d Linear layers quantized at load", quantize_linears(hf_model))
     adapter = adapter_cls(hf_model, processor, device, dtype)
     if template is not None:
         adapter.chat_template = template
