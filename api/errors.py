@@ -4,6 +4,7 @@ answers, including FastAPI's own validation errors and unexpected exceptions."""
 from __future__ import annotations
 
 import logging
+import math
 from http import HTTPStatus
 from typing import Any
 
@@ -36,14 +37,18 @@ ERROR_TYPES = {
 
 
 class APIError(Exception):
-    """An error with its HTTP status, shown to the client in OpenAI's error format."""
+    """An error with its HTTP status, shown to the client in OpenAI's error format. `retry_after_s`: a 503's
+    `Retry-After` (the busy resource's own wait: a pool's deadline, the media box's, the grammar compilers'), else
+    RETRY_AFTER_S."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -57,10 +62,19 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     }
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {"Retry-After": str(RETRY_AFTER_S)} \
-        if status == 503 else None
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+def error_headers(status: int, retry_after_s: float | None = None) -> dict[str, str] | None:
+    """The headers of an error answer: 401's `WWW-Authenticate`, 503's `Retry-After` (whole seconds, at least 1)."""
+    if status == 401:
+        return {"WWW-Authenticate": "Bearer"}
+    if status == 503:
+        return {"Retry-After": str(max(1, math.ceil(RETRY_AFTER_S if retry_after_s is None else retry_after_s)))}
+    return None
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   retry_after_s: float | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status,
+                        headers=error_headers(status, retry_after_s))
 
 
 def _walk(value: Any, loc: tuple, absent: bool) -> tuple[bool, list] | None:
@@ -131,7 +145,7 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.retry_after_s)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

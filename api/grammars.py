@@ -55,7 +55,7 @@ async def compile_ahead(engine: Engine, spec: GrammarSpec | None, param: str, re
         if not work.done():
             work.cancel()
         if isinstance(exc, GrammarBusy):
-            raise APIError(503, f"{param}: {exc}", param, "busy") from None
+            raise APIError(503, f"{param}: {exc}", param, "busy", exc.retry_after_s) from None
         if isinstance(exc, GrammarLimitError):
             status = 413 if exc.limit == "max_schema_bytes" else 400
             raise GrammarRefused(status, f"{param}: {exc}", param, "grammar_too_large") from None

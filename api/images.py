@@ -107,7 +107,7 @@ def _decode_in_box(data: bytes, limits: Limits, param: str) -> Image.Image:
     try:
         return default_box().decode_image(data, FORMATS, limits.max_image_pixels, param)
     except MediaBusy as exc:
-        raise APIError(503, f"{exc}; retry later", param, "busy") from None
+        raise APIError(503, f"{exc}; retry later", param, "busy", exc.retry_after_s) from None
     except ImageTooLarge as exc:
         raise APIError(413, f"{param}: the image is too large to decode: {exc}", param, "image_too_large") from None
     except MediaLimitError as exc:  # the box's deadline or memory limit; its message names `param`

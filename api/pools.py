@@ -45,12 +45,13 @@ CLIENT_KEY: contextvars.ContextVar[str | None] = contextvars.ContextVar("vlmcap_
 
 
 class PoolBusy(APIError):
-    """The work did not get a thread, or did not end, within its deadline."""
+    """The work did not get a thread, or did not end, within its deadline (told to retry after that deadline: the
+    work holding the threads has had it too)."""
 
     def __init__(self, kind: str, deadline_s: float, started: bool) -> None:
         what = "did not finish" if started else "found no free worker"
         super().__init__(503, f"the server's {kind} work {what} within {deadline_s:g} s (it is busy); retry later",
-                         code="busy")
+                         code="busy", retry_after_s=deadline_s)
         self.kind = kind
 
 

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.bridge import EngineFailure, RequestStream
-from api.errors import APIError
+from api.errors import APIError, error_headers
 from api.grammars import compile_ahead
 from api.guard import cache_salt
 from api.images import decode_image
@@ -123,8 +123,8 @@ def history_calls(message: Message, index: int) -> dict[str, Any]:
     return {"tool_calls": calls} if calls else {}
 
 
-def ollama_error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+def ollama_error(status: int, message: str, retry_after_s: float | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=error_headers(status, retry_after_s))
 
 
 def model_names(state: ServerState) -> tuple[str, str]:
@@ -243,7 +243,7 @@ async def answered(work: Any) -> Response:
     try:
         return await work
     except APIError as exc:
-        return ollama_error(exc.status, exc.message)
+        return ollama_error(exc.status, exc.message, exc.retry_after_s)
     except ClientDisconnected:
         return Response(status_code=499)
 

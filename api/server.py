@@ -100,6 +100,7 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
     """The server's app. `engine` is an already built `engine.Engine` to serve (else one is built from
     `settings.engine` at startup). ValueError for keys that contradict each other."""
     configured_keys(settings)
+    settings.configure_media_box()
     metrics = Metrics()
 
     @asynccontextmanager

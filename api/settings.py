@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.media_box import BoxLimits
 from jobqueue.settings import QueueSettings
 from memory.settings import MemorySettings
 
@@ -132,6 +133,10 @@ class ServerSettings(QueueSettings, MemorySettings):
     body_timeout_s: seconds a request gets to send its body once its headers are in, before it is closed.
     max_connections: connections open at once; one more closes the oldest still sending its headers, else itself.
     access_log_per_s: access log lines (and socket accept errors) written a second at most; the rest are counted.
+    decode_timeout_s: seconds one media decode (a video, an image whose decode can be slow) may run in its child
+        process, and wait for a free one; past it 413 (a wait: 503 busy, with Retry-After).
+    decode_memory_bytes: address space a media decoding child may take beyond what it holds once started.
+    decode_workers: media decoding child processes at once.
     """
 
     engine: EngineConfig = field(default_factory=_engine_config)
@@ -162,6 +167,9 @@ class ServerSettings(QueueSettings, MemorySettings):
     body_timeout_s: float = 60.0
     max_connections: int = 512
     access_log_per_s: float = 20.0
+    decode_timeout_s: float = BoxLimits.timeout_s
+    decode_memory_bytes: int = BoxLimits.memory_bytes
+    decode_workers: int = BoxLimits.workers
 
     def __post_init__(self) -> None:
         MemorySettings.__post_init__(self)
@@ -174,6 +182,7 @@ class ServerSettings(QueueSettings, MemorySettings):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if not 0 < self.key_share <= 1:
             raise ValueError(f"key_share must be over 0 and at most 1, got {self.key_share!r}")
+        self.media_box_limits  # noqa: B018  (its ValueError names the option)
         self.mqtt_url = self.mqtt_url or None  # an empty variable: none
         if self.mqtt_url:
             from memory.mqtt import parse_mqtt_url, validate_prefix
@@ -182,6 +191,23 @@ class ServerSettings(QueueSettings, MemorySettings):
             validate_prefix(self.mqtt_prefix)
             if self.mqtt_discovery_prefix:
                 validate_prefix(self.mqtt_discovery_prefix, "mqtt_discovery_prefix")
+
+    @property
+    def media_box_limits(self) -> BoxLimits:
+        """The media box's limits (engine/media_box.py) these settings give; ValueError naming a bad option."""
+        try:
+            return BoxLimits(self.decode_timeout_s, self.decode_memory_bytes, self.decode_workers)
+        except ValueError as exc:
+            raise ValueError(f"decode_{exc}") from None
+
+    def configure_media_box(self) -> None:
+        """Make the process's media box one of these settings' limits where they are not its defaults (a box
+        configured otherwise, as a test does, is then left as it is)."""
+        from engine.media_box import configure_default_box, default_box
+
+        limits = self.media_box_limits
+        if limits != BoxLimits() and default_box().limits != limits:
+            configure_default_box(limits)
 
     @property
     def summary_every_s(self) -> float | None:

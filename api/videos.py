@@ -53,7 +53,7 @@ def decode_video(data: bytes, sampling: VideoSampling, limits: Limits, param: st
     try:
         return read_video(io.BytesIO(data), sampling, param)
     except MediaBusy as exc:
-        raise APIError(503, f"{exc}; retry later", param, "busy") from None
+        raise APIError(503, f"{exc}; retry later", param, "busy", exc.retry_after_s) from None
     except MediaLimitError as exc:  # a limit of the request's sampling, or of the media box (deadline, memory)
         raise APIError(413, f"{exc} ({exc.limit})" if f"({exc.limit})" not in str(exc) else str(exc), param,
                        "video_too_large") from None

@@ -56,7 +56,12 @@ class GrammarTimeout(ValueError):
 
 
 class GrammarBusy(GrammarTimeout):
-    """No worker was free for the compile's key within its wait (the workers are busy: retry later)."""
+    """No worker was free for the compile's key within its wait (the workers are busy: retry later, after
+    `retry_after_s`)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class GrammarCancelled(ValueError):
@@ -196,7 +201,7 @@ class GrammarPool:
                     left = ends - time.monotonic()
                     if left <= 0:
                         raise GrammarBusy(f"no grammar compiler was free within {wait_s:g} s (compile_timeout_s): "
-                                          "the server is busy compiling; retry later")
+                                          "the server is busy compiling; retry later", wait_s)
                     self._turns.wait(min(POLL_S, left))
             finally:
                 self._tickets.remove(ticket)

@@ -89,7 +89,11 @@ class MediaTimeout(MediaLimitError):
 
 class MediaBusy(MediaTimeout):
     """Every decoding child stayed busy for `BoxLimits.timeout_s`: the media was not looked at (the server's fault
-    of capacity, not the media's)."""
+    of capacity, not the media's). `retry_after_s`: within it a child is free again (each decode is killed then)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class ImageTooLarge(MediaLimitError):
@@ -313,7 +317,7 @@ class MediaBox:
             child = self._slots.get(timeout=self.limits.timeout_s)
         except queue.Empty:
             raise MediaBusy(f"{where} waited longer than {self.limits.timeout_s:g} s for a decoding process (all "
-                               f"{self.limits.workers} busy; decode_timeout_s)") from None
+                               f"{self.limits.workers} busy; decode_timeout_s)", self.limits.timeout_s) from None
         try:
             if child is None or not child.alive():
                 if child is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import os
 
 import httpx
@@ -209,4 +210,5 @@ def test_a_busy_media_box_answers_503_busy_and_the_next_image_decodes(server, ht
             box._slots.put(child)
     assert_openai_error(busy, 503, f"waited longer than {DEADLINE_S:g} s for a decoding process")
     assert busy.json()["error"]["code"] == "busy"
+    assert busy.headers["Retry-After"] == str(max(1, math.ceil(DEADLINE_S)))  # a child is free by then
     assert http.post("/v1/chat/completions", json=image_chat).status_code == 200

@@ -148,7 +148,7 @@ def test_a_grammar_compile_that_finds_no_worker_is_a_503_for_the_callers_key() -
 
     def compile(spec, cancelled):  # the engine's compiler, as busy as it gets
         seen.append(GRAMMAR_KEY.get())
-        raise GrammarBusy("no grammar compiler was free within 1 s (compile_timeout_s)")
+        raise GrammarBusy("no grammar compiler was free within 1 s (compile_timeout_s)", 1.0)
 
     engine = SimpleNamespace(grammars=SimpleNamespace(compile=compile, executor=ThreadPoolExecutor(1)))
     pools = WorkPools(5.0, 0.5)
@@ -157,7 +157,7 @@ def test_a_grammar_compile_that_finds_no_worker_is_a_503_for_the_callers_key() -
         for given in ({"key": "salt-1", "pools": pools}, {"key": "salt-2"}):
             with pytest.raises(APIError) as refused:
                 await compile_ahead(engine, GrammarSpec(regex="[a-z]+"), "schema", **given)
-            assert (refused.value.status, refused.value.code) == (503, "busy")
+            assert (refused.value.status, refused.value.code, refused.value.retry_after_s) == (503, "busy", 1.0)
 
     asyncio.run(scenario())
     assert seen == ["salt-1", "salt-2"]
