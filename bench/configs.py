@@ -45,6 +45,8 @@ class HostConfig:
     lean_layers: the CPU's lean decoder and vision layers (default: the engine's, where they fit).
     vision_tiles: encoder inputs (a 512 px tile each for SmolVLM) timed through the vision tower together, lean
         and stock (0: not timed).
+    quantization: the engine's weight quantization (int8: quantized at load, the read floor counting their int8
+        bytes; default: none).
     """
 
     model: str = "tiny-deep"
@@ -64,6 +66,7 @@ class HostConfig:
     compile_model: bool = False
     lean_layers: bool | None = None
     vision_tiles: int = 4
+    quantization: str | None = None
 
 
 @dataclass

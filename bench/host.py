@@ -251,14 +251,48 @@ def _timed(fn: Callable) -> float:
 
 
 def step_read_bytes(engine: Engine, decodes: int, context: float) -> dict[str, float]:
-    """What a decode step must read at least: the text model's weights and output head once, and each
-    sequence's keys and values."""
+    """What a decode step must read at least: the text model's weights and output head once (int8 layers' values,
+    scales and row sums where the weights are quantized; the input embeddings, of which a step reads a row a
+    sequence, only where they are the output head's weight), and each sequence's keys and values."""
+    from engine.quantization import int8_bytes
+
     adapter = engine.adapter
-    weights = {p.data_ptr(): p.numel() * p.element_size() for p in adapter.text_model.parameters()}
-    weights |= {p.data_ptr(): p.numel() * p.element_size() for p in adapter.lm_head.parameters()}
+    embedding = adapter.embed_tokens.weight
+    head = list(adapter.lm_head.parameters())
+    weights = {p.data_ptr(): p.numel() * p.element_size() for p in adapter.text_model.parameters()
+               if p is not embedding or any(p is h for h in head)}
+    weights |= {p.data_ptr(): p.numel() * p.element_size() for p in head}
+    quantized = int8_bytes(adapter.text_model) + int8_bytes(adapter.lm_head)
     cache = engine.kv_cache.keys[0]
     per_position = 2 * adapter.num_layers * cache.shape[1] * cache.shape[2] * cache.element_size()
-    return {"weights": float(sum(weights.values())), "kv": decodes * context * per_position}
+    return {"weights": float(sum(weights.values()) + quantized), "kv": decodes * context * per_position}
+
+
+def resident_bytes() -> int:
+    """The process's resident memory now (Linux's /proc; elsewhere its peak, from getrusage)."""
+    import os
+    import resource
+
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_besides_kv(engine: Engine) -> dict[str, float]:
+    """The process's resident memory once the engine has started, less its KV cache, against the bytes of the
+    model's own tensors (parameters, buffers, int8 layers), in MB."""
+    from engine.quantization import int8_bytes
+
+    model = engine.adapter.model
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()]}
+    weights = sum(storages.values()) + int8_bytes(model)
+    kv = sum(t.numel() * t.element_size() for t in [*engine.kv_cache.keys, *engine.kv_cache.values])
+    rss = resident_bytes()
+    return {"rss_mb": rss / 1e6, "kv_cache_mb": kv / 1e6, "weights_mb": weights / 1e6,
+            "besides_kv_mb": (rss - kv) / 1e6, "besides_kv_vs_weights": (rss - kv) / weights}
 
 
 def read_floor(engine: Engine, cfg: HostConfig, context: float, late_context: float) -> dict[str, float]:
@@ -308,9 +342,11 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
         model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_batched_tokens=max(cfg.budget, cfg.decodes),
         max_num_seqs=cfg.decodes, max_model_len=cfg.context + extra + 16, num_threads=cfg.threads,
         compile_model=cfg.compile_model, cpu_kernels=cfg.cpu_kernels, lean_layers=cfg.lean_layers,
+        quantization=cfg.quantization,
         **({} if cfg.cpu_linear is None else {"cpu_linear": cfg.cpu_linear}),
         **({} if cfg.attention_backend is None else {"attention_backend": cfg.attention_backend}),
     ))
+    memory = memory_besides_kv(engine)
     params = SamplingParams(max_tokens=extra, ignore_eos=True)
     ids = [engine.add_request(prompt=_prompt(engine, cfg.context, i), sampling=params) for i in range(cfg.decodes)]
     prefill_began = time.perf_counter()
@@ -341,6 +377,7 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
                    "cpu_bf16_products": stats.cpu_bf16_products,
                    "lean_layers": stats.lean_layers, "linear_rows": stats.linear_rows},
         "read_floor": floor,
+        "memory": memory,
         "vision": vision,
         "prefill_s": prefill_s,
         "context_early": context,
@@ -369,7 +406,8 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
 def summary(result: dict[str, Any]) -> str:
     cfg = result["config"]
     eng = result["engine"]
-    lines = [f"{cfg['model']} {cfg['dtype']} on {cfg['device']}: {cfg['decodes']} decodes, context "
+    weights = " int8 weights" if cfg.get("quantization") else ""
+    lines = [f"{cfg['model']} {cfg['dtype']}{weights} on {cfg['device']}: {cfg['decodes']} decodes, context "
              f"{result['context_early']:.0f} then {result['context_late']:.0f}; attention {eng['attention_backend']}, "
              f"cpu_linear {eng['cpu_linear']}, compiled {cfg['compile_model']} ({eng['compile_seconds']:.1f} s)",
              f"{'ms per step':<14}{'total':>8}" + "".join(f"{p:>11}" for p in PHASES)]
@@ -396,6 +434,11 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(f"CPU kernels: {eng.get('cpu_kernels')} build (bfloat16 products: "
                      f"{eng.get('cpu_bf16_products')}), {eng.get('lean_layers')} lean decoder layers, "
                      f"kernel rows by weight shape {eng.get('linear_rows')}")
+    memory = result.get("memory")
+    if memory:
+        lines.append(f"memory after start: {memory['rss_mb']:.0f} MB resident, {memory['kv_cache_mb']:.0f} MB of KV "
+                     f"cache, {memory['besides_kv_mb']:.0f} MB besides it for {memory['weights_mb']:.0f} MB of the "
+                     f"model's tensors ({memory['besides_kv_vs_weights']:.2f}x)")
     vision = result.get("vision")
     if vision:
         lines.append(f"vision tower: {vision['engine_ms_per_input']:.1f} ms per input ({vision['input_rows']} image "
