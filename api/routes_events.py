@@ -3,7 +3,8 @@
 image), and `POST /v1/embeddings` (OpenAI's shape; text, or images as data URLs, as Frigate's embeddings provider
 sends them) from the served model itself.
 
-`CameraMemory` is the server's store with its writer: the queue worker's finish hook (`on_finished`) hands it each
+`CameraMemory` is the server's store with its writer (memory/outputs.py's `EventKeeper`, which `vlmcap worker` keeps
+too, with the engine's embeddings): the queue worker's finish hook (`on_finished`) hands it each
 finished job and returns at once; the writer's thread makes the thumbnails and the embedding (the engine's vision
 tower, one thread, outside the step loop) and writes the event. Every read runs on a worker thread, never on the
 event loop.
@@ -36,9 +37,8 @@ from api.pools import work_pools
 from api.settings import ServerSettings
 from api.state import ServerState, server_state
 from engine.embeddings import MAX_EMBED_INPUTS
-from jobqueue.contract import CaptionResult, Job
-from memory import Event, EventQuery, EventStore, EventWriter, open_store
-from memory.jobs import event_from_job
+from memory import Event, EventQuery, EventStore
+from memory.outputs import EventKeeper, open_keeper
 from memory.store import MAX_CAMERAS, mean_unit
 
 log = logging.getLogger(__name__)
@@ -50,23 +50,12 @@ MAX_EMBED_TEXT_CHARS = 32_000
 EMBEDDING = threading.Lock()
 
 
-class CameraMemory:
+class CameraMemory(EventKeeper):
     """The server's event store, its writer thread and the engine that embeds events' frames."""
 
     def __init__(self, store: EventStore, settings: ServerSettings, engine: Any) -> None:
-        self.store = store
-        self.settings = settings
         self.engine = engine
-        self.writer = EventWriter(store, prepare=self._prepare)
-
-    def on_finished(self, job: Job, result: CaptionResult) -> None:
-        """The queue worker's finish hook: queue the job for writing (never waits)."""
-        self.writer.submit((job, result))
-
-    def _prepare(self, item: tuple[Job, CaptionResult]) -> Event | None:
-        job, result = item
-        return event_from_job(job, result, self.settings.events_frames, self.settings.events_thumbnail_size,
-                              embed=self.embed_frames)
+        super().__init__(store, settings, embed=self.embed_frames)
 
     def embed_frames(self, jpegs: list[bytes]) -> list[float] | None:
         """An event's vector: its thumbnails' embeddings averaged (None when the model gives none)."""
@@ -78,22 +67,11 @@ class CameraMemory:
             log.warning("event store: no embedding for an event's frames: %s: %s", type(exc).__name__, exc)
             return None
 
-    def close(self) -> None:
-        self.writer.close()
-
 
 async def open_memory(settings: ServerSettings, engine: Any) -> CameraMemory | None:
     """The configured store opened (None when off); a store that cannot be opened is logged and left off, so the
     server still captions."""
-    try:
-        store = await asyncio.to_thread(open_store, settings)
-    except Exception:
-        log.exception("the event store %s could not be opened; events are not kept", settings.events_location)
-        return None
-    if store is None:
-        return None
-    log.info("event store: %r, %d event(s) kept", store, await asyncio.to_thread(store.count))
-    return CameraMemory(store, settings, engine)
+    return await asyncio.to_thread(open_keeper, settings, lambda store: CameraMemory(store, settings, engine))
 
 
 def camera_memory(request: Request, state: ServerState = Depends(server_state)) -> CameraMemory:

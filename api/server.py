@@ -39,6 +39,7 @@ from api.metrics import Metrics
 from api.pools import work_pools
 from api.settings import ServerSettings
 from api.state import ServerState
+from memory.outputs import each, start_mqtt, stop_outputs
 
 log = logging.getLogger(__name__)
 
@@ -69,31 +70,10 @@ async def _build_state(settings: ServerSettings, metrics: Metrics, engine: Any |
                        feeds=feeds)
 
 
-def _start_mqtt(app: FastAPI, settings: ServerSettings) -> Callable[[Any, Any], None] | None:
-    """MQTT out started (`app.state.mqtt`) when --mqtt-url is set: its finish hook, else None."""
-    if not settings.mqtt_url:
-        return None
-    from memory.mqtt import MqttPublisher
-
-    app.state.mqtt = MqttPublisher(settings.mqtt_url, settings.mqtt_prefix, settings.mqtt_discovery_prefix or None)
-    app.state.mqtt.start()
-    return app.state.mqtt.on_finished
-
-
-def _each(*hooks: Callable[[Any, Any], None] | None) -> Callable[[Any, Any], None] | None:
-    """One finish hook calling each given one (each its own failure, logged: the others still run)."""
-    given = [hook for hook in hooks if hook is not None]
-    if not given:
-        return None
-
-    def each(job: Any, result: Any) -> None:
-        for hook in given:
-            try:
-                hook(job, result)
-            except Exception:
-                log.exception("job %s: a finish hook failed", getattr(job, "job_id", "?"))
-
-    return each
+def _mqtt_hook(app: FastAPI, settings: ServerSettings) -> Callable[[Any, Any], None] | None:
+    """MQTT out started (`app.state.mqtt`, for /ready) when --mqtt-url is set: its finish hook, else None."""
+    app.state.mqtt = start_mqtt(settings)
+    return app.state.mqtt.on_finished if app.state.mqtt is not None else None
 
 
 def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
@@ -137,7 +117,7 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
                     claim_idle_seconds=settings.claim_idle_seconds, max_deliveries=settings.max_deliveries,
                     caption_priority=settings.caption_priority, batch_size=settings.batch_size,
                     fall_priority=settings.fall_priority, on_alert=webhook.notify if webhook else None,
-                    on_finished=_each(memory.on_finished if memory else None, _start_mqtt(app, settings)),
+                    on_finished=each(memory.on_finished if memory else None, _mqtt_hook(app, settings)),
                 )
                 worker.start()
                 state.worker, state.webhook = worker, webhook
@@ -161,10 +141,8 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
                     await worker.stop(settings.shutdown_grace_s)
                 if webhook is not None:
                     await webhook.stop(settings.shutdown_grace_s)
-                if app.state.mqtt is not None:  # after the worker: its last jobs are published
-                    await asyncio.to_thread(app.state.mqtt.stop, settings.shutdown_grace_s)
-                if app.state.memory is not None:  # after the worker: its last jobs are written
-                    await asyncio.to_thread(app.state.memory.close)
+                # after the worker: its last jobs are published and written
+                await asyncio.to_thread(stop_outputs, app.state.memory, app.state.mqtt, settings.shutdown_grace_s)
                 await state.bridge.shutdown(settings.shutdown_grace_s)
                 await asyncio.gather(*state.background, return_exceptions=True)
                 await state.feeds.close()

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from engine.media_box import BoxLimits
 from jobqueue.settings import QueueSettings
-from memory.settings import MemorySettings
+from memory.settings import MemorySettings, MqttSettings
 
 if TYPE_CHECKING:
     from engine import EngineConfig
@@ -100,9 +100,9 @@ def parse_duration(text: str) -> float:
 
 
 @dataclass(kw_only=True)
-class ServerSettings(QueueSettings, MemorySettings):
+class ServerSettings(QueueSettings, MemorySettings, MqttSettings):
     """The server around the engine: who may call it, the caption queue (its worker's settings are
-    `QueueSettings`'), shutdown.
+    `QueueSettings`', where its finished jobs go `MemorySettings`' and `MqttSettings`'), shutdown.
 
     served_model_name: model id clients send and /v1/models lists (default: the engine's model).
     api_key: when set, every /v1 route and the API docs need 'Authorization: Bearer <key>'.
@@ -122,10 +122,6 @@ class ServerSettings(QueueSettings, MemorySettings):
         this often ('90s', '15m', '1h'; default: never).
     summary_max_tokens: new tokens of a camera summary (POST /v1/cameras/{id}/summary).
     summary_priority: engine priority of camera summaries (lower first: after chats, before camera captions).
-    mqtt_url: publish camera captions, events and fall alerts to this MQTT broker, with Home Assistant discovery
-        (mqtt://host:port, mqtts:// for TLS, user:password@ before the host when it asks; default: none).
-    mqtt_prefix: the MQTT topics' prefix: <prefix>/<camera>/caption, /event, /fall and <prefix>/available.
-    mqtt_discovery_prefix: Home Assistant's MQTT discovery prefix ('': publish no discovery configs).
     work_deadline_s: seconds a request's blocking work (admission, decoding, rendering, a summary's reading) may wait
         for a worker and run before it answers 503.
     key_share: the most of each work pool's threads one client (API key, else address) holds at once (0-1].
@@ -158,9 +154,6 @@ class ServerSettings(QueueSettings, MemorySettings):
     summary_every: str | None = None
     summary_max_tokens: int = 768
     summary_priority: int = DEFAULT_SUMMARY_PRIORITY
-    mqtt_url: str | None = None
-    mqtt_prefix: str = "vlmcap"
-    mqtt_discovery_prefix: str = "homeassistant"
     work_deadline_s: float = 60.0
     key_share: float = 0.5
     header_timeout_s: float = 10.0
@@ -173,6 +166,7 @@ class ServerSettings(QueueSettings, MemorySettings):
 
     def __post_init__(self) -> None:
         MemorySettings.__post_init__(self)
+        MqttSettings.__post_init__(self)
         if self.summary_every is not None:
             parse_duration(self.summary_every)
         if self.summary_max_tokens < 1:
@@ -183,14 +177,6 @@ class ServerSettings(QueueSettings, MemorySettings):
         if not 0 < self.key_share <= 1:
             raise ValueError(f"key_share must be over 0 and at most 1, got {self.key_share!r}")
         self.media_box_limits  # noqa: B018  (its ValueError names the option)
-        self.mqtt_url = self.mqtt_url or None  # an empty variable: none
-        if self.mqtt_url:
-            from memory.mqtt import parse_mqtt_url, validate_prefix
-
-            parse_mqtt_url(self.mqtt_url)
-            validate_prefix(self.mqtt_prefix)
-            if self.mqtt_discovery_prefix:
-                validate_prefix(self.mqtt_discovery_prefix, "mqtt_discovery_prefix")
 
     @property
     def media_box_limits(self) -> BoxLimits:

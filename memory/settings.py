@@ -1,5 +1,6 @@
-"""Where the camera memory keeps events and for how long: the settings `vlmcap serve` takes (its options and
-`VLMCAP_*` variables are built from these fields), declared once."""
+"""Where the camera memory keeps events and for how long, and the MQTT broker finished jobs are published to: the
+settings `vlmcap serve` and `vlmcap worker` take (their options and `VLMCAP_*` variables are built from these
+fields), declared once."""
 
 from __future__ import annotations
 
@@ -72,3 +73,28 @@ def resolved_data_dir(data_dir: str | None) -> Path:
         return Path(data_dir).expanduser()
     base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
     return Path(base) / "vlmcap"
+
+
+@dataclass(kw_only=True)
+class MqttSettings:
+    """MQTT out (memory/mqtt.py): what `vlmcap serve` and `vlmcap worker` publish each finished camera job to.
+
+    mqtt_url: publish camera captions, events and fall alerts to this MQTT broker, with Home Assistant discovery
+        (mqtt://host:port, mqtts:// for TLS, user:password@ before the host when it asks; default: none).
+    mqtt_prefix: the MQTT topics' prefix: <prefix>/<camera>/caption, /event, /fall and <prefix>/available.
+    mqtt_discovery_prefix: Home Assistant's MQTT discovery prefix ('': publish no discovery configs).
+    """
+
+    mqtt_url: str | None = None
+    mqtt_prefix: str = "vlmcap"
+    mqtt_discovery_prefix: str = "homeassistant"
+
+    def __post_init__(self) -> None:
+        self.mqtt_url = self.mqtt_url or None  # an empty variable: none
+        if self.mqtt_url:
+            from memory.mqtt import parse_mqtt_url, validate_prefix
+
+            parse_mqtt_url(self.mqtt_url)
+            validate_prefix(self.mqtt_prefix)
+            if self.mqtt_discovery_prefix:
+                validate_prefix(self.mqtt_discovery_prefix, "mqtt_discovery_prefix")
