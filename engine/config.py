@@ -102,7 +102,7 @@ class EngineConfig:
         "need the kernel backend.")})
     cpu_linear: bool | None = field(default=None, metadata={"help": (
         "on the CPU, run Linear layers and RMSNorms through the engine's C kernels (`None`: where they build). The "
-        "Linear kernel reads each weight where the model holds it, in its own dtype (engine/cpu_kernel.py; the row "
+        "Linear kernel reads each weight where the model holds it, in its own dtype (engine/cpu/; the row "
         "counts where it beats torch's GEMM, measured at start-up; vision towers' patch embeddings too, as rows of "
         "patches), and Llama-style RMSNorms run in one call instead of seven operators.")})
     cpu_kernels: str | None = field(default=None, metadata={"help": (
@@ -164,7 +164,7 @@ class EngineConfig:
         if self.cpu_linear_rows is not None and (not isinstance(self.cpu_linear_rows, int) or self.cpu_linear_rows < 0):
             raise ValueError(f"cpu_linear_rows must be a non-negative integer or None, got {self.cpu_linear_rows!r}")
         if self.cpu_kernels is not None:
-            from engine.cpu_kernel import VARIANTS  # the builds' table, with torch: only when a build is named
+            from engine.cpu.build import VARIANTS  # the builds' table, with torch: only when a build is named
 
             if self.cpu_kernels not in VARIANTS:
                 raise ValueError(f"cpu_kernels must be one of {list(VARIANTS)} or None, got {self.cpu_kernels!r}")

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from engine import cpu_kernel
+from engine.cpu import build
 
 
 def invoke(args: list[str]) -> None:
@@ -149,7 +149,7 @@ def test_bench_host_splits_a_step_into_phases_and_counts_ops(tmp_path):
     floor = result["read_floor"]  # what a step must read: the text model's weights once, every context's keys
     assert floor["bandwidth_gb_s"] > 0.1 and floor["weights_mb"] > 0 and floor["kv_mb_late"] > floor["kv_mb_early"] > 0
     assert result["ratios"]["engine_vs_floor_early"] > 0
-    assert result["engine"]["cpu_kernels"] in cpu_kernel.VARIANTS
+    assert result["engine"]["cpu_kernels"] in build.VARIANTS
     assert result["engine"]["lean_layers"] == 2
     vision = result["vision"]  # the tiny SmolVLM's tower, one photo as one input, lean and stock
     assert vision["lean_layers"] == 2 and vision["input_rows"] > 0
