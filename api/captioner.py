@@ -52,7 +52,7 @@ class EngineCaptioner:
 
     async def caption_video(self, video: bytes, prompt: str, priority: int, schema: dict | None = None,
                             cache_salt: str | None = None) -> str:
-        """The caption of an encoded clip (`jobqueue.consumer.VideoCaptioner`): its frames sampled under the
+        """The caption of an encoded clip (`jobqueue.consumer.Captioner`): its frames sampled under the
         server's video settings and limits, then `prompt`. APIError for a clip the server refuses, and (400)
         when the model has no video path."""
         check_video_input(self.bridge.engine, "video")

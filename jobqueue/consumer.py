@@ -61,27 +61,27 @@ DEFAULT_FALL_PRIORITY = QueueSettings.fall_priority
 
 
 class Captioner(Protocol):
-    async def caption(self, image_jpeg: bytes, prompt: str, priority: int) -> str:
-        """The caption of one JPEG image; raises for an image it cannot use (undecodable, too large).
-        Captioners that take a job's JSON schema (structured captions) also accept `schema=` (a dict) and
-        return JSON text under it, and those that isolate cached prefixes accept `cache_salt=` (a string); the
-        worker passes each only for jobs that have one."""
+    """What the worker hands each job to: one method per shape of job, each with the job's JSON schema (`schema`:
+    JSON text under it is returned; None: a free caption) and cache salt (`cache_salt`: cached prefixes and image
+    features shared only with requests of the same salt; None: the server's default). `caption_job` says which
+    method a job goes to. Each raises for input it cannot use (an undecodable image, a model without a video path),
+    which is the job's error."""
+
+    async def caption(self, image_jpeg: bytes, prompt: str, priority: int, schema: dict | None = None,
+                      cache_salt: str | None = None) -> str:
+        """The caption of a job of one JPEG image (`Job.image`)."""
         ...
 
-
-class FramesCaptioner(Captioner, Protocol):
     async def caption_frames(self, images: list[bytes], notes: list[str], prompt: str, priority: int,
                              schema: dict | None = None, cache_salt: str | None = None) -> str:
         """The caption of a job with several frames (`Job.frames`), as one multi-image prompt: each note (when
-        not empty) then its image, in order, then `prompt`. Captioners without it take one-image jobs only."""
+        not empty) then its image, in order, then `prompt` (`frame_parts`)."""
         ...
 
-
-class VideoCaptioner(Captioner, Protocol):
     async def caption_video(self, video: bytes, prompt: str, priority: int, schema: dict | None = None,
                             cache_salt: str | None = None) -> str:
         """The caption of a job's clip (`Job.video`): the clip, its frames sampled under the server's limits,
-        then `prompt`. Captioners without it take no video jobs."""
+        then `prompt`."""
         ...
 
 
@@ -98,24 +98,15 @@ def frame_parts(notes: list[str], prompt: str, image_part: Callable[[int], dict]
 
 
 async def caption_job(captioner: Captioner, job: Job, priority: int) -> str:
-    """A job's caption: one image through `caption` (as for every producer before several-frame jobs), a job
-    with frames through `caption_frames`, a job with a clip through `caption_video`."""
-    options = {} if job.schema is None else {"schema": job.schema}
-    if job.cache_salt is not None:
-        options["cache_salt"] = job.cache_salt
+    """A job's caption: a job with a clip through `caption_video`, one with frames through `caption_frames`, a
+    one-image job (every producer's before several-frame jobs) through `caption`."""
     if job.video is not None:
-        caption_video = getattr(captioner, "caption_video", None)
-        if caption_video is None:
-            raise ValueError(f"{type(captioner).__name__} takes no videos; this {job.job_kind} job carries a clip")
-        return await caption_video(job.video, job.prompt, priority, **options)
-    if not job.frames:
-        return await captioner.caption(job.image, job.prompt, priority, **options)
-    caption_frames = getattr(captioner, "caption_frames", None)
-    if caption_frames is None:
-        raise ValueError(f"{type(captioner).__name__} takes one image per job; this {job.job_kind} job has "
-                         f"{len(job.frames)} frames")
-    return await caption_frames([f.image for f in job.frames], [f.note for f in job.frames], job.prompt,
-                                priority, **options)
+        return await captioner.caption_video(job.video, job.prompt, priority, schema=job.schema,
+                                             cache_salt=job.cache_salt)
+    if job.frames:
+        return await captioner.caption_frames([f.image for f in job.frames], [f.note for f in job.frames],
+                                              job.prompt, priority, schema=job.schema, cache_salt=job.cache_salt)
+    return await captioner.caption(job.image, job.prompt, priority, schema=job.schema, cache_salt=job.cache_salt)
 
 
 # First-writer-wins finish (jobqueue/finish.py), atomic with the XACK/XDEL of the stream entry.

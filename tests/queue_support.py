@@ -36,19 +36,25 @@ def describe(image_jpeg: bytes, prompt: str) -> str:
 
 class DecodingCaptioner:
     """A real implementation of the Captioner protocol, without a model: the caption states the image's
-    size, so it proves the bytes arrived intact."""
+    size, so it proves the bytes arrived intact. It takes no clips."""
 
     def __init__(self) -> None:
         self.calls = 0
 
-    async def caption(self, image_jpeg: bytes, prompt: str, priority: int) -> str:
+    async def caption(self, image_jpeg: bytes, prompt: str, priority: int, schema: dict | None = None,
+                      cache_salt: str | None = None) -> str:
         self.calls += 1
         return describe(image_jpeg, prompt)
 
-    async def caption_frames(self, images: list[bytes], notes: list[str], prompt: str, priority: int) -> str:
+    async def caption_frames(self, images: list[bytes], notes: list[str], prompt: str, priority: int,
+                             schema: dict | None = None, cache_salt: str | None = None) -> str:
         """A job of several frames: each frame described after its note, then the prompt."""
         self.calls += 1
         return " | ".join(describe(image, note) for image, note in zip(images, notes, strict=True)) + f" | {prompt}"
+
+    async def caption_video(self, video: bytes, prompt: str, priority: int, schema: dict | None = None,
+                            cache_salt: str | None = None) -> str:
+        raise ValueError(f"{type(self).__name__} takes no clips; got one of {len(video)} bytes")
 
 
 def make_job(camera_id: str = "cam", width: int = 64, height: int = 48, image: bytes | None = None,

@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
-from queue_support import WebhookReceiver, describe
+from queue_support import DecodingCaptioner, WebhookReceiver, describe
 
 from api.background import BackgroundServer
 from api.server import create_app
@@ -109,13 +109,15 @@ def test_gate_needs_confident_repeated_sightings():
         Gate(fall_min_frames=0)
 
 
-class PriorityCaptioner:
+class PriorityCaptioner(DecodingCaptioner):
     """Captions like `DecodingCaptioner` and records the priority each prompt was captioned at."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.priorities: dict[str, int] = {}
 
-    async def caption(self, image_jpeg: bytes, prompt: str, priority: int) -> str:
+    async def caption(self, image_jpeg: bytes, prompt: str, priority: int, schema: dict | None = None,
+                      cache_salt: str | None = None) -> str:
         self.priorities[prompt] = priority
         return describe(image_jpeg, prompt)
 

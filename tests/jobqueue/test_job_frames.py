@@ -113,17 +113,22 @@ def test_frames_are_captioned_as_one_prompt_and_kept_for_viewers(redis_url):
     client.close()
 
 
-class OneImageCaptioner:
-    """A captioner written before jobs had frames: `caption` only."""
+class OneImageCaptioner(DecodingCaptioner):
+    """A captioner of one image per job: it refuses jobs of frames."""
 
-    async def caption(self, image_jpeg: bytes, prompt: str, priority: int) -> str:
+    async def caption(self, image_jpeg: bytes, prompt: str, priority: int, schema: dict | None = None,
+                      cache_salt: str | None = None) -> str:
         return "one image"
+
+    async def caption_frames(self, images: list[bytes], notes: list[str], prompt: str, priority: int,
+                             schema: dict | None = None, cache_salt: str | None = None) -> str:
+        raise ValueError(f"{type(self).__name__} takes one image per job; this job has {len(images)} frames")
 
 
 def test_a_third_party_one_image_entry_works_unchanged_and_a_one_image_captioner_refuses_frames(redis_url):
     """An entry with only the fields the contract had before frames (no kind, no frame fields), XADDed by hand
     as another language's producer would: captioned through `caption`, its result a sighting of one frame. A job
-    of frames given to a captioner without `caption_frames` fails naming why."""
+    of frames its captioner refuses fails with the captioner's error."""
     client = redis.Redis.from_url(redis_url)
     old_style = {"job_id": "third-party-1", "camera_id": "lobby", "frame_ts": "7.5", "prompt": "Who is there?",
                  "image": jpeg(64, 48), "detections": json.dumps([{"x1": 1, "y1": 2, "x2": 30, "y2": 40,
@@ -136,7 +141,8 @@ def test_a_third_party_one_image_entry_works_unchanged_and_a_one_image_captioner
     assert (result.status, result.caption, result.kind, result.frame_count) == ("done", "one image", "sighting", 1)
     assert (result.start_ts, result.end_ts, result.track_id) == (7.5, 7.5, None)
     failed = CaptionResult.from_fields(client.hgetall(result_key(framed.job_id)))
-    assert failed.status == "failed" and "takes one image per job; this event job has 3 frames" in failed.error
+    assert failed.status == "failed"
+    assert failed.error == "ValueError: OneImageCaptioner takes one image per job; this job has 3 frames"
     client.close()
 
 

@@ -253,7 +253,8 @@ class HeldCaptioner(DecodingCaptioner):
         self.release = asyncio.Event()
         self.finished: list[str] = []
 
-    async def caption(self, image_jpeg: bytes, prompt: str, priority: int) -> str:
+    async def caption(self, image_jpeg: bytes, prompt: str, priority: int, schema: dict | None = None,
+                      cache_salt: str | None = None) -> str:
         if "fall" not in prompt:
             await asyncio.wait_for(self.release.wait(), 30)  # a worker that waits for them fails, not hangs
         self.finished.append(prompt)
