@@ -46,7 +46,7 @@ class EngineCaptioner:
                    for index, data in enumerate(images)]
         content = frame_parts(notes, prompt, lambda _: {"type": "image"})
         # Each frame one encoder input where the family tiles images (SmolVLM: 64 tokens a frame, not ~1,000).
-        single = type(self.bridge.engine.adapter).single_input_options or None
+        single = self.bridge.engine.single_input_options
         return await self.collect(await self.submit_content(content, decoded, priority, schema=schema,
                                                             cache_salt=cache_salt, mm_processor_kwargs=single))
 

@@ -177,9 +177,7 @@ def build_prompt(engine: Any, question: str, events: list[Event],
 
 def count_tokens(engine: Any, prompt: AskPrompt) -> int:
     """The prompt's tokens as the engine will see them (its processor: text, image markers expanded)."""
-    options = type(engine.adapter).single_input_options or None
-    token_ids, _ = engine.adapter.process(prompt.text, prompt.images, (), options)
-    return len(token_ids)
+    return len(engine.tokenize(prompt.text, prompt.images, engine.single_input_options))
 
 
 def fit_prompt(engine: Any, question: str, ranked: list[Event], frames: dict[str, list[tuple[int, EventFrame]]],
@@ -297,7 +295,7 @@ async def ask_cameras(body: AskRequest, request: Request, memory: CameraMemory =
         prompt=asked.prompt.text, images=asked.prompt.images,
         sampling=SamplingParams(max_tokens=asked.max_tokens, temperature=0.0),
         priority=state.settings.summary_priority, cache_salt=cache_salt(request, state.settings, None),
-        mm_processor_kwargs=type(state.bridge.engine.adapter).single_input_options or None)
+        mm_processor_kwargs=state.bridge.engine.single_input_options)
     if body.stream:
         return SSEResponse(_answer_events(stream, state, asked, head))
     output, _ = await final_output(request, stream, state)

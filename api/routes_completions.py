@@ -91,7 +91,7 @@ def prompt_texts(prompt: Prompt, state: ServerState) -> list[tuple[str, list[int
     if all(isinstance(p, int) for p in prompt):
         prompt = [prompt]  # one prompt of token ids
     tokenizer = state.bridge.engine.tokenizer
-    vocab = state.bridge.engine.adapter.lm_head.weight.shape[0]
+    vocab = state.bridge.engine.vocab_size
     texts = []
     for i, p in enumerate(prompt):
         if isinstance(p, str):

@@ -144,8 +144,8 @@ async def start(body: SamplingFields, sampling: SamplingParams, grammar: Grammar
 def with_tools(prompt: EnginePrompt, plan: ToolPlan | None, tool_turns: ToolTurns, state: ServerState) -> EnginePrompt:
     """The prompt with the tools and the history's calls and results: through the checkpoint's template where it
     takes tools, else the generic rendering (api/tools.py)."""
-    adapter = state.bridge.engine.adapter
-    native = template_takes_tools(adapter)
+    engine = state.bridge.engine
+    native = template_takes_tools(engine.chat_template)
     messages = [{**message, **extra} for message, extra in zip(prompt.messages, tool_turns or [{}] * len(
         prompt.messages), strict=True)]
     functions = plan.functions if plan is not None else ()
@@ -153,7 +153,7 @@ def with_tools(prompt: EnginePrompt, plan: ToolPlan | None, tool_turns: ToolTurn
     if not native:
         return EnginePrompt(messages, prompt.images, prompt.videos)
     try:
-        text = adapter.render_messages(messages, tools=[f.openai() for f in functions] or None)
+        text = engine.render_messages(messages, tools=[f.openai() for f in functions] or None)
     except Exception as exc:  # the template refuses malformed turns in many ways
         raise APIError(400, f"messages could not be rendered with the chat template: {exc}", "messages",
                        "invalid_value") from None

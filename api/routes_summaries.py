@@ -134,8 +134,7 @@ def evenly(items: list[str], count: int) -> list[str]:
 
 def prompt_tokens(engine: Any, prompt: str) -> int:
     """A text prompt's tokens as the engine will see them (its processor)."""
-    token_ids, _ = engine.adapter.process(prompt, [], (), None)
-    return len(token_ids)
+    return len(engine.tokenize(prompt))
 
 
 def fit_summary(engine: Any, camera: str, start: float, end: float, results: list[CaptionResult],

@@ -82,11 +82,8 @@ def tool_plan(functions: list[Function], tool_choice: Any, named: str | None, pa
     return ToolPlan(tuple(functions), mode, spec, param)
 
 
-def template_takes_tools(adapter: Any) -> bool:
-    """Whether the checkpoint's chat template renders `tools` itself (its source uses the variable)."""
-    template = getattr(adapter, "chat_template", None) or getattr(adapter.processor, "chat_template", None)
-    if isinstance(template, dict):
-        template = template.get("default")
+def template_takes_tools(template: str | None) -> bool:
+    """Whether a chat template (`Engine.chat_template`) renders `tools` itself (its source uses the variable)."""
     return isinstance(template, str) and "tools" in template
 
 

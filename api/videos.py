@@ -21,8 +21,8 @@ from engine.video import Video, VideoSampling, read_video
 
 def check_video_input(engine: Engine, param: str) -> None:
     """A model without a video path refuses a video before it is fetched or decoded (400 naming the model)."""
-    if engine.adapter.video_marker is None:
-        raise APIError(400, f"{param}: the model ({engine.adapter.family}) has no video input; send the frames as "
+    if not engine.takes_videos:
+        raise APIError(400, f"{param}: the model ({engine.model_family}) has no video input; send the frames as "
                             "images instead", param, "unsupported_video")
 
 

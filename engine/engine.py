@@ -75,6 +75,11 @@ def _load_image(image: ImageInput, index: int) -> Image.Image:
 
 
 class Engine:
+    """One model served: `add_request` / `step` / `abort` run requests; `embed` gives embeddings from the model's own
+    tower; and what a server needs to know of the model without reaching into its adapter: `tokenize`,
+    `user_prompt`, `render_messages`, `has_chat_template` / `chat_template`, `single_input_options`,
+    `takes_videos`, `model_family`, `vocab_size`, `max_model_len`, `tokenizer`, `grammars`, `stats`."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         if config.num_threads:
@@ -224,12 +229,12 @@ class Engine:
                              f"{str(cache_salt)[:80]!r}")
         if messages is not None:
             if not self.has_chat_template:
-                self.adapter.render_messages(messages)  # its ValueError says what to send instead
+                self.render_messages(messages)  # its ValueError says what to send instead
             try:
-                prompt = self.adapter.render_messages(messages)
+                prompt = self.render_messages(messages)
             except Exception as exc:  # the template rejects malformed messages in many ways
                 raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
-        vocab_size = self.adapter.lm_head.weight.shape[0]
+        vocab_size = self.vocab_size
         if prompt_token_ids is not None:
             self._check_token_ids(prompt_token_ids, vocab_size, images, videos)
         elif not isinstance(prompt, str) or not prompt:
@@ -393,17 +398,57 @@ class Engine:
             prompt_logprobs=[None, *request.prompt_logprobs] if first else None,
         )
 
+    # -- what the server asks of the model (api/ reads these, never `adapter`) ---------------------------------
     @property
     def has_chat_template(self) -> bool:
         """Whether chat requests (`messages`) can be rendered: a checkpoint without a template serves prompts only."""
         return self.adapter.chat_template is not None
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template `messages` are rendered with (the checkpoint's or --chat-template's); None: none."""
+        return self.adapter.chat_template
+
+    def render_messages(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> str:
+        """`messages` through the chat template, ending with the assistant's turn; `template_kwargs` are the
+        template's variables (`tools=...`). ValueError where the model has no template."""
+        return self.adapter.render_messages(messages, **template_kwargs)
+
+    @property
+    def model_family(self) -> str:
+        """The model's transformers class name (`SmolVLMForConditionalGeneration`), as messages name it."""
+        return self.adapter.family
+
+    @property
+    def takes_videos(self) -> bool:
+        """Whether the model has a video path (`videos=` of `add_request`); one without refuses videos."""
+        return self.adapter.video_marker is not None
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's logits: every token id a prompt may hold is below it."""
+        return self.adapter.lm_head.weight.shape[0]
+
+    @property
+    def single_input_options(self) -> dict[str, Any] | None:
+        """The `mm_processor_kwargs` that make each image one encoder input (SmolVLM: one 512 px tile, not up to
+        17); None where every image already is one (Qwen2-VL, LLaVA, Gemma 3)."""
+        return dict(type(self.adapter).single_input_options) or None
+
+    def tokenize(self, prompt: str, images: list[ImageInput] | None = None,
+                 mm_processor_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """A text prompt's token ids as `add_request` computes them (a marker per image, expanded by the model's
+        processor), to size a prompt to the context before it is sent. ValueError as `add_request`'s."""
+        token_ids, _ = self._process(prompt, images, None, mm_processor_kwargs)
+        return token_ids
+
 
     def user_prompt(self, content: list[dict[str, Any]]) -> str:
         """One user turn of `content` parts (text, `{"type": "image"}`, `{"type": "video"}`) as a prompt: through
         the chat template where the model has one, else the family's own markers and the text
         (`VLMAdapter.plain_prompt`), so that captions run on any checkpoint."""
         if self.has_chat_template:
-            return self.adapter.render_messages([{"role": "user", "content": content}])
+            return self.render_messages([{"role": "user", "content": content}])
         return self.adapter.plain_prompt(content)
 
     def embed(self, images: list[ImageInput] | None = None, texts: list[str] | None = None) -> list[list[float]]:
@@ -421,8 +466,7 @@ class Engine:
         `add_request` (`grammars.compile`, from `grammars.executor`), which then finds it cached."""
         with self._grammars_lock:
             if self._grammars is None:
-                vocab_size = self.adapter.lm_head.weight.shape[0]
-                self._grammars = GrammarCompiler(self.tokenizer, vocab_size, sorted(self.eos_token_ids),
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
                                                  self.config.grammar_limits)
             return self._grammars
 
