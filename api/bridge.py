@@ -244,6 +244,7 @@ class EngineBridge:
         videos: list[Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
         prompt_token_ids: list[int] | None = None,
+        embed_images: bool = False,
     ) -> RequestStream:
         """Queue a request and return its stream. Raises APIError: 400 for a request the engine refuses,
         429 when the waiting queue is full, 503 while shutting down."""
@@ -265,7 +266,7 @@ class EngineBridge:
                 self.engine.add_request(prompt=prompt, messages=messages, images=images, sampling=sampling,
                                         priority=priority, request_id=stream.request_id, cache_salt=cache_salt,
                                         videos=videos, mm_processor_kwargs=mm_processor_kwargs,
-                                        prompt_token_ids=prompt_token_ids)
+                                        prompt_token_ids=prompt_token_ids, embed_images=embed_images)
             finally:  # here, not once the event loop resumes: the next step must not still count it
                 with self._cond:
                     self._adding -= 1

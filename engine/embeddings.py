@@ -5,7 +5,13 @@ L2-normalised. Both have the language model's hidden size, so the camera memory 
 
 An image is encoded as one encoder input where the family allows it (`VLMAdapter.single_input_options`: SmolVLM's
 one 512 px tile, not its 17), so an embedding costs one tile of the tower. These functions run the tower on the
-calling thread, outside the step loop (`Engine.embed`); they change no engine state."""
+calling thread, outside the step loop (`Engine.embed`); they change no engine state.
+
+A request's own images need no second run: `Engine.add_request(..., embed_images=True)` pools each encoder input's
+features as the step loop computes them for the request's prompt (`pooled`), so a caption made with each image one
+encoder input gives its images' embeddings with it (the camera memory keeps an event's so): `Engine.embed`'s, to
+float32 rounding (the CPU kernels route a product by its rows, so a tile encoded beside others may round otherwise
+in the last bit than one encoded alone)."""
 
 from __future__ import annotations
 
@@ -27,15 +33,22 @@ def _unit(vector: torch.Tensor) -> list[float]:
     return (vector / norm).tolist()
 
 
+def pooled(features: Sequence[torch.Tensor]) -> list[float]:
+    """Encoder inputs' features ([rows, hidden] each) mean-pooled over all of their rows, L2-normalised: an image's
+    embedding from its inputs' features, here and where the engine reuses a request's own (`Engine.add_request`'s
+    `embed_images`)."""
+    rows = torch.cat([f.reshape(-1, f.shape[-1]).float() for f in features])
+    return _unit(rows.mean(dim=0))
+
+
 def image_embedding(adapter: VLMAdapter, image: Image.Image) -> list[float]:
-    """One image's embedding: its encoder inputs' features, mean-pooled over all rows, L2-normalised."""
+    """One image's embedding: its encoder inputs' features (one input where the family allows: `single_input_options`),
+    mean-pooled over all rows, L2-normalised."""
     prompt = adapter.image_prompt or adapter.image_marker
     _, mm = adapter.process(prompt, [image], (), dict(adapter.single_input_options) or None)
     if mm is None or not mm.encoder_inputs:
         raise ValueError(f"{adapter.family} made no encoder input of the image")
-    features = adapter.encode(mm.encoder_inputs)
-    rows = torch.cat([f.reshape(-1, f.shape[-1]).float() for f in features])
-    return _unit(rows.mean(dim=0))
+    return pooled(adapter.encode(mm.encoder_inputs))
 
 
 def text_embedding(adapter: VLMAdapter, text: str, max_tokens: int) -> list[float]:

@@ -34,6 +34,7 @@ from engine.platform import Platform
 from engine.request import Request
 from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler
+from engine.scheduler_output import EncoderWork
 from engine.step_costs import DEFAULT_ITL_TARGET_MS, StepCosts
 from engine.video import VideoInput, VideoSampling, as_video
 
@@ -144,6 +145,8 @@ class Engine:
         self.last_step_timings = StepTimings()
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self._grammars_lock = threading.Lock()
+        # Per request asking for its images' embeddings (`embed_images`): each encoder input's, once encoded.
+        self._image_embeddings: dict[str, list[list[float] | None]] = {}
 
     # The platform's choices (engine/platform.py), as the engine has always reported them.
     @property
@@ -207,6 +210,7 @@ class Engine:
         videos: list[VideoInput] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
         prompt_token_ids: list[int] | None = None,
+        embed_images: bool = False,
     ) -> str:
         """Queue a request and return its id. Raises ValueError for a request that can never run.
         Give exactly one of `prompt` (text, with a marker per image and video), `messages` (rendered through the
@@ -216,7 +220,10 @@ class Engine:
         `mm_processor_kwargs`: options for the model's processor that the family allows
         (`VLMAdapter.processor_options`; SmolVLM: `do_image_splitting`).
         `videos`: each a `engine.video.Video`, a list of frames (PIL images or arrays), or a file path or encoded
-        bytes (read with OpenCV, frames sampled by `VideoSampling()`), one for each video marker of the prompt."""
+        bytes (read with OpenCV, frames sampled by `VideoSampling()`), one for each video marker of the prompt.
+        `embed_images`: the finished output carries `image_embeddings`, each encoder input's features as this request's
+        own steps computed them, pooled as `embed` pools an image's (engine/embeddings.py): the images' embeddings
+        without a second run of the tower where each image is one encoder input (`single_input_options`)."""
         if sum(given is not None for given in (prompt, messages, prompt_token_ids)) != 1:
             raise ValueError("give exactly one of prompt or messages (or prompt_token_ids)")
         sampling = sampling or SamplingParams()
@@ -281,6 +288,8 @@ class Engine:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self.requests[request_id] = request
+            if embed_images:
+                self._image_embeddings[request_id] = [None] * (mm.num_inputs if mm is not None else 0)
             self.scheduler.add(request)
         return request_id
 
@@ -334,6 +343,7 @@ class Engine:
             if request is None:
                 return False
             self.scheduler.finish(request, "abort")
+            self._image_embeddings.pop(request_id, None)
             return True
 
     def has_unfinished_requests(self) -> bool:
@@ -360,6 +370,8 @@ class Engine:
             for rid, scored in result.prompt_logprobs.items():
                 self.requests[rid].prompt_logprobs.extend(scored)
             self.scheduler.update(scheduled, result.sampled)
+            if self._image_embeddings:
+                self._pool_features(scheduled.encoder_work)
             self._steps += 1
             self._last_step_num_tokens = scheduled.num_tokens
             self._tokens_generated += len(result.sampled)
@@ -384,6 +396,16 @@ class Engine:
         self.requests.pop(request.request_id, None)
         return self._output(request)
 
+    def _pool_features(self, work: list[EncoderWork]) -> None:
+        """The features of each encoder input finished this step, pooled, for the requests that asked for them."""
+        from engine.embeddings import pooled
+
+        for encoding in work:
+            slots = self._image_embeddings.get(encoding.request_id)
+            features = self.runner.encoder_features.get(encoding.key)
+            if slots is not None and features is not None and (encoding.finishes or encoding.from_cache):
+                slots[encoding.index] = pooled([features])
+
     def _output(self, request: Request) -> RequestOutput:
         first = request.sampling.prompt_logprobs is not None and len(request.output_token_ids) == 1
         return RequestOutput(
@@ -395,6 +417,7 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             prompt_token_ids=request.prompt_token_ids,
+            image_embeddings=self._image_embeddings.pop(request.request_id, None) if request.is_finished else None,
             prompt_logprobs=[None, *request.prompt_logprobs] if first else None,
         )
 

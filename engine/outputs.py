@@ -24,6 +24,11 @@ class RequestOutput:
     # Log-probabilities of the tokens new in this output (`SamplingParams.logprobs`; None when not asked for):
     # a request's are the concatenation over its outputs.
     new_logprobs: list[TokenLogprobs] | None = None
+    # With `add_request(embed_images=True)`, on the finished output: each encoder input's features mean-pooled and
+    # L2-normalised (engine/embeddings.py `pooled`), in the prompt's order; None for an input this request did not
+    # encode (its span was found in the prefix cache). An image that is one encoder input gets `Engine.embed`'s
+    # vector (to float32 rounding).
+    image_embeddings: list[list[float] | None] | None = None
     # The prompt's token scores (`SamplingParams.prompt_logprobs`), None first (the first token has no context), in
     # the output that carries the first generated token; None in the others and when not asked for.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
