@@ -31,7 +31,16 @@ from api.openai_schemas import (
 )
 from api.state import ServerState, server_state
 from api.streaming import ClientDisconnected, SSEResponse, sse, until_disconnect
-from api.tools import Function, ParsedCall, ToolCallParser, ToolPlan, render_tools, template_takes_tools, tool_plan
+from api.tools import (
+    Function,
+    ParsedCall,
+    ToolCallParser,
+    ToolPlan,
+    calls_or_answer,
+    render_tools,
+    template_takes_tools,
+    tool_plan,
+)
 from api.videos import check_video_input, load_video_url, video_sampling
 from engine import RequestOutput, SamplingParams
 from engine.grammar import GrammarSpec
@@ -279,12 +288,13 @@ def chat_tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
 
 def request_grammar(body: SamplingFields, fmt: Any, format_param: str,
                     plan: ToolPlan | None) -> tuple[GrammarSpec | None, str]:
-    """The request's grammar: its structured output's, or its tool calls'; APIError 400 for both at once."""
+    """The request's grammar: its structured output's, its tool calls', or under `auto` both (calls, or an answer
+    in the structured output: `calls_or_answer`); `required` and a named function make calls only, so their
+    structured output holds no text."""
     grammar, param = structured_output_spec(body, fmt, format_param)
     if plan is not None and plan.calls:
-        if grammar is not None:
-            raise APIError(400, f"{param} and tools with tool_choice {plan.mode!r} cannot be combined: send "
-                                "tool_choice 'none' or no structured output", param, "conflicting_parameters")
+        if grammar is not None and plan.mode == "auto":
+            return calls_or_answer(plan, grammar), plan.param
         return plan.grammar, plan.param
     return grammar, param
 

@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api.errors import APIError
-from engine.grammar import TOOL_CALL_BEGIN, GrammarSpec, tool_call_begin, tool_call_end, tool_calls_tag
+from engine.grammar import (
+    TOOL_CALL_BEGIN,
+    GrammarSpec,
+    choice_grammar,
+    tool_call_begin,
+    tool_call_end,
+    tool_calls_tag,
+)
 
 TOOL_RESPONSE_BEGIN = "<tool_response>"
 TOOL_RESPONSE_END = "</tool_response>"
@@ -47,6 +54,7 @@ class ToolPlan:
     mode: str
     grammar: GrammarSpec | None
     param: str  # the field the grammar's errors name
+    parallel: bool = True  # more than one call allowed
 
     @property
     def calls(self) -> bool:
@@ -79,7 +87,32 @@ def tool_plan(functions: list[Function], tool_choice: Any, named: str | None, pa
     if mode == "none":
         return ToolPlan(tuple(functions), "none", None, param)
     spec = tool_calls_tag([(f.name, f.parameters) for f in functions], mode, parallel=parallel is not False)
-    return ToolPlan(tuple(functions), mode, spec, param)
+    return ToolPlan(tuple(functions), mode, spec, param, parallel is not False)
+
+
+def calls_or_answer(plan: ToolPlan, answer: GrammarSpec) -> GrammarSpec:
+    """The grammar of `auto` tools beside a structured output, as OpenAI answers it: either tool calls (at least
+    one, each held to its function's schema, the plan's parallel rule) or an answer held to the structured output's
+    grammar (`answer`), one structural tag whose text branch is that grammar."""
+    functions = [(f.name, f.parameters) for f in plan.functions]
+    calls = json.loads(tool_calls_tag(functions, "required", parallel=plan.parallel).structural_tag)["format"]
+    tag = {"type": "structural_tag", "format": {"type": "or", "elements": [calls, answer_format(answer)]}}
+    return GrammarSpec(structural_tag=json.dumps(tag, separators=(",", ":")))
+
+
+def answer_format(spec: GrammarSpec) -> dict[str, Any]:
+    """A structured output's grammar as a structural tag's element."""
+    if spec.json_schema is not None:
+        return {"type": "json_schema", "json_schema": json.loads(spec.json_schema)}
+    if spec.json_object:
+        return {"type": "json_schema", "json_schema": {"type": "object"}}
+    if spec.regex is not None:
+        return {"type": "regex", "pattern": spec.regex}
+    if spec.choice is not None:
+        return {"type": "grammar", "grammar": choice_grammar(spec.choice)}
+    if spec.grammar is not None:
+        return {"type": "grammar", "grammar": spec.grammar}
+    return json.loads(spec.structural_tag)["format"]
 
 
 def template_takes_tools(template: str | None) -> bool:

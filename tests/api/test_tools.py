@@ -114,6 +114,77 @@ def test_auto_lets_the_model_write_text_or_valid_calls(client):
         assert choice.finish_reason in ("stop", "length", "tool_calls")
 
 
+SCENE = {"type": "object", "properties": {"people": {"type": "integer", "minimum": 0, "maximum": 9},
+                                          "summary": {"type": "string", "maxLength": 12}},
+         "required": ["people", "summary"], "additionalProperties": False}
+
+
+def test_auto_tools_with_a_response_format_call_or_answer_in_its_schema(client):
+    """As OpenAI answers it: the model calls a tool (valid arguments) or answers JSON that the schema validates;
+    `required` with a response_format makes calls only."""
+    scene = jsonschema_rs.validator_for(SCENE)
+    fmt = {"type": "json_schema", "json_schema": {"name": "scene", "schema": SCENE, "strict": True}}
+    kinds = set()
+    for seed in range(4):
+        choice = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, response_format=fmt,
+                                                parallel_tool_calls=False, temperature=1.0, seed=seed,
+                                                max_tokens=200).choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and not choice.message.content
+            for call in choice.message.tool_calls:
+                valid(call.function.name, call.function.arguments)
+            kinds.add("calls")
+        else:
+            assert choice.finish_reason == "stop", choice
+            scene.validate(json.loads(choice.message.content))
+            kinds.add("answer")
+    assert kinds  # with random weights either may come; each is held to its grammar
+    forced = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                            parallel_tool_calls=False, response_format={"type": "json_object"},
+                                            max_tokens=200).choices[0]
+    assert forced.finish_reason == "tool_calls"
+    for call in forced.message.tool_calls:
+        valid(call.function.name, call.function.arguments)
+
+
+@pytest.mark.parametrize("text,held", [
+    ('{"people": 3, "summary": "two walk"}', True),
+    ('<tool_call>\n{"name": "clock", "arguments": {"zone": "UTC"}}\n</tool_call>', True),
+    ('{"people": 3}', False),  # the schema's answer, incomplete
+    ("It is sunny.", False),  # free text is not an answer in the format
+])
+def test_the_grammar_of_auto_tools_with_a_format_holds_calls_or_the_answer(server, text, held):
+    from api.tools import Function, calls_or_answer, tool_plan
+    from engine.grammar import GrammarSpec
+
+    engine = server.state.bridge.engine
+    plan = tool_plan([Function("weather", None, WEATHER), Function("clock", None, CLOCK)], "auto", None, False)
+    matcher = engine.grammars.matcher(calls_or_answer(plan, GrammarSpec.from_schema(SCENE)))
+    ids = engine.tokenizer(text, add_special_tokens=False).input_ids
+    accepted = all(matcher.accept(token) for token in ids)
+    ended = accepted and matcher.accept(engine.tokenizer.eos_token_id)
+    assert ended == held
+
+
+def test_the_sdks_parse_with_tools_and_a_response_model(client):
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        city: str = Field(max_length=8)
+
+    class Scene(BaseModel):
+        people: int = Field(ge=0, le=9)
+
+    for seed in range(2):
+        message = client.chat.completions.parse(model=MODEL, messages=ASK, tools=[openai.pydantic_function_tool(
+            Weather)], response_format=Scene, parallel_tool_calls=False, temperature=1.0, seed=seed,
+            max_tokens=200).choices[0].message
+        if message.tool_calls:
+            assert all(isinstance(call.function.parsed_arguments, Weather) for call in message.tool_calls)
+        else:
+            assert isinstance(message.parsed, Scene)
+
+
 def test_a_history_with_calls_and_results_renders(client):
     history = [*ASK,
                {"role": "assistant", "content": None, "tool_calls": [
@@ -133,7 +204,6 @@ def test_a_history_with_calls_and_results_renders(client):
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1]"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}, "frobnicate": 1}}]},
      "tools[0].function.frobnicate"),
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
