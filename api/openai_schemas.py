@@ -246,6 +246,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    store: bool | None = Field(None, description="keep the completion for GET /v1/chat/completions/{id}")
+    metadata: dict[str, Any] | None = Field(None, description="up to 16 string pairs, kept with a stored completion")
 
 
 class InputText(Strict):

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from PIL import Image
 
 from api.bridge import EngineFailure, RequestStream
+from api.completion_store import check_metadata
 from api.errors import ENGINE_FAILED, APIError, error_body
 from api.grammars import compile_ahead, structured_output_spec
 from api.guard import cache_salt
@@ -319,14 +320,19 @@ def chat_usage(output: RequestOutput) -> dict[str, Any]:
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            state: ServerState = Depends(server_state)) -> Response:
     check_model(body.model, state)
+    metadata = check_metadata(body.metadata)
     if body.n not in (None, 1):  # one engine request per choice (api/routes_completions.py)
         from api.routes_completions import chat_choices
 
-        return await chat_choices(body, request, state)
-    started = await start_chat(body, request, state)
-    if isinstance(started, Response):
-        return started
-    return await answer_chat(started, request, state)
+        response = await chat_choices(body, request, state)
+    else:
+        started = await start_chat(body, request, state)
+        response = started if isinstance(started, Response) else await answer_chat(started, request, state)
+    if body.store:
+        from api.routes_stored import keep
+
+        keep(response, body, metadata, request, state)
+    return response
 
 
 @dataclass

@@ -27,6 +27,7 @@ from api import (
     routes_events,
     routes_ollama,
     routes_openai,
+    routes_stored,
     routes_summaries,
 )
 from api.bridge import EngineBridge, build_engine
@@ -155,6 +156,7 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
     app.include_router(routes_openai.router)
     app.include_router(routes_completions.router)
     app.include_router(routes_ollama.router)
+    app.include_router(routes_stored.router)
     app.include_router(routes_captions.router)
     app.include_router(routes_dashboard.router)
     app.include_router(routes_alerts.router)

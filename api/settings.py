@@ -133,6 +133,9 @@ class ServerSettings(QueueSettings, MemorySettings, MqttSettings):
         process, and wait for a free one; past it 413 (a wait: 503 busy, with Retry-After).
     decode_memory_bytes: address space a media decoding child may take beyond what it holds once started.
     decode_workers: media decoding child processes at once.
+    store_max_completions: chat completions kept per client key for `store: true` (the oldest go first).
+    store_max_bytes: bytes of stored chat completions (their JSON, with the messages they answered) kept per key.
+    store_max_age_s: seconds a stored chat completion is kept.
     """
 
     engine: EngineConfig = field(default_factory=_engine_config)
@@ -163,6 +166,9 @@ class ServerSettings(QueueSettings, MemorySettings, MqttSettings):
     decode_timeout_s: float = BoxLimits.timeout_s
     decode_memory_bytes: int = BoxLimits.memory_bytes
     decode_workers: int = BoxLimits.workers
+    store_max_completions: int = 256
+    store_max_bytes: int = 32 * 1024 * 1024
+    store_max_age_s: float = 86400.0
 
     def __post_init__(self) -> None:
         MemorySettings.__post_init__(self)
@@ -177,6 +183,9 @@ class ServerSettings(QueueSettings, MemorySettings, MqttSettings):
         if not 0 < self.key_share <= 1:
             raise ValueError(f"key_share must be over 0 and at most 1, got {self.key_share!r}")
         self.media_box_limits  # noqa: B018  (its ValueError names the option)
+        for name in ("store_max_completions", "store_max_bytes", "store_max_age_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
 
     @property
     def media_box_limits(self) -> BoxLimits:

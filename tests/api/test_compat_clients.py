@@ -183,3 +183,34 @@ def test_openai_tools_with_a_strict_function(client):
     import jsonschema
 
     jsonschema.validate(json.loads(calls[0].function.arguments), schema)
+
+
+def test_openai_stored_completions_retrieve_list_update_delete(client):
+    """`store: true` as the SDK uses it: the completion (whole or streamed) read back by id, listed by metadata,
+    its messages, its metadata updated, deleted; one sent without `store` is not kept."""
+    ask = [{"role": "user", "content": "Hi"}]
+    whole = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, store=True,
+                                           metadata={"camera": "door"})
+    streamed_text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=4, store=True, metadata={"camera": "yard"}, stream=True,
+        stream_options={"include_usage": True}) if c.choices)
+    unstored = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4)
+    got = client.chat.completions.retrieve(whole.id)
+    assert got.choices[0].message.content == whole.choices[0].message.content and got.metadata == {"camera": "door"}
+    listed = client.chat.completions.list(metadata={"camera": "yard"})
+    assert [c.choices[0].message.content for c in listed.data] == [streamed_text]
+    assert listed.data[0].usage.completion_tokens >= 1
+    assert [m.content for m in client.chat.completions.messages.list(whole.id).data] == ["Hi"]
+    assert client.chat.completions.update(whole.id, metadata={"camera": "gate"}).metadata == {"camera": "gate"}
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.retrieve(unstored.id)
+    assert client.chat.completions.delete(whole.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.retrieve(whole.id)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=ask, max_tokens=2, store=True,
+                                       metadata={f"k{i}": "v" for i in range(17)})
+    assert refused.value.body["param"] == "metadata"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.list(limit=101)
+    assert refused.value.body["param"] == "limit"
