@@ -24,6 +24,11 @@ backend that built the batch, engine/attention_backends.py, where the choice is 
   their log-sum-exp, as flash attention merges blocks. What a chunk copies is its own size, not its context's.
   Sliding-window layers, and a prefix in more than `MAX_PREFIX_RUNS` runs, take the reference's gather.
 
+An int8 cache (engine/kv_cache.py) passes each path its layer's scales (`scales`: the key and value scales,
+[slots, kv_heads] float32): the CPU's decode kernel and the Triton kernel read the int8 rows in place, the torch
+paths dequantize what they gather (a chunk's own keys, its prefix's runs), the model dtype's values either way, so
+each path computes what it computes on a cache of the model's dtype holding them.
+
 Every tensor here was built once per step by the model runner and shared by all layers; nothing here reads a
 device value back to the host.
 """
@@ -38,7 +43,11 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from engine.cpu.ops import paged_decode_attention
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, dequantize_kv
+
+# An int8 cache's key and value scales of one layer ([slots, kv_heads] float32 each); None: a cache of the model's
+# dtype.
+Scales = tuple[torch.Tensor, torch.Tensor] | None
 
 ATTN_IMPLEMENTATION = "vlmcap_paged"
 # A prefix cached in more runs of consecutive blocks than this is gathered instead (one attention call a run).
@@ -96,6 +105,21 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: i
     return blocks.flatten(-4, -3).transpose(-3, -2)
 
 
+def _read(cache: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype,
+          rows: torch.Tensor | slice | None = None, block_tables: torch.Tensor | None = None,
+          block_size: int = 0) -> torch.Tensor:
+    """The cache's values in `dtype`: its rows `rows` ([n, kv_heads, d]) or the blocks `block_tables` gathered
+    (`gather_blocks`' layout), an int8 cache's dequantized with `scales`."""
+    if block_tables is not None:
+        values = gather_blocks(cache, block_tables, block_size)
+        if scales is None:
+            return values.to(dtype)
+        return dequantize_kv(values, gather_blocks(scales[..., None], block_tables, block_size)[..., 0], dtype)
+    if scales is None:
+        return cache[rows]
+    return dequantize_kv(cache[rows], scales[rows], dtype)
+
+
 def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     """[kv_heads, n, d] -> [heads, n, d] for grouped-query attention."""
     groups = num_heads // x.shape[-3]
@@ -119,22 +143,22 @@ def _pick(item: PrefillSpan | DecodeGroup, sliding: bool) -> torch.Tensor | None
 
 def reference_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: AttentionBatch, window: int | None,
-    scaling: float | None, out: torch.Tensor | None = None,
+    scaling: float | None, out: torch.Tensor | None = None, scales: Scales = None,
 ) -> torch.Tensor:
     """[heads, T, d] queries -> [T, heads, d] (into `out` when given: contiguous, q's dtype): gathered keys and
     values, SDPA per decode group and per chunk."""
     out = _output(q, out)
     for group in batch.decodes:
-        _gathered_decodes(q, key_cache, value_cache, batch, group, window, scaling, out)
+        _gathered_decodes(q, key_cache, value_cache, batch, group, window, scaling, out, scales)
     for span in batch.prefills:
         out[span.query_start : span.query_end] = _gathered_prefill(q, key_cache, value_cache, batch, span, window,
-                                                                   scaling)
+                                                                   scaling, scales)
     return out
 
 
 def cpu_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: AttentionBatch, window: int | None,
-    scaling: float | None, out: torch.Tensor | None = None,
+    scaling: float | None, out: torch.Tensor | None = None, scales: Scales = None,
 ) -> torch.Tensor:
     """As `reference_attention`, reading the cache in place: each decode group (its `context_lens`) through the
     CPU's decode kernel, straight from q into out; each chunk with `prefix_runs` by `_prefill_in_place` (the
@@ -143,19 +167,20 @@ def cpu_attention(
     for group in batch.decodes:
         paged_decode_attention(q, group.query_index, key_cache, value_cache, group.block_tables, group.context_lens,
                                batch.kv_cache.block_size, scaling if scaling is not None else q.shape[-1] ** -0.5,
-                               window, out)
+                               window, out, scales)
     for span in batch.prefills:
-        if span.prefix_runs is not None and window is None and key_cache.dtype == q.dtype:
-            out[span.query_start : span.query_end] = _prefill_in_place(q, key_cache, value_cache, span, scaling)
+        if span.prefix_runs is not None and window is None and batch.kv_cache.model_dtype == q.dtype:
+            out[span.query_start : span.query_end] = _prefill_in_place(q, key_cache, value_cache, span, scaling,
+                                                                       scales)
         else:
             out[span.query_start : span.query_end] = _gathered_prefill(q, key_cache, value_cache, batch, span,
-                                                                       window, scaling)
+                                                                       window, scaling, scales)
     return out
 
 
 def triton_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: AttentionBatch, window: int | None,
-    scaling: float | None, out: torch.Tensor | None = None,
+    scaling: float | None, out: torch.Tensor | None = None, scales: Scales = None,
 ) -> torch.Tensor:
     """The whole batch in one launch of the paged Triton kernel (`batch.kernel`) -> [T, heads, d]."""
     from engine.paged_kernel import paged_attention
@@ -163,7 +188,7 @@ def triton_attention(
     if batch.kernel is None:
         raise RuntimeError("the Triton attention path got no paged-kernel metadata (AttentionBatch.kernel)")
     attended = paged_attention(q.transpose(0, 1), key_cache, value_cache, batch.kernel, batch.kv_cache.block_size,
-                               scaling, window)
+                               scaling, window, scales=scales)
     if out is None:
         return attended
     out.copy_(attended)
@@ -175,27 +200,32 @@ def _output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def _gathered_decodes(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: AttentionBatch,
-                      group: DecodeGroup, window: int | None, scaling: float | None, out: torch.Tensor) -> None:
+                      group: DecodeGroup, window: int | None, scaling: float | None, out: torch.Tensor,
+                      scales: Scales = None) -> None:
     """One padded decode group: its contexts' blocks gathered, SDPA with its mask, into out's rows."""
     num_heads, kv_heads = q.shape[0], key_cache.shape[1]
     block_size = batch.kv_cache.block_size
     rows = group.query_index.shape[0]
     dq = q[:, group.query_index].transpose(0, 1).reshape(rows, kv_heads, num_heads // kv_heads, -1)
-    dk = gather_blocks(key_cache, group.block_tables, block_size).to(q.dtype)  # [B, kv_heads, ctx, d]
-    dv = gather_blocks(value_cache, group.block_tables, block_size).to(q.dtype)
+    key_scales, value_scales = scales or (None, None)
+    dk = _read(key_cache, key_scales, q.dtype, block_tables=group.block_tables, block_size=block_size)
+    dv = _read(value_cache, value_scales, q.dtype, block_tables=group.block_tables, block_size=block_size)
     o = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=_pick(group, window is not None), scale=scaling)
     out[group.query_index] = o.reshape(rows, num_heads, -1)
 
 
 def _gathered_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: AttentionBatch,
-                      span: PrefillSpan, window: int | None, scaling: float | None) -> torch.Tensor:
+                      span: PrefillSpan, window: int | None, scaling: float | None,
+                      scales: Scales = None) -> torch.Tensor:
     """One prefill chunk over its gathered context -> [n, heads, d]."""
     num_heads, kv_heads = q.shape[0], key_cache.shape[1]
     block_size = batch.kv_cache.block_size
     pq = q[:, span.query_start : span.query_end]  # [heads, n, d]
     n = pq.shape[1]
-    pk = gather_blocks(key_cache, span.block_table, block_size)[:, : span.context_len].to(q.dtype)
-    pv = gather_blocks(value_cache, span.block_table, block_size)[:, : span.context_len].to(q.dtype)
+    key_scales, value_scales = scales or (None, None)
+    pk = _read(key_cache, key_scales, q.dtype, block_tables=span.block_table, block_size=block_size)
+    pv = _read(value_cache, value_scales, q.dtype, block_tables=span.block_table, block_size=block_size)
+    pk, pv = pk[:, : span.context_len], pv[:, : span.context_len]
     mask = _pick(span, window is not None)
     if mask is None:  # the chunk is the whole context so far: plain causal attention
         o = F.scaled_dot_product_attention(pq, _expand_kv(pk, num_heads), _expand_kv(pv, num_heads),
@@ -208,15 +238,18 @@ def _gathered_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 
 
 def _prefill_in_place(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, span: PrefillSpan,
-                      scaling: float | None) -> torch.Tensor:
-    """A prefill chunk's attention reading the cache in place (see the module's docstring) -> [n, heads, d]."""
+                      scaling: float | None, scales: Scales = None) -> torch.Tensor:
+    """A prefill chunk's attention reading the cache in place (see the module's docstring; an int8 cache's runs
+    dequantized, one run at a time) -> [n, heads, d]."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     pq = q[:, span.query_start : span.query_end]  # [heads, n, d]
     heads, n, d = pq.shape
     kv_heads = key_cache.shape[1]
     scale = scaling if scaling is not None else d ** -0.5
-    own_k = _expand_kv(key_cache[span.own_slots].transpose(0, 1), heads)  # [heads, n, d]: the chunk's own keys
-    own_v = _expand_kv(value_cache[span.own_slots].transpose(0, 1), heads)
+    key_scales, value_scales = scales or (None, None)
+    own_k = _read(key_cache, key_scales, q.dtype, span.own_slots)  # [n, kv_heads, d]: the chunk's own keys
+    own_v = _read(value_cache, value_scales, q.dtype, span.own_slots)
+    own_k, own_v = _expand_kv(own_k.transpose(0, 1), heads), _expand_kv(own_v.transpose(0, 1), heads)
     if span.own_mask is None:
         o, lse = flash(pq[None], own_k[None], own_v[None], 0.0, True, scale=scale)
     else:
@@ -226,8 +259,9 @@ def _prefill_in_place(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     outputs, lses = [o[0].float()], [lse[0]]
     grouped = _by_kv_head(pq, kv_heads)[None]  # [1, kv_heads, groups * n, d]: keys read once per KV head
     for slot, count in span.prefix_runs:
-        keys = key_cache[slot : slot + count].transpose(0, 1)[None]  # [1, kv_heads, count, d], a view
-        values = value_cache[slot : slot + count].transpose(0, 1)[None]
+        run = slice(slot, slot + count)  # [1, kv_heads, count, d]: a view (an int8 cache's: dequantized)
+        keys = _read(key_cache, key_scales, q.dtype, run).transpose(0, 1)[None]
+        values = _read(value_cache, value_scales, q.dtype, run).transpose(0, 1)[None]
         o, lse = flash(grouped, keys, values, 0.0, False, scale=scale)
         outputs.append(o.reshape(heads, n, d).float())
         lses.append(lse.reshape(heads, n))
@@ -265,13 +299,13 @@ def paged_attention_forward(
         raise RuntimeError("vlmcap_paged attention called without the engine's batch metadata")
     batch = vlmcap_batch
     layer = module.layer_idx
-    key_cache, value_cache = batch.kv_cache.keys[layer], batch.kv_cache.values[layer]
+    cache = batch.kv_cache
     # [1, kv_heads, T, d] -> [T, kv_heads, d], the cache's layout.
-    key_cache.index_copy_(0, batch.slot_mapping, key[0].transpose(0, 1).to(key_cache.dtype))
-    value_cache.index_copy_(0, batch.slot_mapping, value[0].transpose(0, 1).to(value_cache.dtype))
+    cache.write(layer, batch.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
     # Layers with a sliding window (Gemma 3's local layers) see only keys less than the window behind.
     window = getattr(module, "sliding_window", None)
-    out = batch.attend(query[0], key_cache, value_cache, batch, window, scaling)
+    out = batch.attend(query[0], cache.keys[layer], cache.values[layer], batch, window, scaling,
+                       scales=cache.scales(layer))
     return out.unsqueeze(0), None
 
 

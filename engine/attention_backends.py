@@ -262,7 +262,7 @@ class CpuBackend(ReferenceBackend):
 
     def own_mask(self, chunk: ScheduledChunk) -> torch.Tensor | None:
         """What each query of a prefill chunk sees of the chunk's own keys, as SDPA adds it to the scores
-        ([1, 1, q, q]: 0 or -inf, the cache's dtype): causally, and where image tokens attend both ways every
+        ([1, 1, q, q]: 0 or -inf, the model's dtype): causally, and where image tokens attend both ways every
         token of its own image (None: causal alone)."""
         start, end, mm = chunk.start, chunk.end, chunk.mm
         images = mm.inputs_in(start, end) if mm is not None and mm.atomic_inputs else []
@@ -273,7 +273,7 @@ class CpuBackend(ReferenceBackend):
             first = max(mm.input_first_position(index), start) - start
             last = mm.input_last_position(index) + 1 - start
             mask[first:last, first:last] = True
-        hidden = torch.zeros(mask.shape, dtype=self.kv_cache.keys[0].dtype, device=self.device)
+        hidden = torch.zeros(mask.shape, dtype=self.kv_cache.model_dtype, device=self.device)
         return hidden.masked_fill_(~mask, float("-inf"))[None, None]
 
 

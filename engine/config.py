@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 ATTENTION_BACKENDS = ("auto", "kernel", "cpu", "reference")
 DTYPES = ("float32", "bfloat16", "float16")  # torch's names of the dtypes the engine runs in
+KV_CACHE_DTYPES = ("auto", "int8")  # what the KV cache stores ("auto": the model's dtype)
 QUANTIZATIONS = ("int8",)  # what `quantization` takes besides None
 
 
@@ -81,6 +82,11 @@ class EngineConfig:
         "`max_model_len` tokens can use).")})
     kv_cache_memory_fraction: float = field(default=0.5, metadata={"help": (
         "the share of free device memory the KV cache takes when `num_kv_blocks` is None.")})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": (
+        "what the KV cache stores: auto or int8. `auto` stores the model's dtype; `int8` stores each token's keys "
+        "and values per KV head as int8 with a float32 scale (symmetric, max |x| / 127; engine/kv_cache.py), about "
+        "half a bfloat16 cache's bytes, so about twice the blocks in the same memory. Attention reads them back "
+        "rounded to the model's dtype, in place (the CPU's decode kernel and the fused decode step).")})
     max_model_len: int | None = field(default=None, metadata={"help": (
         "prompt plus output tokens of one request (`None`: the model's own limit).")})
     watermark: float = field(default=0.01, metadata={"help": (
@@ -170,6 +176,8 @@ class EngineConfig:
                 raise ValueError(f"cpu_kernels must be one of {list(VARIANTS)} or None, got {self.cpu_kernels!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not 0.0 <= self.watermark < 1.0:

@@ -104,7 +104,7 @@ class Engine:
         self.pool = BlockPool(num_blocks, config.block_size)
         self.kv_cache = KVCache(
             self.adapter.num_layers, num_blocks, config.block_size, self.adapter.num_kv_heads,
-            self.adapter.head_dim, config.torch_dtype, self.device,
+            self.adapter.head_dim, config.torch_dtype, self.device, config.kv_cache_dtype,
         )
         self.encoder_outputs = (
             EncoderOutputCache(config.encoder_cache_tokens)
@@ -186,7 +186,7 @@ class Engine:
             return config.num_kv_blocks
         per_block = KVCache.bytes_per_block(
             self.adapter.num_layers, config.block_size, self.adapter.num_kv_heads, self.adapter.head_dim,
-            config.torch_dtype,
+            config.torch_dtype, config.kv_cache_dtype,
         )
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)

@@ -8,6 +8,11 @@ whose prompt starts with the same blocks takes them instead of computing them. B
 several requests may read one; a block nobody holds keeps its content and stays findable until a new block is
 needed, when the least recently released such block is taken (its hash forgotten). Blocks without content are
 handed out first.
+
+An int8 cache (`EngineConfig.kv_cache_dtype="int8"`) holds each key and value row quantized, with one float32
+scale per token and KV head beside it (`quantize_kv` states the rule); every attention path reads the rows back as
+`dequantize_kv` gives them, the model dtype's values, so it computes exactly what it computes on a cache of the
+model's dtype that holds those values.
 """
 
 from __future__ import annotations
@@ -15,6 +20,29 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 import torch
+
+from engine.config import KV_CACHE_DTYPES
+
+INT8_LIMIT = 127  # an int8 cache's values lie in [-127, 127] (symmetric)
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys or values [..., kv_heads, head_dim] in the model's dtype (normed and rotated, as the model gives them)
+    -> (int8 [..., kv_heads, head_dim], float32 scales [..., kv_heads]). Per token and KV head, symmetric: in
+    float32, s = max|x| / 127 over the head's head_dim values (s = 1 where that max is 0), q = x / s rounded half
+    to even and clamped to [-127, 127] (both divisions IEEE float32 ones, as engine/csrc/dtypes.h's
+    `quantize_row` does them)."""
+    x32 = x.float()
+    top = x32.abs().amax(-1)
+    scales = torch.where(top == 0, 1.0, top / INT8_LIMIT)
+    q = (x32 / scales[..., None]).round_().clamp_(-INT8_LIMIT, INT8_LIMIT).to(torch.int8)
+    return q, scales
+
+
+def dequantize_kv(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 rows [..., kv_heads, d] and their scales [..., kv_heads] -> the values they stand for, (float)q * s in
+    float32 rounded to the model's `dtype`: what every attention path reads."""
+    return (q.float() * scales[..., None]).to(dtype)
 
 
 class BlockPool:
@@ -98,10 +126,19 @@ class BlockPool:
             self._hash_of[block] = block_hash
 
 
+def storage_dtype(dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
+    """What the cache stores for a model of `dtype` (`kv_cache_dtype` one of `KV_CACHE_DTYPES`)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return torch.int8 if kv_cache_dtype == "int8" else dtype
+
+
 class KVCache:
     """Key and value storage of every layer, laid out as [slots, kv_heads, head_dim], slots being
     (num_blocks + 1) * block_size: one block more than the pool hands out, `scratch_block`, where the padding
-    rows of a captured CUDA graph write and read."""
+    rows of a captured CUDA graph write and read. `dtype` is the model's; an int8 cache (`kv_cache_dtype`) stores
+    int8 rows and, per layer, float32 scales [slots, kv_heads] for keys and values (`key_scales`,
+    `value_scales`; None otherwise)."""
 
     def __init__(
         self,
@@ -112,14 +149,51 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.block_size = block_size
         self.scratch_block = num_blocks
-        shape = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.model_dtype = dtype
+        self.dtype = storage_dtype(dtype, kv_cache_dtype)
+        slots = (num_blocks + 1) * block_size
+        shape = (slots, num_kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(num_layers)]
+        self.key_scales: list[torch.Tensor] | None = None
+        self.value_scales: list[torch.Tensor] | None = None
+        if self.quantized:
+            self.key_scales = [torch.ones(slots, num_kv_heads, device=device) for _ in range(num_layers)]
+            self.value_scales = [torch.ones(slots, num_kv_heads, device=device) for _ in range(num_layers)]
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == torch.int8
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer `layer`'s key and value scales (None: the cache holds the model's dtype)."""
+        if self.key_scales is None or self.value_scales is None:
+            return None
+        return self.key_scales[layer], self.value_scales[layer]
+
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """New keys and values [T, kv_heads, d] (the model's dtype) into the cache rows `slots` of `layer`,
+        quantized where the cache is int8."""
+        key_cache, value_cache = self.keys[layer], self.values[layer]
+        if not self.quantized:
+            key_cache.index_copy_(0, slots, keys.to(self.dtype))
+            value_cache.index_copy_(0, slots, values.to(self.dtype))
+            return
+        for cache, scales, x in zip((key_cache, value_cache), self.scales(layer), (keys, values)):
+            q, s = quantize_kv(x.to(self.model_dtype))
+            cache.index_copy_(0, slots, q)
+            scales.index_copy_(0, slots, s)
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        kv_cache_dtype: str = "auto") -> int:
+        """A block's bytes over every layer, keys and values (an int8 cache's scales included)."""
+        stored = storage_dtype(dtype, kv_cache_dtype)
+        per_head = head_dim * torch.empty((), dtype=stored).element_size()
+        if stored == torch.int8:
+            per_head += torch.empty((), dtype=torch.float32).element_size()  # the head's scale
+        return 2 * num_layers * block_size * num_kv_heads * per_head

@@ -218,15 +218,18 @@ class LeanLayer:
     def projections(self) -> list[Projection]:
         return [self.qkv, self.o, self.gate_up, self.down]
 
-    def args(self, key_cache: torch.Tensor, value_cache: torch.Tensor, local_rope: bool) -> abi.LeanLayerArgs:
-        """This layer as decode_layers.c reads it."""
+    def args(self, key_cache: torch.Tensor, value_cache: torch.Tensor, local_rope: bool,
+             scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> abi.LeanLayerArgs:
+        """This layer as decode_layers.c reads it (`scales`: an int8 cache's)."""
+        _, key_scales, value_scales = ops.cache_code(key_cache, value_cache, scales)
         norm = routing.norm_args
         return abi.LeanLayerArgs(
             input_norm=norm(self.input_norm), mlp_norm=norm(self.mlp_norm), attn_out_norm=norm(self.attn_out_norm),
             mlp_out_norm=norm(self.mlp_out_norm), q_norm=norm(self.q_norm), k_norm=norm(self.k_norm),
             **{name: ops.projection_args(p.weight, p.bias32)
                for name, p in zip(("qkv", "o", "gate_up", "down"), self.projections())},
-            key_cache=key_cache.data_ptr(), value_cache=value_cache.data_ptr(), scaling=self.scaling,
+            key_cache=key_cache.data_ptr(), value_cache=value_cache.data_ptr(), key_scales=key_scales,
+            value_scales=value_scales, scaling=self.scaling,
             window=self.window or 0, act=abi.GLU_ACTIVATIONS[self.act], local_rope=int(local_rope))
 
 
@@ -282,7 +285,8 @@ class LeanTextModel:
                         and key_cache.shape[1:] == (self.kv_heads, self.head_dim)):
                     raise ValueError(f"layer {index}'s KV cache {tuple(key_cache.shape)} is not contiguous "
                                      f"[slots, {self.kv_heads}, {self.head_dim}]")
-                args[index] = layer.args(key_cache, value_cache, self.rope_kinds.index(layer.rope) == 1)
+                args[index] = layer.args(key_cache, value_cache, self.rope_kinds.index(layer.rope) == 1,
+                                         cache.scales(index))
         rows = (max(p.rows[0] for p in self._projections), min(p.rows[1] for p in self._projections))
         self._args = (cache, args, rows)
         return args, rows
@@ -350,9 +354,11 @@ class LeanTextModel:
             ops.add_rms_norm(h, pending, layer.input_norm, normed,
                              pending_layer.mlp_out_norm if pending is not None else None)
             layer.qkv(normed, qkv)
+            scales = batch.kv_cache.scales(index)
             ops.rope_store(qkv, self.heads, self.kv_heads, self.head_dim, cos, sin, batch.slot_mapping,
-                           keys[index], values[index], layer.q_norm, layer.k_norm)
-            batch.attend(queries, keys[index], values[index], batch, layer.window, layer.scaling, attended)
+                           keys[index], values[index], layer.q_norm, layer.k_norm, scales)
+            batch.attend(queries, keys[index], values[index], batch, layer.window, layer.scaling, attended,
+                         scales=scales)
             layer.o(attended_rows, o)
             ops.add_rms_norm(h, o, layer.mlp_norm, normed, layer.attn_out_norm)
             layer.gate_up(normed, gate_up, glu=layer.act)
@@ -383,10 +389,10 @@ class LeanTextModel:
         tokens, hidden = h.shape
         (cos, sin), (local_cos, local_sin) = tables[self.rope_kinds[0]], tables[self.rope_kinds[-1]]
         codes = abi.DTYPE_CODES
-        if cache.dtype not in codes or h.dtype not in codes or not h.dtype == cos.dtype == local_cos.dtype:
-            raise ValueError(f"one call runs the layers on hidden states and rotary tables of one dtype and a "
-                             f"float32, bfloat16 or float16 cache, got {h.dtype}, {cos.dtype}, {local_cos.dtype} and "
-                             f"{cache.dtype}")
+        cache_dtype, _, _ = ops.cache_code(cache, batch.kv_cache.values[0], batch.kv_cache.scales(0))
+        if h.dtype not in codes or not h.dtype == cos.dtype == local_cos.dtype:
+            raise ValueError(f"one call runs the layers on hidden states and rotary tables of one dtype, got "
+                             f"{h.dtype}, {cos.dtype} and {local_cos.dtype}")
         step.h, step.normed, step.qkv, step.attended, step.o, step.gate_up, step.down = (
             t.data_ptr() for t in (h, *buffers))
         step.cos, step.sin, step.local_cos, step.local_sin = (t.data_ptr() for t in (cos, sin, local_cos, local_sin))
@@ -396,5 +402,5 @@ class LeanTextModel:
             tokens, hidden, self.heads, self.kv_heads, self.head_dim)
         step.num_seqs, step.block_size, step.table_width = (
             group.query_index.shape[0], batch.kv_cache.block_size, group.block_tables.shape[1])
-        step.io_dtype, step.cache_dtype = abi.DTYPE_CODES[h.dtype], abi.DTYPE_CODES[cache.dtype]
+        step.io_dtype, step.cache_dtype = abi.DTYPE_CODES[h.dtype], cache_dtype
         ops.decode_layers(step, layer_args)

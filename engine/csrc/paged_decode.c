@@ -8,6 +8,11 @@
  * parallel. The vector builds (AVX2, AVX-512) take one pass with an online softmax (`attend_vec`); the plain C
  * build keeps the scores of the whole context (a thread's scratch), then softmaxes them in float32 and sums the
  * values: two passes, one over the keys, one over the values, with no copy of either.
+ *
+ * An int8 cache (dtype I8, engine/kv_cache.py) is read in place too: each key and value row widened as
+ * (float)q * its scale (key_scales / value_scales [slots, kv_heads]), rounded to the queries' dtype (the model's),
+ * where another cache's row is widened from its dtype; the rest is the same code, so the results are those over a
+ * cache of the model's dtype holding the dequantized values.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -22,10 +27,25 @@ static inline const float *row_as_float(const void *cache, int dtype, int64_t of
     return dst;
 }
 
+/* Bytes of one element of a cache in `dtype`. */
+static inline int64_t item_bytes(int dtype) { return dtype == F32 ? 4 : dtype == I8 ? 1 : 2; }
+
+/* Heads h0..h0+heads-1 of cache row `slot` (`width` elements a row) as float32: `row_as_float`, an I8 cache's
+ * dequantized with its `scales` and rounded to `io` (the queries' dtype). */
+static inline const float *heads_as_float(const void *cache, const float *scales, int dtype, int io, int64_t slot,
+                                          int64_t width, int64_t kv_heads, int64_t h0, int64_t heads, int64_t d,
+                                          float *dst) {
+    const int64_t offset = slot * width + h0 * d;
+    if (dtype != I8) return row_as_float(cache, dtype, offset, heads * d, dst);
+    for (int64_t h = 0; h < heads; h++)
+        load_dequantized(cache, offset + h * d, d, scales[slot * kv_heads + h0 + h], io, dst + h * d);
+    return dst;
+}
+
 /* `count` values of the cache from element `at`, asked for ahead of their use: a sequence's blocks lie anywhere
  * in the cache, so the hardware's stride prefetching stops at each block's end. */
 static inline void prefetch_values(const void *cache, int64_t at, int64_t count, int dtype) {
-    const int64_t item = dtype == F32 ? 4 : 2;
+    const int64_t item = item_bytes(dtype);
     const char *base = (const char *)cache + at * item;
     for (int64_t b = 0; b < count * item; b += 64) __builtin_prefetch(base + b);
 }
@@ -44,9 +64,9 @@ static inline void prefetch_block(const void *cache, int64_t block, int64_t bloc
  * kv_heads * d. */
 static inline __attribute__((always_inline)) void attend(
         int64_t i, int64_t h0, int64_t h1, const float *qi, const void *key_cache, const void *value_cache,
-        int dtype, const int64_t *block_tables, const int64_t *context_lens, int64_t kv_heads, int64_t groups,
-        const int64_t d, int64_t block_size, int64_t table_width, float scale, int64_t window, float *oi,
-        float *scores, float *row) {
+        const float *key_scales, const float *value_scales, int dtype, int io, const int64_t *block_tables,
+        const int64_t *context_lens, int64_t kv_heads, int64_t groups, const int64_t d, int64_t block_size,
+        int64_t table_width, float scale, int64_t window, float *oi, float *scores, float *row) {
     const int64_t n = context_lens[i];
     const int64_t first = (window > 0 && n > window) ? n - window : 0;
     const int64_t len = n - first, heads = h1 - h0, rows = heads * groups, width = kv_heads * d;
@@ -56,7 +76,8 @@ static inline __attribute__((always_inline)) void attend(
         const int64_t slot = table[p / block_size] * block_size + offset;
         if (p + run < n) prefetch_block(key_cache, table[(p + run) / block_size], block_size, width, dtype, h0, heads, d);
         for (int64_t r = 0; r < run; r++) {
-            const float *keys = row_as_float(key_cache, dtype, (slot + r) * width + h0 * d, heads * d, row);
+            const float *keys = heads_as_float(key_cache, key_scales, dtype, io, slot + r, width, kv_heads, h0, heads,
+                                               d, row);
             for (int64_t x = 0; x < rows; x++) {
                 const float *qx = qi + x * d, *key = keys + (x / groups) * d;
                 float dot = 0.0f;
@@ -84,7 +105,8 @@ static inline __attribute__((always_inline)) void attend(
         const int64_t slot = table[p / block_size] * block_size + offset;
         if (p + run < n) prefetch_block(value_cache, table[(p + run) / block_size], block_size, width, dtype, h0, heads, d);
         for (int64_t r = 0; r < run; r++) {
-            const float *values = row_as_float(value_cache, dtype, (slot + r) * width + h0 * d, heads * d, row);
+            const float *values = heads_as_float(value_cache, value_scales, dtype, io, slot + r, width, kv_heads, h0,
+                                                 heads, d, row);
             for (int64_t x = 0; x < rows; x++) {
                 const float weight = scores[x * len + (p + r - first)], *value = values + (x / groups) * d;
                 float *ox = oi + x * d;
@@ -101,6 +123,7 @@ static inline __attribute__((always_inline)) void attend(
 typedef __m512 vf;
 #define VW 16
 #define vwiden widen16
+#define vdequantize dequantize16
 #define vexp exp16
 #define vmax_of _mm512_reduce_max_ps
 #define vsum_of _mm512_reduce_add_ps
@@ -127,6 +150,7 @@ static inline vf first_lanes(vf v, int64_t run, float fill) {
 typedef __m256 vf;
 #define VW 8
 #define vwiden widen8
+#define vdequantize dequantize8
 #define vexp exp8
 #define vloadu _mm256_loadu_ps
 #define vstoreu _mm256_storeu_ps
@@ -152,6 +176,12 @@ static inline vf first_lanes(vf v, int64_t run, float fill) {
 }
 #endif
 
+/* VW values of a cache from element `at` as float32: widened from `dtype`, or an I8 cache's dequantized with
+ * `scale` and rounded to `io`. */
+static inline __attribute__((always_inline)) vf vload_kv(const void *cache, int dtype, int64_t at, float scale, int io) {
+    return dtype == I8 ? vdequantize(cache, at, scale, io) : vwiden(cache, dtype, at);
+}
+
 enum { GMAX = 3 };  /* query heads (of one KV head) scored and summed together: each key and value widened once */
 enum { OB = VW == 16 ? 4 : 3 };  /* output vectors of a head that its values are summed into at a time: GMAX x OB sums,
                                      OB values and a weight in registers (32 with AVX-512, 16 with AVX2) */
@@ -165,14 +195,15 @@ enum { OB = VW == 16 ? 4 : 3 };  /* output vectors of a head that its values are
  * reading from memory (a scratch timing of SmolVLM-256M's step, 8 sequences x 300 positions x 30 layers). */
 static inline __attribute__((always_inline)) void attend_vec(
         int64_t i, int64_t h0, int64_t h1, const float *qi, const void *key_cache, const void *value_cache,
-        int dtype, const int64_t *block_tables, const int64_t *context_lens, int64_t kv_heads, int64_t groups,
-        const int64_t d, int64_t block_size, int64_t table_width, float scale, int64_t window, float *oi) {
+        const float *key_scales, const float *value_scales, int dtype, int io, const int64_t *block_tables,
+        const int64_t *context_lens, int64_t kv_heads, int64_t groups, const int64_t d, int64_t block_size,
+        int64_t table_width, float scale, int64_t window, float *oi) {
     enum { MAXV = 256 / VW };
     const int64_t n = context_lens[i];
     const int64_t first = (window > 0 && n > window) ? n - window : 0;
     const int64_t rows = (h1 - h0) * groups, width = kv_heads * d, vectors = d / VW;
     const int64_t *table = block_tables + i * table_width;
-    const int64_t item = dtype == F32 ? 4 : 2, lines = (d * item + 63) / 64;  /* cache lines of a head's row */
+    const int64_t item = item_bytes(dtype), lines = (d * item + 63) / 64;  /* cache lines of a head's row */
     const char *keys = key_cache, *values = value_cache;
     float top[rows], total[rows];
     for (int64_t x = 0; x < rows; x++) top[x] = -INFINITY, total[x] = 0.0f;
@@ -201,7 +232,9 @@ static inline __attribute__((always_inline)) void attend_vec(
                             __builtin_prefetch(keys + at + 64 * line), __builtin_prefetch(values + at + 64 * line);
                     }
                     vf key[MAXV];
-                    for (int64_t v = 0; v < vectors; v++) key[v] = vwiden(key_cache, dtype, row0 + r * width + v * VW);
+                    const float key_scale = dtype == I8 ? key_scales[(slot + r) * kv_heads + h] : 1.0f;
+                    for (int64_t v = 0; v < vectors; v++)
+                        key[v] = vload_kv(key_cache, dtype, row0 + r * width + v * VW, key_scale, io);
 #pragma GCC unroll 3
                     for (int g = 0; g < GMAX; g++) {
                         if (g >= count) break;
@@ -232,9 +265,12 @@ static inline __attribute__((always_inline)) void attend_vec(
                             if (g < count && b < span) o[g][b] = vloadu(oi + (x0 + g) * d + (v0 + b) * VW) * c[g];
                     for (int64_t r = 0; r < run; r++) {
                         vf value[OB];
+                        const float value_scale = dtype == I8 ? value_scales[(slot + r) * kv_heads + h] : 1.0f;
 #pragma GCC unroll 4
                         for (int b = 0; b < OB; b++)
-                            if (b < span) value[b] = vwiden(value_cache, dtype, row0 + r * width + (v0 + b) * VW);
+                            if (b < span)
+                                value[b] = vload_kv(value_cache, dtype, row0 + r * width + (v0 + b) * VW, value_scale,
+                                                    io);
 #pragma GCC unroll 3
                         for (int g = 0; g < GMAX; g++) {
                             if (g >= count) break;
@@ -263,12 +299,14 @@ static inline __attribute__((always_inline)) void attend_vec(
 
 /* Query head x of sequence i is q[x * q_head_stride + query_index[i] * q_token_stride], d values in q_dtype; its
  * output goes to out[(query_index[i] * kv_heads * groups + x) * d] in q_dtype (the [tokens, heads, d] layout the
- * decoder layers take back). */
+ * decoder layers take back). An I8 cache needs its scales (else 3). */
 int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, int64_t q_token_stride,
-                           const int64_t *query_index, const void *key_cache, const void *value_cache, int dtype,
+                           const int64_t *query_index, const void *key_cache, const void *value_cache,
+                           const float *key_scales, const float *value_scales, int dtype,
                            const int64_t *block_tables, const int64_t *context_lens, int64_t num_seqs,
                            int64_t kv_heads, int64_t groups, int64_t d, int64_t block_size, int64_t table_width,
                            float scale, int64_t window, void *out, int num_threads) {
+    if (dtype == I8 && !(key_scales && value_scales)) return 3;
     int64_t longest = 1;
     for (int64_t i = 0; i < num_seqs; i++) {
         if (context_lens[i] < 1 || context_lens[i] > table_width * block_size) return 1;
@@ -297,16 +335,19 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
                 load_floats(q, q_dtype, (h0 * groups + x) * q_head_stride + token * q_token_stride, d, qi + x * d);
             switch (d) {
 #ifdef VECTOR
-#define CASE(D) case D: attend_vec(i, h0, h1, qi, key_cache, value_cache, dtype, block_tables, context_lens, \
-                                  kv_heads, groups, D, block_size, table_width, scale, window, oi); break;
+#define CASE(D) case D: attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, q_dtype, \
+                                  block_tables, context_lens, kv_heads, groups, D, block_size, table_width, scale, \
+                                  window, oi); break;
 #else
-#define CASE(D) case D: attend(i, h0, h1, qi, key_cache, value_cache, dtype, block_tables, context_lens, \
-                               kv_heads, groups, D, block_size, table_width, scale, window, oi, scores, row); break;
+#define CASE(D) case D: attend(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, q_dtype, \
+                               block_tables, context_lens, kv_heads, groups, D, block_size, table_width, scale, \
+                               window, oi, scores, row); break;
 #endif
                 CASE(16) CASE(32) CASE(64) CASE(80) CASE(96) CASE(128) CASE(256)
 #undef CASE
-                default: attend(i, h0, h1, qi, key_cache, value_cache, dtype, block_tables, context_lens, kv_heads,
-                                groups, d, block_size, table_width, scale, window, oi, scores, row);
+                default: attend(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, q_dtype,
+                                block_tables, context_lens, kv_heads, groups, d, block_size, table_width, scale,
+                                window, oi, scores, row);
             }
             store_floats(oi, rows * d, out, q_dtype, (token * kv_heads * groups + h0 * groups) * d);
         }

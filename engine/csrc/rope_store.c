@@ -8,6 +8,8 @@
  * cos and sin [T, d] are the model's own (its rotary embedding module made them, M-RoPE's sections included).
  * Where the layer normalises each query and key head before the rotation (Gemma 3's q_norm and k_norm), `q_norm`
  * and `k_norm` are those norms (NULL, or a NULL weight: none), applied as rms_norm.c applies them.
+ * An I8 cache (`cache_dtype`) gets each key and value head quantized (dtypes.h's `quantize_row`), its scale into
+ * key_scales / value_scales [slots, nkv].
  */
 #include <stdlib.h>
 #ifdef _OPENMP
@@ -37,7 +39,9 @@ static inline void rotate(const float *restrict x, const float *restrict c, cons
 
 int rope_store(void *qkv, int dtype, int64_t tokens, int64_t width, int64_t nq, int64_t nkv, int64_t d,
                const norm_weights *q_norm, const norm_weights *k_norm, const void *cos, const void *sin,
-               const int64_t *slots, void *key_cache, void *value_cache, int cache_dtype, int num_threads) {
+               const int64_t *slots, void *key_cache, void *value_cache, float *key_scales, float *value_scales,
+               int cache_dtype, int num_threads) {
+    if (cache_dtype == I8 && !(key_scales && value_scales)) return 1;
     int failed = 0;
     const int norm_q = q_norm && q_norm->weight, norm_k = k_norm && k_norm->weight;
 #pragma omp parallel num_threads(num_threads) if (tokens >= 16)
@@ -69,9 +73,15 @@ int rope_store(void *qkv, int dtype, int64_t tokens, int64_t width, int64_t nq, 
                 load_floats(qkv, dtype, row + (nq + h) * d, d, x);
                 if (norm_k) normalize_row(x, d, kw, k_norm->eps, k_norm->flavor, dtype);
                 rotate(x, c, s, d, dtype, y);
-                store_floats(y, d, key_cache, cache_dtype, slot + h * d);
                 load_floats(qkv, dtype, row + (nq + nkv + h) * d, d, x);
-                store_floats(x, d, value_cache, cache_dtype, slot + h * d);
+                if (cache_dtype == I8) {
+                    const int64_t at = slots[t] * nkv + h;
+                    key_scales[at] = quantize_row(y, d, (int8_t *)key_cache + slot + h * d);
+                    value_scales[at] = quantize_row(x, d, (int8_t *)value_cache + slot + h * d);
+                } else {
+                    store_floats(y, d, key_cache, cache_dtype, slot + h * d);
+                    store_floats(x, d, value_cache, cache_dtype, slot + h * d);
+                }
             }
         }
     }
