@@ -12,13 +12,13 @@ POST /v1/cameras/{id}/summary), `latest_frame` (a camera's newest kept frame, as
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
+from dataclasses import replace
 from typing import Annotated, Any
 
 import mcp.types as mcp_types
@@ -31,25 +31,18 @@ from starlette.requests import HTTPConnection
 
 from api.errors import APIError
 from api.guard import cache_salt
+from api.pools import work_pools
 from api.routes_events import CameraMemory, event_json, timestamp, visible_query
-from api.routes_summaries import (
-    DEFAULT_WINDOW_S,
-    MAX_SUMMARY_CAPTIONS,
-    MAX_WINDOW_S,
-    SUMMARY_SCHEMA,
-    empty_summary,
-    summary_prompt,
-)
+from api.routes_summaries import DEFAULT_WINDOW_S, MAX_WINDOW_S, summary_of
 from api.state import ServerState
-from engine import SamplingParams
-from engine.grammar import GrammarSpec
-from jobqueue.contract import CaptionResult
-from jobqueue.structured import structured_caption
-from memory.store import EVENT_KINDS, MAX_PAGE, Event
+from jobqueue.contract import CAPTIONS_STREAM_MAXLEN, CaptionResult
+from memory.store import EVENT_KINDS, MAX_PAGE, Event, EventPage, EventQuery
 
 MCP_PATH = "/v1/mcp"
 DEFAULT_SEARCH_LIMIT = 10
 MAX_TOOL_FRAMES = 8  # frames one get_event answers with
+# The most kept events a summary reads of its window, newest first (as many as a camera summary reads of the feed).
+MAX_SUMMARY_EVENTS = CAPTIONS_STREAM_MAXLEN
 INSTRUCTIONS = ("Tools over this server's camera memory: every captioned camera event (sightings, events of a "
                 "tracked person, fall alerts, video clips) with its caption and frames. Search by camera, time, "
                 "kind, fall and words; read an event with its frames; summarize a camera's window; look at a "
@@ -80,6 +73,13 @@ class CameraTools:
             raise ToolError("the model is still loading")
         return state
 
+    async def _read(self, memory: CameraMemory, call: Any, *args: Any) -> Any:
+        """A store read in the summary pool (as the events routes read), off the event loop."""
+        return await work_pools(memory.settings).run("summary", call, *args)
+
+    async def _search(self, memory: CameraMemory, query: EventQuery) -> EventPage:
+        return await self._read(memory, memory.store.search, query)
+
     async def search(self, connection: HTTPConnection, query: str, cameras: list[str], since: str | None,
                      until: str | None, kind: str | None, fall: bool | None, limit: int,
                      cursor: str | None) -> dict[str, Any]:
@@ -89,13 +89,13 @@ class CameraTools:
                               limit=limit)
         if found is None:
             return {"events": [], "next_cursor": None}
-        page = await asyncio.to_thread(memory.store.search, found)
+        page = await self._search(memory, found)
         scores = page.scores or [None] * len(page.events)
         return {"events": [event_json(e, s) for e, s in zip(page.events, scores)], "next_cursor": page.next_cursor}
 
     async def visible_event(self, connection: HTTPConnection, event_id: str) -> Event:
         memory = self._memory()
-        event = await asyncio.to_thread(memory.store.get, event_id[:128])
+        event = await self._read(memory, memory.store.get, event_id[:128])
         query = None if event is None else visible_query(connection, memory.settings, cameras=(event.camera_id,))
         if event is None or query is None or (query.owner is not None and event.owner not in (None, query.owner)):
             raise ToolError(f"no event {event_id[:128]!r}")
@@ -104,15 +104,27 @@ class CameraTools:
     async def latest(self, connection: HTTPConnection, camera: str) -> Event:
         memory = self._memory()
         query = visible_query(connection, memory.settings, cameras=(camera,), limit=1)
-        page = None if query is None else await asyncio.to_thread(memory.store.search, query)
+        page = None if query is None else await self._search(memory, query)
         if page is None or not page.events:
             raise ToolError(f"no kept event of camera {camera[:128]!r}")
         return await self.visible_event(connection, page.events[0].id)
 
+    async def window_events(self, memory: CameraMemory, query: EventQuery) -> list[Event]:
+        """The query's events, oldest first: pages read newest first, at most MAX_SUMMARY_EVENTS of them."""
+        events: list[Event] = []
+        while len(events) < MAX_SUMMARY_EVENTS:
+            page = await self._search(memory, query)
+            events.extend(page.events)
+            if page.next_cursor is None:
+                break
+            query = replace(query, cursor=page.next_cursor)
+        return sorted(events[:MAX_SUMMARY_EVENTS], key=lambda e: (e.start_ts, e.id))
+
     async def summary(self, connection: HTTPConnection, camera: str, since: str | None, until: str | None,
                       window_s: float) -> dict[str, Any]:
-        """The camera's summary over a window from its kept events (the prompt and schema of camera summaries,
-        api/routes_summaries.py), with the ids of the events it was made from."""
+        """The camera's summary over a window from its kept events, made as camera summaries are (their prompt,
+        condensed to the context, and schema: api/routes_summaries.py `summary_of`), with the ids of the events its
+        lines stand for (a run of near-identical events by its first)."""
         memory, state = self._memory(), self._state()
         end = timestamp(until, "until") or time.time()
         start = timestamp(since, "since")
@@ -124,24 +136,12 @@ class CameraTools:
                               limit=MAX_PAGE)
         if query is None:
             raise ToolError(f"camera {camera[:128]!r} is not one this key sees")
-        events = sorted((await asyncio.to_thread(memory.store.search, query)).events, key=lambda e: e.start_ts)
-        results = [as_result(e) for e in events[-MAX_SUMMARY_CAPTIONS:]]
-        if results:
-            stream = await state.bridge.add(
-                prompt=state.bridge.engine.user_prompt(
-                    [{"type": "text", "text": summary_prompt(camera, start, end, results)}]),
-                sampling=SamplingParams(max_tokens=state.settings.summary_max_tokens, temperature=0.0,
-                                        grammar=GrammarSpec.from_schema(SUMMARY_SCHEMA)),
-                priority=state.settings.summary_priority, cache_salt=cache_salt(connection, state.settings, None))
-            try:
-                summary = structured_caption(await state.captioner.collect(stream), SUMMARY_SCHEMA)
-            except ValueError as exc:
-                raise ToolError(f"the summary did not parse: {exc}") from None
-        else:
-            summary = empty_summary(camera)
+        results = [as_result(e) for e in await self.window_events(memory, query)]
+        summary, shown = await summary_of(state, camera, start, end, results,
+                                          cache_salt(connection, state.settings, None))
         return {"object": "camera.summary", "camera_id": camera, "start": start, "end": end,
                 "captions": len(results), "empty": not results, "created_at": time.time(),
-                "event_ids": [r.id for r in results], "summary": summary}
+                "event_ids": [r.id for r in shown], "summary": summary}
 
 
 def as_result(event: Event) -> CaptionResult:
@@ -213,8 +213,9 @@ def build_mcp(app: FastAPI) -> MCPServer:
         return [_text(event_json(event, frames=True)), *_frames(event, frames)]
 
     @server.tool(description="A camera's kept events over a time window (default: the last hour) summarized: "
-                             "title, summary, notable events with their times, threat level 0-2, and the ids of "
-                             "the events it read.")
+                             "title, summary, notable events with their times, threat level 0-2 (a busy window "
+                             "condensed to the context: runs of near-identical events merged, then sampled evenly), "
+                             "and the ids of the events its lines stand for.")
     async def camera_summary(
         ctx: Context,
         camera: CameraArg,

@@ -105,22 +105,29 @@ def _same(a: CaptionResult, b: CaptionResult) -> bool:
     return (a.kind, a.track_id) == (b.kind, b.track_id) and said(a) == said(b)
 
 
+def merged_runs(results: list[CaptionResult]) -> list[list[CaptionResult]]:
+    """The window's results, oldest first, in runs of consecutive near-identical captions (most runs are one)."""
+    runs: list[list[CaptionResult]] = []
+    for result in results:
+        if runs and _same(runs[-1][-1], result):
+            runs[-1].append(result)
+        else:
+            runs.append([result])
+    return runs
+
+
+def run_line(run: list[CaptionResult]) -> str:
+    """A run's line: its first caption's, with the run's count and the time of its last when there are more."""
+    line = caption_line(run[0])
+    if len(run) > 1:
+        line = f"{line[:MAX_LINE_CHARS - 40]} [x{len(run)}, until {_clock(run[-1].created_at)}]"
+    return line
+
+
 def merged_lines(results: list[CaptionResult]) -> list[str]:
     """The window's lines, oldest first, each run of consecutive near-identical captions one line with its count
     and the time of its last."""
-    lines: list[str] = []
-    run: list[CaptionResult] = []
-    for result in [*results, None]:
-        if result is not None and run and _same(run[-1], result):
-            run.append(result)
-            continue
-        if run:
-            line = caption_line(run[0])
-            if len(run) > 1:
-                line = f"{line[:MAX_LINE_CHARS - 40]} [x{len(run)}, until {_clock(run[-1].created_at)}]"
-            lines.append(line)
-        run = [result] if result is not None else []
-    return lines
+    return [run_line(run) for run in merged_runs(results)]
 
 
 def evenly(items: list[str], count: int) -> list[str]:
@@ -138,19 +145,21 @@ def prompt_tokens(engine: Any, prompt: str) -> int:
 
 
 def fit_summary(engine: Any, camera: str, start: float, end: float, results: list[CaptionResult],
-                budget: int) -> str:
+                budget: int) -> tuple[str, list[CaptionResult]]:
     """The summary prompt of `results` (oldest first), condensed until its tokens are within `budget`: merged runs
-    of near-identical captions, then at most MAX_SUMMARY_CAPTIONS lines sampled evenly, fewer until it fits.
-    ValueError when not even one line fits. Runs in the summary pool (the processor)."""
-    lines = merged_lines(results)
+    of near-identical captions, then at most MAX_SUMMARY_CAPTIONS lines sampled evenly, fewer until it fits; and
+    the first result of each line it carries. ValueError when not even one line fits. Runs in the summary pool
+    (the processor)."""
+    runs = merged_runs(results)
+    lines = [run_line(run) for run in runs]
     count = min(len(lines), MAX_SUMMARY_CAPTIONS)
     while count >= 1:
-        chosen = evenly(lines, count)
+        chosen = evenly(list(range(len(lines))), count)
         prompt = engine.user_prompt([{"type": "text", "text": summary_text(
-            camera, start, end, chosen, len(results) - len(chosen) if count < len(lines) else 0)}])
+            camera, start, end, [lines[i] for i in chosen], len(results) - count if count < len(lines) else 0)}])
         tokens = prompt_tokens(engine, prompt)
         if tokens <= budget:
-            return prompt
+            return prompt, [runs[i][0] for i in chosen]
         count = min(count - 1, int(count * budget / tokens))  # about the share that fits, then exactly
     raise ValueError(f"the summary's prompt does not fit the {budget} tokens this server's context leaves for it")
 
@@ -196,6 +205,35 @@ def summary_cache(holder: Any) -> OrderedDict:
     return cache
 
 
+async def summary_of(state: ServerState, camera: str, start: float, end: float, results: list[CaptionResult],
+                     cache_salt: str | None = None) -> tuple[dict[str, Any], list[CaptionResult]]:
+    """The summary of a window's `results` (oldest first) on the server's engine, its prompt condensed to the context
+    (`fit_summary`, in the summary pool), and the first result of each line the prompt carried; without results the
+    empty summary, the model not run. APIError: 400 when not even one line fits, 500 when the answer does not
+    parse. Camera summaries and the MCP tool `camera_summary` both make theirs here."""
+    if not results:
+        return empty_summary(camera), []
+    engine = state.bridge.engine
+    max_tokens = state.settings.summary_max_tokens
+    try:
+        prompt, shown = await work_pools(state).run("summary", fit_summary, engine, camera, start, end, results,
+                                                    engine.max_model_len - max_tokens)
+    except ValueError as exc:
+        raise APIError(400, f"{exc} (summary_max_tokens is {max_tokens} of max_model_len "
+                            f"{engine.max_model_len})", "window_s", "summary_too_long") from None
+    stream = await state.bridge.add(
+        prompt=prompt,  # any checkpoint: with or without a chat template (Engine.user_prompt)
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                grammar=GrammarSpec.from_schema(SUMMARY_SCHEMA)),
+        priority=state.settings.summary_priority, cache_salt=cache_salt,
+    )
+    text = await state.captioner.collect(stream)
+    try:
+        return structured_caption(text, SUMMARY_SCHEMA), shown
+    except ValueError as exc:
+        raise APIError(500, f"the summary did not parse: {exc}", code="summary_failed") from None
+
+
 async def summarize(state: ServerState, camera: str, start: float, end: float, cache: OrderedDict) -> dict[str, Any]:
     """The summary answer of one camera and window (cached by window and the captions in it)."""
     if end <= start:
@@ -205,28 +243,7 @@ async def summarize(state: ServerState, camera: str, start: float, end: float, c
     if digest in cache:
         cache.move_to_end(digest)
         return {**cache[digest], "cached": True}
-    if results:
-        engine = state.bridge.engine
-        max_tokens = state.settings.summary_max_tokens
-        try:
-            prompt = await work_pools(state).run("summary", fit_summary, engine, camera, start, end, results,
-                                                 engine.max_model_len - max_tokens)
-        except ValueError as exc:
-            raise APIError(400, f"{exc} (summary_max_tokens is {max_tokens} of max_model_len "
-                                f"{engine.max_model_len})", "window_s", "summary_too_long") from None
-        stream = await state.bridge.add(
-            prompt=prompt,  # any checkpoint: with or without a chat template (Engine.user_prompt)
-            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                    grammar=GrammarSpec.from_schema(SUMMARY_SCHEMA)),
-            priority=state.settings.summary_priority,
-        )
-        text = await state.captioner.collect(stream)
-        try:
-            summary = structured_caption(text, SUMMARY_SCHEMA)
-        except ValueError as exc:
-            raise APIError(500, f"the summary did not parse: {exc}", code="summary_failed") from None
-    else:
-        summary = empty_summary(camera)
+    summary, _ = await summary_of(state, camera, start, end, results)
     answer = {"object": "camera.summary", "camera_id": camera, "start": start, "end": end,
               "captions": len(results), "empty": not results, "created_at": time.time(), "summary": summary}
     cache[digest] = answer

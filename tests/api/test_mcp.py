@@ -16,7 +16,7 @@ import httpx
 import httpx2
 import jsonschema_rs
 import pytest
-from camera_memory_support import NOW, known_events, seed
+from camera_memory_support import NOW, frames, known_events, seed
 from mcp.client.session import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 from starlette.requests import Request
@@ -28,16 +28,28 @@ from api.routes_summaries import SUMMARY_SCHEMA
 from api.server import create_app
 from api.settings import ServerSettings
 from engine import EngineConfig
+from memory import Event
 
 TOOLS = {"search_events", "get_event", "camera_summary", "latest_frame"}
-KEYS = {"alice": "key-a", "ops": "key-o"}
+KEYS = {"alice": "key-a", "ops": "key-o", "night": "key-n"}
+BUSY = 250  # events of the camera "busy" (seen by the key "night" only), more lines than a summary's prompt takes
+
+
+def busy_events() -> list[Event]:
+    """BUSY events an hour before the known ones, a second apart, each saying something else but for a run of five
+    near-identical ones (events 10 to 14)."""
+    start = NOW - 3600
+    return [Event(id=f"busy-{i}", camera_id="busy", kind="event", start_ts=start + i, end_ts=start + i,
+                  finished_at=start + i, caption="a guard walks the corridor" if 10 <= i < 15
+                  else f"person number {i} crosses the hall", track_id=7, frames=frames(start + i, 1, 90))
+            for i in range(BUSY)]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[BackgroundServer]:
-    data_dir = seed(tmp_path_factory.mktemp("mcp") / "data", known_events())
+    data_dir = seed(tmp_path_factory.mktemp("mcp") / "data", known_events() + busy_events())
     settings = ServerSettings(engine=EngineConfig(model="tiny"), data_dir=str(data_dir), api_keys=KEYS,
-                              events_key_cameras=("alice:gate-1", "ops:gate-1,gate-2"))
+                              events_key_cameras=("alice:gate-1", "ops:gate-1,gate-2", "night:busy"))
     with BackgroundServer(create_app(settings)) as running:
         yield running
 
@@ -107,6 +119,19 @@ def test_a_summary_of_the_kept_events(server):
     assert not answer["empty"] and answer["captions"] == 2
     jsonschema_rs.validate(SUMMARY_SCHEMA, answer["summary"])  # grammar-held, even from random weights
     assert payload(empty)["empty"] and payload(empty)["event_ids"] == []
+
+
+def test_a_busy_window_is_condensed_as_camera_summaries_are(server):
+    """More events than a summary's prompt takes (read in pages): near-identical runs merged, lines sampled evenly
+    (the first and the last kept) within the context; the ids are those of the lines' first events, oldest first."""
+    _, (summary,) = run(server, [("camera_summary", {"camera": "busy", "since": str(NOW - 3700),
+                                                     "until": str(NOW - 3000)})], key="key-n")
+    answer = payload(summary)
+    assert answer["captions"] == BUSY and not answer["empty"]
+    ids = [int(i.removeprefix("busy-")) for i in answer["event_ids"]]
+    assert 1 < len(ids) <= BUSY - 4 and ids == sorted(ids) and ids[0] == 0 and ids[-1] == BUSY - 1
+    assert not set(ids) & {11, 12, 13, 14}, "a run of near-identical events is one line, by its first"
+    jsonschema_rs.validate(SUMMARY_SCHEMA, answer["summary"])
 
 
 def test_errors_are_tool_errors(server):
