@@ -1,8 +1,9 @@
 """The official clients against a real uvicorn server with the tiny model, as their users call them: instructor in
 its default Mode.TOOLS (create, create_partial, create_iterable, with an image), langchain-openai's bind_tools and
 with_structured_output (function_calling and json_schema), the openai SDK's completions (plain, stream,
-echo+logprobs), models.retrieve, n=2, max_tokens near the context and tools. The random-weight model writes
-nonsense unless constrained, so every tool call's arguments must validate and every strict output parse."""
+echo+logprobs), models.retrieve, n=2, max_tokens near the context, tools and stored completions; litellm's
+completion with tools, text_completion and streaming. The random-weight model writes nonsense unless constrained,
+so every tool call's arguments must validate and every strict output parse."""
 
 from __future__ import annotations
 
@@ -214,3 +215,41 @@ def test_openai_stored_completions_retrieve_list_update_delete(client):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.list(limit=101)
     assert refused.value.body["param"] == "limit"
+
+
+# -- litellm ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def litellm(server):
+    import os
+
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of its price list at import
+    litellm = pytest.importorskip("litellm")
+    return litellm, {"api_base": f"{server.url}/v1", "api_key": KEY}
+
+
+def test_litellm_completion_with_tools_whose_arguments_validate(litellm):
+    lib, where = litellm
+    schema = CountArgs.model_json_schema()
+    answer = lib.completion(model=f"openai/{MODEL}", **where, max_tokens=200, temperature=0,
+                            messages=[{"role": "user", "content": "How many people at the door?"}],
+                            tools=[{"type": "function", "function": {"name": "count_people", "parameters": schema}}],
+                            tool_choice="required")
+    calls = answer.choices[0].message.tool_calls
+    assert calls and answer.choices[0].finish_reason == "tool_calls"
+    for call in calls:
+        CountArgs.model_validate_json(call.function.arguments)
+
+
+def test_litellm_text_completion_and_streaming(litellm, client):
+    lib, where = litellm
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+    text = lib.text_completion(model=f"text-completion-openai/{MODEL}", **where, prompt=PROMPT, max_tokens=8,
+                               temperature=0)
+    assert text.choices[0].text == plain
+    chat = lib.completion(model=f"openai/{MODEL}", **where, max_tokens=8, temperature=0, stream=True,
+                          messages=[{"role": "user", "content": "Hi"}])
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chat if chunk.choices)
+    whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                                           temperature=0).choices[0].message.content
+    assert streamed == whole
