@@ -24,19 +24,20 @@ from engine.cpu import abi
 log = logging.getLogger(__name__)
 
 FOLDER = Path(__file__).parent.parent / "csrc"
-SOURCES = [FOLDER / "paged_decode.c", FOLDER / "linear.c", FOLDER / "rms_norm.c", FOLDER / "rope_store.c",
-           FOLDER / "gelu.c", FOLDER / "decode_layers.c", FOLDER / "full_attention.c"]
-HEADERS = [FOLDER / "dtypes.h", FOLDER / "kernels.h"]
+SOURCES = [FOLDER / "paged_decode.c", FOLDER / "linear.c", FOLDER / "linear_int8.c", FOLDER / "rms_norm.c",
+           FOLDER / "rope_store.c", FOLDER / "gelu.c", FOLDER / "decode_layers.c", FOLDER / "full_attention.c"]
+HEADERS = [FOLDER / "dtypes.h", FOLDER / "kernels.h", FOLDER / "linear.h"]
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 # name -> (compiler flags, the CPU flags of /proc/cpuinfo it needs), best first.
 VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
-    "amx_bf16": ((*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+    "amx_bf16": ((*_AVX512, "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
                  frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
-                            "amx_tile", "amx_bf16"})),
-    "avx512_bf16": ((*_AVX512, "-mavx512bf16"),
-                    frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})),
+                            "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"})),
+    "avx512_bf16": ((*_AVX512, "-mavx512bf16", "-mavx512vnni"),
+                    frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+                               "avx512_vnni"})),
     "avx512": (_AVX512, frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"})),
     "avx2": (_AVX2, frozenset({"avx2", "fma", "f16c"})),
     "generic": ((), frozenset()),

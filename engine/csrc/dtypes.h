@@ -43,11 +43,11 @@ static inline void load_floats(const void *src, int dtype, int64_t offset, int64
 static inline void store_floats(const float *src, int64_t count, void *dst, int dtype, int64_t offset) {
     if (dtype == BF16) {
         uint16_t *out = (uint16_t *)dst + offset;
-        for (int64_t t = 0; t < count; t++) {
+        for (int64_t t = 0; t < count; t++) {  /* one expression, so that the compiler vectorises the loop */
             uint32_t bits;
             memcpy(&bits, src + t, sizeof(bits));
-            if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) out[t] = (uint16_t)((bits >> 16) | 0x40);
-            else out[t] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+            const uint32_t nan = (bits & 0x7fffffffu) > 0x7f800000u;
+            out[t] = (uint16_t)(nan ? (bits >> 16) | 0x40u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
         }
     } else if (dtype == F16) {
         _Float16 *out = (_Float16 *)dst + offset;
@@ -94,6 +94,15 @@ static inline float rounded(float v, int dtype) {
 #endif
 
 #ifdef __AVX512F__
+/* a / b, 16 at a time, as IEEE divides (torch's division): -ffast-math makes a vector division a reciprocal
+ * estimate and a Newton step (GCC's default -mrecip=vec-div), which rounds differently and gives NaN for an
+ * infinite b. */
+static inline __attribute__((always_inline)) __m512 div16(__m512 a, __m512 b) {
+    __m512 q;
+    __asm__("vdivps %2, %1, %0" : "=v"(q) : "v"(a), "v"(b));
+    return q;
+}
+
 /* e^x, 16 at a time (EXP_POLYNOMIAL). */
 static inline __m512 exp16(__m512 x) {
     EXP_POLYNOMIAL(_mm512, __m512, _mm512_roundscale_ps)
@@ -107,6 +116,15 @@ static inline __attribute__((always_inline)) __m512 widen16(const void *p, int d
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at))), 16));
     if (dtype == F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at)));
     return _mm512_loadu_ps((const float *)p + at);
+}
+#endif
+
+#ifdef VECTOR
+/* a / b, 8 at a time, as IEEE divides (div16). */
+static inline __attribute__((always_inline)) __m256 div8(__m256 a, __m256 b) {
+    __m256 q;
+    __asm__("vdivps %2, %1, %0" : "=x"(q) : "x"(a), "x"(b));
+    return q;
 }
 #endif
 
@@ -140,69 +158,6 @@ static inline __attribute__((always_inline)) __m256 widen8(const void *p, int dt
 #define OPAQUE(v) do { volatile __typeof__(v) opaque_ = (v); (v) = opaque_; } while (0)
 #endif
 #define INT8_LIMIT 127.0f
-
-/* x [count] (float32 values of the model's dtype) into q; returns its scale. */
-static inline float quantize_row(const float *x, int64_t count, int8_t *q) {
-    float top = 0.0f;
-    for (int64_t j = 0; j < count; j++) top = fabsf(x[j]) > top ? fabsf(x[j]) : top;
-    float limit = INT8_LIMIT;
-    OPAQUE(limit);
-    const float scale = top == 0.0f ? 1.0f : top / limit;
-    for (int64_t j = 0; j < count; j++) {
-        float s = scale;
-        OPAQUE(s);
-        const float r = rintf(x[j] / s);
-        q[j] = (int8_t)(r > INT8_LIMIT ? INT8_LIMIT : r < -INT8_LIMIT ? -INT8_LIMIT : r);
-    }
-    return scale;
-}
-
-/* `count` int8 values from element `offset` of `src`, times `scale`, rounded to `dtype`, into dst. */
-static inline void load_dequantized(const void *src, int64_t offset, int64_t count, float scale, int dtype,
-                                    float *dst) {
-    const int8_t *from = (const int8_t *)src + offset;
-    for (int64_t t = 0; t < count; t++) {
-        float v = (float)from[t] * scale;
-        OPAQUE(v);
-        dst[t] = rounded(v, dtype);
-    }
-}
-
-#ifdef __AVX512F__
-/* 16 int8 values from element `at` of p, times `scale`, rounded to `dtype` (load_dequantized, 16 at a time). */
-static inline __attribute__((always_inline)) __m512 dequantize16(const void *p, int64_t at, float scale, int dtype) {
-    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                   (const __m128i *)((const int8_t *)p + at)))), _mm512_set1_ps(scale));
-    if (dtype == BF16) {
-        const __m512i bits = _mm512_castps_si512(v);
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        v = _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))),
-                                                 _mm512_set1_epi32((int)0xffff0000u)));
-    } else if (dtype == F16) {
-        v = _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    }
-    __asm__("" : "+v"(v));
-    return v;
-}
-#endif
-
-#if defined(VECTOR) && !defined(__AVX512F__)
-/* 8 int8 values from element `at` of p, times `scale`, rounded to `dtype` (load_dequantized, 8 at a time). */
-static inline __attribute__((always_inline)) __m256 dequantize8(const void *p, int64_t at, float scale, int dtype) {
-    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                   (const __m128i *)((const int8_t *)p + at)))), _mm256_set1_ps(scale));
-    if (dtype == BF16) {
-        const __m256i bits = _mm256_castps_si256(v);
-        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-        v = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))),
-                                                 _mm256_set1_epi32((int)0xffff0000u)));
-    } else if (dtype == F16) {
-        v = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    }
-    __asm__("" : "+x"(v));
-    return v;
-}
-#endif
 
 /* Growable buffers of the calling thread (SCRATCH_SLOTS of them, one set per source file), kept across calls: no
  * allocation per call. */

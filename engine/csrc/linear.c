@@ -26,27 +26,17 @@
  */
 #include <math.h>
 #include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "dtypes.h"
 #include "kernels.h"
-
-#ifdef _OPENMP
-static inline int team_size(void) { return omp_get_num_threads(); }
-static inline int team_index(void) { return omp_get_thread_num(); }
-#else
-static inline int team_size(void) { return 1; }
-static inline int team_index(void) { return 0; }
-#endif
+#include "linear.h"
 
 /* Tasks [0, count) shared by a team as contiguous runs: each thread starts on a share of its own and goes front
  * to back, one stream through the weights that the prefetchers follow (faster than tasks dealt one at a time,
  * which interleave the threads' reads); a thread done with its share takes the back half of another's, and goes
  * on with it front to back, so a thread that loses its core leaves its work to the others. A share is one 64-bit
  * word, next | end << 32, changed by compare-and-swap. `deal` runs once (omp single) before any `next_task`. */
-static void deal(uint64_t *shares, int count_of_shares, int64_t count) {
+void deal(uint64_t *shares, int count_of_shares, int64_t count) {
     for (int s = 0; s < count_of_shares; s++)
         shares[s] = (uint64_t)(count * s / count_of_shares) | (uint64_t)(count * (s + 1) / count_of_shares) << 32;
 }
@@ -70,7 +60,7 @@ static int64_t take(uint64_t *share, int halve, uint64_t *taken) {
 
 /* The calling thread's next task: its own share's first, else the first of the back half it takes from another
  * share; -1 when no share has a task left. */
-static int64_t next_task(uint64_t *shares) {
+int64_t next_task(uint64_t *shares) {
     const int count_of_shares = team_size(), own = team_index();
     for (;;) {
         const int64_t task = take(shares + own, 0, NULL);
@@ -83,9 +73,7 @@ static int64_t next_task(uint64_t *shares) {
     }
 }
 
-#define RW 4   /* weight rows per block */
 #define MC 48  /* rows of x per pass over the weights */
-#define NB 8   /* blocks per task: 32 output columns (16 in glu mode), finished together */
 
 #if defined(__AVX512F__)
 typedef __m512 vf;
@@ -150,11 +138,6 @@ static inline __m128 reduce4(vf a, vf b, vf c, vf d) {
 #else
 #define RX 6
 #endif
-
-/* The cache line `offset` bytes into each of a block's weight rows, fetched ahead of its use. */
-static inline __attribute__((always_inline)) void prefetch_rows(const void *const rows[RW], int64_t offset) {
-    for (int r = 0; r < RW; r++) __builtin_prefetch((const char *)rows[r] + offset, 0, 3);
-}
 
 /* One weight value as float32. */
 static inline float wvalue(const void *w, int dtype, int64_t at) {
@@ -328,20 +311,33 @@ static inline void round_to(float *v, int64_t count, int dtype) {
     }
 }
 
-enum { GLU_SILU = 1, GLU_GELU = 2 }; /* `glu_mode` below: which act, or 0 (no glu) */
-
-/* act(gate) in float32: SiLU, gate / (1 + e^-gate); or GELU's tanh approximation,
+/* The denominator of act(gate) in float32: SiLU, gate / (1 + e^-gate); or GELU's tanh approximation,
  * 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3). */
-static inline float activation(float gate, int glu_mode) {
+static inline float activation_denominator(float gate, int glu_mode) {
     if (glu_mode == GLU_GELU)
-        return gate / (1.0f + expf(-2.0f * 0.7978845608028654f * (gate + 0.044715f * gate * gate * gate)));
-    return gate / (1.0f + expf(-gate));
+        return 1.0f + expf(-2.0f * 0.7978845608028654f * (gate + 0.044715f * gate * gate * gate));
+    return 1.0f + expf(-gate);
+}
+
+/* v[c] /= d[c] as IEEE divides (div16): an infinite d (e^-gate past float's range) gives 0, not NaN. */
+static void divide(float *v, const float *d, int64_t count) {
+    int64_t c = 0;
+#ifdef __AVX512F__
+    for (; c + 16 <= count; c += 16) _mm512_storeu_ps(v + c, div16(_mm512_loadu_ps(v + c), _mm512_loadu_ps(d + c)));
+#elif defined(VECTOR)
+    for (; c + 8 <= count; c += 8) _mm256_storeu_ps(v + c, div8(_mm256_loadu_ps(v + c), _mm256_loadu_ps(d + c)));
+#endif
+    for (; c < count; c++) {
+        float by = d[c];
+        OPAQUE(by);  /* one at a time: a vectorised loop would divide by reciprocals */
+        v[c] /= by;
+    }
 }
 
 /* The sums of one task's columns for one row of x, finished: bias, then (glu) act(gate) * up with each
  * operator's result rounded to the output dtype as torch's `act(gate) * up` rounds it. gate_up holds per block
  * [gate j, gate j+1, up j, up j+1]. */
-static void finish_row(float *sums, int64_t blocks, int glu_mode, const float *bias, const int64_t *rows_of,
+void finish_row(float *sums, int64_t blocks, int glu_mode, const float *bias, const int64_t *rows_of,
                        int dtype, float *out) {
     if (!glu_mode) {
         for (int64_t c = 0; c < blocks * RW; c++) out[c] = sums[c] + (bias ? bias[rows_of[c]] : 0.0f);
@@ -356,7 +352,9 @@ static void finish_row(float *sums, int64_t blocks, int glu_mode, const float *b
         }
     round_to(gate, count, dtype);
     round_to(up, count, dtype);
-    for (int64_t c = 0; c < count; c++) out[c] = activation(gate[c], glu_mode);
+    float denominator[2 * NB];
+    for (int64_t c = 0; c < count; c++) denominator[c] = activation_denominator(gate[c], glu_mode), out[c] = gate[c];
+    divide(out, denominator, count);
     round_to(out, count, dtype);
     for (int64_t c = 0; c < count; c++) out[c] *= up[c];
 }
@@ -372,7 +370,6 @@ static void finish_row(float *sums, int64_t blocks, int glu_mode, const float *b
  * 16 up rows. Columns past the last whole tile pair go through the vector blocks. */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-#define AMX_ROWS 16
 #define AMX_MIN_ROWS 4  /* fewer rows of x go through the dot-product blocks, faster there */
 
 typedef struct {
@@ -384,14 +381,14 @@ typedef struct {
 } tile_config;
 
 /* Whether the kernel lets this process use the tiles (asked once). */
-static int amx_permitted(void) {
+int amx_permitted(void) {
     static int state = 0;
     if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
     return state == 1;
 }
 
 /* Tiles 0-1: sums (16 weight rows x `cols` rows of x, float32); 2-3: weight rows; 4: x^T pairs. */
-static void amx_configure(int cols) {
+void amx_configure(int cols) {
     tile_config config;
     memset(&config, 0, sizeof(config));
     config.palette = 1;
@@ -408,7 +405,7 @@ static inline __m512 bf16_round16(__m512 v) {
 
 /* One task's sums ([tile][weight row][row of x]) into y rows row0.. (bfloat16): plain, the 32 columns from
  * `first` (the second tile's 16 follow the first's); glu, act(gate) * up for the 16 outputs from `first`, each
- * operator rounded as torch rounds it (`activation`, 16 at a time). */
+ * operator rounded as torch rounds it (`activation_denominator`, 16 at a time). */
 static void amx_finish(float sums[2][16][16], int64_t rows, int64_t first, int64_t second, int glu_mode,
                        const float *bias, void *y, int64_t out_cols, int64_t row0) {
     float across[2][16][16] __attribute__((aligned(64)));  /* [tile][row of x][weight row] */
@@ -430,7 +427,7 @@ static void amx_finish(float sums[2][16][16], int64_t rows, int64_t first, int64
                 minus = _mm512_mul_ps(_mm512_set1_ps(-2.0f * 0.7978845608028654f),
                                       _mm512_fmadd_ps(cube, _mm512_set1_ps(0.044715f), gate));
             }
-            const __m512 act = bf16_round16(_mm512_div_ps(gate, _mm512_add_ps(one, exp16(minus))));
+            const __m512 act = bf16_round16(div16(gate, _mm512_add_ps(one, exp16(minus))));
             _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(act, bf16_round16(b))));
         } else {
             _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(a));
@@ -488,7 +485,7 @@ static void amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
 
 /* The weight rows of block `block` (past the last one: the last real row, repeated): four consecutive ones, or
  * in glu mode two of the gate's and the same two of the up's. */
-static void block_rows(int64_t block, int glu_mode, int64_t n, int64_t out_cols, int64_t r[RW]) {
+void block_rows(int64_t block, int glu_mode, int64_t n, int64_t out_cols, int64_t r[RW]) {
     if (glu_mode) {
         const int64_t j = MIN(2 * block, out_cols - 1), j1 = MIN(j + 1, out_cols - 1);
         r[0] = j, r[1] = j1, r[2] = out_cols + j, r[3] = out_cols + j1;
@@ -696,11 +693,15 @@ static void gemm(const void *x, int64_t m, int64_t k, const void *w, int w_dtype
 #endif
 
 /* x [m, k] in io_dtype, w [n, k] in w_dtype (rows `w_stride` elements apart), bias n floats or NULL; y [m, n]
- * (or [m, n / 2] with MODE_GLU) in io_dtype; `mode`: MODE_GLU | MODE_GELU | PRODUCTS_WIDEN bits. Returns 2 where
+ * (or [m, n / 2] with MODE_GLU) in io_dtype; `mode`: MODE_GLU | MODE_GELU | PRODUCTS_WIDEN bits. An I8 weight
+ * comes with its float32 scales and int32 row sums [n] (linear_int8.c; NULL for float weights). Returns 2 where
  * memory runs out. */
 int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int w_dtype, int64_t w_stride,
-           int64_t n, const float *bias, int mode, void *y, int num_threads) {
+           int64_t n, const float *bias, const float *scale, const int32_t *row_sums, int mode, void *y,
+           int num_threads) {
     const int glu_mode = !(mode & MODE_GLU) ? 0 : (mode & MODE_GELU) ? GLU_GELU : GLU_SILU;
+    if (w_dtype == I8)
+        return linear_int8(x, io_dtype, m, k, w, w_stride, n, scale, row_sums, bias, glu_mode, y, num_threads);
     const int64_t item = w_dtype == F32 ? 4 : 2, out_cols = glu_mode ? n / 2 : n;
     const int64_t blocks = glu_mode ? (out_cols + 1) / 2 : (n + RW - 1) / RW;
     int64_t block0 = 0;  /* the first block the vector path computes (past what the tiles did) */

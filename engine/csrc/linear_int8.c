@@ -1,0 +1,395 @@
+/* y = x W^T for int8 weights (linear() in linear.c hands this file every I8 weight; engine/quantization.py states
+ * the numeric rule, which its PyTorch reference reproduces bit for bit): W [n, k] int8 quantized per output
+ * channel (float32 `scale` [n], int32 `row_sums` [n] = each row's sum), x [m, k] quantized per row at every call
+ * (s = max|x| / 127, qx = round(x / s), into a reusable buffer), the products summed exactly in int32, then
+ * y = float(acc) * (s * scale) and linear.c's epilogue (bias, glu, rounding: finish_row).
+ *
+ * The products go as linear.c's float ones: a block of four weight rows streams through registers against up to
+ * RX rows of x, the sums vectors along k reduced once at the end of the row; each block prefetches the next
+ * block's rows (a decode step reads every weight once: its cost is that read, a quarter of a float32 weight's,
+ * half of a bfloat16's). Columns go out to the threads in tasks of NB blocks (`deal` / `next_task`); a task runs
+ * every row of x against its blocks, MCI rows at a time, so that its weights come from memory once and from the
+ * cache for the rest of a prefill chunk or a vision tile. What the build targets decides the inner loop:
+ *   - AVX-512 VNNI (`vpdpbusd`, 64 products per instruction): x as unsigned bytes qx + 128, the weights signed;
+ *     the offset's 128 * row_sums[c] taken off the sum at the end;
+ *   - AVX-512BW without VNNI, AVX2: `vpmaddubsw` on |x| (unsigned) and the weights with x's sign (signed; pairs
+ *     of products at most 2 * 127^2, never saturating 16 bits), `vpmaddwd` by ones into 32-bit sums;
+ *   - AMX-INT8 (`tdpbssd`, 4 or more rows of x, k a multiple of 64): the product transposed, C^T = W x^T, as
+ *     linear.c's bfloat16 tiles: two 16-row tiles of weights against x^T packed in quads of k; the columns past
+ *     the last whole tile pair through the vector blocks;
+ *   - anything else: plain C.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dtypes.h"
+#include "kernels.h"
+#include "linear.h"
+
+#define MCI 192     /* rows of x a task multiplies at a time (their sums on the stack: 24 KB) */
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define VNNI 1
+#define KB 64   /* bytes of k per step */
+#define RX 6    /* rows of x per block: 24 sums, 4 weights and x in 32 registers */
+#elif defined(__AVX512BW__)
+#define KB 64
+#define RX 4    /* 16 sums, 4 weights, |x|, x's sign mask and two steps' temporaries */
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
+#define VNNI 1
+#define KB 32
+#define RX 2    /* 8 sums, 4 weights and x in 16 registers */
+#elif defined(__AVX2__)
+#define KB 32
+#define RX 2
+#else
+#define KB 32
+#define RX 6
+#endif
+
+#ifdef VNNI
+#define OFFSET 128  /* x's bytes are qx + OFFSET (unsigned) */
+#else
+#define OFFSET 0
+#endif
+
+#if KB == 64 && defined(__AVX512BW__)
+typedef __m512i vi;
+static inline vi izero(void) { return _mm512_setzero_si512(); }
+static inline vi xload(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline vi wload(const int8_t *p) { return _mm512_loadu_si512((const void *)p); }
+/* The last `count` (< 64) bytes of a row, zeros after them. */
+static inline vi wload_tail(const int8_t *p, int64_t count) {
+    return _mm512_maskz_loadu_epi8((__mmask64)((1ull << count) - 1ull), p);
+}
+/* [sum(a), sum(b), sum(c), sum(d)] */
+static inline __m128i reduce4(vi a, vi b, vi c, vi d) {
+    const vi ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    const vi cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    const vi abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+    const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+#ifdef VNNI
+#define DOT(acc, xv, wv) acc = _mm512_dpbusd_epi32(acc, xv, wv)
+#define X_PREP(xv)
+#else
+/* |x| times the weights with x's sign, in pairs into 16 bits, then by ones into 32. */
+#define X_PREP(xv) \
+    const vi xa = _mm512_abs_epi8(xv); \
+    const __mmask64 xm = _mm512_movepi8_mask(xv);
+#define DOT(acc, xv, wv) \
+    acc = _mm512_add_epi32(acc, _mm512_madd_epi16( \
+        _mm512_maddubs_epi16(xa, _mm512_mask_sub_epi8(wv, xm, _mm512_setzero_si512(), wv)), \
+        _mm512_set1_epi16(1)))
+#endif
+#elif defined(__AVX2__)
+typedef __m256i vi;
+static inline vi izero(void) { return _mm256_setzero_si256(); }
+static inline vi xload(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi wload(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi wload_tail(const int8_t *p, int64_t count) {
+    int8_t padded[32] = {0};
+    memcpy(padded, p, (size_t)count);
+    return _mm256_loadu_si256((const __m256i *)padded);
+}
+static inline __m128i reduce4(vi a, vi b, vi c, vi d) {
+    const vi abcd = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
+}
+#ifdef VNNI
+#define DOT(acc, xv, wv) acc = _mm256_dpbusd_avx_epi32(acc, xv, wv)
+#define X_PREP(xv)
+#else
+#define X_PREP(xv) const vi xa = _mm256_abs_epi8(xv);
+#define DOT(acc, xv, wv) \
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(wv, xv)), \
+                                                  _mm256_set1_epi16(1)))
+#endif
+#endif
+
+/* Row `i` of x (k values of `dtype`) quantized into `out` (kp bytes: the k values, then qx = 0 up to kp), as
+ * qx + OFFSET; returns its scale s. `row` is k floats of room. dtypes.h's quantize_row (the int8 KV cache's),
+ * vectorised (IEEE divisions: div16, div8). */
+static float quantize_x(const void *x, int dtype, int64_t i, int64_t k, int64_t kp, float *row, uint8_t *out) {
+    load_floats(x, dtype, i * k, k, row);
+    float amax = 0.0f;
+    for (int64_t t = 0; t < k; t++) amax = fmaxf(amax, fabsf(row[t]));
+    float limit = INT8_LIMIT;
+    OPAQUE(limit);
+    const float s = amax == 0.0f ? 1.0f : amax / limit;
+    int64_t t = 0;
+#ifdef __AVX512F__
+    const __m512 divisor = _mm512_set1_ps(s), low = _mm512_set1_ps(-INT8_LIMIT), high = _mm512_set1_ps(INT8_LIMIT);
+    for (; t + 16 <= k; t += 16) {
+        const __m512 q = _mm512_roundscale_ps(div16(_mm512_loadu_ps(row + t), divisor),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m128i bytes = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, low), high)));
+        if (OFFSET) bytes = _mm_xor_si128(bytes, _mm_set1_epi8((char)0x80));
+        _mm_storeu_si128((__m128i *)(out + t), bytes);
+    }
+#elif defined(__AVX2__)
+    const __m256 divisor = _mm256_set1_ps(s), low = _mm256_set1_ps(-INT8_LIMIT), high = _mm256_set1_ps(INT8_LIMIT);
+    for (; t + 8 <= k; t += 8) {
+        const __m256 q = _mm256_round_ps(div8(_mm256_loadu_ps(row + t), divisor),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        int32_t whole[8];
+        _mm256_storeu_si256((__m256i *)whole, _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, low), high)));
+        for (int l = 0; l < 8; l++) out[t + l] = (uint8_t)(whole[l] + OFFSET);
+    }
+#endif
+    for (; t < k; t++) {
+        float d = s;
+        OPAQUE(d);
+        const float q = rintf(row[t] / d);
+        out[t] = (uint8_t)((int32_t)fminf(fmaxf(q, -INT8_LIMIT), INT8_LIMIT) + OFFSET);
+    }
+    memset(out + k, OFFSET, (size_t)(kp - k));
+    return s;
+}
+
+#ifdef DOT
+#define A(r, i) a##r##i
+#define DECL(i) vi A(0, i) = izero(), A(1, i) = A(0, i), A(2, i) = A(0, i), A(3, i) = A(0, i);
+#define ROW_STEP(i) \
+    if (rows > i) { \
+        const vi xv = xload(x + i * x_stride + t); \
+        X_PREP(xv) \
+        DOT(A(0, i), xv, w0); \
+        DOT(A(1, i), xv, w1); \
+        DOT(A(2, i), xv, w2); \
+        DOT(A(3, i), xv, w3); \
+    }
+#define STORE_ROW(i) \
+    if (rows > i) _mm_storeu_si128((__m128i *)(out + i * stride), reduce4(A(0, i), A(1, i), A(2, i), A(3, i)));
+#if RX == 6
+#define EACH_ROW(M) M(0) M(1) M(2) M(3) M(4) M(5)
+#elif RX == 4
+#define EACH_ROW(M) M(0) M(1) M(2) M(3)
+#else
+#define EACH_ROW(M) M(0) M(1)
+#endif
+/* Quantized x (rows 0..R-1, `x_stride` bytes apart, padded to whole steps) against weight rows w[0..3] (k
+ * bytes each): the four int32 sums of x row i into out[i * stride ..] (with the x's offset in them), the rows
+ * `next` prefetched meanwhile: one function per R. */
+#define BLOCK(R) \
+    static void block_##R(const uint8_t *x, int64_t x_stride, int64_t k, const int8_t *const w[RW], \
+                          const void *const next[RW], int32_t *out, int64_t stride) { \
+        const int rows = R; \
+        EACH_ROW(DECL) \
+        const int8_t *p0 = w[0], *p1 = w[1], *p2 = w[2], *p3 = w[3]; \
+        int64_t t = 0; \
+        for (; t + KB <= k; t += KB) { \
+            if (t % 64 == 0) prefetch_rows(next, t); \
+            const vi w0 = wload(p0 + t), w1 = wload(p1 + t), w2 = wload(p2 + t), w3 = wload(p3 + t); \
+            EACH_ROW(ROW_STEP) \
+        } \
+        if (t < k) { \
+            const vi w0 = wload_tail(p0 + t, k - t), w1 = wload_tail(p1 + t, k - t); \
+            const vi w2 = wload_tail(p2 + t, k - t), w3 = wload_tail(p3 + t, k - t); \
+            EACH_ROW(ROW_STEP) \
+        } \
+        EACH_ROW(STORE_ROW) \
+    }
+#if RX == 6
+BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6)
+#define FNS {block_1, block_2, block_3, block_4, block_5, block_6}
+#elif RX == 4
+BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4)
+#define FNS {block_1, block_2, block_3, block_4}
+#else
+BLOCK(1) BLOCK(2)
+#define FNS {block_1, block_2}
+#endif
+typedef void (*block_fn)(const uint8_t *, int64_t, int64_t, const int8_t *const[RW], const void *const[RW],
+                         int32_t *, int64_t);
+static const block_fn BLOCK_FNS[RX] = FNS;
+#endif
+
+#ifndef DOT
+/* The same in plain C (`rows` rows of x, signed bytes: no offset). */
+static void block_plain(const uint8_t *x, int64_t x_stride, int64_t k, const int8_t *const w[RW], int rows,
+                        int32_t *out, int64_t stride) {
+    for (int i = 0; i < rows; i++)
+        for (int r = 0; r < RW; r++) {
+            int32_t sum = 0;
+            for (int64_t t = 0; t < k; t++) sum += (int32_t)(int8_t)x[i * x_stride + t] * w[r][t];
+            out[i * stride + r] = sum;
+        }
+}
+#endif
+
+/* What a task's columns scale their sums by: scale_of[c] = scale[rows_of[c]], and offset_of[c] = `offset` *
+ * row_sums[rows_of[c]], the part of the sums that x's offset put in them (none: offset 0, row_sums unread). */
+static void task_scales(const int64_t *rows_of, int64_t blocks, const float *scale, const int32_t *row_sums,
+                        int offset, float *scale_of, int32_t *offset_of) {
+    for (int64_t c = 0; c < blocks * RW; c++) {
+        scale_of[c] = scale[rows_of[c]];
+        offset_of[c] = offset ? offset * row_sums[rows_of[c]] : 0;
+    }
+}
+
+/* One row of x's sums for `blocks` blocks (acc[c] for the weight rows rows_of[c]) scaled (task_scales; s: the
+ * row's scale), finished (linear.c's finish_row) and stored as y's `cols` columns from `first_col` of row `row`.
+ * s * scale[c] is computed first, and kept from being reassociated into the product by the fast-math build (an
+ * asm statement sees the array): the reference's order. */
+static void finish_sums(const int32_t *acc, const float *scale_of, const int32_t *offset_of, int64_t blocks,
+                        const int64_t *rows_of, float s, int glu_mode, const float *bias, int dtype, void *y,
+                        int64_t row, int64_t out_cols, int64_t first_col, int64_t cols) {
+    float factor[NB * RW], sums[NB * RW], done[NB * RW];
+    for (int64_t c = 0; c < blocks * RW; c++) factor[c] = s * scale_of[c];
+    __asm__ volatile("" : : "r"(factor) : "memory");
+    for (int64_t c = 0; c < blocks * RW; c++) sums[c] = (float)(acc[c] - offset_of[c]) * factor[c];
+    finish_row(sums, blocks, glu_mode, bias, rows_of, dtype, done);
+    store_floats(done, cols, y, dtype, row * out_cols + first_col);
+}
+
+#if defined(__AMX_INT8__) && defined(__AMX_BF16__)
+#define AMX_INT8_MIN_ROWS 4  /* as the bfloat16 tiles' (not measured for int8: no AMX machine at hand) */
+
+/* Row block `rb` of x (quantized, qx + OFFSET) packed as the tiles read x^T: [row blocks][k / 4][16 rows] words
+ * of four signed bytes (rows past m: zeros). */
+static void amx_pack(const uint8_t *xq, int64_t m, int64_t kp, int64_t k, int64_t rb, uint32_t *packed) {
+    const int64_t quads = k / 4;
+    for (int64_t q = 0; q < quads; q++)
+        for (int64_t r = 0; r < AMX_ROWS; r++) {
+            const int64_t row = rb * AMX_ROWS + r;
+            uint32_t word = 0;
+            if (row < m) {
+                memcpy(&word, xq + row * kp + 4 * q, sizeof(word));
+                word ^= OFFSET ? 0x80808080u : 0u;
+            }
+            packed[(rb * quads + q) * AMX_ROWS + r] = word;
+        }
+}
+
+/* Task `task` through the tiles: weight rows [first, first + 16) and [second, second + 16) (32 columns, or 16
+ * gate and their 16 up rows) against every row block of x, each row's sums finished as the blocks' are. */
+static void amx_task(const uint32_t *packed, int64_t m, int64_t k, const int8_t *w, int64_t w_stride, int64_t n,
+                     const float *scale, const float *xs, int glu_mode, int64_t task, const float *bias, void *y,
+                     int dtype, int64_t *configured) {
+    const int64_t out_cols = glu_mode ? n / 2 : n, quads = k / 4, row_blocks = (m + AMX_ROWS - 1) / AMX_ROWS;
+    const int64_t first = glu_mode ? 16 * task : 32 * task, second = glu_mode ? out_cols + first : first + 16;
+    const int64_t first_block = glu_mode ? first / 2 : first / RW;
+    int64_t rows_of[NB * RW];
+    for (int b = 0; b < NB; b++) block_rows(first_block + b, glu_mode, n, out_cols, rows_of + b * RW);
+    float scale_of[NB * RW];
+    int32_t offset_of[NB * RW];
+    task_scales(rows_of, NB, scale, NULL, 0, scale_of, offset_of);
+    int32_t sums[2][16][16] __attribute__((aligned(64)));  /* [tile][weight row][row of x] */
+    for (int64_t rb = 0; rb < row_blocks; rb++) {  /* the task's weights stay in the cache meanwhile */
+        const int64_t rows = MIN(AMX_ROWS, m - rb * AMX_ROWS);
+        if (rows != *configured) amx_configure((int)rows), *configured = rows;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t c = 0; c < k; c += 64) {
+            _tile_loadd(2, w + first * w_stride + c, w_stride);
+            _tile_loadd(3, w + second * w_stride + c, w_stride);
+            _tile_loadd(4, packed + (rb * quads + c / 4) * AMX_ROWS, 4 * AMX_ROWS);
+            _tile_dpbssd(0, 2, 4);
+            _tile_dpbssd(1, 3, 4);
+        }
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        for (int64_t r = 0; r < rows; r++) {
+            int32_t acc[NB * RW];
+            for (int c = 0; c < NB * RW; c++) {
+                const int tile = rows_of[c] >= second;
+                acc[c] = sums[tile][rows_of[c] - (tile ? second : first)][r];
+            }
+            finish_sums(acc, scale_of, offset_of, NB, rows_of, xs[rb * AMX_ROWS + r], glu_mode, bias, dtype, y,
+                        rb * AMX_ROWS + r, out_cols, first, glu_mode ? 16 : 32);
+        }
+    }
+}
+#endif
+
+int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t *w, int64_t w_stride, int64_t n,
+                const float *scale, const int32_t *row_sums, const float *bias, int glu_mode, void *y,
+                int num_threads) {
+    if (m <= 0) return 0;
+    const int64_t out_cols = glu_mode ? n / 2 : n, kp = (k + KB - 1) / KB * KB;
+    const int64_t blocks = glu_mode ? (out_cols + 1) / 2 : (n + RW - 1) / RW;
+    const size_t x_bytes = ((size_t)(m * kp) + 63) / 64 * 64, scale_bytes = ((size_t)m * sizeof(float) + 63) / 64 * 64;
+    int64_t block0 = 0;  /* the first block the vector path computes (past what the tiles did) */
+    size_t packed_bytes = 0;
+#if defined(__AMX_INT8__) && defined(__AMX_BF16__)
+    int64_t amx_tasks = 0;
+    if (k % 64 == 0 && m >= AMX_INT8_MIN_ROWS && amx_permitted()) {
+        const int64_t amx_cols = glu_mode ? out_cols / 16 * 16 : n / 32 * 32;
+        amx_tasks = glu_mode ? amx_cols / 16 : amx_cols / 32;
+        block0 = glu_mode ? amx_cols / 2 : amx_cols / RW;
+        packed_bytes = (size_t)((m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS * k);
+    }
+#endif
+    uint8_t *xq = thread_scratch(x_bytes + scale_bytes + packed_bytes);
+    if (!xq) return 2;
+    float *xs = (float *)(xq + x_bytes);
+    int failed = 0;
+    const int64_t tasks = (blocks - block0 + NB - 1) / NB;
+    uint64_t shares[num_threads];
+#pragma omp parallel num_threads(num_threads) if (m * n * k >= 65536)
+    {
+        float *row = thread_scratch_at(1, (size_t)k * sizeof(float));
+        if (!row) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++)
+            if (row) xs[i] = quantize_x(x, io_dtype, i, k, kp, row, xq + i * kp);
+#if defined(__AMX_INT8__) && defined(__AMX_BF16__)
+        if (amx_tasks && !__atomic_load_n(&failed, __ATOMIC_RELAXED)) {
+            uint32_t *packed = (uint32_t *)(xq + x_bytes + scale_bytes);
+            int64_t configured = -1;  /* rows of x the tiles are configured for (other code may reconfigure them) */
+#pragma omp for schedule(static)
+            for (int64_t rb = 0; rb < (m + AMX_ROWS - 1) / AMX_ROWS; rb++) amx_pack(xq, m, kp, k, rb, packed);
+#pragma omp single
+            deal(shares, team_size(), amx_tasks);
+            for (int64_t task; (task = next_task(shares)) >= 0;)
+                amx_task(packed, m, k, w, w_stride, n, scale, xs, glu_mode, task, bias, y, io_dtype, &configured);
+            _tile_release();
+#pragma omp barrier
+        }
+#endif
+        if (tasks > 0 && !__atomic_load_n(&failed, __ATOMIC_RELAXED)) {
+#pragma omp single
+            deal(shares, team_size(), tasks);
+            for (int64_t task; (task = next_task(shares)) >= 0;) {
+                const int64_t first_block = block0 + task * NB, count = MIN(NB, blocks - first_block);
+                int64_t rows_of[(NB + 1) * RW];  /* and the block after the task's, to prefetch */
+                for (int64_t b = 0; b <= count; b++)
+                    block_rows(first_block + b, glu_mode, n, out_cols, rows_of + b * RW);
+                const int8_t *wr[NB + 1][RW];
+                for (int64_t b = 0; b <= count; b++)
+                    for (int c = 0; c < RW; c++) wr[b][c] = w + rows_of[b * RW + c] * w_stride;
+                float scale_of[NB * RW];
+                int32_t offset_of[NB * RW];
+                task_scales(rows_of, count, scale, row_sums, OFFSET, scale_of, offset_of);
+                const int64_t first_col = glu_mode ? 2 * first_block : RW * first_block;
+                const int64_t cols = MIN(glu_mode ? 2 * count : RW * count, out_cols - first_col);
+                for (int64_t i0 = 0; i0 < m; i0 += MCI) {
+                    const int64_t chunk = MIN(MCI, m - i0);
+                    /* the chunk's rows in blocks of equal size (8 rows: 4 + 4, not 6 + 2) */
+                    const int64_t per_block = (chunk + (chunk + RX - 1) / RX - 1) / ((chunk + RX - 1) / RX);
+                    int32_t sums[MCI * NB * RW];
+                    for (int64_t b = 0; b < count; b++)
+                        for (int64_t i = i0; i < i0 + chunk; i += per_block) {
+                            const int rows = (int)MIN(per_block, i0 + chunk - i);
+                            /* later rows find the block in the cache: its first pass prefetches the next */
+                            const void *const *ahead = (const void *const *)(i == 0 ? wr[b + 1] : wr[b]);
+                            int32_t *out = sums + (i - i0) * NB * RW + b * RW;
+#ifdef DOT
+                            BLOCK_FNS[rows - 1](xq + i * kp, kp, k, wr[b], ahead, out, NB * RW);
+#else
+                            (void)ahead;
+                            block_plain(xq + i * kp, kp, k, wr[b], rows, out, NB * RW);
+#endif
+                        }
+                    for (int64_t s = 0; s < chunk; s++)
+                        finish_sums(sums + s * NB * RW, scale_of, offset_of, count, rows_of, xs[i0 + s], glu_mode,
+                                    bias, io_dtype, y, i0 + s, out_cols, first_col, cols);
+                }
+            }
+        }
+    }
+    return failed ? 2 : 0;
+}

@@ -1,0 +1,108 @@
+"""The int8 Linear kernel (engine/csrc/linear_int8.c) of every build this CPU runs, loaded one by one, against
+engine/quantization.py's PyTorch reference: the same bits, for decode-sized and prefill-sized row counts, widths
+that are no multiple of a vector step or of a task's columns, a bias, glu (SiLU, GELU's tanh approximation), any
+number of threads, all-zero rows and the largest int8 values everywhere. (Every build compiles, AMX included:
+tests/engine/test_cpu_kernels.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cpu import build, ops
+from engine.quantization import Int8Weight, quantize_activations, quantize_weight, reference_linear_int8
+
+RUNNABLE = build.runnable_variants()
+# (n, k): k = 100 ends in a partial vector step (no multiple of 32 or 64), n = 38 in a partial task of columns
+# (glu: 19 outputs, an odd count); k = 576 (the 256M model's width) runs AMX tiles where the CPU has them, the
+# columns past the last whole pair of tiles (n = 70) through the vector blocks.
+SHAPES = ((38, 100), (70, 576))
+
+
+def _case(m: int, n: int, k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, Int8Weight, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=generator).to(dtype)
+    weight = quantize_weight((torch.randn(n, k, generator=generator) * 0.05).bfloat16())
+    return x, weight, torch.randn(n, generator=generator)
+
+
+def _check(lib, x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None, glu: str | None) -> None:
+    got = ops.run_linear(lib, x, weight, bias, glu)
+    expected = reference_linear_int8(x, weight, bias, glu)
+    assert got.dtype == x.dtype and got.shape == expected.shape
+    if glu and x.dtype == torch.float32:
+        # float32 glu: the activation's e^x is libm's in the kernel, torch's in the reference (a few ulps apart;
+        # in bfloat16 they round alike for every normal bfloat16 gate); the products before it are checked to
+        # the bit without glu.
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+    else:
+        assert torch.equal(got, expected), (x.dtype, tuple(x.shape), weight.shape, bias is not None, glu)
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_int8_linear_gives_the_reference_s_bits(name):
+    """m = 1, 3, 8 (decode), 40 and 257 (a prefill chunk, past a 192-row pass), bfloat16 and float32 x, with and
+    without bias, plain and glu, on one thread and on two."""
+    lib = build.load_variant(name)
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in (1, 3, 8, 40, 257):
+                for n, k in SHAPES:
+                    for dtype in (torch.bfloat16, torch.float32):
+                        x, weight, bias = _case(m, n, k, dtype, seed=m * n + k)
+                        for glu in (None, "silu", "gelu_tanh"):
+                            for b in (None, bias):
+                                _check(lib, x, weight, b, glu)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_zero_rows_and_the_largest_values(name):
+    """An all-zero row of x (scale 1, every product 0: y is the bias) and of W; x and W all +-127 after
+    quantization over a long k (4,100: no step's 16-bit pairs saturate, the int32 sums reach 6.6e7); float16 x."""
+    lib = build.load_variant(name)
+    x, weight, bias = _case(6, 38, 100, torch.bfloat16, seed=5)
+    x[2] = 0
+    q = weight.qweight.clone()
+    q[7] = 0
+    zeroed = Int8Weight.of(q, weight.scale)
+    got = ops.run_linear(lib, x, zeroed, bias, None)
+    assert torch.equal(got, reference_linear_int8(x, zeroed, bias))
+    assert torch.equal(got[2], bias.bfloat16()) and torch.equal(got[:, 7], bias[7].bfloat16().expand(6))
+    generator = torch.Generator().manual_seed(6)
+    k = 4100
+    signs = torch.randint(0, 2, (9, k), generator=generator) * 2 - 1
+    signs[0] = 1  # a row of +127 against the weight rows of +127 and -127 below
+    x = (signs * 0.5).bfloat16()
+    weight_signs = torch.randint(0, 2, (36, k), generator=generator) * 2 - 1
+    weight_signs[0], weight_signs[1] = 1, -1
+    extreme = quantize_weight(weight_signs.float() * 3.0)
+    assert quantize_activations(x)[0].abs().min() == 127 and extreme.qweight.abs().min() == 127
+    for glu in (None, "silu"):
+        _check(lib, x, extreme, None, glu)
+    assert ops.run_linear(lib, x, extreme, None, None)[0, 0].item() == pytest.approx(0.5 * 3.0 * k, rel=1e-2)
+    _check(lib, torch.randn(5, 100).half(), weight, bias, None)
+
+
+def test_the_python_call_and_its_operator():
+    """`ops.linear` takes an Int8Weight as it takes a float weight (the build `build.lib()` loads), refuses one
+    that does not fit naming it; `vlmcap::linear_int8` (what a compiled model calls) gives the same bits and
+    its fake says the shape."""
+    x, weight, bias = _case(4, 38, 100, torch.bfloat16, seed=7)
+    got = ops.linear(x.view(2, 2, 100), weight, bias)
+    assert got.shape == (2, 2, 38) and torch.equal(got.view(4, 38), reference_linear_int8(x, weight, bias))
+    operator = torch.ops.vlmcap.linear_int8(x, weight.qweight, weight.scale, weight.row_sums, bias)
+    assert torch.equal(operator, got.view(4, 38))
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = torch.ops.vlmcap.linear_int8(mode.from_tensor(x), mode.from_tensor(weight.qweight),
+                                            mode.from_tensor(weight.scale), mode.from_tensor(weight.row_sums), None)
+        assert fake.shape == (4, 38)
+    with pytest.raises(ValueError, match="does not fit a \\[38, 100\\]"):
+        ops.linear(torch.zeros(2, 64), weight)
+    with pytest.raises(ValueError, match="an even count, got 37"):
+        ops.linear(x, Int8Weight.of(weight.qweight[:37], weight.scale[:37]), glu="silu")
+    with pytest.raises(ValueError, match="contiguous 2-d int8 tensor, got torch.float32"):
+        Int8Weight(weight.qweight.float(), weight.scale, weight.row_sums)
