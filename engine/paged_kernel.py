@@ -7,7 +7,9 @@ that sequence's queries; its rows are the tile's tokens times the query heads th
 each key block is read once per KV head (grouped-query attention without repeating keys). Keys and values
 are read a cache block at a time through the block table, with an online softmax in float32; no copy of
 the context is made. Shapes depend only on the number of sequences and the block table's width, so a
-decode-only batch of a fixed padded size is the same launch every step (CUDA graphs).
+decode-only batch of a fixed padded size is the same launch every step (CUDA graphs). An int8 cache
+(engine/kv_cache.py) is read in place as well: each key and value row times its scale, rounded to the queries'
+dtype, what a cache of that dtype holding the dequantized values would give.
 
 Runs on CUDA; `TRITON_INTERPRET=1` runs it on the CPU (slowly) for tests.
 """
@@ -40,11 +42,12 @@ if triton is not None:
 
     @triton.jit
     def _paged_attention_kernel(
-        out_ptr, q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
+        out_ptr, q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
         scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr,
+        KV_HEADS: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -82,6 +85,11 @@ if triton is not None:
                 kv_offsets = slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
                 k = tl.load(k_ptr + kv_offsets, mask=dim_ok[None, :], other=0.0)
                 v = tl.load(v_ptr + kv_offsets, mask=dim_ok[None, :], other=0.0)
+                if QUANT:  # an int8 cache: (float)q * its row's scale, rounded to the queries' dtype
+                    k_scale = tl.load(k_scale_ptr + slots * KV_HEADS + kv_head)
+                    v_scale = tl.load(v_scale_ptr + slots * KV_HEADS + kv_head)
+                    k = (k.to(tl.float32) * k_scale[:, None]).to(q_ptr.dtype.element_ty)
+                    v = (v.to(tl.float32) * v_scale[:, None]).to(q_ptr.dtype.element_ty)
                 if IEEE:
                     s = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:
@@ -119,8 +127,10 @@ def paged_attention(
     scale: float | None,
     window: int | None,
     out: torch.Tensor | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """query [T, heads, d], caches [slots, kv_heads, d], `meta` a `PagedKernelMetadata` -> [T, heads, d]."""
+    """query [T, heads, d], caches [slots, kv_heads, d], `meta` a `PagedKernelMetadata` -> [T, heads, d]; an int8
+    cache with its key and value `scales` ([slots, kv_heads] float32, contiguous)."""
     if triton is None:
         raise RuntimeError("the paged attention kernel needs Triton")
     if query.stride(-1) != 1:
@@ -133,13 +143,20 @@ def paged_attention(
     block_q = block_m // group_pad
     if out is None:
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    quantized = key_cache.dtype == torch.int8
+    if quantized != (scales is not None):
+        raise ValueError(f"the paged kernel reads an int8 cache with its scales, or a cache of another dtype "
+                         f"without: got {key_cache.dtype} with{'' if scales is not None else 'out'} scales")
+    key_scales, value_scales = scales if quantized else (key_cache, value_cache)  # unread where not int8
     grid = (meta.num_seqs, kv_heads, triton.cdiv(meta.max_query_len, block_q))
     _paged_attention_kernel[grid](
-        out, query, key_cache, value_cache, meta.block_table, meta.seq_lens, meta.query_start_loc,
+        out, query, key_cache, value_cache, key_scales, value_scales, meta.block_table, meta.seq_lens,
+        meta.query_start_loc,
         float(scale if scale is not None else head_dim**-0.5), int(window or 0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), key_cache.stride(0), key_cache.stride(1),
         meta.block_table.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=max(_next_power_of_2(head_dim), 16),
-        BLOCK_M=block_m, BLOCK_SIZE=block_size, IEEE=query.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_SIZE=block_size, IEEE=query.dtype == torch.float32, QUANT=quantized,
+        KV_HEADS=kv_heads,
     )
     return out

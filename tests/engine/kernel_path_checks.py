@@ -150,10 +150,32 @@ def check_decode_steps_issue_the_same_ops(checkpoint: str) -> None:
     print("ok decode_steps_issue_the_same_ops")
 
 
+def check_kernel_reads_an_int8_cache_as_its_dequantized_values() -> None:
+    """An int8 cache read in place: the same outputs, bit for bit, as over a cache of the queries' dtype holding
+    the dequantized values (engine/kv_cache.py), decodes and a chunk, grouped-query heads."""
+    from engine.kv_cache import dequantize_kv
+
+    torch.manual_seed(1)
+    bs, kv_heads, heads, d = 16, 2, 6, 32
+    int8 = KVCache(1, 8, bs, kv_heads, d, torch.float32, torch.device("cpu"), "int8")
+    plain = KVCache(1, 8, bs, kv_heads, d, torch.float32, torch.device("cpu"))
+    slots = torch.arange(int8.keys[0].shape[0])
+    int8.write(0, slots, torch.randn(len(slots), kv_heads, d) * 3, torch.randn(len(slots), kv_heads, d))
+    plain.keys[0].copy_(dequantize_kv(int8.keys[0], int8.key_scales[0], torch.float32))
+    plain.values[0].copy_(dequantize_kv(int8.values[0], int8.value_scales[0], torch.float32))
+    meta = PagedKernelMetadata(torch.tensor([0, 1, 13], dtype=torch.int32), torch.tensor([40, 30], dtype=torch.int32),
+                               torch.tensor([[5, 1, 7], [2, 6, 0]], dtype=torch.int32), 12, 2)
+    query = torch.randn(13, heads, d)
+    got = paged_attention(query, int8.keys[0], int8.values[0], meta, bs, None, None, scales=int8.scales(0))
+    want = paged_attention(query, plain.keys[0], plain.values[0], meta, bs, None, None)
+    assert torch.equal(got, want), (got - want).abs().max()
+    print("ok kernel_reads_an_int8_cache_as_its_dequantized_values")
+
+
 if __name__ == "__main__":
     checkpoint, wanted = sys.argv[1], sys.argv[2:]
-    for name in ("kernel_matches_reference_attention", "engine_tokens_equal_reference",
-                 "decode_steps_issue_the_same_ops"):
+    alone = ("kernel_matches_reference_attention", "kernel_reads_an_int8_cache_as_its_dequantized_values")
+    for name in (*alone, "engine_tokens_equal_reference", "decode_steps_issue_the_same_ops"):
         if not wanted or name in wanted:
             check = globals()[f"check_{name}"]
-            check() if name == "kernel_matches_reference_attention" else check(checkpoint)
+            check() if name in alone else check(checkpoint)

@@ -13,7 +13,8 @@ import pytest
 pytest.importorskip("triton", reason="the kernel path is Triton's; its checks need it installed")
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKS = ["kernel_matches_reference_attention", "engine_tokens_equal_reference", "decode_steps_issue_the_same_ops"]
+CHECKS = ["kernel_matches_reference_attention", "kernel_reads_an_int8_cache_as_its_dequantized_values",
+          "engine_tokens_equal_reference", "decode_steps_issue_the_same_ops"]
 
 
 @pytest.fixture(scope="module")
