@@ -37,8 +37,8 @@ class LeanLayerArgs(ctypes.Structure):
     _fields_ = [*((name, NormArgs) for name in ("input_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm", "q_norm",
                                                 "k_norm")),
                 *((name, ProjectionArgs) for name in ("qkv", "o", "gate_up", "down")),
-                ("key_cache", _P), ("value_cache", _P), ("scaling", _F), ("window", _I64), ("act", _INT),
-                ("local_rope", _INT)]
+                ("key_cache", _P), ("value_cache", _P), ("key_scales", _P), ("value_scales", _P), ("scaling", _F),
+                ("window", _I64), ("act", _INT), ("local_rope", _INT)]
 
 
 class DecodeStepArgs(ctypes.Structure):
@@ -54,13 +54,13 @@ class DecodeStepArgs(ctypes.Structure):
 
 
 SIGNATURES = {  # function -> argument types (every one returns an int: 0, or why it refused)
-    "paged_decode_attention": [_P, _INT, _I64, _I64, _P, _P, _P, _INT, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
-                               _F, _I64, _P, _INT],
+    "paged_decode_attention": [_P, _INT, _I64, _I64, _P, _P, _P, _P, _P, _INT, _P, _P, _I64, _I64, _I64, _I64, _I64,
+                               _I64, _F, _I64, _P, _INT],
     "linear": [_P, _INT, _I64, _I64, _P, _INT, _I64, _I64, _P, _P, _P, _INT, _P, _INT],
     "rms_norm": [_P, _INT, _I64, _I64, _P, _INT, _F, _P, _INT],
     "add_rms_norm": [_P, _P, ctypes.POINTER(NormArgs), _INT, _I64, _I64, ctypes.POINTER(NormArgs), _P, _INT],
     "rope_store": [_P, _INT, _I64, _I64, _I64, _I64, _I64, ctypes.POINTER(NormArgs), ctypes.POINTER(NormArgs), _P,
-                   _P, _P, _P, _P, _INT, _INT],
+                   _P, _P, _P, _P, _P, _P, _INT, _INT],
     "gelu_tanh": [_P, _INT, _I64, _INT],
     "full_attention": [_P, _P, _P, _INT, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _INT],
     "decode_layers": [ctypes.POINTER(DecodeStepArgs), ctypes.POINTER(LeanLayerArgs), _I64],

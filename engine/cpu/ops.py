@@ -43,30 +43,49 @@ if TYPE_CHECKING:
     from engine.cpu.routing import Norm
 
 
+def cache_code(key_cache: torch.Tensor, value_cache: torch.Tensor,
+               scales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[int, int | None, int | None]:
+    """The [slots, kv_heads, d] caches' dtype code and their scales' data pointers (None, None: a cache of a float
+    dtype), checked: contiguous caches of one dtype, float32, bfloat16 or float16, or int8 with contiguous float32
+    scales [slots, kv_heads] (engine/kv_cache.py)."""
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or key_cache.dtype != value_cache.dtype:
+        raise ValueError(f"the key and value caches must be contiguous and of one dtype, got {key_cache.dtype} and "
+                         f"{value_cache.dtype}")
+    if key_cache.dtype in DTYPE_CODES and scales is None:
+        return DTYPE_CODES[key_cache.dtype], None, None
+    if key_cache.dtype != torch.int8 or scales is None:
+        raise ValueError(f"the CPU kernels read a float32, bfloat16 or float16 KV cache, or an int8 one with its "
+                         f"scales, got {key_cache.dtype} with{'' if scales is not None else 'out'} scales")
+    if not all(s.dtype == torch.float32 and s.is_contiguous() and s.shape == key_cache.shape[:2] for s in scales):
+        raise ValueError(f"an int8 cache's scales are contiguous float32 {tuple(key_cache.shape[:2])}, got "
+                         f"{[(s.dtype, tuple(s.shape)) for s in scales]}")
+    return I8, scales[0].data_ptr(), scales[1].data_ptr()
+
 
 def paged_decode_attention(
     q: torch.Tensor, query_index: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float, window: int | None,
-    out: torch.Tensor,
+    out: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Sequence i's query is q[:, query_index[i]] ([heads, tokens, d], any strides); it attends to its first
     `context_lens[i]` positions (the last `window` of them in a sliding-window layer), which lie in the cache
     blocks `block_tables[i]` of the [slots, kv_heads, d] caches, and its output goes to out[query_index[i]]
-    ([tokens, heads, d], contiguous, q's dtype). Integer tensors are int64 and contiguous."""
+    ([tokens, heads, d], contiguous, q's dtype). Integer tensors are int64 and contiguous. An int8 cache comes
+    with its key and value `scales` and is read back in q's dtype (engine/kv_cache.py's `dequantize_kv`)."""
     lib = build.lib()
-    if key_cache.dtype not in DTYPE_CODES or key_cache.dtype != value_cache.dtype or q.dtype not in DTYPE_CODES:
-        raise ValueError(f"the CPU decode kernel reads float32, bfloat16 or float16 tensors, got cache "
-                         f"{key_cache.dtype} and queries {q.dtype}")
+    if q.dtype not in DTYPE_CODES:
+        raise ValueError(f"the CPU decode kernel takes float32, bfloat16 or float16 queries, got {q.dtype}")
+    code, key_scales, value_scales = cache_code(key_cache, value_cache, scales)
     heads, _, d = q.shape
     kv_heads = key_cache.shape[1]
-    if key_cache.shape[2] != d or heads % kv_heads or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError(f"cache rows {tuple(key_cache.shape[1:])} must be contiguous [kv_heads, d={d}] with "
+    if key_cache.shape[2] != d or heads % kv_heads:
+        raise ValueError(f"cache rows {tuple(key_cache.shape[1:])} must be [kv_heads, d={d}] with "
                          f"kv_heads dividing the {heads} query heads")
     if out.dtype != q.dtype or not out.is_contiguous() or q.stride(2) != 1:
         raise ValueError("the output must be contiguous in q's dtype, and q's rows contiguous")
     failed = lib.paged_decode_attention(
         q.data_ptr(), DTYPE_CODES[q.dtype], q.stride(0), q.stride(1), query_index.data_ptr(), key_cache.data_ptr(),
-        value_cache.data_ptr(), DTYPE_CODES[key_cache.dtype], block_tables.data_ptr(), context_lens.data_ptr(),
+        value_cache.data_ptr(), key_scales, value_scales, code, block_tables.data_ptr(), context_lens.data_ptr(),
         query_index.shape[0], kv_heads, heads // kv_heads, d, block_size, block_tables.shape[1], float(scale),
         int(window or 0), out.data_ptr(), torch.get_num_threads(),
     )
@@ -271,19 +290,20 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, norm: Norm, out: t
 
 def rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
                sin: torch.Tensor, slots: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               q_norm: Norm | None = None, k_norm: Norm | None = None) -> None:
+               q_norm: Norm | None = None, k_norm: Norm | None = None,
+               scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Rotary embedding of the queries (in place) and keys of qkv [T, (q_heads + 2 kv_heads) head_dim], keys and
     values written to the cache rows `slots` (int64 [T]) of [slots, kv_heads, head_dim] caches
     (engine/csrc/rope_store.c); cos and sin [T, head_dim] in qkv's dtype; each query and key head normalised by
-    `q_norm` / `k_norm` before its rotation where given (Gemma 3)."""
+    `q_norm` / `k_norm` before its rotation where given (Gemma 3). An int8 cache is written quantized, each row's
+    scale into its `scales` (engine/kv_cache.py's `quantize_kv`)."""
     lib = build.lib()
+    code, key_scales, value_scales = cache_code(key_cache, value_cache, scales)
     tokens, width = qkv.shape
     if not (width == (q_heads + 2 * kv_heads) * head_dim and qkv.is_contiguous() and cos.shape == (tokens, head_dim)
             and sin.shape == cos.shape and cos.is_contiguous() and sin.is_contiguous() and cos.dtype == qkv.dtype
             and sin.dtype == qkv.dtype and slots.dtype == torch.int64 and slots.is_contiguous()
-            and slots.shape == (tokens,) and key_cache.is_contiguous() and value_cache.is_contiguous()
-            and key_cache.dtype == value_cache.dtype and key_cache.dtype in DTYPE_CODES
-            and key_cache.shape[1:] == (kv_heads, head_dim)
+            and slots.shape == (tokens,) and key_cache.shape[1:] == (kv_heads, head_dim)
             and all(norm is None or norm.weight.shape == (head_dim,) for norm in (q_norm, k_norm))):
         raise ValueError(f"rope_store got qkv {tuple(qkv.shape)} {qkv.dtype}, cos {tuple(cos.shape)} {cos.dtype}, "
                          f"slots {tuple(slots.shape)} {slots.dtype}, cache {tuple(key_cache.shape)} "
@@ -291,5 +311,5 @@ def rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int, co
     norms = [None if norm is None else ctypes.byref(norm.args) for norm in (q_norm, k_norm)]
     if lib.rope_store(qkv.data_ptr(), DTYPE_CODES[qkv.dtype], tokens, width, q_heads, kv_heads, head_dim, *norms,
                       cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                      DTYPE_CODES[key_cache.dtype], torch.get_num_threads()):
+                      key_scales, value_scales, code, torch.get_num_threads()):
         raise MemoryError(f"rope_store could not allocate its buffer ({6 * head_dim} floats a thread)")

@@ -31,10 +31,12 @@ int decode_layers(const decode_step *s, const lean_layer *layers, int64_t count)
                             L->qkv.bias, L->qkv.scale, L->qkv.row_sums, s->mode, s->qkv, threads);
         if (!failed)
             failed = rope_store(s->qkv, dt, t, width, s->heads, s->kv_heads, s->head_dim, &L->q_norm, &L->k_norm,
-                                cos, sin, s->slots, L->key_cache, L->value_cache, s->cache_dtype, threads);
+                                cos, sin, s->slots, L->key_cache, L->value_cache, L->key_scales, L->value_scales,
+                                s->cache_dtype, threads);
         if (!failed)  /* the queries [heads, tokens, d]: head stride d, token stride a qkv row */
             failed = paged_decode_attention(s->qkv, dt, s->head_dim, width, s->query_index, L->key_cache,
-                                            L->value_cache, s->cache_dtype, s->block_tables, s->context_lens,
+                                            L->value_cache, L->key_scales, L->value_scales, s->cache_dtype,
+                                            s->block_tables, s->context_lens,
                                             s->num_seqs, s->kv_heads, s->heads / s->kv_heads, s->head_dim,
                                             s->block_size, s->table_width, L->scaling, L->window, s->attended,
                                             threads);

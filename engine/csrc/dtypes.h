@@ -159,6 +159,69 @@ static inline __attribute__((always_inline)) __m256 widen8(const void *p, int dt
 #endif
 #define INT8_LIMIT 127.0f
 
+/* x [count] (float32 values of the model's dtype) into q; returns its scale. */
+static inline float quantize_row(const float *x, int64_t count, int8_t *q) {
+    float top = 0.0f;
+    for (int64_t j = 0; j < count; j++) top = fabsf(x[j]) > top ? fabsf(x[j]) : top;
+    float limit = INT8_LIMIT;
+    OPAQUE(limit);
+    const float scale = top == 0.0f ? 1.0f : top / limit;
+    for (int64_t j = 0; j < count; j++) {
+        float s = scale;
+        OPAQUE(s);
+        const float r = rintf(x[j] / s);
+        q[j] = (int8_t)(r > INT8_LIMIT ? INT8_LIMIT : r < -INT8_LIMIT ? -INT8_LIMIT : r);
+    }
+    return scale;
+}
+
+/* `count` int8 values from element `offset` of `src`, times `scale`, rounded to `dtype`, into dst. */
+static inline void load_dequantized(const void *src, int64_t offset, int64_t count, float scale, int dtype,
+                                    float *dst) {
+    const int8_t *from = (const int8_t *)src + offset;
+    for (int64_t t = 0; t < count; t++) {
+        float v = (float)from[t] * scale;
+        OPAQUE(v);
+        dst[t] = rounded(v, dtype);
+    }
+}
+
+#ifdef __AVX512F__
+/* 16 int8 values from element `at` of p, times `scale`, rounded to `dtype` (load_dequantized, 16 at a time). */
+static inline __attribute__((always_inline)) __m512 dequantize16(const void *p, int64_t at, float scale, int dtype) {
+    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                   (const __m128i *)((const int8_t *)p + at)))), _mm512_set1_ps(scale));
+    if (dtype == BF16) {
+        const __m512i bits = _mm512_castps_si512(v);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        v = _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))),
+                                                 _mm512_set1_epi32((int)0xffff0000u)));
+    } else if (dtype == F16) {
+        v = _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    __asm__("" : "+v"(v));
+    return v;
+}
+#endif
+
+#if defined(VECTOR) && !defined(__AVX512F__)
+/* 8 int8 values from element `at` of p, times `scale`, rounded to `dtype` (load_dequantized, 8 at a time). */
+static inline __attribute__((always_inline)) __m256 dequantize8(const void *p, int64_t at, float scale, int dtype) {
+    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                   (const __m128i *)((const int8_t *)p + at)))), _mm256_set1_ps(scale));
+    if (dtype == BF16) {
+        const __m256i bits = _mm256_castps_si256(v);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+        v = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))),
+                                                 _mm256_set1_epi32((int)0xffff0000u)));
+    } else if (dtype == F16) {
+        v = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    __asm__("" : "+x"(v));
+    return v;
+}
+#endif
+
 /* Growable buffers of the calling thread (SCRATCH_SLOTS of them, one set per source file), kept across calls: no
  * allocation per call. */
 #define SCRATCH_SLOTS 2

@@ -38,6 +38,7 @@ typedef struct {
     norm_weights input_norm, mlp_norm, attn_out_norm, mlp_out_norm, q_norm, k_norm;
     projection qkv, o, gate_up, down;
     void *key_cache, *value_cache;
+    float *key_scales, *value_scales;  /* an I8 cache's scales [slots, kv_heads] (engine/kv_cache.py); else NULL */
     float scaling;
     int64_t window;  /* keys more than this behind a query are hidden (0: none) */
     int act;         /* linear()'s glu mode bits: MODE_GLU (SiLU) or MODE_GLU | MODE_GELU */
@@ -51,7 +52,7 @@ typedef struct {
     const int64_t *slots, *query_index, *block_tables, *context_lens;
     norm_weights final_norm;
     int64_t tokens, hidden, heads, kv_heads, head_dim, num_seqs, block_size, table_width;
-    int io_dtype, cache_dtype, mode, num_threads;
+    int io_dtype, cache_dtype, mode, num_threads;  /* an I8 cache is read back in io_dtype */
 } decode_step;
 
 int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int w_dtype, int64_t w_stride,
@@ -64,9 +65,11 @@ int add_rms_norm(void *h, const void *delta, const norm_weights *delta_norm, int
 void normalize_row(float *row, int64_t dim, const float *w, float eps, int flavor, int dtype);
 int rope_store(void *qkv, int dtype, int64_t tokens, int64_t width, int64_t nq, int64_t nkv, int64_t d,
                const norm_weights *q_norm, const norm_weights *k_norm, const void *cos, const void *sin,
-               const int64_t *slots, void *key_cache, void *value_cache, int cache_dtype, int num_threads);
+               const int64_t *slots, void *key_cache, void *value_cache, float *key_scales, float *value_scales,
+               int cache_dtype, int num_threads);
 int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, int64_t q_token_stride,
-                           const int64_t *query_index, const void *key_cache, const void *value_cache, int dtype,
+                           const int64_t *query_index, const void *key_cache, const void *value_cache,
+                           const float *key_scales, const float *value_scales, int dtype,
                            const int64_t *block_tables, const int64_t *context_lens, int64_t num_seqs,
                            int64_t kv_heads, int64_t groups, int64_t d, int64_t block_size, int64_t table_width,
                            float scale, int64_t window, void *out, int num_threads);
