@@ -230,8 +230,16 @@ class Client:
 
     async def good_clients(self, tally: Tally, rng: random.Random) -> None:
         """The drop-in routes (issue 36): /v1/completions with n=2 (now and then streamed) or Ollama's /api/generate
-        with an image and /api/chat streamed as NDJSON; a stream whose lines carry an error counts as a 500."""
-        choice = rng.randrange(3)
+        with an image and /api/chat streamed as NDJSON; a stream whose lines carry an error counts as a 500. Also
+        lm-eval's loglikelihood call (echo, logprobs: the prompt's tokens scored) and a stored chat completion read
+        back and deleted."""
+        choice = rng.randrange(5)
+        if choice == 3:
+            await self.scored_prompt(tally, rng)
+            return
+        if choice == 4:
+            await self.stored_chat(tally, rng)
+            return
         if choice == 0:
             body = {"model": self.model, "prompt": f"Bus stop {rng.randrange(1000)}:", "n": 2,
                     "seed": rng.randrange(2**31), "max_tokens": self.cfg.max_tokens, "stream": rng.random() < 0.5}
@@ -254,6 +262,43 @@ class Client:
             tally.outcomes.append(Outcome("ollama", status, error))
         except httpx.HTTPError as exc:
             tally.outcomes.append(Outcome("ollama", None, f"{type(exc).__name__}: {exc}"))
+
+    async def scored_prompt(self, tally: Tally, rng: random.Random) -> None:
+        """/v1/completions with echo and logprobs (and now and then vLLM's prompt_logprobs): every prompt token but
+        the first scored, or the answer counts as a 500."""
+        body = {"model": self.model, "prompt": f"Bus stop {rng.randrange(1000)} at night:", "echo": True,
+                "logprobs": 1, "max_tokens": 1, "temperature": 0, **({"prompt_logprobs": 2} if rng.random() < 0.5
+                                                                     else {})}
+        try:
+            response = await self.http.post("/v1/completions", json=body)
+        except httpx.HTTPError as exc:
+            tally.outcomes.append(Outcome("prompt_logprobs", None, f"{type(exc).__name__}: {exc}"))
+            return
+        status, error = response.status_code, None
+        if status == 200:
+            scores = response.json()["choices"][0]["logprobs"]["token_logprobs"]
+            if len(scores) < 3 or scores[0] is not None or any(s is None for s in scores[1:]):
+                status, error = 500, f"prompt tokens not scored: {scores[:4]}"
+        tally.outcomes.append(Outcome("prompt_logprobs", status, error))
+
+    async def stored_chat(self, tally: Tally, rng: random.Random) -> None:
+        """A chat completion sent with `store: true` (now and then streamed), read back by id and deleted; one that
+        is not found after a 200 counts as a 500."""
+        body = self.chat_body(f"Who waits at stop {rng.randrange(1000)}?", store=True, stream=rng.random() < 0.5,
+                              metadata={"soak": "yes"})
+        try:
+            response = await self.http.post("/v1/chat/completions", json=body)
+            status, error = response.status_code, None
+            if status == 200:
+                lines = [line for line in response.text.splitlines() if line.startswith("data: {")]
+                completion_id = json.loads(lines[0][6:])["id"] if body["stream"] else response.json()["id"]
+                got = await self.http.get(f"/v1/chat/completions/{completion_id}")
+                deleted = await self.http.delete(f"/v1/chat/completions/{completion_id}")
+                if got.status_code != 200 or deleted.status_code != 200:
+                    status, error = 500, f"stored {completion_id}: get {got.status_code}, delete {deleted.status_code}"
+            tally.outcomes.append(Outcome("store", status, error))
+        except httpx.HTTPError as exc:
+            tally.outcomes.append(Outcome("store", None, f"{type(exc).__name__}: {exc}"))
 
     async def hostile(self, tally: Tally, rng: random.Random) -> None:
         name = rng.choice(sorted(HOSTILE_REQUESTS))
@@ -425,6 +470,18 @@ HOSTILE_REQUESTS: dict[str, Any] = {
     "slow_client_body": lambda c: _slow_client(c, body=True),
     "summary_window_over_limit": lambda c: c.http.post("/v1/cameras/soak-cam/summary", json={"window_s": 10**9}),
     "summary_window_not_finite": lambda c: _json_post(c, "/v1/cameras/soak-cam/summary", b'{"end": -Infinity}'),
+    # Prompt log-probabilities and stored completions (issue 36): out-of-range and streamed scores, metadata past
+    # OpenAI's bounds, pages past their limit or after an unknown id, another key's or an unknown completion.
+    "prompt_logprobs_over_cap": lambda c: c.http.post("/v1/completions", json={
+        "model": c.model, "prompt": "a", "prompt_logprobs": 10**6}),
+    "prompt_logprobs_streamed": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
+        "Hi", prompt_logprobs=1, stream=True)),
+    "store_metadata_huge": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body(
+        "Hi", store=True, metadata={f"k{i}": "v" * 10_000 for i in range(1000)})),
+    "stored_list_over_limit": lambda c: c.http.get("/v1/chat/completions", params={"limit": 10**9, "order": "up"}),
+    "stored_list_after_unknown": lambda c: c.http.get("/v1/chat/completions", params={"after": "x" * 10_000}),
+    "stored_unknown_id": lambda c: c.http.get("/v1/chat/completions/" + "chatcmpl-" + "9" * 500),
+    "stored_update_bad_body": lambda c: _json_post(c, "/v1/chat/completions/chatcmpl-none", b'{"metadata": [1]}'),
 }
 
 

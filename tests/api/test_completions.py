@@ -209,3 +209,35 @@ def test_token_id_prompts_run_as_given_equal_to_generate_on_those_ids(client, se
     response = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": ids + [image_token]},
                           timeout=30)
     assert response.status_code == 400 and "placeholder" in response.json()["error"]["message"]
+
+
+SOAK_CASES = ["prompt_logprobs_over_cap", "prompt_logprobs_streamed", "store_metadata_huge", "stored_list_over_limit",
+              "stored_list_after_unknown", "stored_unknown_id", "stored_update_bad_body"]
+
+
+def test_the_soaks_prompt_logprobs_and_store_cases_here(server):
+    """`vlmcap bench soak`'s cases of prompt log-probabilities and stored completions against this server: the
+    hostile ones each a 4xx, the good ones (lm-eval's scored prompt, a stored chat read back and deleted) 200."""
+    import asyncio
+    import random
+
+    from bench.configs import SoakConfig
+    from bench.soak import HOSTILE_REQUESTS, Client, Tally
+
+    async def send() -> list:
+        tally = Tally()
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+            client = Client(http, SoakConfig(max_tokens=4), [], MODEL)
+            for name in SOAK_CASES:
+                await client._record(tally, f"hostile:{name}", HOSTILE_REQUESTS[name](client))
+            for seed in range(4):  # both prompt_logprobs and plain, streamed and not
+                await client.scored_prompt(tally, random.Random(seed))
+                await client.stored_chat(tally, random.Random(seed))
+        return tally.outcomes
+
+    outcomes = asyncio.run(send())
+    hostile = {o.kind.removeprefix("hostile:"): o.status for o in outcomes if o.kind.startswith("hostile:")}
+    assert set(hostile) == set(SOAK_CASES)
+    assert all(status is not None and 400 <= status < 500 for status in hostile.values()), hostile
+    good = [(o.kind, o.status, o.error) for o in outcomes if not o.kind.startswith("hostile:")]
+    assert len(good) == 8 and all(status == 200 for _, status, _ in good), good
