@@ -161,7 +161,9 @@ def test_top_k_over_the_vocabulary_is_a_400(client):
     ("/v1/chat/completions", {"logit_bias": {"17": 5}}, "logit_bias"),
     ("/v1/chat/completions", {"audio": {"voice": "alloy"}}, "audio"),
     ("/v1/chat/completions", {"best_of": 3}, "best_of"),
-    ("/v1/chat/completions", {"store": True}, "store"),
+    ("/v1/chat/completions", {"metadata": {"camera": 5}}, "metadata.camera"),  # OpenAI's: string values
+    ("/v1/chat/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/responses", {"store": True}, "store"),  # chat completions keep theirs (tests/api/test_compat_clients.py)
     ("/v1/responses", {"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ("/v1/responses", {"reasoning": {"effort": "high"}}, "reasoning"),
     ("/v1/responses", {"previous_response_id": "resp_1"}, "previous_response_id"),
