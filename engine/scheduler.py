@@ -4,11 +4,16 @@ The rule, under a step budget of B tokens (`max_num_batched_tokens`) and a cap o
 (`max_num_seqs`):
 
 1. Every running request that decodes gets exactly one token, in priority order.
-2. Every running request whose prompt is partly prefilled gets the next chunk of it, as large as the
-   budget left allows.
-3. Waiting requests are admitted in priority order (lower value first, FIFO within a priority) while
-   fewer than S run, the budget is not spent and the KV cache manager can admit them; each gets a first
-   chunk from what is left of the budget. No request is admitted in a step that preempted.
+2. Then the prompts, running ones partly prefilled and waiting ones alike, in priority order (lower value
+   first, first come first served within a priority: `Request.sort_key`), each in turn getting all it can use
+   of what the earlier ones left of the step's budgets (tokens, encoder output tokens and, under a target,
+   time); the next one gets only what the earlier ones cannot use this step (a prompt whose next placeholders
+   wait for their tower leaves the tokens past them to the next prompt's text or tiles). So photo prompts
+   finish one after another instead of all late together, and camera captions (a higher priority value) come
+   after chats. A running prompt gets the next chunk of itself; a waiting one is admitted with its first chunk
+   while fewer than S run and the KV cache manager can admit it (once one cannot be admitted, no later one is,
+   so that a long prompt is not starved); one that could take nothing this step waits. No request is admitted
+   after one was preempted in the step.
 
 A chunk may end anywhere, also inside an image's placeholder span. An encoder input (a tile or an image)
 runs in the step its first placeholder is reached, inputs of at most `max_encoder_tokens_per_step` output
@@ -25,7 +30,8 @@ decodes first, whatever they cost; then chunks and encoder slices only as far as
 stays within the target; the first prefill chunk of a step still gets `block_size` tokens, and the first
 encoder work one slice (or one whole input, for towers that run whole), so that prompts always progress. A
 prompt's inputs then run in lockstep: the next ones in order that stand at the same slice (up to
-`ENCODER_GROUP`) run as many slices together as fit (at most `encoder_slices_per_step`, when set). Under the
+`ENCODER_GROUP`) run as many slices together as fit (at most `encoder_slices_per_step`, when set); where a
+group finishes with time and encoder budget left, the prompt's next group starts in the same step. Under the
 default target (`itl_target_ms` not set), where the decodes leave the rest of the step less time than they take
 themselves (a large model on a small machine, whose decodes alone reach the target), chunks and encoder work
 still get as much time as the decodes (at most the planned share of the target): a chat's gap at most doubles
@@ -132,16 +138,18 @@ class StepBudget:
         mm = work.mm
         return per_row * mm.input_rows[work.index] * (work.end - work.first) / mm.encoder_slices
 
-    def affordable_slices(self, rows: int, slices: int) -> int:
+    def affordable_slices(self, rows: int, slices: int, reserved: float = 0.0, first: bool = True) -> int:
         """How many slices of inputs of `rows` output rows in all fit in what is left of the step's time (which
-        is set). The step's first encoder work gets one slice whatever it costs (a whole tower, where it runs
-        whole), and so does an input before the encoder's cost is known."""
-        least = 1 if self.encoder_untouched else 0
+        is set), less `reserved` seconds of encoder work already chosen. The step's `first` encoder work gets one
+        slice whatever it costs (a whole tower, where it runs whole), and so does an input before the encoder's
+        cost is known."""
+        least = 1 if first and self.encoder_untouched else 0
         per_row = self.costs.per_encoder_row
         if per_row is None:
             return least
         per_slice = per_row * rows / slices
-        return max(int(self.seconds // per_slice) if per_slice > 0 else slices, least)
+        left = self.seconds - reserved
+        return max(int(left // per_slice) if per_slice > 0 else slices, least)
 
 
 def encoder_tokens_after(left: int | None, work: list[EncoderWork]) -> int | None:
@@ -202,8 +210,8 @@ class Scheduler:
         by_priority = sorted(self.running, key=Request.sort_key)
         self._schedule_decodes([r for r in by_priority if r.is_decoding], budget, scheduled, out)
         budget.balance()
-        self._schedule_prefills([r for r in by_priority if not r.is_decoding], budget, scheduled, out)
-        self._admit_waiting(budget, scheduled, out)
+        prompts = sorted([r for r in by_priority if not r.is_decoding] + self.waiting, key=Request.sort_key)
+        self._schedule_prompts(prompts, budget, scheduled, out)
         return out
 
     def _schedule_decodes(
@@ -217,42 +225,53 @@ class Scheduler:
                 scheduled.add(request.request_id)
                 budget.spend_decode(request.num_computed_tokens)
 
-    def _schedule_prefills(
-        self, prefills: list[Request], budget: StepBudget, scheduled: set[str], out: SchedulerOutput
+    def _schedule_prompts(
+        self, prompts: list[Request], budget: StepBudget, scheduled: set[str], out: SchedulerOutput
     ) -> None:
-        for request in prefills:
+        """Running prompts' next chunks and waiting prompts' admissions, in `prompts`' order (the rule's item 2)."""
+        admitting = True
+        for request in prompts:
             if budget.spent:
                 return
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted above
-            fitting = max(self.kv_cache_manager.num_fitting_tokens(request), 1)
-            n, work = self._chunk(request, min(budget.tokens, fitting), budget)
-            if (n == 0 and not work) or not self._allocate(request, n, scheduled, out):
-                continue
-            start = request.num_computed_tokens
-            self._take(request, n, work, out, scheduled)
-            budget.spend_prefill(start, n, work)
+            if request.status is RequestStatus.RUNNING and request.request_id not in scheduled:
+                self._schedule_prefill(request, budget, scheduled, out)
+            elif request.status is RequestStatus.WAITING and admitting:
+                admitting = self._admit(request, budget, scheduled, out)
 
-    def _admit_waiting(self, budget: StepBudget, scheduled: set[str], out: SchedulerOutput) -> None:
+    def _schedule_prefill(
+        self, request: Request, budget: StepBudget, scheduled: set[str], out: SchedulerOutput
+    ) -> None:
+        fitting = max(self.kv_cache_manager.num_fitting_tokens(request), 1)
+        n, work = self._chunk(request, min(budget.tokens, fitting), budget)
+        if (n == 0 and not work) or not self._allocate(request, n, scheduled, out):
+            return
+        start = request.num_computed_tokens
+        self._take(request, n, work, out, scheduled)
+        budget.spend_prefill(start, n, work)
+
+    def _admit(self, request: Request, budget: StepBudget, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """Admit waiting `request` with its first chunk if it can run and take something this step. False when
+        no later request may be admitted this step (one was preempted, S run, or the cache cannot admit it)."""
         manager = self.kv_cache_manager
-        while self.waiting and not out.preempted and not budget.spent and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            computed, num_computed = manager.computed_blocks(request)
-            if not manager.can_admit(request, computed):
-                return
-            request.num_computed_tokens = num_computed
-            n, work = self._chunk(request, budget.tokens, budget)
-            if n == 0 and not work:
-                request.num_computed_tokens = 0
-                return
-            self.waiting.pop(0)
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            manager.allocate(request, n, computed)  # cannot fail: `can_admit` counted the whole prompt
-            manager.record_admission(request)
-            start = request.num_computed_tokens
-            self._take(request, n, work, out, scheduled)
-            budget.spend_prefill(start, n, work)
+        if out.preempted or len(self.running) >= self.config.max_num_seqs:
+            return False
+        computed, num_computed = manager.computed_blocks(request)
+        if not manager.can_admit(request, computed):
+            return False
+        request.num_computed_tokens = num_computed
+        n, work = self._chunk(request, budget.tokens, budget)
+        if n == 0 and not work:
+            request.num_computed_tokens = 0
+            return True
+        self.waiting.remove(request)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        manager.allocate(request, n, computed)  # cannot fail: `can_admit` counted the whole prompt
+        manager.record_admission(request)
+        start = request.num_computed_tokens
+        self._take(request, n, work, out, scheduled)
+        budget.spend_prefill(start, n, work)
+        return True
 
     def _allocate(self, request: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         """Give `request` the blocks for `n` more tokens, preempting others if needed. False if the
@@ -320,38 +339,46 @@ class Scheduler:
         cache are taken from it; of the others, the next ones in order (reached by the chunk or not) that stand
         at the same slice of their towers, up to `ENCODER_GROUP` and what the encoder budget leaves, run the
         same slices together, as many as fit the step's time (one input alone multiplies a third slower per
-        row than two together)."""
+        row than two together); where that finishes their towers, the next group follows in the same step, as
+        far as the step's time and encoder budget go."""
         mm = request.mm
         pending = self.encoder_inputs.unfinished(request, start, request.num_tokens)
         held = [u for u in pending if self.encoder_inputs.held(request, u)]
         work = [EncoderWork(request.request_id, mm, u, mm.encoder_slices, mm.encoder_slices, from_cache=True)
                 for u in held]
         todo = [u for u in pending if u not in held]
-        if not todo:
-            return work
         progress = self.encoder_inputs.progress.get(request.request_id, {})
-        done = progress.get(todo[0], 0)
-        group = [todo[0]]
-        for index in todo[1:]:
-            if len(group) == ENCODER_GROUP or progress.get(index, 0) != done:
-                break
-            group.append(index)
-        left = budget.encoder_tokens
-        while len(group) > 1 and left is not None and sum(mm.input_rows[u] for u in group) > left:
-            group.pop()
-        if left is not None and mm.input_rows[group[0]] > left and not budget.encoder_untouched:
-            return work
-        affordable = 0
-        while group:
-            affordable = budget.affordable_slices(sum(mm.input_rows[u] for u in group), mm.encoder_slices)
-            if affordable or len(group) == 1:
-                break
-            group.pop()
         cap = self.config.encoder_slices_per_step
-        end = min(mm.encoder_slices, done + affordable, done + cap if cap else mm.encoder_slices)
-        if end == done:
-            return work
-        return work + [EncoderWork(request.request_id, mm, index, done, end) for index in group]
+        left, reserved, first = budget.encoder_tokens, 0.0, True
+        while todo:
+            done = progress.get(todo[0], 0)
+            group = [todo[0]]
+            for index in todo[1:]:
+                if len(group) == ENCODER_GROUP or progress.get(index, 0) != done:
+                    break
+                group.append(index)
+            while len(group) > 1 and left is not None and sum(mm.input_rows[u] for u in group) > left:
+                group.pop()
+            if left is not None and mm.input_rows[group[0]] > left and not (first and budget.encoder_untouched):
+                break
+            affordable = 0
+            while group:
+                rows = sum(mm.input_rows[u] for u in group)
+                affordable = budget.affordable_slices(rows, mm.encoder_slices, reserved, first)
+                if affordable or len(group) == 1:
+                    break
+                group.pop()
+            end = min(mm.encoder_slices, done + affordable, done + cap if cap else mm.encoder_slices)
+            if end == done:
+                break
+            chosen = [EncoderWork(request.request_id, mm, index, done, end) for index in group]
+            work += chosen
+            if end < mm.encoder_slices:  # the step's time or the slice cap is reached
+                break
+            left = encoder_tokens_after(left, chosen)
+            reserved += self._seconds(budget, chosen)
+            todo, first = todo[len(group):], False
+        return work
 
     @staticmethod
     def _seconds(budget: StepBudget, work: list[EncoderWork]) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from engine import EngineConfig, SamplingParams
 from engine.kv_cache import BlockPool
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
+from engine.request import MultimodalPrompt, Request
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 
@@ -161,3 +161,66 @@ def test_a_shared_block_stays_held_until_its_last_reader_frees_it_and_a_cached_p
     assert manager.allocate(other, 4 * 5)
     assert manager.stats().cached_blocks == 1
     assert manager.computed_blocks(request("again", 9, arrival=2)) == (shared[:1], 4)
+
+
+# -- prompts in order ----------------------------------------------------------------------------------
+def photo_request(rid: str, first: int, tiles: int, arrival: int, rows: int = 4, slices: int = 1) -> Request:
+    """A prompt with `tiles` encoder inputs of `rows` placeholders from position `first`, then 3 text tokens."""
+    mm = MultimodalPrompt(placeholder_positions=list(range(first, first + tiles * rows)),
+                          input_row_starts=[u * rows for u in range(tiles)], input_rows=[rows] * tiles,
+                          encoder_inputs=[{} for _ in range(tiles)], encoder_slices=slices)
+    tokens = list(range(100 * arrival, 100 * arrival + first + tiles * rows + 3))
+    return Request(request_id=rid, prompt_token_ids=tokens, sampling=SamplingParams(), priority=0, arrival=arrival,
+                   max_total_tokens=1000, mm=mm)
+
+
+def test_a_waiting_chat_goes_before_a_running_camera_prompts_next_chunk():
+    s = scheduler()
+    s.add(request("camera", 40, priority=5))
+    assert chunks(step(s)) == [("camera", 0, 16)]
+    s.add(request("chat", 10, arrival=1, first_token=500))
+    assert chunks(step(s)) == [("chat", 0, 10), ("camera", 16, 22)]  # the camera prompt gets what is left
+
+
+def test_prompts_behind_one_that_can_take_nothing_get_what_it_leaves():
+    """One tile a step: "a" encodes its first tile; "b" starts with a tile of its own, which must wait, so it is
+    not admitted; the text prompt behind both takes the tokens they leave."""
+    s = scheduler(max_encoder_tokens_per_step=4)
+    s.add(photo_request("a", first=2, tiles=3, arrival=0))
+    s.add(photo_request("b", first=0, tiles=3, arrival=1))
+    s.add(request("text", 6, arrival=2, first_token=900))
+    out = step(s)
+    assert chunks(out) == [("a", 0, 6), ("text", 0, 6)]
+    assert [(w.request_id, w.index) for w in out.encoder_work] == [("a", 0)]
+    assert [r.request_id for r in s.waiting] == ["b"]
+
+
+def test_two_photo_prompts_arriving_together_finish_one_after_the_other():
+    """Under a time budget that fits eight and a half towers a step: the first prompt's six run in the step they
+    arrive (two groups) and only the time left goes to the second's, so the first yields its first token steps
+    before the second."""
+    from engine.step_costs import PLANNED_SHARE, StepCosts
+
+    costs = StepCosts(0.0185 / PLANNED_SHARE, fixed=0.010, per_token=1e-6, ready=True)
+    costs.per_encoder_row = 1e-4  # a tower of 10 rows: 1 ms
+    config = EngineConfig(max_num_batched_tokens=512, max_num_seqs=8, block_size=BS, watermark=0.0,
+                          max_encoder_tokens_per_step=None, itl_target_ms=costs.target * 1e3)
+    s = Scheduler(config, BlockPool(256, BS), costs=costs)
+    first, second = (photo_request(rid, first=2, tiles=6, arrival=i, rows=10, slices=5)
+                     for i, rid in enumerate(("first", "second")))
+    s.add(first)
+    s.add(second)
+    out = step(s)
+    assert [(w.index, w.first, w.end) for w in out.encoder_work if w.request_id == "first"] == [
+        (u, 0, 5) for u in range(6)]
+    towers = sum((w.end - w.first) / 5 for w in out.encoder_work if w.request_id == "second")
+    assert 0 < towers <= 2.5  # the time the first leaves
+    sampled_at = {}
+    for number in range(1, 20):
+        for c in out.chunks:
+            if c.samples:
+                sampled_at.setdefault(c.request_id, number)
+        if len(sampled_at) == 2:
+            break
+        out = step(s)
+    assert sampled_at["first"] < sampled_at["second"]

@@ -186,3 +186,27 @@ def test_the_next_inputs_tower_starts_while_the_chunk_prefills_the_input_before(
         ([(0, 2)], [(0, 0)]), ([(2, 10)], [(0, 1)]), ([(10, 18)], [(1, 0)]), ([(18, 26)], [(1, 1)]),
         ([(26, 34)], [(2, 0)]), ([(34, 42)], [(2, 1)]), ([(42, 50)], []), ([(50, 52)], []),
     ]
+
+
+def test_photo_prompts_arriving_together_are_prefilled_one_after_the_other(make_engine, oracle, photos):
+    """Two photo prompts arrive while chats decode: the first gets the step's prefill and encoder budgets, the
+    second only what the first cannot use, so the first's first token comes steps before the second's; every
+    chat gains one token a step meanwhile, and both prompts' tokens are transformers' greedy ones."""
+    engine = make_engine(max_num_batched_tokens=24, max_num_seqs=8, max_encoder_tokens_per_step=16, itl_target_ms=0)
+    chats = start_chats(engine, 2)
+    jobs = [(PROMPTS[1], [photos[0]]), (PROMPTS[1], [photos[1]])]
+    ids = [engine.add_request(prompt=p, images=i, sampling=SamplingParams(max_tokens=4)) for p, i in jobs]
+    first_token: dict[str, int] = {}
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while any(rid in engine.requests for rid in ids):
+        before = {c: len(engine.requests[c].output_token_ids) for c in chats}
+        for output in engine.step():
+            if output.request_id in ids:
+                first_token.setdefault(output.request_id, step)
+                tokens[output.request_id] = output.token_ids
+        assert all(len(engine.requests[c].output_token_ids) == before[c] + 1 for c in chats)
+        step += 1
+    assert first_token[ids[0]] + 3 < first_token[ids[1]]
+    for rid, (prompt, images) in zip(ids, jobs):
+        assert tokens[rid] == oracle(prompt, images, 4)

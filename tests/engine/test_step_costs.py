@@ -116,10 +116,11 @@ def test_the_vision_tower_runs_as_many_slices_a_step_as_fit():
     assert sum(end - first for run in runs for _, first, end in run) == 10
 
 
-@pytest.mark.parametrize(("encoder_budget", "groups"), [(None, [[0, 1, 2, 3], [4, 5]]), (20, [[0, 1], [2, 3], [4, 5]])])
+@pytest.mark.parametrize(("encoder_budget", "groups"), [(None, [[0, 1, 2, 3, 4, 5]]), (20, [[0, 1], [2, 3], [4, 5]])])
 def test_inputs_run_in_lockstep_up_to_the_group_and_the_encoder_budget(encoder_budget, groups):
-    """Six inputs of 10 rows whose towers all fit a step: ENCODER_GROUP at a time, fewer where the encoder budget
-    (in output rows) leaves less; an input that stands at another slice than the next ones runs alone."""
+    """Six inputs of 10 rows whose towers all fit a step: ENCODER_GROUP at a time, the next group in the same step
+    where the time allows, fewer where the encoder budget (in output rows) leaves less; an input that stands at
+    another slice than the next ones runs alone."""
     assert ENCODER_GROUP == 4
     model = costs(planned_ms=1000, per_token_ms=0.01, fixed_ms=10, per_encoder_row_ms=0.1)
     s = scheduler(model, max_encoder_tokens_per_step=encoder_budget)
