@@ -133,6 +133,10 @@ class PeersConfig:
     range_ratio: lengths are drawn from [len*(1-r), len*(1+r)].
     seed: seed of the drawn lengths and prompts.
     hf_batch_size: static batch size of transformers' generate.
+    openvino_python: the OpenVINO peer's Python (bench/openvino_setup.sh builds it); with openvino_model, the
+        workload also runs through OpenVINO GenAI's continuous batching (bench/openvino_peer.py).
+    openvino_model: the same checkpoint exported to OpenVINO IR (bench/openvino_setup.sh: its int8 or fp16 folder).
+    openvino_precision: OpenVINO's inference precision (bf16 or f32).
     """
 
     model: str = "dummy:smolvlm-256m"
@@ -147,6 +151,9 @@ class PeersConfig:
     budget: int = 2048
     threads: int | None = None
     prefix_caching: bool | None = None
+    openvino_python: str | None = None
+    openvino_model: str | None = None
+    openvino_precision: str = "bf16"
 
 
 @dataclass

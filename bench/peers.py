@@ -1,6 +1,8 @@
 """`vlmcap bench peers`: the same text-only workload through this engine, through transformers'
 `generate` with static batches, and through transformers' own continuous batching, on the same model,
-dtype and threads; plus the decode roofline of this machine.
+dtype and threads; with `--openvino-python` and `--openvino-model` also through OpenVINO GenAI's continuous
+batching on the same checkpoint exported to OpenVINO IR (bench/openvino_setup.sh); plus the decode roofline of
+this machine.
 
 The workload follows vLLM's random dataset: prompt and output lengths drawn uniformly from
 [len * (1 - range_ratio), len * (1 + range_ratio)] with a seed; EOS is ignored so every system
@@ -11,17 +13,21 @@ time from that moment to its last token.
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import statistics
+import subprocess
+import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from api.percentiles import percentiles_ms
 from bench.configs import PeersConfig
-from bench.report import machine, prefix_caching_option, pyplot, save_figure
+from bench.report import machine, photo_paths, prefix_caching_option, pyplot, sample_images, save_figure
 from engine import Engine, EngineConfig, SamplingParams
 
 WORDS = (
@@ -126,6 +132,83 @@ def run_hf_generate_batch(model: Any, work: Workload, budget: int) -> dict[str, 
     return _result(sum(work.output_lens), time.perf_counter() - began, latencies)
 
 
+# With the OpenVINO peer, both engines also run the stall scenario (bench/stall.py's, through each model's own chat
+# template so that any family runs it): chats decode, then a prompt with the sample photos arrives.
+STALL = {"chats": 8, "chat_prompt": "Tell me a long story about a bus driver in a rainy city.", "chat_tokens": 100_000,
+         "warmup_steps": 16, "image_prompt": "Describe each person you see and what they are doing.",
+         "image_tokens": 4, "after_steps": 16}
+
+
+def run_engine_stall(engine: Engine, photos: list[Any], spec: dict[str, Any] = STALL) -> dict[str, Any]:
+    """`spec` (STALL's fields) through this engine: the chats' gaps between tokens while the photo prompt is
+    prefilled and after, their tokens a second in that window, and the photo prompt's time to first token (the
+    same fields as bench/openvino_peer.py's)."""
+    chat = engine.user_prompt([{"type": "text", "text": spec["chat_prompt"]}]) if engine.has_chat_template \
+        else spec["chat_prompt"]
+    chats = [engine.add_request(prompt=chat, sampling=SamplingParams(max_tokens=spec["chat_tokens"], ignore_eos=True))
+             for _ in range(spec["chats"])]
+    last: dict[str, float] = {}
+    windows: dict[str, list[float]] = {"during": [], "after": []}
+
+    def step(window: str | None) -> int:
+        outputs = engine.step()
+        now = time.perf_counter()
+        count = 0
+        for out in outputs:
+            if out.request_id in last and window is not None:
+                windows[window].append(now - last[out.request_id])
+            last[out.request_id] = now
+            count += out.request_id in chats
+        return count
+
+    for _ in range(spec["warmup_steps"]):
+        step(None)
+    parts = [{"type": "image"} for _ in photos] + [{"type": "text", "text": spec["image_prompt"]}]
+    arrived = time.perf_counter()
+    photo = engine.add_request(prompt=engine.user_prompt(parts), images=photos,
+                               sampling=SamplingParams(max_tokens=spec["image_tokens"], ignore_eos=True))
+    tokens = 0
+    while not engine.requests[photo].output_token_ids:
+        tokens += step("during")
+    first_token = time.perf_counter() - arrived
+    for _ in range(spec["after_steps"]):
+        step("after")
+    for request_id in (*chats, photo):
+        engine.abort(request_id)
+    return {"image_ttft_s": first_token, "chat_tok_s_during": tokens / first_token,
+            "itl_during_ms": percentiles_ms(windows["during"]), "itl_after_ms": percentiles_ms(windows["after"])}
+
+
+def run_openvino(cfg: PeersConfig, work: Workload) -> dict[str, Any]:
+    """The workload through OpenVINO GenAI (bench/openvino_peer.py in the peer's own Python), the same prompts
+    and output lengths."""
+    if not (cfg.openvino_python and cfg.openvino_model):
+        raise ValueError(f"the OpenVINO peer needs both openvino_python and openvino_model, got "
+                         f"{cfg.openvino_python!r} and {cfg.openvino_model!r}")
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as file:
+        json.dump({"prompts": work.prompts, "output_lens": work.output_lens, "stall": STALL,
+                   "images": [str(path) for path in photo_paths()]}, file)
+        file.flush()
+        done = subprocess.run(
+            [cfg.openvino_python, str(Path(__file__).with_name("openvino_peer.py")), "--model", cfg.openvino_model,
+             "--workload", file.name, "--threads", str(cfg.threads or torch.get_num_threads()),
+             "--budget", str(cfg.budget), "--precision", cfg.openvino_precision],
+            capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the OpenVINO peer failed ({done.returncode}): {done.stderr[-2000:]}")
+    peer = json.loads(done.stdout.strip().splitlines()[-1])
+    text = peer["text"]
+    if text["output_tokens"] != sum(work.output_lens):
+        raise RuntimeError(f"the OpenVINO peer produced {text['output_tokens']} tokens, the workload asks for "
+                           f"{sum(work.output_lens)}")
+    stall = peer["stall"]
+    return {**_result(text["output_tokens"], text["seconds"], text["latencies_s"]),
+            "openvino_genai": peer["openvino_genai"], "load_s": peer["load_s"],
+            "stall": {"image_ttft_s": stall["image_ttft_s"], "chat_tok_s_during": stall["chat_tok_s_during"],
+                      "itl_during_ms": percentiles_ms(stall["gaps_during_s"]),
+                      "itl_after_ms": percentiles_ms(stall["gaps_after_s"])}}
+
+
 def memory_bandwidth_gb_s(device: torch.device, megabytes: int = 256, repeats: int = 7) -> float:
     """Median copy bandwidth (bytes read plus bytes written per second)."""
     src = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
@@ -190,7 +273,8 @@ def run_peers(cfg: PeersConfig) -> dict[str, Any]:
     engine = Engine(
         EngineConfig(
             model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_batched_tokens=cfg.budget,
-            max_num_seqs=max(cfg.requests, 1), num_threads=cfg.threads, **prefix_caching_option(cfg.prefix_caching),
+            max_num_seqs=max(cfg.requests, STALL["chats"] + 1), num_threads=cfg.threads,
+            **prefix_caching_option(cfg.prefix_caching),
         )
     )
     model, tokenizer = engine.adapter.model, engine.tokenizer
@@ -202,9 +286,12 @@ def run_peers(cfg: PeersConfig) -> dict[str, Any]:
             "hf_generate": run_hf_generate(model, tokenizer, work, cfg.hf_batch_size),
             "hf_generate_batch": run_hf_generate_batch(model, work, cfg.budget),
         }
+    if cfg.openvino_python or cfg.openvino_model:
+        results["openvino"] = run_openvino(cfg, work)
+        results["engine"]["stall"] = run_engine_stall(engine, sample_images()[:2])
     ratios = {
         f"engine_vs_{peer}": results["engine"]["output_tok_s"] / results[peer]["output_tok_s"]
-        for peer in ("hf_generate", "hf_generate_batch")
+        for peer in results if peer != "engine"
     }
     peak_batch = max(running for _, _, running in steps)
     return {
@@ -224,6 +311,13 @@ def summary(result: dict[str, Any]) -> str:
             f"{name:<20}{r['output_tok_s']:>11.1f}{r['latency_ms']['p50']:>10.0f}{r['latency_ms']['p99']:>10.0f}"
         )
     lines += [f"{k}: {v:.2f}x" for k, v in result["ratios"].items()]
+    for name, r in result["results"].items():
+        if "stall" in r:
+            stall = r["stall"]
+            lines.append(f"{name} during a 2-photo prompt: chat {stall['chat_tok_s_during']:.1f} "
+                         f"tok/s, gap p50 {stall['itl_during_ms']['p50']:.0f} / p99 {stall['itl_during_ms']['p99']:.0f}"
+                         f" ms (after: p50 {stall['itl_after_ms']['p50']:.0f} ms), photo TTFT "
+                         f"{stall['image_ttft_s']:.2f} s")
     if "roofline" in result:
         roof = result["roofline"]
         lines.append(
