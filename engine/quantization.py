@@ -206,15 +206,11 @@ class CompressedScheme:
 
 def compressed_scheme(quantization_config: dict | None) -> CompressedScheme | None:
     """The checkpoint's compressed-tensors scheme where config.json's `quantization_config` names one (None for a
-    checkpoint of float weights); ValueError, naming the scheme, for one the engine cannot run exactly (anything
-    but `RUNNABLE_SCHEME`: static or asymmetric activations, group or block scales, other bit widths, floats,
-    sparsity, a quantized KV cache)."""
-    if not quantization_config:
-        return None
-    method = quantization_config.get("quant_method")
-    if method != COMPRESSED_TENSORS:
-        raise ValueError(f"the checkpoint's quantization_config is quant_method {method!r}; the engine loads "
-                         f"{COMPRESSED_TENSORS!r} checkpoints of {RUNNABLE_SCHEME}")
+    checkpoint of float weights or of another quantization method); ValueError, naming the scheme, for one the
+    engine cannot run exactly (anything but `RUNNABLE_SCHEME`: static or asymmetric activations, group or block
+    scales, other bit widths, floats, sparsity, a quantized KV cache)."""
+    if not quantization_config or quantization_config.get("quant_method") != COMPRESSED_TENSORS:
+        return None  # float weights, or another method, which transformers' own loading handles as it does
     groups = quantization_config.get("config_groups") or {}
     problems = []
     fmt = quantization_config.get("format")
