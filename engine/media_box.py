@@ -520,10 +520,11 @@ def _h264_sps_size(sps: bytes) -> tuple[int, int] | None:
     profile = bits.u(8)
     bits.u(16)
     bits.ue()
+    chroma, separate_planes = 1, 0  # 4:2:0 unless a high profile says otherwise
     if profile in (100, 110, 122, 244, 44, 83, 86, 118, 128, 138, 139, 134, 135):
         chroma = bits.ue()
         if chroma == 3:
-            bits.u(1)
+            separate_planes = bits.u(1)
         bits.ue()
         bits.ue()
         bits.u(1)
@@ -553,10 +554,14 @@ def _h264_sps_size(sps: bytes) -> tuple[int, int] | None:
     if not frames_only:
         bits.u(1)
     bits.u(1)
-    if bits.u(1):  # cropping, in 4:2:0 chroma units (the common case; others crop less, never more)
+    if bits.u(1):  # cropping, in units of the chroma sampling (H.264 7.4.2.1.1: CropUnitX, CropUnitY)
         left, right, top, bottom = bits.ue(), bits.ue(), bits.ue(), bits.ue()
-        width -= 2 * (left + right)
-        height -= 2 * (2 - frames_only) * (top + bottom)
+        if separate_planes or chroma == 0:  # monochrome, or 4:4:4 coded as three planes: luma samples
+            unit_x, unit_y = 1, 2 - frames_only
+        else:  # 4:2:0 halves both ways, 4:2:2 the width only, 4:4:4 neither
+            unit_x, unit_y = (1 if chroma == 3 else 2), (2 if chroma == 1 else 1) * (2 - frames_only)
+        width -= unit_x * (left + right)
+        height -= unit_y * (top + bottom)
     return width, height
 
 
