@@ -47,6 +47,8 @@ class HostConfig:
         and stock (0: not timed).
     quantization: the engine's weight quantization (int8: quantized at load, the read floor counting their int8
         bytes; default: none).
+    kv_cache_dtype: what the engine's KV cache stores (auto or int8: the read floor counting its int8 rows and
+        scales; default: the engine's).
     """
 
     model: str = "tiny-deep"
@@ -67,6 +69,7 @@ class HostConfig:
     lean_layers: bool | None = None
     vision_tiles: int = 4
     quantization: str | None = None
+    kv_cache_dtype: str | None = None
 
 
 @dataclass

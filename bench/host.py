@@ -263,9 +263,14 @@ def step_read_bytes(engine: Engine, decodes: int, context: float) -> dict[str, f
                if p is not embedding or any(p is h for h in head)}
     weights |= {p.data_ptr(): p.numel() * p.element_size() for p in head}
     quantized = int8_bytes(adapter.text_model) + int8_bytes(adapter.lm_head)
-    cache = engine.kv_cache.keys[0]
-    per_position = 2 * adapter.num_layers * cache.shape[1] * cache.shape[2] * cache.element_size()
+    per_position = sum(t[0].numel() * t.element_size() for t in kv_tensors(engine))  # one slot of each
     return {"weights": float(sum(weights.values()) + quantized), "kv": decodes * context * per_position}
+
+
+def kv_tensors(engine: Engine) -> list[torch.Tensor]:
+    """The KV cache's tensors: every layer's keys and values (and an int8 cache's scales), [slots, ...] each."""
+    cache = engine.kv_cache
+    return [*cache.keys, *cache.values, *(cache.key_scales or []), *(cache.value_scales or [])]
 
 
 def resident_bytes() -> int:
@@ -289,7 +294,7 @@ def memory_besides_kv(engine: Engine) -> dict[str, float]:
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in [*model.parameters(), *model.buffers()]}
     weights = sum(storages.values()) + int8_bytes(model)
-    kv = sum(t.numel() * t.element_size() for t in [*engine.kv_cache.keys, *engine.kv_cache.values])
+    kv = sum(t.numel() * t.element_size() for t in kv_tensors(engine))
     rss = resident_bytes()
     return {"rss_mb": rss / 1e6, "kv_cache_mb": kv / 1e6, "weights_mb": weights / 1e6,
             "besides_kv_mb": (rss - kv) / 1e6, "besides_kv_vs_weights": (rss - kv) / weights}
@@ -345,6 +350,7 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
         quantization=cfg.quantization,
         **({} if cfg.cpu_linear is None else {"cpu_linear": cfg.cpu_linear}),
         **({} if cfg.attention_backend is None else {"attention_backend": cfg.attention_backend}),
+        **({} if cfg.kv_cache_dtype is None else {"kv_cache_dtype": cfg.kv_cache_dtype}),
     ))
     memory = memory_besides_kv(engine)
     params = SamplingParams(max_tokens=extra, ignore_eos=True)
@@ -407,6 +413,7 @@ def summary(result: dict[str, Any]) -> str:
     cfg = result["config"]
     eng = result["engine"]
     weights = " int8 weights" if cfg.get("quantization") else ""
+    weights += " int8 KV cache" if cfg.get("kv_cache_dtype") == "int8" else ""
     lines = [f"{cfg['model']} {cfg['dtype']}{weights} on {cfg['device']}: {cfg['decodes']} decodes, context "
              f"{result['context_early']:.0f} then {result['context_late']:.0f}; attention {eng['attention_backend']}, "
              f"cpu_linear {eng['cpu_linear']}, compiled {cfg['compile_model']} ({eng['compile_seconds']:.1f} s)",
