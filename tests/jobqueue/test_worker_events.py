@@ -93,3 +93,16 @@ def test_the_worker_keeps_and_publishes_each_job_it_finishes(redis_url, tmp_path
             assert event.embedding is None and len(event.frames) == 1
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--mqtt-url", "bogus://broker", "mqtt_url must be mqtt://host[:port] or mqtts://host[:port], got 'bogus://broker'"),
+    ("--events-frames", "0", "events_frames must be positive, got 0"),
+])
+def test_the_worker_refuses_a_bad_event_store_or_mqtt_option_by_name(option, value, message):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    answer = CliRunner().invoke(app, ["worker", "--vlm-url", "http://127.0.0.1:1", option, value])
+    assert answer.exit_code == 2 and message in answer.output, answer.output
