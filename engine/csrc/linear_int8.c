@@ -7,9 +7,11 @@
  * The products go as linear.c's float ones: a block of four weight rows streams through registers against up to
  * RX rows of x, the sums vectors along k reduced once at the end of the row; each block prefetches the next
  * block's rows (a decode step reads every weight once: its cost is that read, a quarter of a float32 weight's,
- * half of a bfloat16's). Columns go out to the threads in tasks of NB blocks (`deal` / `next_task`); a task runs
- * every row of x against its blocks, MCI rows at a time, so that its weights come from memory once and from the
- * cache for the rest of a prefill chunk or a vision tile. What the build targets decides the inner loop:
+ * half of a bfloat16's). Columns go out to the threads in tasks of NB blocks (`deal` / `next_task`). Many rows of
+ * x (a prefill chunk, a vision tile) go in passes over the weights, each pass as many rows as stay in the L2
+ * cache while every block of weight rows streams past them (X_BYTES), each weight row then read once a pass
+ * from memory (or the L3 cache) and used from L1 for the pass's rows. What the build targets decides the inner
+ * loop:
  *   - AVX-512 VNNI (`vpdpbusd`, 64 products per instruction): x as unsigned bytes qx + 128, the weights signed;
  *     the offset's 128 * row_sums[c] taken off the sum at the end;
  *   - AVX-512BW without VNNI, AVX2: `vpmaddubsw` on |x| (unsigned) and the weights with x's sign (signed; pairs
@@ -27,7 +29,9 @@
 #include "kernels.h"
 #include "linear.h"
 
-#define MCI 192     /* rows of x a task multiplies at a time (their sums on the stack: 24 KB) */
+#define MCI 192         /* the most rows of x a pass over the weights multiplies (their sums on the stack: 24 KB) */
+#define X_BYTES (64 << 10) /* the most bytes of quantized x a pass reads (for every block of weight rows) */
+#define MAX(a, b) ((a) > (b) ? (a) : (b))
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define VNNI 1
@@ -328,6 +332,8 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
     float *xs = (float *)(xq + x_bytes);
     int failed = 0;
     const int64_t tasks = (blocks - block0 + NB - 1) / NB;
+    /* rows of x per pass over the weights: as many as keep a pass's x in the L2 cache (X_BYTES), at most MCI */
+    const int64_t chunk_rows = MIN(MCI, MAX(RX, X_BYTES / kp / RX * RX));
     uint64_t shares[num_threads];
 #pragma omp parallel num_threads(num_threads) if (m * n * k >= 65536)
     {
@@ -350,32 +356,32 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
 #pragma omp barrier
         }
 #endif
-        if (tasks > 0 && !__atomic_load_n(&failed, __ATOMIC_RELAXED)) {
+        if (tasks > 0 && !__atomic_load_n(&failed, __ATOMIC_RELAXED))
+            for (int64_t i0 = 0; i0 < m; i0 += chunk_rows) {
+                const int64_t chunk = MIN(chunk_rows, m - i0);
+                /* the chunk's rows in blocks of equal size (8 rows: 4 + 4, not 6 + 2) */
+                const int64_t per_block = (chunk + (chunk + RX - 1) / RX - 1) / ((chunk + RX - 1) / RX);
 #pragma omp single
-            deal(shares, team_size(), tasks);
-            for (int64_t task; (task = next_task(shares)) >= 0;) {
-                const int64_t first_block = block0 + task * NB, count = MIN(NB, blocks - first_block);
-                int64_t rows_of[(NB + 1) * RW];  /* and the block after the task's, to prefetch */
-                for (int64_t b = 0; b <= count; b++)
-                    block_rows(first_block + b, glu_mode, n, out_cols, rows_of + b * RW);
-                const int8_t *wr[NB + 1][RW];
-                for (int64_t b = 0; b <= count; b++)
-                    for (int c = 0; c < RW; c++) wr[b][c] = w + rows_of[b * RW + c] * w_stride;
-                float scale_of[NB * RW];
-                int32_t offset_of[NB * RW];
-                task_scales(rows_of, count, scale, row_sums, OFFSET, scale_of, offset_of);
-                const int64_t first_col = glu_mode ? 2 * first_block : RW * first_block;
-                const int64_t cols = MIN(glu_mode ? 2 * count : RW * count, out_cols - first_col);
-                for (int64_t i0 = 0; i0 < m; i0 += MCI) {
-                    const int64_t chunk = MIN(MCI, m - i0);
-                    /* the chunk's rows in blocks of equal size (8 rows: 4 + 4, not 6 + 2) */
-                    const int64_t per_block = (chunk + (chunk + RX - 1) / RX - 1) / ((chunk + RX - 1) / RX);
+                deal(shares, team_size(), tasks);
+                for (int64_t task; (task = next_task(shares)) >= 0;) {
+                    const int64_t first_block = block0 + task * NB, count = MIN(NB, blocks - first_block);
+                    int64_t rows_of[(NB + 1) * RW];  /* and the block after the task's, to prefetch */
+                    for (int64_t b = 0; b <= count; b++)
+                        block_rows(first_block + b, glu_mode, n, out_cols, rows_of + b * RW);
+                    const int8_t *wr[NB + 1][RW];
+                    for (int64_t b = 0; b <= count; b++)
+                        for (int c = 0; c < RW; c++) wr[b][c] = w + rows_of[b * RW + c] * w_stride;
+                    float scale_of[NB * RW];
+                    int32_t offset_of[NB * RW];
+                    task_scales(rows_of, count, scale, row_sums, OFFSET, scale_of, offset_of);
+                    const int64_t first_col = glu_mode ? 2 * first_block : RW * first_block;
+                    const int64_t cols = MIN(glu_mode ? 2 * count : RW * count, out_cols - first_col);
                     int32_t sums[MCI * NB * RW];
                     for (int64_t b = 0; b < count; b++)
                         for (int64_t i = i0; i < i0 + chunk; i += per_block) {
                             const int rows = (int)MIN(per_block, i0 + chunk - i);
                             /* later rows find the block in the cache: its first pass prefetches the next */
-                            const void *const *ahead = (const void *const *)(i == 0 ? wr[b + 1] : wr[b]);
+                            const void *const *ahead = (const void *const *)(i == i0 ? wr[b + 1] : wr[b]);
                             int32_t *out = sums + (i - i0) * NB * RW + b * RW;
 #ifdef DOT
                             BLOCK_FNS[rows - 1](xq + i * kp, kp, k, wr[b], ahead, out, NB * RW);
@@ -388,8 +394,8 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
                         finish_sums(sums + s * NB * RW, scale_of, offset_of, count, rows_of, xs[i0 + s], glu_mode,
                                     bias, io_dtype, y, i0 + s, out_cols, first_col, cols);
                 }
+#pragma omp barrier
             }
-        }
     }
     return failed ? 2 : 0;
 }
