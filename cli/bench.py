@@ -11,6 +11,7 @@ from typing import Any
 
 import typer
 
+from bench.cameras import CamerasConfig
 from bench.configs import (
     SAMPLE_VIDEO,
     GrammarBenchConfig,
@@ -40,8 +41,8 @@ RENAMES = {"detectors": Rename("--detector"), "api_key": Rename(envvar="VLMCAP_A
 DECLARED: dict[str, list[Declared]] = {}  # each command's options built from settings fields
 
 
-def outputs(what: str) -> list[inspect.Parameter]:
-    return [hand_option("json_path", str | None, None, "--json", help="Write the results here."),
+def outputs(what: str, json_path: str | None = None) -> list[inspect.Parameter]:
+    return [hand_option("json_path", str | None, json_path, "--json", help="Write the results here."),
             hand_option("png_path", str | None, None, "--png", help=f"Draw {what} here.")]
 
 
@@ -62,9 +63,10 @@ def report(module_name: str, run: str, result_of: Callable[[Any], dict], options
 
 def register(name: str, config: type, module_name: str, run: str, what: str, doc: str,
              hand: list[inspect.Parameter] = (), exclude: tuple[str, ...] = (),
-             build: Callable[[dict[str, Any]], Any] | None = None) -> None:
+             build: Callable[[dict[str, Any]], Any] | None = None, json_path: str | None = None) -> None:
     """`vlmcap bench <name>`: `config`'s fields as options (less `exclude`, plus `hand`), then `bench.<module>.<run>`
-    on the config they build (`build`, when the options need more than the fields)."""
+    on the config they build (`build`, when the options need more than the fields); its JSON goes to `json_path`
+    unless --json says otherwise."""
     declared = fields(config, exclude)
     DECLARED[name] = declared
 
@@ -76,7 +78,7 @@ def register(name: str, config: type, module_name: str, run: str, what: str, doc
         report(module_name, run, lambda runner: runner(cfg), options)
 
     run_bench.__name__, run_bench.__doc__ = name, doc
-    bench_app.command(name)(command(run_bench, [*hand, *outputs(what)], declared, RENAMES, envvars=False))
+    bench_app.command(name)(command(run_bench, [*hand, *outputs(what, json_path)], declared, RENAMES, envvars=False))
 
 
 register("peers", PeersConfig, "peers", "run_peers", "throughput and latency bars",
@@ -95,6 +97,13 @@ register("events", EventsBenchConfig, "events_store", "run_events_bench", "each 
 register("soak", SoakConfig, "soak", "run_soak", "memory over time and requests by kind",
          "A bounded soak on loopback: its own Redis and server, chats, captions and camera jobs with hostile inputs "
          "mixed in; requests by status, jobs done/dead/lost, memory, ITL.")
+
+
+register("cameras", CamerasConfig, "cameras", "run_cameras", "caption latency and chat gaps by camera count",
+         "The camera operator's figure: N cameras (the pipeline's jobs of a recorded clip) and streaming chats "
+         "against one backend (vlmcap, or any OpenAI-compatible server through `vlmcap worker`), N ramped until "
+         "alerts, captions or chats miss their target.",
+         json_path="bench/results/cameras.json")
 
 
 def pipeline_config(options: dict[str, Any]) -> PipelineBenchConfig:

@@ -179,8 +179,8 @@ def test_each_option_has_its_fields_default_environment_variable_and_help(comman
     check_declared(command_params(command), module.DECLARED, module.RENAMES)
 
 
-@pytest.mark.parametrize("name", ["grammar", "host", "overhead", "peers", "pipeline", "prefix", "serve", "soak",
-                                  "stall"])
+@pytest.mark.parametrize("name", ["cameras", "grammar", "host", "overhead", "peers", "pipeline", "prefix", "serve",
+                                  "soak", "stall"])
 def test_each_bench_option_has_its_fields_default_and_help(name):
     import typer.main
 
@@ -222,9 +222,11 @@ def test_grammar_limits_are_serve_options(monkeypatch, clean_env):
 
 def test_the_worker_and_the_server_share_the_queues_declarations():
     from cli.serve import SERVER
-    from cli.worker import QUEUE
+    from cli.worker import MEMORY, MQTT, QUEUE
 
-    assert set(QUEUE) <= {replace(s, owner="QueueSettings") for s in SERVER}
+    # The queue's, the event store's and MQTT's settings: one declaration each, the worker's and the server's.
+    for declared, owner in ((QUEUE, "QueueSettings"), (MEMORY, "MemorySettings"), (MQTT, "MqttSettings")):
+        assert declared and set(declared) <= {replace(s, owner=owner) for s in SERVER}
 
 
 def test_help_does_not_load_torch():
