@@ -72,6 +72,7 @@ def test_codes_and_mode_bits_are_the_header_s():
     assert (abi.NORM_LLAMA, abi.NORM_GEMMA) == (enums["NORM_LLAMA"], enums["NORM_GEMMA"])
     assert abi.DTYPE_CODES == {torch.float32: enums["F32"], torch.bfloat16: enums["BF16"],
                                torch.float16: enums["F16"]}
+    assert abi.I8 == enums["I8"]  # int8 weights of linear(), an int8 KV cache
 
 
 def test_every_struct_has_the_header_s_fields_in_order():
