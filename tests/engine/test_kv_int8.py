@@ -225,18 +225,15 @@ def smolvlm_oracle(checkpoint):
     return round_trip_oracle(checkpoint)
 
 
-@pytest.mark.parametrize(("backend", "lean"), [("cpu", True), ("reference", False)])
 def test_greedy_tokens_equal_generate_over_the_round_trip_with_images_and_prefix_caching(
-        make_engine, smolvlm_oracle, photos, backend, lean):
+        make_engine, smolvlm_oracle, photos):
     """SmolVLM: chunks that cut image spans, a photo sent twice (the later requests start from the first's
-    cached blocks, int8 rows and scales), batched decodes; the fused decode step and lean layers (cpu), then
-    stock layers over the gathered reference."""
+    cached blocks, int8 rows and scales), batched decodes; lean layers, the fused decode step."""
     bus = photos[0]
     jobs = [Job(PROMPTS[1], [bus], max_tokens=10), Job(PROMPTS[0], [], max_tokens=12, arrive_at_step=1),
             Job(PROMPTS[1], [bus], max_tokens=8, arrive_at_step=12)]
-    engine = make_engine(max_num_batched_tokens=29, max_num_seqs=4, kv_cache_dtype="int8",
-                         attention_backend=backend, lean_layers=lean)
-    assert engine.kv_cache.quantized and engine.attention_backend == backend
+    engine = make_engine(max_num_batched_tokens=29, max_num_seqs=4, kv_cache_dtype="int8", lean_layers=True)
+    assert engine.kv_cache.quantized and engine.attention_backend == "cpu"
     tokens, _ = run_jobs(engine, jobs)
     for i, job in enumerate(jobs):
         assert tokens[i] == smolvlm_oracle(job.prompt, job.images, job.max_tokens), f"job {i}"
@@ -245,6 +242,7 @@ def test_greedy_tokens_equal_generate_over_the_round_trip_with_images_and_prefix
 
 
 def test_greedy_tokens_equal_generate_over_the_round_trip_with_a_grammar(make_engine, smolvlm_oracle):
+    """A grammar, through stock layers (the torch write path) and the gathered reference."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     from engine.grammar import GrammarCompiler, GrammarSpec, apply_token_masks
@@ -271,12 +269,14 @@ def test_greedy_tokens_equal_generate_over_the_round_trip_with_a_grammar(make_en
     def masks() -> LogitsProcessorList:
         return LogitsProcessorList([Masks()])
 
-    engine = make_engine(max_num_batched_tokens=16, max_num_seqs=2, kv_cache_dtype="int8")
+    engine = make_engine(max_num_batched_tokens=16, max_num_seqs=2, kv_cache_dtype="int8", lean_layers=False,
+                         attention_backend="reference")
     rid = engine.add_request(prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=40, grammar=spec))
     outputs = {}
     while engine.has_unfinished_requests():
         outputs.update({o.request_id: o for o in engine.step()})
     assert outputs[rid].token_ids == smolvlm_oracle(PROMPTS[0], [], 40, masks)
+    assert_scored_as_the_round_trip(engine, smolvlm_oracle, PROMPTS[0], [], 10)
 
 
 def test_qwen2_vl_greedy_tokens_equal_generate_over_the_round_trip(families, images):
