@@ -11,7 +11,7 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from bench.cameras import CamerasConfig, camera_copy, clip_pass, recorded_tracks
+from bench.cameras import CamerasConfig, camera_copy, clip_pass, late_percentile, recorded_tracks
 from cli.main import app
 
 
@@ -26,6 +26,9 @@ def test_the_recorded_clip_gives_the_pipeline_s_jobs(redis_url):
     copy = camera_copy(fall, "cam-07", 1000.0)
     assert (copy.camera_id, copy.end_ts, copy.frame_count) == ("cam-07", fall.end_ts + 1000.0, fall.frame_count)
     assert copy.job_id != fall.job_id and "recorded-camera" not in copy.prompt
+    # A job failed or not finished is late (infinite): the percentiles that reach it are infinite, not NaN.
+    assert (late_percentile([1.0, 2.0, math.inf], 50), late_percentile([math.inf] * 2, 50)) == (2.0, math.inf)
+    assert late_percentile([1.0, math.inf], 95) == math.inf and late_percentile([1.0, 3.0], 50) == 2.0
     with pytest.raises(ValueError, match="backend_name per backend_url"):
         CamerasConfig(backend_url=("http://a:1",), backend_name=("a", "b"))
     with pytest.raises(ValueError, match="cameras must be whole numbers, got \\['two'\\]"):
