@@ -399,7 +399,8 @@ def sse_items(lines: str) -> list[Any]:
 
 async def merged_chat_events(responses: list[Any], state: ServerState,
                              include_usage: bool) -> AsyncIterator[str]:
-    """The choices' chunks as they come, each with its choice's index; one usage chunk over all at the end."""
+    """The choices' chunks as they come, each with its choice's index and the answer's one id; one usage chunk over
+    all at the end."""
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(index: int, iterator: Any) -> None:
@@ -411,7 +412,7 @@ async def merged_chat_events(responses: list[Any], state: ServerState,
 
     tasks = [asyncio.ensure_future(pump(i, response.body_iterator)) for i, response in enumerate(responses)]
     usages: list[dict[str, Any]] = []
-    chunk_id = "chatcmpl-n"
+    chunk_id: str | None = None  # the first chunk's: every chunk of the answer carries one id, as OpenAI's do
     open_streams = len(tasks)
     try:
         while open_streams:
@@ -423,7 +424,8 @@ async def merged_chat_events(responses: list[Any], state: ServerState,
                 if "choices" not in data:  # an error
                     yield sse(data)
                     continue
-                chunk_id = data.get("id", chunk_id)
+                chunk_id = chunk_id or data.get("id")
+                data["id"] = chunk_id
                 if not data["choices"]:
                     usages.append(data.get("usage") or {})
                     continue
@@ -435,7 +437,7 @@ async def merged_chat_events(responses: list[Any], state: ServerState,
         if include_usage and usages:
             prompt = usages[0].get("prompt_tokens", 0)
             completion = sum(u.get("completion_tokens", 0) for u in usages)
-            yield sse({"id": chunk_id, "object": "chat.completion.chunk", "created": int(time.time()),
+            yield sse({"id": chunk_id or "chatcmpl-n", "object": "chat.completion.chunk", "created": int(time.time()),
                        "model": state.settings.model_name, "choices": [],
                        "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                                  "total_tokens": prompt + completion}})

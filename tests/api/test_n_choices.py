@@ -75,13 +75,16 @@ def test_chat_n_choices_streamed_with_each_chunks_index(client):
     alone = [chat(client, seed=21 + i).choices[0].message.content for i in range(2)]
     texts: dict[int, str] = {}
     usage = None
+    ids = set()
     for chunk in chat(client, n=2, seed=21, stream=True, stream_options={"include_usage": True}):
+        ids.add(chunk.id)
         if chunk.usage is not None and not chunk.choices:
             usage = chunk.usage
         for choice in chunk.choices:
             texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
     assert [texts[0], texts[1]] == alone
     assert usage is not None and usage.completion_tokens >= 2
+    assert len(ids) == 1  # one answer, one id, as OpenAI streams it
 
 
 def test_non_streamed_chat_choices_run_beside_the_first(client, server):
