@@ -1,9 +1,15 @@
 """Captions on this server's own engine, through the bridge: the `Captioner` the in-process queue worker
-uses, and what the captioning REST routes run."""
+uses, and what the captioning REST routes run.
+
+Where each of a caption's frames is one encoder input (a job's frames; a one-image job where the family does not
+tile images), the engine pools the frames' features as it encodes them for the caption (`embed_images`), and the
+captioner hands those embeddings to `keep_embeddings` (the camera memory's, keyed by the frames' bytes), so that
+the event store's writer need not run the vision tower again for them."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from PIL import Image
 
@@ -14,7 +20,7 @@ from api.images import decode_image
 from api.pools import work_pools
 from api.settings import Limits
 from api.videos import check_video_input, decode_video, video_sampling
-from engine import SamplingParams
+from engine import RequestOutput, SamplingParams
 from engine.grammar import GrammarSpec
 from engine.video import Video
 from jobqueue.consumer import frame_parts
@@ -30,6 +36,9 @@ class EngineCaptioner:
         self.limits = limits
         self.max_tokens = max_tokens
         self.structured_max_tokens = structured_max_tokens or max_tokens
+        # Where a caption's frames' embeddings go, with the frames' bytes (the camera memory's `remember`); None:
+        # the engine pools none.
+        self.keep_embeddings: Callable[[list[bytes], list[list[float]]], None] | None = None
 
     async def caption(self, image_jpeg: bytes, prompt: str, priority: int, schema: dict | None = None,
                       cache_salt: str | None = None) -> str:
@@ -37,7 +46,10 @@ class EngineCaptioner:
         and image features only with requests of the same `cache_salt`). Raises APIError for an image, prompt or
         schema the server refuses (its message says why)."""
         image = await work_pools(self.limits).run("decode", decode_image, image_jpeg, self.limits, "image")
-        return await self.collect(await self.submit(image, prompt, priority, schema=schema, cache_salt=cache_salt))
+        # One image is one encoder input only where the family does not tile it (its caption sees every tile).
+        frames = [image_jpeg] if self.bridge.engine.single_input_options is None else None
+        content = [{"type": "image"}, {"type": "text", "text": prompt}]
+        return await self._caption(content, [image], frames, priority, schema, cache_salt, None)
 
     async def caption_frames(self, images: list[bytes], notes: list[str], prompt: str, priority: int,
                              schema: dict | None = None, cache_salt: str | None = None) -> str:
@@ -46,9 +58,22 @@ class EngineCaptioner:
                    for index, data in enumerate(images)]
         content = frame_parts(notes, prompt, lambda _: {"type": "image"})
         # Each frame one encoder input where the family tiles images (SmolVLM: 64 tokens a frame, not ~1,000).
-        single = self.bridge.engine.single_input_options
-        return await self.collect(await self.submit_content(content, decoded, priority, schema=schema,
-                                                            cache_salt=cache_salt, mm_processor_kwargs=single))
+        return await self._caption(content, decoded, images, priority, schema, cache_salt,
+                                   self.bridge.engine.single_input_options)
+
+    async def _caption(self, content: list[dict], images: list[Image.Image], frames: list[bytes] | None,
+                       priority: int, schema: dict | None, cache_salt: str | None,
+                       options: dict[str, Any] | None) -> str:
+        """A caption of `images`, each one encoder input when `frames` (their bytes) are given: then their
+        embeddings, pooled by the engine from this caption's own encoder run, go to `keep_embeddings`."""
+        embed = frames is not None and self.keep_embeddings is not None
+        output = await self.final(await self.submit_content(content, images, priority, schema=schema,
+                                                            cache_salt=cache_salt, mm_processor_kwargs=options,
+                                                            embed_images=embed))
+        vectors = output.image_embeddings
+        if embed and vectors and len(vectors) == len(frames) and all(v is not None for v in vectors):
+            self.keep_embeddings(frames, vectors)
+        return output.text.strip()
 
     async def caption_video(self, video: bytes, prompt: str, priority: int, schema: dict | None = None,
                             cache_salt: str | None = None) -> str:
@@ -71,7 +96,7 @@ class EngineCaptioner:
     async def submit_content(self, content: list[dict], images: list[Image.Image], priority: int,
                              max_tokens: int | None = None, schema: dict | None = None,
                              cache_salt: str | None = None, videos: list[Video] | None = None,
-                             mm_processor_kwargs: dict | None = None) -> RequestStream:
+                             mm_processor_kwargs: dict | None = None, embed_images: bool = False) -> RequestStream:
         """One user message of `content` parts (an `{"type": "image"}` part per image, a `{"type": "video"}`
         part per video, in order)."""
         try:
@@ -89,11 +114,17 @@ class EngineCaptioner:
             priority=priority,
             cache_salt=cache_salt,
             mm_processor_kwargs=mm_processor_kwargs,
+            embed_images=embed_images,
         )
 
     async def collect(self, stream: RequestStream, on_running: Callable[[], Awaitable[None]] | None = None) -> str:
         """The caption once finished; `on_running` is awaited when the first token arrives. Aborts the
         request if cancelled."""
+        return (await self.final(stream, on_running)).text.strip()
+
+    async def final(self, stream: RequestStream, on_running: Callable[[], Awaitable[None]] | None = None
+                    ) -> RequestOutput:
+        """The request's finished output (as `collect`, which gives its text)."""
         output = None
         try:
             async for output in stream:
@@ -105,4 +136,4 @@ class EngineCaptioner:
             raise APIError(503, "the caption request was aborted (server shutting down)", code="aborted")
         if output.finish_reason == "error":
             raise APIError(500, ENGINE_FAILED, code="engine_error")
-        return output.text.strip()
+        return output

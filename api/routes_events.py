@@ -5,9 +5,11 @@ sends them) from the served model itself.
 
 `CameraMemory` is the server's store with its writer (memory/outputs.py's `EventKeeper`, which `vlmcap worker` keeps
 too, with the engine's embeddings): the queue worker's finish hook (`on_finished`) hands it each
-finished job and returns at once; the writer's thread makes the thumbnails and the embedding (the engine's vision
-tower, one thread, outside the step loop) and writes the event. Every read runs on a worker thread, never on the
-event loop.
+finished job and returns at once; the writer's thread makes the thumbnails and the embedding and writes the event.
+The embedding is the mean of the kept frames' (each as POST /v1/embeddings gives it): taken from the caption's own
+encoder run where each frame was one encoder input (`EngineCaptioner.keep_embeddings` -> `remember`), else run on
+the engine's vision tower by the writer (one thread, outside the step loop). Every read runs on a worker thread,
+never on the event loop.
 
 Which events a key sees: every event on a server without keys, for --api-key's key (named default) and with
 --events-shared; a named key of --api-keys sees the cameras --events-key-cameras gives it (none: no events)."""
@@ -38,6 +40,7 @@ from api.settings import ServerSettings
 from api.state import ServerState, server_state
 from engine.embeddings import MAX_EMBED_INPUTS
 from memory import Event, EventQuery, EventStore
+from memory.jobs import FrameEmbeddings
 from memory.outputs import EventKeeper, open_keeper
 from memory.store import MAX_CAMERAS, mean_unit
 
@@ -55,17 +58,36 @@ class CameraMemory(EventKeeper):
 
     def __init__(self, store: EventStore, settings: ServerSettings, engine: Any) -> None:
         self.engine = engine
+        # The embeddings a caption's own encoder run gave its frames (`remember`), which the writer reuses.
+        self.frame_embeddings = FrameEmbeddings()
+        self.frames_reused = 0  # kept frames whose vector came with their caption
+        self.frames_embedded = 0  # kept frames the writer ran the vision tower for
         super().__init__(store, settings, embed=self.embed_frames)
 
+    def remember(self, frames: list[bytes], vectors: list[list[float]]) -> None:
+        """The captioner's hook (`EngineCaptioner.keep_embeddings`): the embeddings its caption's own encoder run
+        gave these frames, kept until the writer takes them for their event."""
+        self.frame_embeddings.put(frames, vectors)
+
     def embed_frames(self, jpegs: list[bytes]) -> list[float] | None:
-        """An event's vector: its thumbnails' embeddings averaged (None when the model gives none)."""
-        one_thread_here()
-        try:
-            with EMBEDDING:
-                return mean_unit(self.engine.embed(images=jpegs))
-        except Exception as exc:  # the event is kept without a vector: found by text, not by likeness
-            log.warning("event store: no embedding for an event's frames: %s: %s", type(exc).__name__, exc)
-            return None
+        """An event's vector: its kept frames' embeddings averaged, each what POST /v1/embeddings gives for that
+        frame: the one its caption's own encoder run gave it (`remember`), else the vision tower run here (a
+        sighting whose caption tiled its image, a clip's still, a job captioned by another server). None when the
+        model gives none."""
+        vectors = self.frame_embeddings.take(jpegs)
+        missing = [jpeg for jpeg, vector in zip(jpegs, vectors) if vector is None]
+        self.frames_reused += len(jpegs) - len(missing)
+        if missing:
+            one_thread_here()
+            try:
+                with EMBEDDING:
+                    computed = iter(self.engine.embed(images=missing))
+            except Exception as exc:  # the event is kept without a vector: found by text, not by likeness
+                log.warning("event store: no embedding for an event's frames: %s: %s", type(exc).__name__, exc)
+                return None
+            self.frames_embedded += len(missing)
+            vectors = [vector if vector is not None else next(computed) for vector in vectors]
+        return mean_unit(vectors)
 
 
 async def open_memory(settings: ServerSettings, engine: Any) -> CameraMemory | None:

@@ -103,6 +103,8 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
                 app.state.load_error = f"{type(exc).__name__}: {exc}"
                 return
             app.state.memory = memory = await routes_events.open_memory(settings, state.bridge.engine)
+            if memory is not None:  # the store's writer reuses the embeddings of captions' own encoder runs
+                state.captioner.keep_embeddings = memory.remember
             if settings.redis_url and settings.run_queue_worker:
                 from jobqueue.connection import connect
                 from jobqueue.consumer import QueueWorker

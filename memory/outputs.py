@@ -4,8 +4,9 @@ worker) and `vlmcap worker` (a worker captioning through another OpenAI-compatib
 both behind one finish hook (`each`, `jobqueue.finish.FinishedJob`) and stopped after the worker (`stop_outputs`),
 so that its last jobs are written and published.
 
-An event's embedding comes from the `embed` function its keeper is given: the server's engine embeds an event's
-thumbnails with its own vision tower (api/routes_events.py); a keeper without one stores events without a vector
+An event's embedding comes from the `embed` function its keeper is given: the server's engine gives an event's
+kept frames' embeddings from its own vision tower, most of them from the caption's own encoder run
+(api/routes_events.py); a keeper without one stores events without a vector
 (found by camera, time, kind, fall and words, not by likeness)."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from memory.writer import EventWriter
 log = logging.getLogger("memory")
 
 FinishHook = Callable[[Job, CaptionResult], None]  # as jobqueue.finish.FinishedJob
-Embed = Callable[[list[bytes]], list[float] | None]  # an event's thumbnails (JPEG) -> its vector, or None
+Embed = Callable[[list[bytes]], list[float] | None]  # an event's kept frames (the job's JPEGs) -> its vector, or None
 
 
 class EventKeeper:

@@ -24,6 +24,8 @@ from api.server import create_app
 from api.settings import Limits, ServerSettings
 from engine import EngineConfig
 from jobqueue.contract import JOBS_STREAM, Detection, Job, JobImage
+from memory.jobs import spread
+from memory.store import mean_unit
 
 BUS, ZIDANE = ASSETS / "bus.jpg", ASSETS / "zidane.jpg"
 NOW = time.time() - 600
@@ -144,6 +146,22 @@ def test_an_events_own_frames_make_it_first_of_its_similar(http):
     data_url = "data:image/jpeg;base64," + base64.b64encode(frame).decode()
     assert ids(http.post("/v1/events/similar", json={"image": data_url}))[0] == "sighting-1"
     assert ids(http.post("/v1/events/similar", params={"camera": "gate-2"}, json={"image": data_url})) == ["event-1"]
+
+
+def test_an_events_vector_is_its_frames_embeddings_from_its_caption(server, http):
+    """An event's vector is the mean of its kept frames' embeddings, each what POST /v1/embeddings gives for that
+    frame as the job sent it: an event's frames (one encoder input each) from its caption's own encoder run, the
+    writer running no tower for them; the sighting's and the fall's (whose captions tiled their image) from the
+    tower."""
+    memory = server.app.state.memory
+    assert memory.frames_reused >= 4 and memory.frames_embedded >= 2  # event-1's 4 kept; the two tiled images
+    sent = {job.job_id: job for job in jobs()}
+    for event_id, kept in (("event-1", [sent["event-1"].frames[i].image for i in spread(5, 4)]),
+                           ("sighting-1", [sent["sighting-1"].image])):
+        urls = ["data:image/jpeg;base64," + base64.b64encode(frame).decode() for frame in kept]
+        vectors = [d["embedding"] for d in http.post("/v1/embeddings", json={"input": urls}).json()["data"]]
+        stored = memory.store.get(event_id).embedding
+        assert max(abs(a - b) for a, b in zip(stored, mean_unit(vectors))) < 1e-6, event_id
 
 
 def test_pages_follow_their_cursor(http):
