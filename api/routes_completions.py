@@ -5,8 +5,9 @@ A prompt is a string, a list of strings, a list of token ids or a list of lists 
 engine as they are, no image markers among them; `echo` gives them back decoded by the model's tokenizer). Each
 prompt gives `n` choices, choice `prompt_index * n + i`; with a `seed`, choice i samples with seed + i, so `n`
 choices with seed s equal n requests sent one by one with seeds s, s + 1, ... `logprobs` is OpenAI's legacy format
-(tokens, token_logprobs, top_logprobs, text_offset); with `echo` the prompt's tokens come first, their log-
-probabilities null (the engine does not score prompts). `suffix` (insertion) is refused.
+(tokens, token_logprobs, top_logprobs, text_offset); with `echo` the prompt's tokens come first, scored by the
+engine (`SamplingParams.prompt_logprobs`; the first token's null, as OpenAI and vLLM give it), and vLLM's
+`prompt_logprobs` adds each choice's in vLLM's form. `suffix` (insertion) is refused.
 """
 
 from __future__ import annotations
