@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import replace
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import mcp.types as mcp_types
 from fastapi import FastAPI
@@ -36,7 +36,16 @@ from api.routes_events import CameraMemory, event_json, timestamp, visible_query
 from api.routes_summaries import DEFAULT_WINDOW_S, MAX_WINDOW_S, summary_of
 from api.state import ServerState
 from jobqueue.contract import CAPTIONS_STREAM_MAXLEN, CaptionResult
-from memory.store import EVENT_KINDS, MAX_PAGE, Event, EventPage, EventQuery
+from memory.store import (
+    EVENT_KINDS,
+    MAX_CAMERAS,
+    MAX_CURSOR_CHARS,
+    MAX_PAGE,
+    MAX_QUERY_CHARS,
+    Event,
+    EventPage,
+    EventQuery,
+)
 
 MCP_PATH = "/v1/mcp"
 DEFAULT_SEARCH_LIMIT = 10
@@ -51,8 +60,10 @@ INSTRUCTIONS = ("Tools over this server's camera memory: every captioned camera 
 # The connection a function tool runs for (a chat request's); an MCP call's is its own HTTP request.
 CALLER: ContextVar[HTTPConnection | None] = ContextVar("vlmcap_tool_caller", default=None)
 
-Time = Annotated[str | None, Field(description="seconds since the epoch or an ISO 8601 time ('2026-12-03T10:00Z')")]
-CameraArg = Annotated[str, Field(description="the camera's id")]
+# Every string argument bounded (a model's call under the schema's grammar ends; a client's is refused at once).
+Time = Annotated[str | None, Field(max_length=64, description="seconds since the epoch or an ISO 8601 time "
+                                                              "('2026-12-03T10:00Z')")]
+CameraArg = Annotated[str, Field(min_length=1, max_length=128, description="the camera's id")]
 
 
 class CameraTools:
@@ -188,14 +199,17 @@ def build_mcp(app: FastAPI) -> MCPServer:
                              "track_id, frame_count) and next_cursor for the next page.")
     async def search_events(
         ctx: Context,
-        query: Annotated[str, Field(description="words that must all be in the caption or its fields")] = "",
-        cameras: Annotated[list[str] | None, Field(description="only these cameras")] = None,
+        query: Annotated[str, Field(max_length=MAX_QUERY_CHARS,
+                                    description="words that must all be in the caption or its fields")] = "",
+        cameras: Annotated[list[CameraArg] | None, Field(max_length=MAX_CAMERAS, description="only these cameras")]
+        = None,
         since: Time = None,
         until: Time = None,
-        kind: Annotated[str | None, Field(description=f"one of {', '.join(EVENT_KINDS)}")] = None,
+        kind: Annotated[Literal[EVENT_KINDS] | None, Field(description=f"one of {', '.join(EVENT_KINDS)}")] = None,
         fall: Annotated[bool | None, Field(description="only fall alerts (true) or none of them (false)")] = None,
         limit: Annotated[int, Field(ge=1, le=MAX_PAGE, description="events a page")] = DEFAULT_SEARCH_LIMIT,
-        cursor: Annotated[str | None, Field(description="next_cursor of the previous page")] = None,
+        cursor: Annotated[str | None, Field(max_length=MAX_CURSOR_CHARS,
+                                            description="next_cursor of the previous page")] = None,
     ) -> dict[str, Any]:
         try:
             return await tools.search(_caller(ctx), query, cameras or [], since, until, kind, fall, limit, cursor)
@@ -206,7 +220,8 @@ def build_mcp(app: FastAPI) -> MCPServer:
                              "as JPEG images.")
     async def get_event(
         ctx: Context,
-        event_id: Annotated[str, Field(description="the event's id (search_events gives it)")],
+        event_id: Annotated[str, Field(min_length=1, max_length=128,
+                                       description="the event's id (search_events gives it)")],
         frames: Annotated[int, Field(ge=0, le=MAX_TOOL_FRAMES, description="frames to include")] = 4,
     ) -> list[mcp_types.ContentBlock]:
         event = await tools.visible_event(_caller(ctx), event_id)

@@ -320,6 +320,11 @@ def chat_usage(output: RequestOutput) -> dict[str, Any]:
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            state: ServerState = Depends(server_state)) -> Response:
     check_model(body.model, state)
+    from api.server_tools import answer as with_server_tools  # here: it builds on this module
+
+    served = await with_server_tools(body, request, state)  # None: the request names none of the server's tools
+    if served is not None:
+        return served
     metadata = check_metadata(body.metadata)
     if body.n not in (None, 1):  # one engine request per choice (api/routes_completions.py)
         from api.routes_completions import chat_choices

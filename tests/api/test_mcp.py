@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import httpx
 import httpx2
 import jsonschema_rs
+import openai
 import pytest
 from camera_memory_support import NOW, frames, known_events, seed
 from mcp.client.session import ClientSession
@@ -32,7 +33,7 @@ from memory import Event
 
 TOOLS = {"search_events", "get_event", "camera_summary", "latest_frame"}
 KEYS = {"alice": "key-a", "ops": "key-o", "night": "key-n"}
-BUSY = 250  # events of the camera "busy" (seen by the key "night" only), more lines than a summary's prompt takes
+BUSY = 220  # events of the camera "busy" (seen by the key "night" only), more lines than a summary's prompt takes
 
 
 def busy_events() -> list[Event]:
@@ -57,7 +58,7 @@ def server(tmp_path_factory) -> Iterator[BackgroundServer]:
 async def session_calls(url: str, key: str | None, calls: list[tuple[str, dict]]) -> tuple[list, list]:
     """The tools listed and the result of each call, in one MCP session of the SDK's client."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    async with httpx2.AsyncClient(headers=headers, timeout=120) as client, \
+    async with httpx2.AsyncClient(headers=headers, timeout=300) as client, \
             streamable_http_client(url + MCP_PATH, http_client=client) as (read, write), \
             ClientSession(read, write) as session:
         await session.initialize()
@@ -72,6 +73,12 @@ def run(server, calls: list[tuple[str, dict]], key: str | None = "key-o") -> tup
 def payload(result) -> dict:
     assert not result.is_error, result.content
     return json.loads(result.content[0].text)
+
+
+def connection(key_name: str) -> Request:
+    """A chat request's connection under a key name, as the guard leaves it."""
+    return Request({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [],
+                    KEY_NAME_SCOPE: key_name})
 
 
 def test_the_tools_answer_from_the_store(server):
@@ -168,10 +175,6 @@ def test_the_same_tools_as_chat_function_tools(server):
     assert {d["function"]["name"] for d in definitions} == TOOLS
     assert all(d["type"] == "function" and d["function"]["parameters"]["type"] == "object" for d in definitions)
 
-    def connection(key_name: str) -> Request:
-        return Request({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [],
-                        KEY_NAME_SCOPE: key_name})
-
     async def calls() -> list[str]:
         return [await call_function_tool(app, connection("ops"), "search_events", '{"query": "warehouse"}'),
                 await call_function_tool(app, connection("alice"), "search_events", {"fall": True}),
@@ -185,3 +188,71 @@ def test_the_same_tools_as_chat_function_tools(server):
     assert hidden["events"] == [], "alice's key does not see gate-2's fall"
     assert event["id"] == "fall" and event["frames_url"] == "/v1/events/fall/frames"
     assert "error" in bad_json and "error" in unknown and "error" in bad_arg
+
+
+# -- the same tools run by the server inside a chat completion (api/server_tools.py) ------------------------------
+# Named without parameters: the server's tool. latest_frame's one argument is bounded (128 characters), so the
+# random model's forced call ends within max_tokens.
+SERVER_LATEST = {"type": "function", "function": {"name": "latest_frame"}}
+FORCED = {"type": "function", "function": {"name": "latest_frame"}}
+ASKED = [{"role": "user", "content": "What did the gate camera see last?"}]
+
+
+def openai_client(server, key: str) -> tuple[openai.OpenAI, str]:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=300)
+    return client, client.models.list().data[0].id
+
+
+def test_a_chat_runs_the_servers_tools_with_the_callers_key(server):
+    """A forced call to the server's latest_frame is run by the server for the caller's key, its result fed back
+    and the answer made after it (the last round without tools): the result is what the tool gives that key for
+    the model's own arguments; usage counts every round; the schema the model was held to is the server's."""
+    for key, name in (("key-a", "alice"), ("key-o", "ops")):
+        client, model = openai_client(server, key)
+        answer = client.chat.completions.create(model=model, messages=ASKED, temperature=0.0, max_tokens=200,
+                                                tools=[SERVER_LATEST], tool_choice=FORCED)
+        message = answer.choices[0].message
+        ran = message.model_extra["server_tool_calls"]
+        assert ran and {call["name"] for call in ran} == {"latest_frame"}, ran
+        assert not message.tool_calls and answer.choices[0].finish_reason in ("stop", "length")
+        for call in ran:
+            assert len(json.loads(call["arguments"])["camera"]) <= 128
+            direct = asyncio.run(call_function_tool(server.app, connection(name), call["name"], call["arguments"]))
+            assert call["content"] == direct or "[cut:" in call["content"]
+        assert answer.usage.prompt_tokens > answer.usage.completion_tokens > 0
+
+
+def test_the_servers_tools_streamed_and_the_clients_own_stay_the_clients(server):
+    client, model = openai_client(server, "key-o")
+    chunks = list(client.chat.completions.create(
+        model=model, messages=ASKED, temperature=0.0, max_tokens=200, stream=True,
+        stream_options={"include_usage": True}, tools=[SERVER_LATEST], tool_choice=FORCED))
+    ran = [c.choices[0].delta.model_extra.get("server_tool_calls") for c in chunks if c.choices]
+    assert any(ran) and chunks[-1].usage.total_tokens > 0
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    own = {"type": "function", "function": {"name": "latest_frame", "parameters": {
+        "type": "object", "properties": {"where": {"enum": ["gate-1", "gate-2"]}}, "required": ["where"]}}}
+    mine = client.chat.completions.create(model=model, messages=ASKED, temperature=0.0, max_tokens=200,
+                                          tools=[own], tool_choice="required")
+    assert "server_tool_calls" not in (mine.choices[0].message.model_extra or {})
+    assert mine.choices[0].message.tool_calls[0].function.name == "latest_frame"  # the client runs its own
+    for refused_param, extra in (("n", {"n": 2}), ("logprobs", {"logprobs": True})):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=model, messages=ASKED, tools=[SERVER_LATEST], **extra)
+        assert refused.value.body["param"] == refused_param
+
+
+def test_a_huge_tool_result_is_cut_to_the_context(server):
+    """The night key's search of its busy camera (200 events a page) is over the result bound: it is cut, to at
+    most the tokens left for it, with a note; a small result is kept whole."""
+    from api.server_tools import MAX_TOOL_RESULT_CHARS, cut
+
+    tokenizer = server.app.state.vlmcap.bridge.engine.tokenizer
+    huge = asyncio.run(call_function_tool(server.app, connection("night"), "search_events", {"limit": 200}))
+    assert len(json.loads(huge)["events"]) == 200 and len(huge) > MAX_TOOL_RESULT_CHARS
+    for tokens in (50, 400, 10**6):
+        shown = cut(huge, tokens, tokenizer)
+        assert "[cut:" in shown and len(shown) <= MAX_TOOL_RESULT_CHARS + 120
+        assert tokens == 10**6 or len(tokenizer(shown, add_special_tokens=False)["input_ids"]) <= tokens
+    small = asyncio.run(call_function_tool(server.app, connection("alice"), "search_events", {"fall": True}))
+    assert cut(small, 400, tokenizer) == small
