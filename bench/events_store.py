@@ -4,7 +4,8 @@ vector of the served model's hidden size), written one job at a time as the serv
 per job (p50/p99 of `add`, early and once the store is full), then the latency of each kind of search at that size
 (newest page, a camera's hour, one word, two words with a camera, falls, similar by vector, similar within a
 camera, the second page of a word). With `--embed-model` it also times the writer's other per-job work: the
-thumbnails and their embedding from that model's vision tower.
+thumbnails, and a frame's embedding from that model's vision tower (what the writer runs for a frame whose caption
+gave none: a tiled sighting, a clip's still; an event's frames come with their caption's own).
 
 SQLite by default (a temporary file, or `--store PATH`); `--store postgresql://...` measures the PostgreSQL
 store the same way (its similar search scans in SQL: no pgvector)."""
