@@ -4,13 +4,14 @@
 - `paged_decode_attention` (paged_decode.c): decode attention over the paged cache, read in place. The
   reference path gathers every context's blocks into a new tensor in every layer before SDPA reads it; on the
   CPU that copy costs as much as the attention itself, and grows with context.
-- `linear` (linear.c): a Linear layer reading its weight where transformers keeps it (row-major, its own
-  dtype: no second copy), four weight rows against six rows of x at a time. A decode step's matrix products
-  are a few rows times every weight of the model: their cost is reading the weights. Its `glu` mode computes a
-  gated MLP's act(gate) * up from one matrix of both, act SiLU (Llama) or GELU's tanh approximation (Gemma)
-  (engine/lean_layers.py). Where the build has AVX-512's bfloat16 dot products, `tuning.bf16_products` measures
-  once whether they or float32 FMAs on widened weights are faster on this CPU and `products_mode` uses those.
-  Registered as the `vlmcap::linear` operator, so that a compiled model sees it as one opaque call.
+- `linear` (linear.c): a Linear layer reading its weight where transformers keeps it (row-major, its own dtype: no
+  second copy), four weight rows against six rows of x at a time; or an `Int8Weight` (engine/quantization.py,
+  linear_int8.c: x quantized per row at the call, int32 products). A decode step's matrix products are a few rows
+  times every weight of the model: their cost is reading the weights. Its `glu` mode computes a gated MLP's
+  act(gate) * up from one matrix of both, act SiLU (Llama) or GELU's tanh approximation (Gemma)
+  (engine/lean_layers.py). Where the build has AVX-512's bfloat16 dot products, `tuning.bf16_products` measures once
+  whether they or float32 FMAs on widened weights are faster on this CPU and `products_mode` uses those. Registered
+  as the `vlmcap::linear` operator, so that a compiled model sees it as one opaque call.
 - `rms_norm` / `add_rms_norm` (rms_norm.c): an RMSNorm (Llama's, or Gemma's `1 + weight`: `routing.Norm`) in one
   call instead of seven small operators, and the residual add before it (Gemma's sandwich norm of the added output
   too).
@@ -138,12 +139,17 @@ def run_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor | Int8Wei
     width = n // 2 if glu else n
     if out is None:
         out = torch.empty(*x.shape[:-1], width, dtype=x.dtype)
-    args = projection_args(weight, bias, checked=True)
     mode = GLU_ACTIVATIONS[glu] if glu else 0
-    if args.dtype != I8:
+    if isinstance(weight, Int8Weight):  # no bfloat16 products to choose
+        q = weight.qweight
+        w, code, stride = q.data_ptr(), I8, q.stride(0)
+        scale, sums = weight.scale.data_ptr(), weight.row_sums.data_ptr()
+    else:
+        w, code, stride, scale, sums = weight.data_ptr(), DTYPE_CODES[weight.dtype], weight.stride(0), None, None
         mode |= products_mode(lib, products)
-    if lib.linear(rows.data_ptr(), DTYPE_CODES[x.dtype], rows.shape[0], k, args.weight, args.dtype, args.stride, n,
-                  args.bias, args.scale, args.row_sums, mode, out.data_ptr(), torch.get_num_threads()):
+    if lib.linear(rows.data_ptr(), DTYPE_CODES[x.dtype], rows.shape[0], k, w, code, stride, n,
+                  None if bias is None else bias.data_ptr(), scale, sums, mode, out.data_ptr(),
+                  torch.get_num_threads()):
         raise MemoryError(f"the Linear kernel could not allocate its buffer ({rows.shape[0]} x {k} floats)")
     return out
 
@@ -162,12 +168,10 @@ def products_mode(lib: ctypes.CDLL, products: str | None = None) -> int:
     return PRODUCTS_WIDEN if products == "widen" else 0
 
 
-def projection_args(weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None,
-                    checked: bool = False) -> ProjectionArgs:
-    """A layer's own weight (checked, unless `checked` says it was) and float32 bias as linear.c and
-    decode_layers.c read them; an `Int8Weight` with its scales and row sums."""
-    if not checked:
-        check_weight(weight)
+def projection_args(weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None) -> ProjectionArgs:
+    """A layer's own weight (checked) and float32 bias as decode_layers.c reads them; an `Int8Weight` with its
+    scales and row sums."""
+    check_weight(weight)
     bias_at = None if bias is None else bias.data_ptr()
     if isinstance(weight, Int8Weight):
         q = weight.qweight
