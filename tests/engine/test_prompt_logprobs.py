@@ -8,9 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import SamplingParams
+from engine import Engine, EngineConfig, SamplingParams
 from tests.engine.conftest import DEVICE, PROMPTS
 from tests.engine.test_sampling_penalties import hf  # noqa: F401  (the fixture: transformers on the checkpoint)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint) -> Engine:
+    """One engine for the module, its steps small enough that a prompt is scored over several chunks."""
+    return Engine(EngineConfig(model=checkpoint, device=DEVICE, dtype="float32", max_num_batched_tokens=32,
+                               max_num_seqs=16))
 
 
 def forward_logprobs(hf, prompt: str, images: list) -> tuple[list[int], torch.Tensor]:  # noqa: F811
@@ -30,10 +37,9 @@ def run(engine, prompt: str, images: list, params: SamplingParams):
 
 
 @pytest.mark.parametrize("prompt", [0, 1])
-def test_prompt_logprobs_equal_the_log_softmax_of_the_forward_logits(make_engine, hf, photos, prompt):  # noqa: F811
+def test_prompt_logprobs_equal_the_log_softmax_of_the_forward_logits(engine, hf, photos, prompt):  # noqa: F811
     images = photos[:1] if prompt == 1 else []
     ids, want = forward_logprobs(hf, PROMPTS[prompt], images)
-    engine = make_engine(max_num_batched_tokens=32)  # the prompt is scored over several chunks
     outputs = run(engine, PROMPTS[prompt], images, SamplingParams(max_tokens=3, prompt_logprobs=3))
     scored = outputs[0].prompt_logprobs
     assert all(out.prompt_logprobs is None for out in outputs[1:])
@@ -47,9 +53,8 @@ def test_prompt_logprobs_equal_the_log_softmax_of_the_forward_logits(make_engine
         assert [value for _, value in got.top] == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
 
 
-def test_a_cached_prompt_is_scored_again_and_still_shared(make_engine):
-    engine = make_engine(max_num_batched_tokens=32)
-    prompt = PROMPTS[0] * 3
+def test_a_cached_prompt_is_scored_again_and_still_shared(engine):
+    prompt = "User: Count the buses and the people waiting at the stop, one by one.<end_of_utterance>\nAssistant:"
     plain = run(engine, prompt, [], SamplingParams(max_tokens=2))
     first = run(engine, prompt, [], SamplingParams(max_tokens=2, prompt_logprobs=0))
     again = run(engine, prompt, [], SamplingParams(max_tokens=2, prompt_logprobs=0))
