@@ -10,6 +10,7 @@ import json
 import httpx
 import openai
 import pytest
+from server_support import KEY, MODEL
 
 from api.background import BackgroundServer
 from api.server import create_app
@@ -19,8 +20,6 @@ from engine import EngineConfig
 jsonschema_rs = pytest.importorskip("jsonschema_rs")
 pytest.importorskip("xgrammar")
 
-KEY = "test-key"
-MODEL = "vlmcap-tiny"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
            "required": ["city", "days"], "additionalProperties": False}
@@ -31,14 +30,6 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "description": "th
          {"type": "function", "function": {"name": "clock", "parameters": CLOCK}}]
 VALIDATORS = {"weather": jsonschema_rs.validator_for(WEATHER), "clock": jsonschema_rs.validator_for(CLOCK)}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    settings = ServerSettings(engine=EngineConfig(model="tiny", max_num_batched_tokens=256), api_key=KEY,
-                              served_model_name=MODEL)
-    with BackgroundServer(create_app(settings)) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")
