@@ -116,7 +116,7 @@ def test_auto_tools_with_a_response_format_call_or_answer_in_its_schema(client):
     scene = jsonschema_rs.validator_for(SCENE)
     fmt = {"type": "json_schema", "json_schema": {"name": "scene", "schema": SCENE, "strict": True}}
     kinds = set()
-    for seed in range(4):
+    for seed in range(2):  # which branch a random-weight model takes is its own: the grammar test below has both
         choice = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, response_format=fmt,
                                                 parallel_tool_calls=False, temperature=1.0, seed=seed,
                                                 max_tokens=200).choices[0]
@@ -166,14 +166,13 @@ def test_the_sdks_parse_with_tools_and_a_response_model(client):
     class Scene(BaseModel):
         people: int = Field(ge=0, le=9)
 
-    for seed in range(2):
-        message = client.chat.completions.parse(model=MODEL, messages=ASK, tools=[openai.pydantic_function_tool(
-            Weather)], response_format=Scene, parallel_tool_calls=False, temperature=1.0, seed=seed,
-            max_tokens=200).choices[0].message
-        if message.tool_calls:
-            assert all(isinstance(call.function.parsed_arguments, Weather) for call in message.tool_calls)
-        else:
-            assert isinstance(message.parsed, Scene)
+    message = client.chat.completions.parse(model=MODEL, messages=ASK, tools=[openai.pydantic_function_tool(
+        Weather)], response_format=Scene, parallel_tool_calls=False, temperature=1.0, seed=0,
+        max_tokens=200).choices[0].message
+    if message.tool_calls:
+        assert all(isinstance(call.function.parsed_arguments, Weather) for call in message.tool_calls)
+    else:
+        assert isinstance(message.parsed, Scene)
 
 
 def test_a_history_with_calls_and_results_renders(client):
