@@ -67,7 +67,7 @@ class PrefillSpan:
     sliding_mask: torch.Tensor | None = None  # `mask` within the sliding window, for models that have one
     # The CPU path's in-place reading: the positions before the chunk as runs (first cache slot, count) of
     # consecutive slots; the chunk's own slots [q] and what its queries see of its own keys ([1, 1, q, q], 0 or
-    # -inf in the cache's dtype, built once a step; None: causal). None: keys and values gathered (the reference).
+    # -inf in the model's dtype, built once a step; None: causal). None: keys and values gathered (the reference).
     prefix_runs: list[tuple[int, int]] | None = None
     own_slots: torch.Tensor | None = None
     own_mask: torch.Tensor | None = None

@@ -192,10 +192,14 @@ static inline __attribute__((always_inline)) __m512 dequantize16(const void *p, 
     __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
                    (const __m128i *)((const int8_t *)p + at)))), _mm512_set1_ps(scale));
     if (dtype == BF16) {
+#ifdef __AVX512BF16__  /* vcvtneps2bf16 rounds to nearest even as torch does (q * s is never NaN nor subnormal) */
+        v = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v));
+#else
         const __m512i bits = _mm512_castps_si512(v);
         const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
         v = _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))),
                                                  _mm512_set1_epi32((int)0xffff0000u)));
+#endif
     } else if (dtype == F16) {
         v = _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }

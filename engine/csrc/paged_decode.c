@@ -335,9 +335,14 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
                 load_floats(q, q_dtype, (h0 * groups + x) * q_head_stride + token * q_token_stride, d, qi + x * d);
             switch (d) {
 #ifdef VECTOR
-#define CASE(D) case D: attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, q_dtype, \
-                                  block_tables, context_lens, kv_heads, groups, D, block_size, table_width, scale, \
-                                  window, oi); break;
+/* an I8 cache's loop compiled apart (dtype a constant there), so that neither pays the other's branches */
+#define CASE(D) case D: \
+    if (dtype == I8) attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, I8, q_dtype, \
+                                block_tables, context_lens, kv_heads, groups, D, block_size, table_width, scale, \
+                                window, oi); \
+    else attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, q_dtype, block_tables, \
+                    context_lens, kv_heads, groups, D, block_size, table_width, scale, window, oi); \
+    break;
 #else
 #define CASE(D) case D: attend(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, q_dtype, \
                                block_tables, context_lens, kv_heads, groups, D, block_size, table_width, scale, \
