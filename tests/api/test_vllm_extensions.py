@@ -171,6 +171,7 @@ def test_chat_prompt_logprobs_score_every_prompt_token(http):
     assert len(scores) == len(ids) == body["usage"]["prompt_tokens"] and scores[0] is None
     for score, token in zip(scores[1:], ids[1:], strict=True):
         assert str(token) in score and len(score) <= 3
-        assert all(entry["logprob"] <= 0 and entry["rank"] >= 1 and "decoded_token" in entry for entry in score.values())
+        assert all(entry["logprob"] <= 0 and entry["rank"] >= 1 and "decoded_token" in entry
+                   for entry in score.values())
     refused = chat(http, prompt_logprobs=1, stream=True)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
