@@ -286,13 +286,16 @@ async def known_cameras(state: ServerState, since: float) -> list[str]:
 
 async def summarize_every(state: ServerState, interval_s: float, cache: OrderedDict) -> None:
     """Every `interval_s`: one summary per known camera of the interval just ended, appended to its summaries
-    stream. Runs until cancelled; a failed summary is logged and the next interval comes."""
+    stream. The intervals tile time: each starts where the last ended, so the time the summaries themselves take
+    (a busy engine) falls in the next one instead of between two. Runs until cancelled; a failed summary is logged
+    and the next interval comes."""
+    start = time.time()
     while True:
-        await asyncio.sleep(interval_s)
+        await asyncio.sleep(max(0.0, start + interval_s - time.time()))
         end = time.time()
-        for camera in await known_cameras(state, end - interval_s):
+        for camera in await known_cameras(state, start):
             try:
-                answer = await summarize(state, camera, end - interval_s, end, cache)
+                answer = await summarize(state, camera, start, end, cache)
                 if state.redis is not None:
                     await state.redis.xadd(summaries_stream(camera), {"answer": json.dumps(answer)},
                                            maxlen=CAPTIONS_STREAM_MAXLEN, approximate=True)
@@ -300,3 +303,4 @@ async def summarize_every(state: ServerState, interval_s: float, cache: OrderedD
                 raise
             except Exception:
                 log.exception("the summary of camera %s failed", camera)
+        start = end
