@@ -142,6 +142,7 @@ class Engine:
         self._tokens_generated = 0
         self.num_step_failures = 0  # steps whose forward raised (their requests ended with "error")
         self.num_request_failures = 0  # requests ended alone because their token could not be sampled
+        self.num_forced_tokens = 0  # output tokens appended by jump-forward, without sampling (`_jump_forward`)
         self.last_step_timings = StepTimings()
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self._grammars_lock = threading.Lock()
@@ -379,6 +380,8 @@ class Engine:
             for output in outputs:
                 if output.request_id in result.logprobs:
                     output.new_logprobs = [result.logprobs[output.request_id]]
+            if self.config.jump_forward:
+                self._jump_forward(outputs)
             for rid, why in result.failed.items():  # only that request ends; the others keep their tokens
                 self.num_request_failures += 1
                 log.error("request %s failed in step %d: %s", rid, self._steps, why)
@@ -505,7 +508,6 @@ class Engine:
                 self._grammars = None
 
     def _advance(self, request: Request) -> RequestOutput:
-        params = request.sampling
         matcher = request.matcher
         if matcher is not None and not matcher.accept(request.output_token_ids[-1]):
             # The runner masks a constrained row before sampling, so a token outside the grammar is a fault.
@@ -513,6 +515,54 @@ class Engine:
             token = request.output_token_ids[-1]
             log.error("request %s sampled token %d outside its grammar", request.request_id, token)
             return self._fail(request)
+        self._conclude(request)
+        return self._output(request)
+
+    def _jump_forward(self, outputs: list[RequestOutput]) -> None:
+        """Jump-forward (`EngineConfig.jump_forward`): while the grammar of a request that just gained a token allows
+        exactly one next token (engine/grammar.py `forced_tokens`, which also keeps the masks for the next step's
+        sampling), append it as if sampled (a seeded request's random stream drawn as the sampler would have) and
+        apply the same stop conditions; the run is computed with the next step's chunk. Not for requests that ask
+        for logprobs, nor a token that min_tokens holds back (sampling would fail such a request: it still does)."""
+        from engine.grammar import forced_tokens
+
+        by_id = {output.request_id: output for output in outputs}
+        live = [self.requests[rid] for rid, output in by_id.items() if not output.finished]
+        live = [r for r in live if r.matcher is not None and r.sampling.logprobs is None]
+        width = self.adapter.lm_head.weight.shape[0]
+        while live:
+            going = []
+            for request, token in zip(live, forced_tokens([r.matcher for r in live])):
+                params = request.sampling
+                if token is None or (token in params.min_tokens_suppressed
+                                     and len(request.output_token_ids) < params.min_tokens):
+                    continue
+                request.output_token_ids.append(token)
+                request.num_forced += 1
+                self._tokens_generated += 1
+                self.num_forced_tokens += 1
+                if request.generator is not None:  # the sampler's one draw a token (engine/sampling.py `sample`)
+                    torch.empty(width, dtype=torch.float32, device=self.device).exponential_(
+                        generator=request.generator)
+                output = by_id[request.request_id]
+                if not request.matcher.accept(token):  # cannot happen: the grammar allows it
+                    by_id[request.request_id] = self._fail(request)
+                    continue
+                self._conclude(request)
+                output.token_ids, output.text = list(request.output_token_ids), request.text
+                output.finished, output.finish_reason = request.is_finished, request.finish_reason
+                if request.is_finished:
+                    output.image_embeddings = self._image_embeddings.pop(request.request_id, None)
+                else:
+                    going.append(request)
+            live = going
+        outputs[:] = list(by_id.values())
+
+    def _conclude(self, request: Request) -> None:
+        """After a token was appended (and its grammar accepted it): the stop conditions and the text; a request
+        that ends is finished."""
+        params = request.sampling
+        matcher = request.matcher
         reason = None
         last = request.output_token_ids[-1]
         if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
@@ -528,7 +578,6 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(request, reason)
             del self.requests[request.request_id]
-        return self._output(request)
 
     def stats(self) -> EngineStats:
         with self._lock:

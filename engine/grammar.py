@@ -11,6 +11,8 @@ requests without a grammar when xgrammar is not installed, and only a request th
   (engine/grammar_limits.py), compiled in a supervised child process (engine/grammar_pool.py).
 - `apply_token_masks` masks a batch of logits rows in place: one bitmask for the whole batch, filled by each
   row's matcher on the host, copied to the logits' device once and applied there by xgrammar's kernel.
+- `forced_tokens` finds the requests whose grammar allows exactly one next token (jump-forward, in
+  engine/engine.py), from the same bitmask rows, which the next `apply_token_masks` then reuses.
 """
 
 from __future__ import annotations
@@ -225,10 +227,16 @@ class Matcher:
         self._matcher = matcher
         self.vocab_size = vocab_size
         self.filler = filler
+        # The allowed next tokens' bitmask row ([1, words], int32, on the host) where `forced_tokens` filled it
+        # for the current state; `apply_token_masks` uses it instead of filling it again. Dropped at `accept`.
+        self.mask: torch.Tensor | None = None
 
     def accept(self, token_id: int) -> bool:
         """Advance by one generated token; False if the grammar does not allow it (the state is unchanged)."""
-        return bool(self._matcher.accept_token(int(token_id)))
+        accepted = bool(self._matcher.accept_token(int(token_id)))
+        if accepted:
+            self.mask = None
+        return accepted
 
     @property
     def is_terminated(self) -> bool:
@@ -369,6 +377,43 @@ class GrammarCompiler:
         self.pool.close()
 
 
+def _fill(xgr: Any, bitmask: torch.Tensor, matchers: list[Matcher], rows: list[int]) -> None:
+    """Row `rows[j]` of `bitmask` (on the host) to the tokens `matchers[j]` allows next: the row its last
+    `forced_tokens` kept, else filled, all those in one batch by xgrammar's threads."""
+    todo = []
+    for matcher, row in zip(matchers, rows):
+        if matcher.mask is not None:
+            bitmask[row] = matcher.mask[0]
+        else:
+            todo.append((matcher, row))
+    if todo:
+        todo[0][0].filler.fill(xgr, [matcher._matcher for matcher, _ in todo], bitmask, [row for _, row in todo])
+
+
+def forced_tokens(matchers: list[Matcher]) -> list[int | None]:
+    """For each matcher, the one token its grammar allows next, or None where it allows more than one (or none):
+    the bitmask rows filled in one batch, counted in tensor ops (words that are not zero, and the bit of the one
+    that is), never a loop over the vocabulary. Each row is kept in its matcher for the next `apply_token_masks`."""
+    if not matchers:
+        return []
+    xgr = _xgrammar()
+    bitmask = torch.full(xgr.get_bitmask_shape(len(matchers), matchers[0].vocab_size), -1, dtype=torch.int32)
+    _fill(xgr, bitmask, matchers, list(range(len(matchers))))
+    for i, matcher in enumerate(matchers):
+        matcher.mask = bitmask[i : i + 1].clone()
+    words = bitmask.to(torch.int64) & 0xFFFFFFFF  # each word's 32 bits, unsigned
+    vocab_size = matchers[0].vocab_size
+    if vocab_size % 32:  # bits past the vocabulary in the last word do not count
+        words[:, -1] &= (1 << (vocab_size % 32)) - 1
+    nonzero = words != 0
+    word_index = nonzero.to(torch.int8).argmax(dim=-1)
+    word = words.gather(-1, word_index[:, None]).squeeze(-1)
+    single = (nonzero.sum(dim=-1) == 1) & ((word & (word - 1)) == 0)
+    bit = torch.log2(word.clamp(min=1).to(torch.float64)).round().to(torch.int64)
+    token = (word_index.to(torch.int64) * 32 + bit).tolist()
+    return [t if s else None for t, s in zip(token, single.tolist())]
+
+
 def apply_token_masks(logits: torch.Tensor, matchers: list[Matcher | None]) -> None:
     """Mask, in place, row i of `logits` ([rows, vocab], float32) to the tokens `matchers[i]` allows; rows whose
     matcher is None are untouched. One bitmask for the batch: its rows filled on the host by xgrammar's threads
@@ -384,7 +429,7 @@ def apply_token_masks(logits: torch.Tensor, matchers: list[Matcher | None]) -> N
     # All bits set: every token allowed, so rows without a matcher could be masked too and stay untouched.
     on_cuda = logits.device.type == "cuda"
     bitmask = torch.full(xgr.get_bitmask_shape(len(matchers), vocab_size), -1, dtype=torch.int32, pin_memory=on_cuda)
-    first.filler.fill(xgr, [matchers[i]._matcher for i in indices], bitmask, indices)
+    _fill(xgr, bitmask, [matchers[i] for i in indices], indices)
     if logits.device != bitmask.device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(

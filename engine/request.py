@@ -100,6 +100,9 @@ class Request:
     # Where the output stands in its grammar (None without one); it is fed each sampled token once, and a
     # preempted request keeps its output tokens, so it stays valid across recompute.
     matcher: Matcher | None = field(default=None, repr=False)
+    # Output tokens its grammar forced (jump-forward, `EngineConfig.jump_forward`) appended since its last forward:
+    # computed with the last sampled token as one chunk in the next step; 0 again after that chunk or preemption.
+    num_forced: int = 0
     # The scores of prompt tokens 1, 2, ... so far (`SamplingParams.prompt_logprobs`); kept across preemption.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)
 
@@ -125,8 +128,9 @@ class Request:
 
     @property
     def is_decoding(self) -> bool:
-        """Everything but the last sampled token is in the KV cache: one token a step from now on."""
-        return self.num_uncomputed_tokens == 1 and bool(self.output_token_ids)
+        """Everything but the last sampled token (and the forced tokens after it) is in the KV cache: one token a
+        step from now on (with the forced ones, in one chunk)."""
+        return self.num_uncomputed_tokens == 1 + self.num_forced and bool(self.output_token_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -3,7 +3,8 @@
 The rule, under a step budget of B tokens (`max_num_batched_tokens`) and a cap of S running requests
 (`max_num_seqs`):
 
-1. Every running request that decodes gets exactly one token, in priority order.
+1. Every running request that decodes gets exactly one token, in priority order (with the tokens its grammar
+   forced after it, if any: engine/engine.py's jump-forward).
 2. Then the prompts, running ones partly prefilled and waiting ones alike, in priority order (lower value
    first, first come first served within a priority: `Request.sort_key`), each in turn getting all it can use
    of what the earlier ones left of the step's budgets (tokens, encoder output tokens and, under a target,
@@ -94,10 +95,10 @@ class StepBudget:
         """No input has been encoded this step yet: the first one runs whatever its size."""
         return self.encoder_tokens == self.encoder_tokens_per_step and not self.encoder_scheduled
 
-    def spend_decode(self, context: int) -> None:
-        self.tokens -= 1
+    def spend_decode(self, context: int, num_tokens: int = 1) -> None:
+        self.tokens -= num_tokens
         if self.seconds is not None:
-            seconds = self._token_seconds(context, 1)
+            seconds = self._token_seconds(context, num_tokens)
             self.seconds -= seconds
             self.decode_seconds += seconds
 
@@ -198,6 +199,7 @@ class Scheduler:
         self.running.remove(request)
         self._release(request)
         request.num_computed_tokens = 0
+        request.num_forced = 0  # recomputed from its prompt and outputs like any others
         self.add(request)
         self.num_preemptions += 1
         out.preempted.append(request.request_id)
@@ -217,13 +219,15 @@ class Scheduler:
     def _schedule_decodes(
         self, decodes: list[Request], budget: StepBudget, scheduled: set[str], out: SchedulerOutput
     ) -> None:
-        for request in decodes:
+        for position, request in enumerate(decodes):
             if budget.spent:
                 return
-            if request.status is RequestStatus.RUNNING and self._allocate(request, 1, scheduled, out):
-                out.chunks.append(ScheduledChunk.of(request, request.num_computed_tokens, 1, self.config.block_size))
+            # 1, or the last token and the forced ones after it, as far as leaves a token for each decode after it
+            n = max(min(request.num_uncomputed_tokens, budget.tokens - (len(decodes) - position - 1)), 1)
+            if request.status is RequestStatus.RUNNING and self._allocate(request, n, scheduled, out):
+                out.chunks.append(ScheduledChunk.of(request, request.num_computed_tokens, n, self.config.block_size))
                 scheduled.add(request.request_id)
-                budget.spend_decode(request.num_computed_tokens)
+                budget.spend_decode(request.num_computed_tokens, n)
 
     def _schedule_prompts(
         self, prompts: list[Request], budget: StepBudget, scheduled: set[str], out: SchedulerOutput
@@ -458,6 +462,8 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is not None:
                 request.output_token_ids.append(token)
+            if request.num_forced:  # those the chunk did not reach stay forced (and the step sampled none)
+                request.num_forced = max(request.num_uncomputed_tokens - 1, 0)
             if request.mm is not None:
                 self.encoder_inputs.passed(request.request_id, request.mm, request.num_computed_tokens)
 

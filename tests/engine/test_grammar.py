@@ -114,6 +114,7 @@ def test_greedy_output_equals_generate_with_the_grammar_as_logits_processor(make
     ids = [engine.add_request(prompt=p, sampling=SamplingParams(max_tokens=MAX_TOKENS, grammar=spec)) for p in prompts]
     outputs = drain(engine)
     assert [outputs[rid].token_ids for rid in ids] == expected
+    assert engine.num_forced_tokens > 0  # jump-forward (on by default) appended some of them, in chunks of 8
     unconstrained = make_engine(max_num_batched_tokens=8, max_num_seqs=4)
     alone = unconstrained.add_request(prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=24))
     assert outputs[free].token_ids == drain(unconstrained)[alone].token_ids

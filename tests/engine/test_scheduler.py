@@ -224,3 +224,20 @@ def test_two_photo_prompts_arriving_together_finish_one_after_the_other():
             break
         out = step(s)
     assert sampled_at["first"] < sampled_at["second"]
+
+
+def test_a_decode_with_forced_tokens_computes_them_in_one_chunk_leaving_a_token_for_each_other_decode():
+    s = scheduler(max_num_batched_tokens=12)
+    a, b, c = (request(rid, 3, arrival=i, first_token=100 * (i + 1)) for i, rid in enumerate("abc"))
+    for r in (a, b, c):
+        s.add(r)
+    step(s)
+    a.output_token_ids += [8] * 10  # ten tokens its grammar forced after its sampled one (engine/engine.py)
+    a.num_forced = 10
+    assert a.is_decoding
+    out = step(s)
+    assert chunks(out) == [("a", 3, 13), ("b", 3, 4), ("c", 3, 4)]
+    assert [c.samples for c in out.chunks] == [False, True, True]
+    assert a.is_decoding and a.num_forced == 0  # the last forced token is its next decode
+    out = step(s)
+    assert chunks(out) == [("a", 13, 14), ("b", 4, 5), ("c", 4, 5)] and all(c.samples for c in out.chunks)
