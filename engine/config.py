@@ -134,12 +134,14 @@ class EngineConfig:
         "an image sent again is not encoded again.")})
     encoder_cache_tokens: int = field(default=4096, metadata={"help": (
         "vision features kept for images sent again, in the encoder's output tokens (0: none).")})
-    jump_forward: bool = field(default=True, metadata={"help": (
+    jump_forward: bool = field(default=False, metadata={"help": (
         "append the tokens a request's structured-output grammar forces without sampling them (jump-forward). A "
         "forced token is the only one its mask allows (a key, punctuation, an enum's tail); a run of them is "
         "computed with the next step's chunk, one forward for the run instead of one step a token. The output is the "
         "same token for token as without (seeded sampling's random stream is drawn as if each had been sampled); "
-        "requests that ask for logprobs decode every token.")})
+        "requests that ask for logprobs decode every token. Off by default: a step that carries such a run is not a "
+        "decode-only step, and on the CPU it leaves the fused decode path, which costs more than the steps saved "
+        "(`vlmcap bench grammar`: structured, jump-forward on / off).")})
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits, metadata={"help": (
         "what one grammar (structured output) may ask for, its compile deadline, the compiler's child processes and "
         "the compiled-grammar cache's size (engine/grammar_limits.py).")})

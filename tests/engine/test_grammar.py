@@ -109,12 +109,12 @@ def test_greedy_output_equals_generate_with_the_grammar_as_logits_processor(make
         expected.append(out[0, inputs["input_ids"].shape[1] :].tolist())
 
     # A small budget chunks the prompts; an unconstrained request rides in the same batches.
-    engine = make_engine(max_num_batched_tokens=8, max_num_seqs=4)
+    engine = make_engine(max_num_batched_tokens=8, max_num_seqs=4, jump_forward=True)
     free = engine.add_request(prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=24))
     ids = [engine.add_request(prompt=p, sampling=SamplingParams(max_tokens=MAX_TOKENS, grammar=spec)) for p in prompts]
     outputs = drain(engine)
     assert [outputs[rid].token_ids for rid in ids] == expected
-    assert engine.num_forced_tokens > 0  # jump-forward (on by default) appended some of them, in chunks of 8
+    assert engine.num_forced_tokens > 0  # jump-forward appended some of them, computed in chunks of 8
     unconstrained = make_engine(max_num_batched_tokens=8, max_num_seqs=4)
     alone = unconstrained.add_request(prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=24))
     assert outputs[free].token_ids == drain(unconstrained)[alone].token_ids

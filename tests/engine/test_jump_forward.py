@@ -1,7 +1,7 @@
 """Jump-forward (`EngineConfig.jump_forward`): a token that a request's grammar forces is appended without
 sampling and computed with the next step's chunk. The oracle is the same engine with it off: the same tokens,
 text, finish reasons and logprobs, greedy and seeded, under every stop condition, in fewer steps. (test_grammar.py
-checks greedy output against transformers' `generate` with the grammar, with jump-forward on, the default.)"""
+checks greedy output against transformers' `generate` with the grammar, with jump-forward on.)"""
 
 from __future__ import annotations
 
