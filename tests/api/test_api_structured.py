@@ -11,17 +11,12 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
+from server_support import KEY, MODEL
 
-from api.background import BackgroundServer
-from api.server import create_app
-from api.settings import Limits, ServerSettings
-from engine import EngineConfig
 from engine.grammar import GrammarCompiler, GrammarSpec
 
 pytest.importorskip("xgrammar")
 
-KEY = "test-key"
-MODEL = "vlmcap-tiny"
 MAX_TOKENS = 320  # the models below are bounded (strings, arrays, numbers), so the grammar ends well within this
 
 
@@ -35,14 +30,6 @@ class Scene(BaseModel):
     people: list[Person] = Field(max_length=2)
     fallen: bool
     summary: str = Field(max_length=16)
-
-
-@pytest.fixture(scope="module")
-def server():
-    settings = ServerSettings(engine=EngineConfig(model="tiny", max_num_batched_tokens=256), api_key=KEY,
-                              served_model_name=MODEL, limits=Limits(max_tokens_cap=4096))
-    with BackgroundServer(create_app(settings)) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")

@@ -17,15 +17,9 @@ import pytest
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
+from server_support import KEY, MODEL
 from ultralytics.utils import ASSETS
 
-from api.background import BackgroundServer
-from api.server import create_app
-from api.settings import Limits, ServerSettings
-from engine import EngineConfig
-
-KEY = "compat-key"
-MODEL = "vlmcap-tiny"
 BUS = ASSETS / "bus.jpg"
 PROMPT = "User: What is in a street scene?<end_of_utterance>\nAssistant:"
 
@@ -34,14 +28,6 @@ class Person(BaseModel):
     name: str = Field(max_length=12)
     age: int = Field(ge=0, le=120)
     pose: Literal["standing", "sitting", "fallen"]
-
-
-@pytest.fixture(scope="module")
-def server():
-    settings = ServerSettings(engine=EngineConfig(model="tiny", max_num_batched_tokens=256), api_key=KEY,
-                              served_model_name=MODEL, limits=Limits(max_tokens_cap=4096))
-    with BackgroundServer(create_app(settings)) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")
@@ -151,11 +137,8 @@ def test_openai_n_2_on_completions_and_chat(client):
 
 
 @pytest.fixture(scope="module")
-def short_context():
-    settings = ServerSettings(engine=EngineConfig(model="tiny", max_num_batched_tokens=256, max_model_len=96),
-                              served_model_name=MODEL)
-    with BackgroundServer(create_app(settings)) as running:
-        yield openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0)
+def short_context(short_context_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{short_context_server.url}/v1", api_key="none", max_retries=0)
 
 
 def test_openai_max_tokens_near_the_context(short_context):

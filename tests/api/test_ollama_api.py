@@ -12,25 +12,11 @@ import httpx
 import jsonschema
 import ollama
 import pytest
+from server_support import KEY, MODEL
 from ultralytics.utils import ASSETS
 
-from api.background import BackgroundServer
-from api.server import create_app
-from api.settings import Limits, ServerSettings
-from engine import EngineConfig
-
-KEY = "ollama-key"
-MODEL = "vlmcap-tiny"
 BUS = ASSETS / "bus.jpg"
 GREEDY = {"temperature": 0, "num_predict": 10}
-
-
-@pytest.fixture(scope="module")
-def server():
-    settings = ServerSettings(engine=EngineConfig(model="tiny", max_num_batched_tokens=256), api_key=KEY,
-                              served_model_name=MODEL, limits=Limits(max_tokens_cap=4096))
-    with BackgroundServer(create_app(settings)) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import json
 import httpx
 import openai
 import pytest
+from server_support import KEY, MODEL
 
 from api.background import BackgroundServer
 from api.server import create_app
@@ -19,8 +20,6 @@ from engine import EngineConfig
 jsonschema_rs = pytest.importorskip("jsonschema_rs")
 pytest.importorskip("xgrammar")
 
-KEY = "test-key"
-MODEL = "vlmcap-tiny"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
            "required": ["city", "days"], "additionalProperties": False}
@@ -31,14 +30,6 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "description": "th
          {"type": "function", "function": {"name": "clock", "parameters": CLOCK}}]
 VALIDATORS = {"weather": jsonschema_rs.validator_for(WEATHER), "clock": jsonschema_rs.validator_for(CLOCK)}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    settings = ServerSettings(engine=EngineConfig(model="tiny", max_num_batched_tokens=256), api_key=KEY,
-                              served_model_name=MODEL)
-    with BackgroundServer(create_app(settings)) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +116,7 @@ def test_auto_tools_with_a_response_format_call_or_answer_in_its_schema(client):
     scene = jsonschema_rs.validator_for(SCENE)
     fmt = {"type": "json_schema", "json_schema": {"name": "scene", "schema": SCENE, "strict": True}}
     kinds = set()
-    for seed in range(4):
+    for seed in range(2):  # which branch a random-weight model takes is its own: the grammar test below has both
         choice = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, response_format=fmt,
                                                 parallel_tool_calls=False, temperature=1.0, seed=seed,
                                                 max_tokens=200).choices[0]
@@ -175,14 +166,13 @@ def test_the_sdks_parse_with_tools_and_a_response_model(client):
     class Scene(BaseModel):
         people: int = Field(ge=0, le=9)
 
-    for seed in range(2):
-        message = client.chat.completions.parse(model=MODEL, messages=ASK, tools=[openai.pydantic_function_tool(
-            Weather)], response_format=Scene, parallel_tool_calls=False, temperature=1.0, seed=seed,
-            max_tokens=200).choices[0].message
-        if message.tool_calls:
-            assert all(isinstance(call.function.parsed_arguments, Weather) for call in message.tool_calls)
-        else:
-            assert isinstance(message.parsed, Scene)
+    message = client.chat.completions.parse(model=MODEL, messages=ASK, tools=[openai.pydantic_function_tool(
+        Weather)], response_format=Scene, parallel_tool_calls=False, temperature=1.0, seed=0,
+        max_tokens=200).choices[0].message
+    if message.tool_calls:
+        assert all(isinstance(call.function.parsed_arguments, Weather) for call in message.tool_calls)
+    else:
+        assert isinstance(message.parsed, Scene)
 
 
 def test_a_history_with_calls_and_results_renders(client):

@@ -11,26 +11,11 @@ import re
 import httpx
 import openai
 import pytest
-
-from api.background import BackgroundServer
-from api.server import create_app
-from api.settings import ServerSettings
-from engine import EngineConfig
+from server_support import KEY, MODEL, SHORT_CONTEXT
 
 pytest.importorskip("xgrammar")
 
-KEY = "test-key"
-MODEL = "vlmcap-tiny"
-CONTEXT = 384
 ASK = [{"role": "user", "content": "Describe the scene."}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    settings = ServerSettings(engine=EngineConfig(model="tiny", max_num_batched_tokens=256, max_model_len=CONTEXT),
-                              api_key=KEY, served_model_name=MODEL)
-    with BackgroundServer(create_app(settings)) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")
@@ -154,13 +139,14 @@ def test_openai_semantics(http, client):
     assert completion.choices[0].finish_reason in ("stop", "length")
 
 
-def test_omitted_max_tokens_runs_to_the_context(http):
-    body = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "ignore_eos": True}).json()
-    usage = body["usage"]
-    assert body["choices"][0]["finish_reason"] == "length"
-    assert usage["prompt_tokens"] + usage["completion_tokens"] == CONTEXT
-    reply = chat(http, max_tokens=CONTEXT + 1)
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == "max_tokens"
+def test_omitted_max_tokens_runs_to_the_context(short_context_server):
+    with httpx.Client(base_url=short_context_server.url, timeout=120) as http:
+        body = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "ignore_eos": True}).json()
+        usage = body["usage"]
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == SHORT_CONTEXT
+        reply = chat(http, max_tokens=SHORT_CONTEXT + 1)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "max_tokens"
 
 
 def test_chat_prompt_logprobs_score_every_prompt_token(http):
