@@ -34,6 +34,7 @@ import torch
 from bench.configs import HostConfig
 from bench.report import machine, pyplot, save_figure
 from engine import Engine, EngineConfig, SamplingParams
+from engine.host_memory import resident_bytes
 
 PHASES = ("schedule", "encode", "prepare", "forward", "sample", "detokenize", "rest")
 WORDS = ("a person walks past the blue bus while two friends talk near the station entrance in the rain "
@@ -273,21 +274,10 @@ def kv_tensors(engine: Engine) -> list[torch.Tensor]:
     return [*cache.keys, *cache.values, *(cache.key_scales or []), *(cache.value_scales or [])]
 
 
-def resident_bytes() -> int:
-    """The process's resident memory now (Linux's /proc; elsewhere its peak, from getrusage)."""
-    import os
-    import resource
-
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def memory_besides_kv(engine: Engine) -> dict[str, float]:
-    """The process's resident memory once the engine has started, less its KV cache, against the bytes of the
-    model's own tensors (parameters, buffers, int8 layers), in MB."""
+def memory_besides_kv(engine: Engine, before: int) -> dict[str, float]:
+    """What the engine holds once started, in MB: the process's resident memory less what it held before the engine
+    was built (`before`: the interpreter, torch and transformers, the benchmark) and less the KV cache, against the
+    bytes of the model's own tensors (parameters, buffers, int8 layers)."""
     from engine.quantization import int8_bytes
 
     model = engine.adapter.model
@@ -295,9 +285,10 @@ def memory_besides_kv(engine: Engine) -> dict[str, float]:
                 for t in [*model.parameters(), *model.buffers()]}
     weights = sum(storages.values()) + int8_bytes(model)
     kv = sum(t.numel() * t.element_size() for t in kv_tensors(engine))
-    rss = resident_bytes()
-    return {"rss_mb": rss / 1e6, "kv_cache_mb": kv / 1e6, "weights_mb": weights / 1e6,
-            "besides_kv_mb": (rss - kv) / 1e6, "besides_kv_vs_weights": (rss - kv) / weights}
+    held = resident_bytes() - before
+    return {"engine_mb": held / 1e6, "before_engine_mb": before / 1e6, "kv_cache_mb": kv / 1e6,
+            "weights_mb": weights / 1e6, "besides_kv_mb": (held - kv) / 1e6,
+            "besides_kv_vs_weights": (held - kv) / weights}
 
 
 def read_floor(engine: Engine, cfg: HostConfig, context: float, late_context: float) -> dict[str, float]:
@@ -343,6 +334,7 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
     # tokens a request may need: the measured steps, and as many as the prompt's length for the steps of the others'
     # prefill (a step budgeted by time can give each prompt only a chunk while the first ones already decode)
     extra = cfg.warmup + 2 * cfg.steps + cfg.counted_steps + cfg.later + 8 + cfg.context
+    before = resident_bytes()
     engine = Engine(EngineConfig(
         model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_batched_tokens=max(cfg.budget, cfg.decodes),
         max_num_seqs=cfg.decodes, max_model_len=cfg.context + extra + 16, num_threads=cfg.threads,
@@ -352,7 +344,7 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
         **({} if cfg.attention_backend is None else {"attention_backend": cfg.attention_backend}),
         **({} if cfg.kv_cache_dtype is None else {"kv_cache_dtype": cfg.kv_cache_dtype}),
     ))
-    memory = memory_besides_kv(engine)
+    memory = memory_besides_kv(engine, before)
     params = SamplingParams(max_tokens=extra, ignore_eos=True)
     ids = [engine.add_request(prompt=_prompt(engine, cfg.context, i), sampling=params) for i in range(cfg.decodes)]
     prefill_began = time.perf_counter()
@@ -443,9 +435,10 @@ def summary(result: dict[str, Any]) -> str:
                      f"kernel rows by weight shape {eng.get('linear_rows')}")
     memory = result.get("memory")
     if memory:
-        lines.append(f"memory after start: {memory['rss_mb']:.0f} MB resident, {memory['kv_cache_mb']:.0f} MB of KV "
-                     f"cache, {memory['besides_kv_mb']:.0f} MB besides it for {memory['weights_mb']:.0f} MB of the "
-                     f"model's tensors ({memory['besides_kv_vs_weights']:.2f}x)")
+        lines.append(f"memory after start: the engine holds {memory['engine_mb']:.0f} MB (over "
+                     f"{memory['before_engine_mb']:.0f} MB before it), {memory['kv_cache_mb']:.0f} MB of KV cache, "
+                     f"{memory['besides_kv_mb']:.0f} MB besides it for {memory['weights_mb']:.0f} MB of the model's "
+                     f"tensors ({memory['besides_kv_vs_weights']:.2f}x)")
     vision = result.get("vision")
     if vision:
         lines.append(f"vision tower: {vision['engine_ms_per_input']:.1f} ms per input ({vision['input_rows']} image "
