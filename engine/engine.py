@@ -468,7 +468,6 @@ class Engine:
         token_ids, _ = self._process(prompt, images, None, mm_processor_kwargs)
         return token_ids
 
-
     def user_prompt(self, content: list[dict[str, Any]]) -> str:
         """One user turn of `content` parts (text, `{"type": "image"}`, `{"type": "video"}`) as a prompt: through
         the chat template where the model has one, else the family's own markers and the text
