@@ -41,7 +41,7 @@ from typing import IO, Any
 
 from api.percentiles import percentile, percentiles_ms
 from bench.configs import SAMPLE_VIDEO
-from bench.report import machine, pyplot, save_figure
+from bench.report import machine, pyplot, save_figure, stream_chat
 
 log = logging.getLogger(__name__)
 
@@ -362,17 +362,11 @@ async def _chat_loop(http: Any, model: str, cfg: CamerasConfig, gaps: list[float
     while True:
         times: list[float] = []
         try:
-            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                if response.status_code != 200:
-                    errors.append(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
-                    await asyncio.sleep(1.0)
-                    continue
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                        times.append(time.perf_counter())
+            refused = await stream_chat(http, body, times)
+            if refused is not None:
+                errors.append(refused[:200])
+                await asyncio.sleep(1.0)
+                continue
         except asyncio.CancelledError:
             if times:
                 gaps.append(time.perf_counter() - times[-1])

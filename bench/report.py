@@ -1,4 +1,5 @@
-"""Shared helpers of the benchmarks: the machine's description, JSON and PNG output, the sample photos. It
+"""Shared helpers of the benchmarks: the machine's description, JSON and PNG output, the sample photos, a
+streamed chat's arrival times. It
 imports neither torch nor the engine (`bench serve`, an HTTP load generator, runs without them): `machine()`
 imports torch only when asked for torch's part. Percentiles are `api.percentiles`'s."""
 
@@ -8,6 +9,7 @@ import datetime as dt
 import json
 import os
 import platform
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -115,3 +117,18 @@ def mp4_bytes(frames: list, fps: float) -> bytes:
             writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
         writer.release()
         return path.read_bytes()
+
+
+async def stream_chat(client: Any, body: dict[str, Any], times: list[float]) -> str | None:
+    """Stream one chat completion, appending the arrival time of every chunk that carries text. Returns an
+    error message, or None when the stream ended (a chat is cancelled once the measurement is over)."""
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            return f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                times.append(time.perf_counter())
+    return None

@@ -31,6 +31,7 @@ from bench.report import (
     pyplot,
     sample_images,
     save_figure,
+    stream_chat,
 )
 from engine import Engine, EngineConfig, SamplingParams
 from engine.video import Video
@@ -239,23 +240,6 @@ def _jpeg_data_url(image) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-async def _stream_chat(client, body: dict[str, Any], times: list[float]) -> str | None:
-    """Stream one chat completion, appending the arrival time of every chunk that carries text. Returns an
-    error message, or None when the stream ended (a chat is cancelled once the measurement is over)."""
-    import json
-
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            return f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                times.append(time.perf_counter())
-    return None
-
-
 async def _run_http(cfg: HttpStallConfig, media: list[dict[str, Any]]) -> dict[str, Any]:
     import asyncio
 
@@ -272,7 +256,7 @@ async def _run_http(cfg: HttpStallConfig, media: list[dict[str, Any]]) -> dict[s
 
         streams: list[list[float]] = [[] for _ in range(cfg.chats)]
         began = time.perf_counter()
-        chats = [asyncio.create_task(_stream_chat(client, body(HTTP_CHAT_TEXT, cfg.chat_max_tokens), times))
+        chats = [asyncio.create_task(stream_chat(client, body(HTTP_CHAT_TEXT, cfg.chat_max_tokens), times))
                  for times in streams]
 
         async def until(condition) -> None:
@@ -287,7 +271,7 @@ async def _run_http(cfg: HttpStallConfig, media: list[dict[str, Any]]) -> dict[s
         content = [*media, {"type": "text", "text": HTTP_IMAGE_TEXT}]
         image_times: list[float] = []
         arrival = time.perf_counter()
-        image = asyncio.create_task(_stream_chat(client, body(content, 4), image_times))
+        image = asyncio.create_task(stream_chat(client, body(content, 4), image_times))
         await until(lambda: bool(image_times) or image.done())
         if not image_times:
             raise RuntimeError(f"the image prompt gave no token: {image.result()}")
