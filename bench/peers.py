@@ -273,7 +273,7 @@ def run_peers(cfg: PeersConfig) -> dict[str, Any]:
     engine = Engine(
         EngineConfig(
             model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_batched_tokens=cfg.budget,
-            max_num_seqs=max(cfg.requests, STALL["chats"] + 1), num_threads=cfg.threads,
+            max_num_seqs=max(cfg.requests, STALL["chats"] + 1 if cfg.openvino_model else 1), num_threads=cfg.threads,
             **prefix_caching_option(cfg.prefix_caching),
         )
     )
