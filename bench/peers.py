@@ -114,7 +114,8 @@ def run_hf_generate_batch(model: Any, work: Workload, budget: int) -> dict[str, 
     except ImportError:  # older transformers: its own sizing
         pass
     else:
-        page = ContinuousBatchingConfig().page_size
+        defaults = ContinuousBatchingConfig()  # `page_size`; `block_size` in older releases (5.17)
+        page = getattr(defaults, "page_size", None) or defaults.block_size
         pages = sum(-(-(len(ids) + n) // page) for ids, n in zip(work.prompt_ids, work.output_lens))
         sizing["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=pages, max_batch_tokens=budget)
     began = time.perf_counter()

@@ -46,11 +46,13 @@ def checkpoint_chat_template(processor: Any) -> str | None:
 
 
 def video_processor_kwargs(videos: Sequence[Video]) -> dict[str, Any]:
-    """What a transformers processor takes for videos whose frames are already sampled (engine/video.py), so that
-    it samples none again; nothing without videos."""
+    """What a transformers processor takes for one prompt's videos whose frames are already sampled
+    (engine/video.py), so that it samples none again; nothing without videos. The videos are nested as a batch of
+    one prompt: SmolVLM's processor in transformers 5.17 counts a flat list's frames as videos, and every version
+    reads the nested form alike."""
     if not videos:
         return {}
-    return {"videos": [v.frames for v in videos], "video_metadata": [v.metadata() for v in videos],
+    return {"videos": [[v.frames for v in videos]], "video_metadata": [[v.metadata() for v in videos]],
             "do_sample_frames": False}
 
 

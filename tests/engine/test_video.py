@@ -49,9 +49,9 @@ def video_oracle(checkpoint: str) -> Callable[[str, Video | list[Video], int], l
 
     def generate(prompt: str, video: Video | list[Video], max_tokens: int) -> list[int]:
         videos = video if isinstance(video, list) else [video]
-        inputs = processor(text=[prompt], videos=[v.frames for v in videos],
-                           video_metadata=[v.metadata() for v in videos], do_sample_frames=False,
-                           return_tensors="pt").to(DEVICE)
+        inputs = processor(text=[prompt], videos=[[v.frames for v in videos]],
+                           video_metadata=[[v.metadata() for v in videos]], do_sample_frames=False,
+                           return_tensors="pt").to(DEVICE)  # nested: one prompt's videos, as every version reads
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
         return out[0, inputs["input_ids"].shape[1] :].tolist()
