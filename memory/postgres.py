@@ -3,14 +3,22 @@ SQLite file. Full text is PostgreSQL's own (a generated `tsvector` over the capt
 fields, weight B, with the `simple` configuration; a GIN index; `ts_rank_cd`); the user's words become a
 `tsquery` of quoted lexemes, never query syntax.
 
-pgvector is not installed on these machines (Debian's postgresql-15 has no `vector` extension), so vectors are
-`real[]` columns and similar events are ranked by cosine in SQL: the vectors are unit length, so the cosine is
-their dot product over `unnest`. Exact, and a scan of the events the filters keep; with pgvector it would be one
-index. Tables are created when missing (`vlmcap_events`, `vlmcap_event_frames`); writes are one transaction an
-event; each thread has its own connection."""
+Vectors: where the server has pgvector (`CREATE EXTENSION IF NOT EXISTS vector` succeeds) the `embedding` column
+is pgvector's `vector` (a `real[]` column of an older store is converted once, at start) and each vector size
+gets a partial HNSW index on cosine distance (`(embedding::vector(n)) vector_cosine_ops WHERE vector_dims(embedding)
+= n`, made when the first vector of that size is written; pgvector indexes at most 2,000 values, so a larger
+model's vectors are scanned exactly). Similar events come from the index with pgvector 0.8's iterative scan in
+strict order (a filter that leaves few events does not cut the page short) and an `ef_search` of at least twice
+the page; a page that still comes back short is asked again without the index (exact). Where the server has no
+pgvector (Debian's postgresql-15 has none) vectors stay `real[]` and are ranked by their dot product in SQL (the
+vectors are unit length): exact, a scan of what the filters keep.
+
+Tables are created when missing (`vlmcap_events`, `vlmcap_event_frames`); writes are one transaction an event;
+each thread has its own connection."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -55,22 +63,57 @@ CREATE TABLE IF NOT EXISTS vlmcap_event_frames (
 """
 SCHEMA_LOCK = 7_202_612  # an advisory lock: servers starting together create the tables once
 SELECTED = ", ".join("e." + c.strip() for c in COLUMNS.split(","))
+HNSW_MAX_DIM = 2000  # pgvector's HNSW index takes vectors of at most 2,000 values
+MIN_EF_SEARCH = 64  # candidates an HNSW search keeps (pgvector's default is 40); at least twice the page
+# pgvector's errors where the server has no `vector` extension or this user may not create it.
+NO_PGVECTOR = (psycopg.errors.FeatureNotSupported, psycopg.errors.UndefinedFile, psycopg.errors.InsufficientPrivilege)
+
+log = logging.getLogger("memory")
 
 
 class PostgresEventStore:
     """`EventStore` on the PostgreSQL server at `url` (postgresql://user:password@host:port/database)."""
 
-    def __init__(self, url: str, retention: Retention | None = None) -> None:
+    def __init__(self, url: str, retention: Retention | None = None, pgvector: bool = True) -> None:
+        """`pgvector` False keeps vectors `real[]` even where the server has pgvector (a store already converted
+        stays `vector`)."""
         self.url = url
         self.retention = retention or Retention()
         self._local = threading.local()
         self._connections: list[psycopg.Connection] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._indexed: set[int] = set()  # vector sizes whose HNSW index this store has made sure of
         conn = self._conn()
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
             conn.execute(SCHEMA)
+            version = _vector_extension(conn) if pgvector else None
+            if version is not None and self._embedding_type(conn) == "real[]":
+                conn.execute("ALTER TABLE vlmcap_events ALTER COLUMN embedding TYPE vector USING embedding::vector")
+            self.pgvector = self._embedding_type(conn) == "vector"  # similar events by pgvector's index
+            if self.pgvector and version is None:
+                version = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()[0]
+        # pgvector 0.8 resumes an index scan that a filter left short (hnsw.iterative_scan)
+        self._iterative = self.pgvector and tuple(int(p) for p in version.split(".")[:2]) >= (0, 8)
+        self._embedding = "e.embedding::real[]" if self.pgvector else "e.embedding"
+
+    @staticmethod
+    def _embedding_type(conn: psycopg.Connection) -> str:
+        return conn.execute("SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = "
+                            "'vlmcap_events'::regclass AND attname = 'embedding'").fetchone()[0]
+
+    def _index_vectors(self, dim: int) -> None:
+        """The HNSW index of vectors of `dim` values, made when missing (under the schema lock: servers writing
+        their first vectors together make it once)."""
+        if dim in self._indexed or dim > HNSW_MAX_DIM:
+            return
+        conn = self._conn()
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
+            conn.execute(f"CREATE INDEX IF NOT EXISTS vlmcap_events_embedding_{dim} ON vlmcap_events USING hnsw "
+                         f"((embedding::vector({dim})) vector_cosine_ops) WHERE vector_dims(embedding) = {dim}")
+        self._indexed.add(dim)
 
     def _conn(self) -> psycopg.Connection:
         if self._closed:
@@ -92,12 +135,14 @@ class PostgresEventStore:
     def add(self, event: Event) -> bool:
         vector = check_vector(event.embedding) if event.embedding is not None else None
         fields = search_fields(event)
+        if vector is not None and self.pgvector:
+            self._index_vectors(len(vector))
         conn = self._conn()
         with conn.transaction():
             row = conn.execute(
                 "INSERT INTO vlmcap_events (id, camera_id, kind, start_ts, end_ts, finished_at, caption, structured, "
                 "fall, track_id, person_count, owner, size, frame_count, fields, embedding) VALUES "
-                "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING "
+                "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s::real[]) ON CONFLICT (id) DO NOTHING "
                 "RETURNING seq",
                 (event.id, event.camera_id, event.kind, event.start_ts, event.end_ts, event.finished_at,
                  event.caption, psycopg.types.json.Jsonb(event.structured) if event.structured is not None else None,
@@ -134,7 +179,7 @@ class PostgresEventStore:
 
     def get(self, event_id: str, owner: str | None = None) -> Event | None:
         conn = self._conn()
-        row = conn.execute(f"SELECT {SELECTED}, e.embedding FROM vlmcap_events e WHERE e.id = %s",
+        row = conn.execute(f"SELECT {SELECTED}, {self._embedding} FROM vlmcap_events e WHERE e.id = %s",
                            (event_id,)).fetchone()
         if row is None or (owner is not None and row[11] not in (None, owner)):
             return None
@@ -170,12 +215,48 @@ class PostgresEventStore:
 
     def similar(self, vector: list[float], query: EventQuery) -> list[tuple[Event, float]]:
         unit = check_vector(vector)
-        where, params = filters(query, "%s", lambda name: f"e.{name}")
-        rows = self._conn().execute(
-            f"SELECT {SELECTED}, (SELECT SUM(a * b) FROM unnest(e.embedding, %s::real[]) AS v(a, b))::float8 AS score "
-            f"FROM vlmcap_events e WHERE e.embedding IS NOT NULL AND cardinality(e.embedding) = %s AND {where} "
-            f"ORDER BY score DESC, e.id LIMIT %s", [unit, len(unit), *params, query.limit]).fetchall()
+        sql, params = self.similar_sql(unit, query)
+        conn = self._conn()
+        if not self.pgvector:
+            rows = conn.execute(sql, params).fetchall()
+        else:
+            with conn.transaction():
+                conn.execute("SELECT set_config('hnsw.ef_search', %s, true)",
+                             (str(min(1000, max(MIN_EF_SEARCH, 2 * query.limit))),))
+                if self._iterative:
+                    conn.execute("SELECT set_config('hnsw.iterative_scan', 'strict_order', true)")
+                rows = conn.execute(sql, params).fetchall()
+                if len(rows) < query.limit:  # the index may have stopped early: the exact answer
+                    conn.execute("SELECT set_config('enable_indexscan', 'off', true)")
+                    rows = conn.execute(sql, params).fetchall()
         return [(event_from_row(row), float(row[14])) for row in rows]
+
+    def similar_sql(self, unit: list[float], query: EventQuery) -> tuple[str, list]:
+        """The similar-events query for the unit vector `unit` and its parameters: pgvector's cosine distance in
+        the form its partial HNSW index serves, or the dot product over `real[]`."""
+        where, params = filters(query, "%s", lambda name: f"e.{name}")
+        if self.pgvector:
+            dim = len(unit)  # an integer in the SQL: the partial index's predicate and cast must match it as written
+            distance = f"(e.embedding::vector({dim}) <=> %s::real[]::vector({dim}))"
+            return (f"SELECT {SELECTED}, (1 - {distance})::float8 AS score FROM vlmcap_events e "
+                    f"WHERE e.embedding IS NOT NULL AND vector_dims(e.embedding) = {dim} AND {where} "
+                    f"ORDER BY {distance}, e.id LIMIT %s", [unit, *params, unit, query.limit])
+        return (f"SELECT {SELECTED}, (SELECT SUM(a * b) FROM unnest(e.embedding, %s::real[]) AS v(a, b))::float8 "
+                f"AS score FROM vlmcap_events e WHERE e.embedding IS NOT NULL AND cardinality(e.embedding) = %s "
+                f"AND {where} ORDER BY score DESC, e.id LIMIT %s", [unit, len(unit), *params, query.limit])
 
     def __repr__(self) -> str:
         return f"PostgresEventStore({self.url.rsplit('@', 1)[-1]!r})"
+
+
+def _vector_extension(conn: psycopg.Connection) -> str | None:
+    """pgvector's version once `CREATE EXTENSION IF NOT EXISTS vector` has run, or None where the server has no
+    pgvector or this user may not create it (logged once; the transaction goes on)."""
+    try:
+        with conn.transaction():  # a savepoint
+            conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+    except NO_PGVECTOR as error:
+        log.info("event store: no pgvector on this PostgreSQL server (%s); similar events scan real[] vectors",
+                 str(error).strip().splitlines()[0])
+        return None
+    return conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()[0]
