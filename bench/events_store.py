@@ -3,12 +3,15 @@ from a vocabulary, 16 cameras over 30 days, a structured caption on every third,
 vector of the served model's hidden size), written one job at a time as the server's writer does: the write cost
 per job (p50/p99 of `add`, early and once the store is full), then the latency of each kind of search at that size
 (newest page, a camera's hour, one word, two words with a camera, falls, similar by vector, similar within a
-camera, the second page of a word). With `--embed-model` it also times the writer's other per-job work: the
+camera, the second page of a word), and how many of the exact nearest events each similar search found (recall:
+1.0 for an exact scan; pgvector's HNSW index is approximate). With `--embed-model` it also times the writer's
+other per-job work: the
 thumbnails, and a frame's embedding from that model's vision tower (what the writer runs for a frame whose caption
 gave none: a tiled sighting, a clip's still; an event's frames come with their caption's own).
 
 SQLite by default (a temporary file, or `--store PATH`); `--store postgresql://...` measures the PostgreSQL
-store the same way (its similar search scans in SQL: no pgvector)."""
+store the same way (with pgvector's index where the server has the extension, else its `real[]` scan: `vectors`
+in the result says which)."""
 
 from __future__ import annotations
 
@@ -112,6 +115,29 @@ def _embed_cost(cfg: EventsBenchConfig, jpeg: bytes) -> dict[str, Any]:
         engine.close()
 
 
+class _Exact:
+    """The exact answer of a similar search over the events written: each one's cosine with the probe, camera and
+    span, kept as they are written (a float each, not the vectors)."""
+
+    def __init__(self, probe: Any) -> None:
+        self.probe = probe
+        self.rows: list[tuple[float, str, str, float, float]] = []
+
+    def add(self, event: Any) -> None:
+        import numpy as np
+
+        score = float(self.probe @ np.asarray(event.embedding))
+        self.rows.append((score, event.id, event.camera_id, event.start_ts, event.end_ts))
+
+    def recall(self, query: Any, found: list[str]) -> float:
+        """The share of the query's `limit` exact nearest events (its cameras and span) that `found` has."""
+        kept = [(-score, event_id) for score, event_id, camera, start, end in self.rows
+                if (not query.cameras or camera in query.cameras) and (query.since is None or end >= query.since)
+                and (query.until is None or start <= query.until)]
+        best = {event_id for _, event_id in sorted(kept)[: query.limit]}
+        return len(best & set(found)) / len(best) if best else 1.0
+
+
 def run_events_bench(cfg: EventsBenchConfig) -> dict[str, Any]:
     from api.percentiles import percentiles_ms
     from bench.report import machine
@@ -123,18 +149,20 @@ def run_events_bench(cfg: EventsBenchConfig) -> dict[str, Any]:
         raise ValueError(f"the store {location} exists: the benchmark fills a new one")
     store = open_store_at(location, Retention(max_age_s=365 * 86400.0, max_bytes=2**62))
     try:
+        import numpy as np
+
         jpeg = _thumbnail()
         now = time.time()
+        probe = _vector(np.random.default_rng(cfg.seed + 1), cfg.dim)
+        exact = _Exact(np.asarray(probe))
         adds: list[float] = []
         began = time.perf_counter()
         for event in _events(cfg, jpeg, now):
             start = time.perf_counter()
             store.add(event)
             adds.append(time.perf_counter() - start)
+            exact.add(event)
         fill_s = time.perf_counter() - began
-        import numpy as np
-
-        probe = _vector(np.random.default_rng(cfg.seed + 1), cfg.dim)
         word, other = WORDS[3], WORDS[7]
         first_page = store.search(EventQuery(q=word, limit=50))
         queries = {
@@ -147,9 +175,14 @@ def run_events_bench(cfg: EventsBenchConfig) -> dict[str, Any]:
         }
         searches = {name: percentiles_ms(_timed(lambda q=q: store.search(q), cfg.repeats)[0])
                     for name, q in queries.items()}
+        recall = {}
         for name, query in {"similar": EventQuery(limit=10),
-                            "similar, one camera": EventQuery(cameras=("cam-7",), limit=10)}.items():
-            searches[name] = percentiles_ms(_timed(lambda q=query: store.similar(probe, q), cfg.repeats)[0])
+                            "similar, one camera": EventQuery(cameras=("cam-7",), limit=10),
+                            "similar, a camera's hour": EventQuery(cameras=("cam-3",), since=now - 86400,
+                                                                   until=now - 86400 + 3600, limit=10)}.items():
+            seconds, found = _timed(lambda q=query: store.similar(probe, q), cfg.repeats)
+            searches[name] = percentiles_ms(seconds)
+            recall[name] = exact.recall(query, [event.id for event, _ in found])
         early = adds[: min(2000, len(adds))]
         late = adds[-min(2000, len(adds)):]
         result: dict[str, Any] = {
@@ -157,10 +190,13 @@ def run_events_bench(cfg: EventsBenchConfig) -> dict[str, Any]:
             "config": asdict(cfg),
             "machine": machine(with_torch=cfg.embed_model is not None),
             "store": type(store).__name__,
+            "vectors": {True: "pgvector HNSW", False: "real[] scan"}.get(getattr(store, "pgvector", None),
+                                                                         "sqlite-vec scan"),
             "events": store.count(),
             "fill_s": fill_s,
             "write_ms": {"first": percentiles_ms(early), "last": percentiles_ms(late), "all": percentiles_ms(adds)},
             "search_ms": searches,
+            "similar_recall": recall,
             "file_bytes": (sum(p.stat().st_size for p in Path(location).parent.glob(Path(location).name + "*"))
                            if not location.startswith("postgres") else None),
         }
@@ -175,11 +211,14 @@ def run_events_bench(cfg: EventsBenchConfig) -> dict[str, Any]:
 
 def summary(result: dict[str, Any]) -> str:
     write = result["write_ms"]
-    lines = [f"events: {result['store']} with {result['events']:,} events, filled in {result['fill_s']:.1f} s",
+    lines = [f"events: {result['store']} ({result.get('vectors')}) with {result['events']:,} events, filled in "
+             f"{result['fill_s']:.1f} s",
              f"  write per job: p50 {write['all']['p50']:.2f} ms, p99 {write['all']['p99']:.2f} ms "
              f"(first 2,000: p50 {write['first']['p50']:.2f}; last 2,000: p50 {write['last']['p50']:.2f})"]
     for name, ms in result["search_ms"].items():
-        lines.append(f"  {name:<24} p50 {ms['p50']:8.2f} ms  p99 {ms['p99']:8.2f} ms")
+        recall = result.get("similar_recall", {}).get(name)
+        lines.append(f"  {name:<24} p50 {ms['p50']:8.2f} ms  p99 {ms['p99']:8.2f} ms"
+                     + (f"  recall {recall:.2f}" if recall is not None else ""))
     if result.get("file_bytes"):
         lines.append(f"  file: {result['file_bytes'] / 2**20:.0f} MiB")
     if "embedding" in result:
