@@ -10,11 +10,16 @@ real steps of different shapes (`fit`); `scale` then follows every step's measur
 exponential average of measured over predicted), so that the model keeps up with the machine's load without
 refitting its shape from near-identical steps; `per_encoder_row` is measured at start-up on a placeholder photo
 (engine/calibration.py) and follows every step's encoder time likewise.
+
+Without a target (or before the fit) a step is budgeted by tokens alone, which is the same model with unit costs
+(`TokenCosts`): a token costs one, encoder work nothing, and a step holds `max_num_batched_tokens` of them. The
+scheduler plans every step against one of these two (`CostModel`), by one rule (engine/scheduler.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 # Inter-token-latency targets by device type where `itl_target_ms` is not given: a 2-core CPU's decode step of a
 # 256M model is some 40 ms, a GPU's a few.
@@ -45,6 +50,41 @@ def chunk_keys(start: int, num_tokens: int) -> int:
     return num_tokens * start + num_tokens * (num_tokens + 1) // 2
 
 
+class CostModel(Protocol):
+    """What the scheduler reads of a cost model: a step's planned cost, its fixed part, a chunk's cost, an
+    encoder output row's cost (None: not known yet), whether that cost bounds the encoder's work, and what is left
+    of a step for its prompts after its decodes."""
+
+    planned: float
+    per_encoder_row: float | None
+    bounds_encoder: bool
+
+    def fixed_cost(self) -> float: ...
+
+    def chunk_cost(self, start: int, num_tokens: int) -> float: ...
+
+    def after_decodes(self, left: float) -> float: ...
+
+
+@dataclass
+class TokenCosts:
+    """Token budgets as a cost model: a token costs one, encoder work nothing (only the encoder budget bounds it),
+    and a step holds `planned` tokens (`max_num_batched_tokens`)."""
+
+    planned: float
+    per_encoder_row: float | None = 0.0
+    bounds_encoder: bool = False
+
+    def fixed_cost(self) -> float:
+        return 0.0
+
+    def chunk_cost(self, start: int, num_tokens: int) -> float:
+        return float(num_tokens)
+
+    def after_decodes(self, left: float) -> float:
+        return left
+
+
 @dataclass
 class StepCosts:
     """The cost model (see the module's docstring); `ready` once fitted."""
@@ -56,6 +96,7 @@ class StepCosts:
     scale: float = 1.0
     per_encoder_row: float | None = None
     ready: bool = False
+    bounds_encoder = True  # a class constant: the encoder's work costs time
 
     @property
     def planned(self) -> float:
@@ -64,6 +105,18 @@ class StepCosts:
 
     def forward_seconds(self, tokens: int, keys: int) -> float:
         return self.scale * (self.fixed + self.per_token * tokens + self.per_key * keys)
+
+    def fixed_cost(self) -> float:
+        return self.forward_seconds(0, 0)
+
+    def chunk_cost(self, start: int, num_tokens: int) -> float:
+        """Seconds that computing tokens start..start+num_tokens-1 adds to a step."""
+        return self.scale * (self.per_token * num_tokens + self.per_key * chunk_keys(start, num_tokens))
+
+    def after_decodes(self, left: float) -> float:
+        """Under the default target (engine/scheduler.py's rule): a step's prompts get at least as much time as its
+        decodes took (`planned - left`), at most the planned time."""
+        return max(left, min(self.planned - left, self.planned))
 
     def fit(self, shapes: list[StepShape], seconds: list[float]) -> None:
         """Least squares of the steps' seconds over [1, tokens, keys], coefficients kept non-negative."""
