@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import logging
 import math
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -157,6 +160,30 @@ def case_retention(open_store, caplog):
     assert "trimmed" in caplog.text and "older than" in caplog.text
     store.add(make_event(0))  # its id is free again
     store.close()
+
+
+WRITER = """
+import sys
+sys.path.insert(0, sys.argv[2])
+import memory_store_cases as cases
+from memory import open_store_at
+store = open_store_at(sys.argv[1])
+for index in range(100000):
+    store.add(cases.make_event(index, frames=[cases.EventFrame(b"x" * 20000, cases.NOW)]))
+    print(f"job-{index}", flush=True)
+"""
+
+
+def kill_a_writer_mid_write(location: str, events: int = 200) -> list[str]:
+    """A process writing events into the store at `location` killed (SIGKILL) while it writes, once `events` of
+    its adds have returned: their ids."""
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, location, str(Path(__file__).parent)],
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+    committed = [writer.stdout.readline().strip() for _ in range(events)]
+    writer.kill()
+    writer.wait(30)
+    assert all(committed) and committed[-1] == f"job-{events - 1}"
+    return committed
 
 
 CASES = [case_add_get_and_restart, case_same_job_twice_is_one_event, case_filters, case_text_search_ranked_and_safe,

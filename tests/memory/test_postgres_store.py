@@ -104,6 +104,24 @@ def test_two_servers_share_one_store(opener):
     second.close()
 
 
+def test_a_crash_mid_write_loses_no_committed_event(opener, postgres_url):
+    """A server's writer killed (SIGKILL) while it writes: every event whose add had returned is there whole (its
+    frame and its vector, found by a word), none half written, and the store takes writes again."""
+    opener().close()  # the tables, made before the writer starts
+    committed = store_cases.kill_a_writer_mid_write(postgres_url)
+    store = opener()
+    assert store.count() >= 200
+    assert sql(postgres_url, "SELECT COUNT(*) FROM vlmcap_events e WHERE NOT EXISTS (SELECT 1 FROM "
+                             "vlmcap_event_frames f WHERE f.seq = e.seq)") == [(0,)]
+    for job in committed[::40]:
+        event = store.get(job)
+        assert len(event.frames) == 1 and len(event.frames[0].jpeg) == 20000
+        assert event.embedding == pytest.approx(store_cases.make_event(int(job.split("-")[1])).embedding, abs=1e-6)
+    assert store.search(EventQuery(q=f"person {committed[-1].split('-')[1]}", limit=200)).events
+    assert store.add(store_cases.make_event(10**6))
+    store.close()
+
+
 def random_unit(rng: random.Random, dim: int) -> list[float]:
     return store_cases.unit(*(rng.gauss(0, 1) for _ in range(dim)))
 

@@ -75,32 +75,11 @@ def test_bad_events_and_queries_name_the_value():
     assert isinstance(store_cases.make_event(1), Event)
 
 
-WRITER = """
-import sys
-sys.path.insert(0, sys.argv[2])
-import memory_store_cases as cases
-from memory import open_store_at
-store = open_store_at(sys.argv[1])
-for index in range(100000):
-    store.add(cases.make_event(index, frames=[cases.EventFrame(b"x" * 20000, cases.NOW)]))
-    print(f"job-{index}", flush=True)
-"""
-
-
 def test_a_crash_mid_write_loses_no_committed_event(tmp_path):
     """A writer killed (SIGKILL) while it writes: the file opens, passes SQLite's integrity check and holds every
     event whose add had returned."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     path = tmp_path / "events.db"
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(Path(__file__).parent)],
-                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
-    committed = [writer.stdout.readline().strip() for _ in range(200)]
-    writer.kill()
-    writer.wait(30)
-    assert all(committed) and committed[-1] == "job-199"
+    committed = store_cases.kill_a_writer_mid_write(str(path))
     store = open_store_at(str(path))
     assert store._reader().execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     assert store.count() >= 200
