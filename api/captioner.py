@@ -8,7 +8,8 @@ the event store's writer need not run the vision tower again for them."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from PIL import Image
@@ -17,13 +18,33 @@ from api.bridge import EngineBridge, RequestStream
 from api.errors import ENGINE_FAILED, APIError
 from api.grammars import GrammarRefused, compile_ahead
 from api.images import decode_image
-from api.pools import work_pools
+from api.pools import CLIENT_KEY, work_pools
 from api.settings import Limits
 from api.videos import check_video_input, decode_video, video_sampling
 from engine import RequestOutput, SamplingParams
 from engine.grammar import GrammarSpec
 from engine.video import Video
-from jobqueue.consumer import frame_parts
+from jobqueue.consumer import current_job, frame_parts
+
+
+def job_key() -> str | None:
+    """The key a queue job's blocking work (decoding, admission, schema) takes turns by in the server's pools: its
+    camera's (`camera:<id>`), a fall alert's its own (`alert:<id>`), so that one camera's heavy media wait behind
+    each other, not the other cameras' jobs nor an alert behind them; None outside a job."""
+    job = current_job.get()
+    return None if job is None else f"{'alert' if job.fall else 'camera'}:{job.camera_id}"
+
+
+@contextmanager
+def _job_turns() -> Iterator[None]:
+    """The calling job's key as the client key of the work done within (a request's own key is kept)."""
+    key = job_key() if CLIENT_KEY.get() is None else None
+    token = CLIENT_KEY.set(key) if key is not None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            CLIENT_KEY.reset(token)
 
 
 class EngineCaptioner:
@@ -45,21 +66,23 @@ class EngineCaptioner:
         """The caption of one encoded image (JSON text under `schema` when one is given; sharing cached prefixes
         and image features only with requests of the same `cache_salt`). Raises APIError for an image, prompt or
         schema the server refuses (its message says why)."""
-        image = await work_pools(self.limits).run("decode", decode_image, image_jpeg, self.limits, "image")
-        # One image is one encoder input only where the family does not tile it (its caption sees every tile).
-        frames = [image_jpeg] if self.bridge.engine.single_input_options is None else None
-        content = [{"type": "image"}, {"type": "text", "text": prompt}]
-        return await self._caption(content, [image], frames, priority, schema, cache_salt, None)
+        with _job_turns():
+            image = await work_pools(self.limits).run("decode", decode_image, image_jpeg, self.limits, "image")
+            # One image is one encoder input only where the family does not tile it (its caption sees every tile).
+            frames = [image_jpeg] if self.bridge.engine.single_input_options is None else None
+            content = [{"type": "image"}, {"type": "text", "text": prompt}]
+            return await self._caption(content, [image], frames, priority, schema, cache_salt, None)
 
     async def caption_frames(self, images: list[bytes], notes: list[str], prompt: str, priority: int,
                              schema: dict | None = None, cache_salt: str | None = None) -> str:
         """The caption of several encoded frames as one prompt (`jobqueue.consumer.frame_parts`)."""
-        decoded = [await work_pools(self.limits).run("decode", decode_image, data, self.limits, f"frame {index}")
-                   for index, data in enumerate(images)]
-        content = frame_parts(notes, prompt, lambda _: {"type": "image"})
-        # Each frame one encoder input where the family tiles images (SmolVLM: 64 tokens a frame, not ~1,000).
-        return await self._caption(content, decoded, images, priority, schema, cache_salt,
-                                   self.bridge.engine.single_input_options)
+        with _job_turns():
+            decoded = [await work_pools(self.limits).run("decode", decode_image, data, self.limits, f"frame {index}")
+                       for index, data in enumerate(images)]
+            content = frame_parts(notes, prompt, lambda _: {"type": "image"})
+            # Each frame one encoder input where the family tiles images (SmolVLM: 64 tokens a frame, not ~1,000).
+            return await self._caption(content, decoded, images, priority, schema, cache_salt,
+                                       self.bridge.engine.single_input_options)
 
     async def _caption(self, content: list[dict], images: list[Image.Image], frames: list[bytes] | None,
                        priority: int, schema: dict | None, cache_salt: str | None,
@@ -82,10 +105,11 @@ class EngineCaptioner:
         when the model has no video path."""
         check_video_input(self.bridge.engine, "video")
         sampling = video_sampling(self.limits, None, None, "video")
-        clip = await work_pools(self.limits).run("decode", decode_video, video, sampling, self.limits, "video")
-        content = [{"type": "video"}, {"type": "text", "text": prompt}]
-        return await self.collect(await self.submit_content(content, [], priority, schema=schema,
-                                                            cache_salt=cache_salt, videos=[clip]))
+        with _job_turns():
+            clip = await work_pools(self.limits).run("decode", decode_video, video, sampling, self.limits, "video")
+            content = [{"type": "video"}, {"type": "text", "text": prompt}]
+            return await self.collect(await self.submit_content(content, [], priority, schema=schema,
+                                                                cache_salt=cache_salt, videos=[clip]))
 
     async def submit(self, image: Image.Image, prompt: str, priority: int,
                      max_tokens: int | None = None, schema: dict | None = None,

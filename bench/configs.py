@@ -297,6 +297,8 @@ class SoakConfig:
     memory_interval: seconds between two memory samples.
     seed: seed of the mix.
     startup_timeout: seconds the server may take to start.
+    probe_rounds: rounds, before the load, of a plain chat and a fall alert alone, then with a burst of hostile
+        work in flight (their medians and ratio are reported); 0: none.
     """
 
     model: str = "tiny"
@@ -312,8 +314,11 @@ class SoakConfig:
     memory_interval: float = 2.0
     seed: int = 0
     startup_timeout: float = 600.0
+    probe_rounds: int = 5
 
     def __post_init__(self) -> None:
+        if not 0 <= self.probe_rounds <= 100:
+            raise ValueError(f"probe_rounds must be in [0, 100], got {self.probe_rounds}")
         if not 0 < self.duration <= MAX_DURATION_S:
             raise ValueError(f"duration must be in (0, {MAX_DURATION_S:.0f}] seconds, got {self.duration}")
         if not 0 <= self.warmup < self.duration:

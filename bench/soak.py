@@ -61,6 +61,8 @@ class Tally:
     good_jobs: list[str] = field(default_factory=list)
     bad_jobs: list[str] = field(default_factory=list)
     memory: list[tuple[float, float]] = field(default_factory=list)  # (seconds since load began, RSS MiB)
+    heavy_jobs: list[str] = field(default_factory=list)  # valid jobs of hostile media (the latency rounds' burst)
+    latency: dict[str, Any] = field(default_factory=dict)  # a plain chat and a fall alert, alone vs hostile load
 
 
 # -- hostile inputs -----------------------------------------------------------------------------------
@@ -489,7 +491,8 @@ def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "soak", "schema": schema}}
 # Hostile cases whose right answer is a 5xx: one event stream past the cap is refused with 503 and Retry-After; a
 # slow image is refused 503 busy while every media-box child stays busy past its deadline.
-EXPECTED_5XX = {"hostile:sse_flood": 503, "hostile:many_scans_jpeg": 503}
+EXPECTED_5XX = {"hostile:sse_flood": 503, "hostile:many_scans_jpeg": 503, "hostile:burst_many_scans_jpeg": 503,
+                "hostile:burst_costly_schema": 503}
 SSE_CAP = 8  # the soak server's --max-sse-subscribers
 FALL_EVERY = 5  # every fifth good camera job is a fall: its alert goes to the soak's misbehaving webhook
 
@@ -626,6 +629,155 @@ EVENT_EVERY = 3  # every third good camera job (that is no fall) is an event of 
 EVENT_FRAMES = 3
 
 
+# -- a plain chat and a fall alert alone, then with hostile work in flight (issue 38's "within 2x") ---------
+
+PROBE_WITHIN = 2.0  # what must hold: each probe's median under hostile load within this factor of its median alone
+# One round's burst of hostile work, the issue's kinds, each sent at once and left in flight while the probes run.
+BURST = {"sdp_video": 4, "many_scans_jpeg": 4, "costly_schema": 4, "heavy_job": 8, "slow_client_headers": 12,
+         "slow_client_body": 6, "week_summary": 2}
+PROBE_TIMEOUT_S = 300.0  # a probe that takes longer counts as failed (its latency is not taken)
+PROBE_CHATS = 3  # plain chats per phase of a round, one after the other (a chat alone takes tens of ms: noisy)
+
+
+async def _probe_chat(client: Client, tally: Tally) -> float | None:
+    """A plain chat (greedy, `max_tokens` tokens, not streamed): seconds from sending it to its whole answer, or
+    None when it was not answered 200 (counted among the good requests, so the soak reports it)."""
+    body = client.chat_body("Who is waiting at the bus stop?", temperature=0, ignore_eos=True)
+    sent = time.perf_counter()
+    try:
+        response = await client.http.post("/v1/chat/completions", json=body, timeout=PROBE_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        tally.outcomes.append(Outcome("probe_chat", None, f"{type(exc).__name__}: {exc}"))
+        return None
+    tally.outcomes.append(Outcome("probe_chat", response.status_code))
+    return time.perf_counter() - sent if response.status_code == 200 else None
+
+
+async def _probe_fall(client: Client, producer: Any, store: Any, tally: Tally) -> float | None:
+    """A fall alert (one photo, `fall: true`) through the producer: seconds from its creation to its result's
+    `finished_at` (Redis's clock, on this machine), or None when it did not end done in time. It is one of the
+    soak's good jobs (it must end done, once)."""
+    from jobqueue.contract import FINAL_STATUSES, Detection, Job, result_key
+
+    job = Job(camera_id="soak-probe", frame_ts=time.time(), prompt="Is someone on the ground?",
+              image=client.photos[0], detections=[Detection(10.0, 20.0, 110.0, 220.0, 0.9, 1)], fall=True)
+    tally.good_jobs.append(job.job_id)
+    producer.submit(job)
+    deadline = time.monotonic() + PROBE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        status, finished_at = await store.hmget(result_key(job.job_id), ["status", "finished_at"])
+        if status is not None and status.decode() in FINAL_STATUSES:
+            return float(finished_at) - job.created_at if status == b"done" else None
+        await asyncio.sleep(0.02)
+    return None
+
+
+def _costly_schema(tag: str) -> dict[str, Any]:
+    """A schema within the grammar limits that takes the compiler a while: seven repetitions of 1,024 (7,168 of the
+    8,192 a grammar may spend), made distinct by `tag` so that no compile is cached."""
+    return _schema_format({"type": "object", "properties": {"a": {"type": "string",
+                                                                  "pattern": "a{0,1024}" * 7 + tag}},
+                           "required": ["a"]})
+
+
+def _burst(client: Client, producer: Any, tally: Tally, tag: str) -> list[asyncio.Task]:
+    """One round's hostile work (`BURST`), all sent at once: SDP videos and JPEGs of a thousand scans as chats,
+    distinct costly schemas, valid camera jobs of hostile media (the many-scan JPEG as the frame, an SDP
+    description as the clip), clients that send their headers or body a byte a second, summaries of the soak
+    camera's week. Each request's answer is counted as a hostile kind (`burst_<name>`); the jobs must end."""
+    from jobqueue.contract import Detection, Job
+
+    requests: list[tuple[str, Any]] = []
+    requests += [("sdp_video", lambda: _media_case(client, "chat", SDP_BODY))] * BURST["sdp_video"]
+    requests += [("many_scans_jpeg", lambda: client.http.post("/v1/chat/completions", json=client.chat_body(
+        [{"type": "image_url", "image_url": {"url": data_url(client.many_scans)}}, {"type": "text", "text": "?"}])))
+                 ] * BURST["many_scans_jpeg"]
+    requests += [("costly_schema", lambda i=i: client.http.post("/v1/chat/completions", json=client.chat_body(
+        "JSON", response_format=_costly_schema(f"{tag}x{i}")))) for i in range(BURST["costly_schema"])]
+    requests += [("slow_client_headers", lambda: _slow_client(client, body=False))] * BURST["slow_client_headers"]
+    requests += [("slow_client_body", lambda: _slow_client(client, body=True))] * BURST["slow_client_body"]
+    requests += [("week_summary", lambda: client.http.post("/v1/cameras/soak-cam/summary",
+                                                            json={"window_s": 7 * 24 * 3600}))] * BURST["week_summary"]
+    tasks = [asyncio.create_task(client._record(tally, f"hostile:burst_{name}", make())) for name, make in requests]
+    box = [Detection(10.0, 20.0, 110.0, 220.0, 0.9, 1)]
+    for i in range(BURST["heavy_job"]):
+        job = Job(camera_id="soak-hostile", frame_ts=time.time(), prompt="Who is there?", detections=box,
+                  image=client.many_scans, video=SDP_BODY if i % 4 == 3 else None)
+        tally.heavy_jobs.append(job.job_id)
+        producer.submit(job)
+    return tasks
+
+
+async def _quiet(client: Client, store: Any, timeout: float) -> bool:
+    """Wait until no job is outstanding and the engine runs nothing (the burst's work ended), then a second more;
+    False if that did not happen within `timeout`."""
+    from jobqueue.contract import JOBS_STREAM
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = (await client.http.get("/v1/engine/stats")).json()
+        if await store.xlen(JOBS_STREAM) == 0 and stats["running"] == stats["waiting"] == 0:
+            await asyncio.sleep(1.0)
+            return True
+        await asyncio.sleep(0.5)
+    return False
+
+
+def _probe_figures(alone: list[float | None], loaded: list[float | None]) -> dict[str, Any]:
+    import statistics
+
+    took_alone, took_loaded = [t for t in alone if t is not None], [t for t in loaded if t is not None]
+    median_alone = statistics.median(took_alone) if took_alone else None
+    median_loaded = statistics.median(took_loaded) if took_loaded else None
+    return {"alone_s": alone, "hostile_s": loaded, "alone_median_s": median_alone, "hostile_median_s": median_loaded,
+            "ratio": median_loaded / median_alone if median_alone and median_loaded is not None else None,
+            "unanswered": len(alone) - len(took_alone) + len(loaded) - len(took_loaded)}
+
+
+async def _latency_rounds(cfg: SoakConfig, client: Client, producer: Any, store: Any, tally: Tally) -> dict[str, Any]:
+    """`probe_rounds` rounds, before the soak's load: `PROBE_CHATS` plain chats one after the other and, beside them,
+    a fall alert, with nothing else in flight ("alone"); then a burst of hostile work (`BURST`), and a second later
+    the same probes while it is in flight ("hostile"); then the burst's requests end (cut after
+    `PROBE_TIMEOUT_S`) and its jobs drain before the next round. Alone and hostile alternate, so that other load
+    on the machine weighs on both alike.
+    Reported: each probe's seconds per round, their medians and the ratio hostile / alone (what must hold: at
+    most PROBE_WITHIN), and the machine's load average before and after."""
+    import os
+
+    load_before = os.getloadavg()
+    await _probe_chat(client, tally)  # warm: the first chat and caption of a server pay for compiles and caches
+    await _probe_fall(client, producer, store, tally)
+    chats: dict[str, list[float | None]] = {"alone": [], "hostile": []}
+    falls: dict[str, list[float | None]] = {"alone": [], "hostile": []}
+    unquiet = 0
+
+    async def probes(phase: str) -> None:
+        async def plain_chats() -> None:
+            for _ in range(PROBE_CHATS):
+                chats[phase].append(await _probe_chat(client, tally))
+
+        _, fall = await asyncio.gather(plain_chats(), _probe_fall(client, producer, store, tally))
+        falls[phase].append(fall)
+
+    for round_index in range(cfg.probe_rounds):
+        await probes("alone")
+        burst = _burst(client, producer, tally, f"r{cfg.seed}n{round_index}")
+        await asyncio.sleep(1.0)
+        await probes("hostile")
+        _, late = await asyncio.wait(burst, timeout=PROBE_TIMEOUT_S)
+        for task in late:
+            task.cancel()
+        unquiet += not await _quiet(client, store, PROBE_TIMEOUT_S)
+    chat_figures, fall_figures = (_probe_figures(chats["alone"], chats["hostile"]),
+                                  _probe_figures(falls["alone"], falls["hostile"]))
+    ratios = [chat_figures["ratio"], fall_figures["ratio"]]
+    return {"rounds": cfg.probe_rounds, "burst": BURST, "chat": chat_figures, "fall_alert": fall_figures,
+            "within": PROBE_WITHIN,
+            "holds": all(r is not None and r <= PROBE_WITHIN for r in ratios) and
+            chat_figures["unanswered"] == fall_figures["unanswered"] == 0,
+            "rounds_not_drained": unquiet, "load_average_before": load_before, "load_average_after": os.getloadavg()}
+
+
 # -- the run ----------------------------------------------------------------------------------------
 
 async def _ticker(rate: float, until: float, action: Any, rng: random.Random, tasks: set[asyncio.Task]) -> None:
@@ -659,6 +811,8 @@ async def _load(cfg: SoakConfig, url: str, redis_url: str, server_pid: int, tall
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         client = Client(http, cfg, photos, model)
+        if cfg.probe_rounds:
+            tally.latency = await _latency_rounds(cfg, client, producer, store, tally)
         began = time.monotonic()
         until = began + cfg.duration
         tasks: set[asyncio.Task] = set()
@@ -743,7 +897,7 @@ async def _job_outcomes(cfg: SoakConfig, redis_url: str, tally: Tally) -> dict[s
     from jobqueue.contract import CAPTIONS_STREAM, DEAD_STREAM, FINAL_STATUSES, result_key
 
     store = aioredis.Redis.from_url(redis_url)
-    ids = tally.good_jobs + tally.bad_jobs
+    ids = tally.good_jobs + tally.bad_jobs + tally.heavy_jobs
     deadline = time.monotonic() + cfg.drain_timeout
     drained_s = 0.0
     started = time.monotonic()
@@ -769,6 +923,8 @@ async def _job_outcomes(cfg: SoakConfig, redis_url: str, tally: Tally) -> dict[s
         "good_jobs": len(good), "good_done": good.count("done"), "good_failed": good.count("failed"),
         "bad_jobs": len(bad), "bad_dead": sum(dead[j] == 1 for j in tally.bad_jobs),
         "bad_failed": bad.count("failed"),
+        "heavy_jobs": len(tally.heavy_jobs),  # valid jobs of hostile media: done or failed, each ends once
+        "heavy_ended": sum(by_id[j] in FINAL_STATUSES for j in tally.heavy_jobs),
         "lost": sum(s not in FINAL_STATUSES for s in statuses),
         "captioned_twice": sum(feed[j] > 1 for j in tally.good_jobs),
         "dead_lettered_twice": sum(n > 1 for n in dead.values()),
@@ -886,6 +1042,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
         "memory_mib": {"start": rss_start, "end": rss_end, "max": max((m for _, m in tally.memory), default=None),
                        "growth": (rss_end / rss_start - 1.0) if rss_start and rss_end else None,
                        "samples": tally.memory},
+        "latency": tally.latency,
         "chat_itl_ms": percentiles_ms(tally.itl),
         "chat_ttft_ms": percentiles_ms(tally.ttft),
         "chat_tokens": len(tally.itl) + len(tally.ttft),
@@ -916,7 +1073,23 @@ def summary(result: dict[str, Any]) -> str:
         f"{result['ready_after']} after",
         f"alert webhook (a receiver that is not HTTP): {result['alert_webhook']}",
     ]
+    latency = result.get("latency")
+    if latency:
+        for name in ("chat", "fall_alert"):
+            figures = latency[name]
+            lines.append(f"{name.replace('_', ' ')}: median {_seconds(figures['alone_median_s'])} alone, "
+                         f"{_seconds(figures['hostile_median_s'])} under hostile load, ratio "
+                         f"{_ratio(figures['ratio'])} ({latency['rounds']} rounds, {figures['unanswered']} unanswered)")
+        lines.append(f"within {latency['within']:.0f}x of alone: {'yes' if latency['holds'] else 'NO'}")
     return "\n".join(lines)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f} ms"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def plot(result: dict[str, Any], png_path: str) -> None:

@@ -19,6 +19,7 @@ what workers write are in `jobqueue.results`."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import socket
@@ -55,6 +56,10 @@ from jobqueue.settings import QueueSettings
 from jobqueue.structured import SchemaRefused, caption_validator, structured_caption
 
 log = logging.getLogger(__name__)
+
+# The job the calling task captions (set by the worker around `caption_job`, in the job's own task): a captioner
+# that shares blocking work between clients takes turns by it (api/captioner.py: the camera's key, an alert's own).
+current_job: contextvars.ContextVar[Job | None] = contextvars.ContextVar("vlmcap_current_job", default=None)
 
 DEFAULT_CAPTION_PRIORITY = QueueSettings.caption_priority
 DEFAULT_FALL_PRIORITY = QueueSettings.fall_priority
@@ -451,6 +456,7 @@ class QueueWorker:
         try:
             if job.schema is not None:  # a schema no caption can satisfy is refused before any captioning
                 await asyncio.to_thread(caption_validator, job.schema)
+            current_job.set(job)  # this task's own context: the job's work takes turns by it
             caption = await caption_job(self.captioner, job, self.fall_priority if job.fall else self.caption_priority)
             if job.schema is not None:
                 structured = await asyncio.to_thread(structured_caption, caption, job.schema)

@@ -196,7 +196,8 @@ def test_bench_soak_short_run_holds(tmp_path):
     bad one dead-lettered once, none lost or captioned twice. (Memory and ITL are reported, not asserted.)"""
     out, png = tmp_path / "soak.json", tmp_path / "soak.png"
     invoke(["bench", "soak", "--duration", "8", "--warmup", "2", "--chats", "2", "--caption-rate", "1",
-            "--job-rate", "2", "--hostile-fraction", "0.4", "--max-tokens", "4", "--json", str(out), "--png", str(png)])
+            "--job-rate", "2", "--hostile-fraction", "0.4", "--max-tokens", "4", "--probe-rounds", "1",
+            "--json", str(out), "--png", str(png)])
     result = json.loads(out.read_text())
     assert result["good_requests"] > 0 and result["hostile_requests"] > 0
     assert (result["good_not_2xx"], result["hostile_5xx"], result["no_answer"]) == (0, 0, 0), result["requests"]
@@ -206,4 +207,14 @@ def test_bench_soak_short_run_holds(tmp_path):
     assert jobs["lost"] == jobs["captioned_twice"] == jobs["dead_lettered_twice"] == 0
     assert result["engine_step_failures"] == 0 and result["ready_after"] == 200
     assert result["memory_mib"]["start"] > 0 and result["chat_tokens"] > 0
+    # A plain chat and a fall alert alone, then with the hostile burst in flight: every probe answered, the figures
+    # reported (the times themselves are the benchmark's, not asserted); the burst's jobs ended, its answers counted.
+    latency = result["latency"]
+    assert latency["rounds"] == 1 and latency["rounds_not_drained"] == 0
+    for probe in ("chat", "fall_alert"):
+        figures = latency[probe]
+        assert figures["unanswered"] == 0 and len(figures["hostile_s"]) == len(figures["alone_s"]) >= 1
+        assert figures["ratio"] == figures["hostile_median_s"] / figures["alone_median_s"]
+    assert jobs["heavy_jobs"] == jobs["heavy_ended"] == latency["burst"]["heavy_job"]
+    assert {"hostile:burst_sdp_video", "hostile:burst_slow_client_headers"} <= set(result["requests"])
     assert is_png(png)
