@@ -2,7 +2,8 @@
 
 `add_request` validates and preprocesses a request (template, tokens, image tiles) without holding the
 engine's lock, so callers on other threads can add work while a step runs. `step` schedules, runs one
-forward and applies stop conditions.
+forward and hands what it sampled to the output processor (engine/output_processor.py: stop checks, text,
+outputs).
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from engine.grammar import GrammarCompiler, GrammarSpec, Matcher
 from engine.kv_cache import BlockPool, KVCache
 from engine.model_runner import ModelRunner
 from engine.models import load_adapter
+from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, RequestOutput, StepTimings
 from engine.platform import Platform
 from engine.request import Request
 from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler
-from engine.scheduler_output import EncoderWork
 from engine.step_costs import DEFAULT_ITL_TARGET_MS, StepCosts
 from engine.video import VideoInput, VideoSampling, as_video
 
@@ -139,15 +140,25 @@ class Engine:
         self._lock = threading.RLock()
         self._steps = 0
         self._last_step_num_tokens = 0
-        self._tokens_generated = 0
         self.num_step_failures = 0  # steps whose forward raised (their requests ended with "error")
-        self.num_request_failures = 0  # requests ended alone because their token could not be sampled
-        self.num_forced_tokens = 0  # output tokens appended by jump-forward, without sampling (`_jump_forward`)
+        self.output_processor = OutputProcessor(self.scheduler, self.requests, self.eos_token_ids,
+                                                self.vocab_size, self.device)
         self.last_step_timings = StepTimings()
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self._grammars_lock = threading.Lock()
-        # Per request asking for its images' embeddings (`embed_images`): each encoder input's, once encoded.
-        self._image_embeddings: dict[str, list[list[float] | None]] = {}
+
+    # The output processor's counters and held embeddings (engine/output_processor.py).
+    @property
+    def num_request_failures(self) -> int:
+        return self.output_processor.num_request_failures
+
+    @property
+    def num_forced_tokens(self) -> int:
+        return self.output_processor.num_forced_tokens
+
+    @property
+    def _image_embeddings(self) -> dict[str, list[list[float] | None]]:
+        return self.output_processor.image_embeddings
 
     # The platform's choices (engine/platform.py), as the engine has always reported them.
     @property
@@ -290,7 +301,7 @@ class Engine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self.requests[request_id] = request
             if embed_images:
-                self._image_embeddings[request_id] = [None] * (mm.num_inputs if mm is not None else 0)
+                self.output_processor.image_embeddings[request_id] = [None] * (mm.num_inputs if mm is not None else 0)
             self.scheduler.add(request)
         return request_id
 
@@ -344,7 +355,7 @@ class Engine:
             if request is None:
                 return False
             self.scheduler.finish(request, "abort")
-            self._image_embeddings.pop(request_id, None)
+            self.output_processor.image_embeddings.pop(request_id, None)
             return True
 
     def has_unfinished_requests(self) -> bool:
@@ -366,26 +377,13 @@ class Engine:
                 carried = list(dict.fromkeys([c.request_id for c in scheduled.chunks]
                                              + [w.request_id for w in scheduled.encoder_work]))
                 log.exception("step %d failed; ending the %d requests it carried", self._steps, len(carried))
-                return [self._fail(self.requests[rid]) for rid in carried]
+                return [self.output_processor.fail(self.requests[rid]) for rid in carried]
             ran_at = time.perf_counter()
-            for rid, scored in result.prompt_logprobs.items():
-                self.requests[rid].prompt_logprobs.extend(scored)
             self.scheduler.update(scheduled, result.sampled)
-            if self._image_embeddings:
-                self._pool_features(scheduled.encoder_work)
+            self.output_processor.pool_features(scheduled.encoder_work, self.runner.encoder_features)
             self._steps += 1
             self._last_step_num_tokens = scheduled.num_tokens
-            self._tokens_generated += len(result.sampled)
-            outputs = [self._advance(self.requests[rid]) for rid in result.sampled]
-            for output in outputs:
-                if output.request_id in result.logprobs:
-                    output.new_logprobs = [result.logprobs[output.request_id]]
-            if self.config.jump_forward:
-                self._jump_forward(outputs)
-            for rid, why in result.failed.items():  # only that request ends; the others keep their tokens
-                self.num_request_failures += 1
-                log.error("request %s failed in step %d: %s", rid, self._steps, why)
-                outputs.append(self._fail(self.requests[rid]))
+            outputs = self.output_processor.step_outputs(result, self._steps, self.config.jump_forward)
             timings = self.runner.timings
             timings.schedule = scheduled_at - began
             timings.update = time.perf_counter() - ran_at
@@ -393,36 +391,6 @@ class Engine:
             if self.step_costs is not None:
                 self.step_costs.observe(scheduled.shape(), timings.total - timings.encode, timings.encode)
             return outputs
-
-    def _fail(self, request: Request) -> RequestOutput:
-        self.scheduler.finish(request, "error")
-        self.requests.pop(request.request_id, None)
-        return self._output(request)
-
-    def _pool_features(self, work: list[EncoderWork]) -> None:
-        """The features of each encoder input finished this step, pooled, for the requests that asked for them."""
-        from engine.embeddings import pooled
-
-        for encoding in work:
-            slots = self._image_embeddings.get(encoding.request_id)
-            features = self.runner.encoder_features.get(encoding.key)
-            if slots is not None and features is not None and (encoding.finishes or encoding.from_cache):
-                slots[encoding.index] = pooled([features])
-
-    def _output(self, request: Request) -> RequestOutput:
-        first = request.sampling.prompt_logprobs is not None and len(request.output_token_ids) == 1
-        return RequestOutput(
-            request_id=request.request_id,
-            token_ids=list(request.output_token_ids),
-            text=request.text,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            prompt_token_ids=request.prompt_token_ids,
-            image_embeddings=self._image_embeddings.pop(request.request_id, None) if request.is_finished else None,
-            prompt_logprobs=[None, *request.prompt_logprobs] if first else None,
-        )
 
     # -- what the server asks of the model (api/ reads these, never `adapter`) ---------------------------------
     @property
@@ -506,78 +474,6 @@ class Engine:
                 self._grammars.close()
                 self._grammars = None
 
-    def _advance(self, request: Request) -> RequestOutput:
-        matcher = request.matcher
-        if matcher is not None and not matcher.accept(request.output_token_ids[-1]):
-            # The runner masks a constrained row before sampling, so a token outside the grammar is a fault.
-            self.num_request_failures += 1
-            token = request.output_token_ids[-1]
-            log.error("request %s sampled token %d outside its grammar", request.request_id, token)
-            return self._fail(request)
-        self._conclude(request)
-        return self._output(request)
-
-    def _jump_forward(self, outputs: list[RequestOutput]) -> None:
-        """Jump-forward (`EngineConfig.jump_forward`): while the grammar of a request that just gained a token allows
-        exactly one next token (engine/grammar.py `forced_tokens`, which also keeps the masks for the next step's
-        sampling), append it as if sampled (a seeded request's random stream drawn as the sampler would have) and
-        apply the same stop conditions; the run is computed with the next step's chunk. Not for requests that ask
-        for logprobs, nor a token that min_tokens holds back (sampling would fail such a request: it still does)."""
-        from engine.grammar import forced_tokens
-
-        by_id = {output.request_id: output for output in outputs}
-        live = [self.requests[rid] for rid, output in by_id.items() if not output.finished]
-        live = [r for r in live if r.matcher is not None and r.sampling.logprobs is None]
-        width = self.adapter.lm_head.weight.shape[0]
-        while live:
-            going = []
-            for request, token in zip(live, forced_tokens([r.matcher for r in live])):
-                params = request.sampling
-                if token is None or (token in params.min_tokens_suppressed
-                                     and len(request.output_token_ids) < params.min_tokens):
-                    continue
-                request.output_token_ids.append(token)
-                request.num_forced += 1
-                self._tokens_generated += 1
-                self.num_forced_tokens += 1
-                if request.generator is not None:  # the sampler's one draw a token (engine/sampling.py `sample`)
-                    torch.empty(width, dtype=torch.float32, device=self.device).exponential_(
-                        generator=request.generator)
-                output = by_id[request.request_id]
-                if not request.matcher.accept(token):  # cannot happen: the grammar allows it
-                    by_id[request.request_id] = self._fail(request)
-                    continue
-                self._conclude(request)
-                output.token_ids, output.text = list(request.output_token_ids), request.text
-                output.finished, output.finish_reason = request.is_finished, request.finish_reason
-                if request.is_finished:
-                    output.image_embeddings = self._image_embeddings.pop(request.request_id, None)
-                else:
-                    going.append(request)
-            live = going
-        outputs[:] = list(by_id.values())
-
-    def _conclude(self, request: Request) -> None:
-        """After a token was appended (and its grammar accepted it): the stop conditions and the text; a request
-        that ends is finished."""
-        params = request.sampling
-        matcher = request.matcher
-        reason = None
-        last = request.output_token_ids[-1]
-        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
-            reason = "stop"
-        elif matcher is not None and matcher.is_terminated:
-            reason = "stop"
-        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= request.max_total_tokens:
-            reason = "length"
-        text, hit_stop = request.detokenizer.update(request.output_token_ids, reason is not None)
-        if hit_stop:
-            reason = "stop"
-        request.text = text
-        if reason is not None:
-            self.scheduler.finish(request, reason)
-            del self.requests[request.request_id]
-
     def stats(self) -> EngineStats:
         with self._lock:
             kv = self.scheduler.kv_cache_manager.stats()
@@ -593,7 +489,7 @@ class Engine:
                 encoder_slices_run=self.runner.encoder_slices_run,
                 encoder_seconds=self.runner.encoder_seconds,
                 num_steps=self._steps,
-                num_generated_tokens=self._tokens_generated,
+                num_generated_tokens=self.output_processor.num_generated_tokens,
                 prefix_cache_queried_tokens=kv.queried_tokens,
                 prefix_cache_hit_tokens=kv.hit_tokens,
                 prefix_cache_blocks=kv.cached_blocks,
