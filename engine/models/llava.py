@@ -15,6 +15,8 @@ several layers at once make the tower run whole.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from engine.models.image_tower import ImageTowerAdapter
@@ -82,12 +84,16 @@ class LlavaOnevisionAdapter(LlavaAdapter):
     def _video_features(self, pixel_values_videos: torch.Tensor) -> torch.Tensor:
         """A video's rows: its frames' pooled features, then the newline row."""
         config = self.model.config
-        out = self.model.model.get_video_features(
-            pixel_values_videos=pixel_values_videos.to(self.device, self.dtype),
+        out = self.model.model.get_video_features(  # positional: `pixel_values` in transformers 5.17, renamed since
+            pixel_values_videos.to(self.device, self.dtype),
             vision_feature_layer=config.vision_feature_layer,
             vision_feature_select_strategy=config.vision_feature_select_strategy,
         )
-        return getattr(out, "pooler_output", out)[0]
+        features = getattr(out, "pooler_output", out)[0]
+        side = math.ceil(config.vision_config.image_size // config.vision_config.patch_size / 2)
+        if features.shape[0] == pixel_values_videos.shape[1] * side * side:  # 5.17 leaves the newline to forward
+            features = torch.cat([features, self.model.model.image_newline[None].to(features)])
+        return features
 
     def _views(self, item: dict[str, torch.Tensor]) -> torch.Tensor:
         """A video's frames; an image's views as the model takes them: all of its tiles where it is its prompt's

@@ -12,6 +12,8 @@ from engine.presets import PRESETS, build_checkpoint
 from engine.scheduler_output import ScheduledChunk
 from tests.engine.conftest import DEVICE
 
+CPU_ONLY = pytest.mark.skipif(DEVICE != "cpu", reason="the CPU kernels' own path (VLMCAP_TEST_DEVICE is not cpu)")
+
 
 def _groups(runner, decodes):
     """The runner's decode batches, each with the masks and tables its backend makes for them."""
@@ -91,8 +93,8 @@ def test_gemma3_masks_are_transformers_own_block_and_window_rules(tmp_path, phot
         mask, sliding = engine.runner.masked_backend.prefill_masks(ScheduledChunk.of(request, start, end - start, 16))
         if mask is None:  # plain causal
             mask = torch.ones(end - start, end, dtype=torch.bool).tril(start)
-        assert torch.equal(mask, expected_full[start:end, :end]), (start, end)
-        assert torch.equal(sliding, expected_local[start:end, :end]), (start, end)
+        assert torch.equal(mask.cpu(), expected_full[start:end, :end]), (start, end)
+        assert torch.equal(sliding.cpu(), expected_local[start:end, :end]), (start, end)
 
 
 def test_cpu_decode_kernel_refuses_a_context_beyond_its_block_table():
@@ -122,6 +124,7 @@ def test_the_linear_kernel_takes_inputs_of_any_rank(dtype, rows):
     assert torch.allclose(got[0].float(), expected.float(), rtol=ulp, atol=ulp)
 
 
+@CPU_ONLY
 def test_engine_routes_the_model_s_linears_through_the_kernel(make_engine):
     from engine.cpu.routing import KernelLinear
 
@@ -254,6 +257,7 @@ def test_prefill_chunks_read_the_cache_in_place_as_the_reference_gathers_it(dtyp
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
+@CPU_ONLY
 def test_the_backend_is_chosen_once_and_every_step_s_batch_runs_its_path(make_engine, monkeypatch):
     """`auto` on this CPU (with a compiler) takes the cpu backend; the runner holds that one backend, and the
     batch a step builds carries its path (`attend`), which is what every layer calls."""

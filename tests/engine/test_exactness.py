@@ -36,8 +36,9 @@ def test_greedy_tokens_equal_generate_for_any_budget(make_engine, oracle, photos
 
 
 @pytest.mark.parametrize(("backend", "cpu_linear", "compiled"),
-                         [("reference", False, False), ("cpu", False, False), ("reference", True, False),
-                          ("cpu", True, True)])
+                         [("reference", False, False), *(pytest.param(*case, marks=pytest.mark.skipif(
+                             DEVICE != "cpu", reason="the CPU kernels' own paths")) for case in
+                             [("cpu", False, False), ("reference", True, False), ("cpu", True, True)])])
 def test_each_fast_path_gives_generate_s_tokens(make_engine, oracle, photos, backend, cpu_linear, compiled):
     """The reference path (gather+SDPA, torch's Linear, eager), then each CPU kernel alone (in-place decode
     attention, the small-batch Linear), then the compiled model over both, in float32."""

@@ -120,14 +120,16 @@ def test_video_tokens_equal_generate_at_budgets_that_cut_the_video(video_checkpo
     assert engine.stats().kv_blocks_used == 0
 
 
-@pytest.mark.parametrize("slices", [None, 1])
+@pytest.mark.parametrize(("slices", "lean"), [(None, None), (1, None), (None, False)])
 @pytest.mark.parametrize("name", ["tiny-qwen2.5-vl", "tiny-llava-onevision"])
-def test_the_other_video_families_equal_generate(video_checkpoints, clip, name, slices):
+def test_the_other_video_families_equal_generate(video_checkpoints, clip, name, slices, lean):
     """Qwen2.5-VL (windowed tower, temporal positions spaced by the frame rate) and LLaVA-OneVision (the whole clip
     one encoder input: pooled frames, then the newline row; its tower also a slice a step), at a budget that cuts
-    the clip's span."""
+    the clip's span; also with stock layers, whose tower runs whole through transformers' own feature methods (as
+    on a GPU)."""
     checkpoint = video_checkpoints(name)
-    engine = engine_for(checkpoint, max_num_batched_tokens=11, max_num_seqs=4, encoder_slices_per_step=slices)
+    engine = engine_for(checkpoint, max_num_batched_tokens=11, max_num_seqs=4, encoder_slices_per_step=slices,
+                        lean_layers=lean)
     turn = [user_turn("What happens in the clip?")]
     tokens = run(engine, [dict(messages=turn, videos=[clip], sampling=SamplingParams(max_tokens=10))])
     assert list(tokens.values()) == [video_oracle(checkpoint)(engine.adapter.render_messages(turn), clip, 10)]
