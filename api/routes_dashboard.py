@@ -201,7 +201,9 @@ async def list_cameras(state: ServerState = Depends(server_state)) -> dict[str, 
 async def engine_stats(state: ServerState = Depends(server_state)) -> dict[str, Any]:
     """The engine now: requests running and waiting, KV cache use, tokens per step against the budget and
     output tokens per second (over the last few seconds), inter-token latency over the last minute, the
-    prefix cache's hit rate and the images or tiles whose encoder features were reused (since start)."""
+    prefix cache's hit rate and the images or tiles whose encoder features were reused (since start); with the
+    in-process queue worker, the camera jobs it holds (`camera_jobs`: running, and claimed waiting for a slot;
+    null without a worker)."""
     stats, metrics = state.bridge.stats, state.metrics
     step_tokens = metrics.recent_step_tokens.last(RATE_WINDOW_S)
     itl = metrics.recent_itl.last(metrics.recent_itl.horizon_s)
@@ -228,4 +230,5 @@ async def engine_stats(state: ServerState = Depends(server_state)) -> dict[str, 
         "encoder_cache_hits": stats.encoder_cache_hits,
         "rate_window_s": RATE_WINDOW_S,
         "itl_window_s": metrics.recent_itl.horizon_s,
+        "camera_jobs": state.worker.jobs_in_hand if state.worker is not None else None,
     }

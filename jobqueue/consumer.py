@@ -142,6 +142,32 @@ return 1
 """
 
 
+# Marks jobs claimed by this worker, each whose result exists and is not finished (a producer need not write one;
+# a finished one stays as it is). KEYS: result keys. ARGV: consumer, claimed_at, then each key's deliveries.
+CLAIM_SCRIPT = FINISH_RESULT_LUA + """
+for i, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 1 and not is_finished(key) then
+    redis.call('HSET', key, 'status', '""" + JobStatus.CLAIMED.value + """', 'consumer', ARGV[1], 'claimed_at', ARGV[2],
+               'deliveries', ARGV[2 + i])
+  end
+end
+return 1
+"""
+
+# Hands jobs this worker claimed and never started back to the queue's state (it stops): each result still
+# claimed by this worker is queued again. KEYS: result keys. ARGV: consumer.
+UNCLAIM_SCRIPT = """
+for _, key in ipairs(KEYS) do
+  if redis.call('HGET', key, 'status') == '""" + JobStatus.CLAIMED.value + """'
+      and redis.call('HGET', key, 'consumer') == ARGV[1] then
+    redis.call('HSET', key, 'status', '""" + JobStatus.QUEUED.value + """')
+    redis.call('HDEL', key, 'consumer', 'claimed_at')
+  end
+end
+return 1
+"""
+
+
 @dataclass
 class WorkerStats:
     done: int = 0
@@ -163,6 +189,14 @@ def is_alert(fields: dict) -> bool:
         except UnicodeDecodeError:  # a malformed entry: an ordinary job, dead-lettered when decoded
             return ""
     return value("fall") == flag_text(True) or value("kind") == "fall"
+
+
+def _job_id(fields: dict) -> str | None:
+    """A stream entry's job id as text, read without decoding the job (None when it has none)."""
+    job_id = fields.get(b"job_id", fields.get("job_id"))
+    if isinstance(job_id, bytes):
+        job_id = job_id.decode(errors="replace")
+    return job_id or None
 
 
 def default_consumer_name() -> str:
@@ -209,6 +243,8 @@ class QueueWorker:
         self.stats = WorkerStats()
         self._finish = self.redis.register_script(FINISH_SCRIPT)
         self._attempt = self.redis.register_script(ATTEMPT_SCRIPT)
+        self._claim = self.redis.register_script(CLAIM_SCRIPT)
+        self._unclaim = self.redis.register_script(UNCLAIM_SCRIPT)
         self._fail = self.redis.register_script(FAIL_SCRIPT)
         self._group_ready = False
         self._claim_cursor = "0-0"
@@ -220,6 +256,7 @@ class QueueWorker:
         self._waiting: list[tuple[str, dict, int]] = []
         self._running: dict[bool, set[asyncio.Task]] = {True: set(), False: set()}
         self._claimed: set[str] = set()
+        self._claimed_at: dict[str, float] = {}  # entry id -> when this worker claimed it (until its job ends)
         self._failures: list[BaseException] = []
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -248,6 +285,11 @@ class QueueWorker:
     def alive(self) -> bool:
         """Started and still running (a worker that was never started, stopped or died is not)."""
         return self._task is not None and not self._task.done()
+
+    @property
+    def jobs_in_hand(self) -> dict[str, int]:
+        """The jobs this worker holds now: `claimed` (read, waiting for one of its slots) and `running`."""
+        return {"claimed": len(self._waiting), "running": sum(len(tasks) for tasks in self._running.values())}
 
     @property
     def redis_reachable(self) -> bool:
@@ -282,8 +324,10 @@ class QueueWorker:
                 finally:
                     for task in running:
                         task.cancel()
+            await self._hand_back(self._waiting)
             self._waiting.clear()
             self._claimed.clear()
+            self._claimed_at.clear()
 
     async def _run(self, stop_event: asyncio.Event) -> None:
         backoff = 0.0
@@ -323,6 +367,7 @@ class QueueWorker:
         if not entries:
             entries = await self._read_new()
         if entries:
+            await self._mark_claimed(entries)
             await asyncio.gather(*(self._process_guarded(entry_id, fields, deliveries)
                                    for entry_id, fields, deliveries in entries))
         return len(entries)
@@ -347,6 +392,7 @@ class QueueWorker:
             entries = await self._read_new(room)
         for entry_id, _, _ in entries:
             self._claimed.add(entry_id)
+        await self._mark_claimed(entries)
         self._waiting.extend(entries)
         self._waiting.sort(key=lambda entry: not is_alert(entry[1]))  # stable: alerts first, else in claim order
         self._start_waiting()
@@ -368,6 +414,32 @@ class QueueWorker:
         self._claimed.discard(entry_id)
         if not task.cancelled() and task.exception() is not None:
             self._failures.append(task.exception())
+
+    async def _mark_claimed(self, entries: list[tuple[str, dict, int]]) -> None:
+        """The results of jobs just claimed say so: `claimed`, by this worker, when, delivered how often (shown
+        until a slot takes the job: `running`). An entry without a job id is left to `_process` (dead-lettered)."""
+        now = time.time()
+        keys, deliveries = [], []
+        for entry_id, fields, delivered in entries:
+            self._claimed_at[entry_id] = now
+            job_id = _job_id(fields)
+            if job_id:
+                keys.append(result_key(job_id))
+                deliveries.append(delivered)
+        if keys:
+            await self._claim(keys=keys, args=[self.consumer_name, repr(now), *deliveries])
+
+    async def _hand_back(self, entries: list[tuple[str, dict, int]]) -> None:
+        """Results of jobs claimed and never started say `queued` again (the worker stops; the entries stay pending
+        and are claimed by another consumer after `claim_idle_seconds`). Best effort: Redis may be gone."""
+        keys = [result_key(job_id) for job_id in (_job_id(fields) for _, fields, _ in entries) if job_id]
+        if not keys:
+            return
+        try:
+            await self._unclaim(keys=keys, args=[self.consumer_name])
+        except Exception as err:  # the results say claimed until another consumer claims the jobs
+            log.warning("queue worker %s: could not hand %d claimed jobs back (%s)", self.consumer_name, len(keys),
+                        err)
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -427,6 +499,8 @@ class QueueWorker:
             self.stats.errors += 1
             log.exception("stream entry %s, delivery %d: unexpected error; left pending for another attempt",
                           entry_id, deliveries)
+        finally:
+            self._claimed_at.pop(entry_id, None)
 
     async def _process(self, entry_id: str, fields: dict, deliveries: int) -> None:
         try:
@@ -442,9 +516,10 @@ class QueueWorker:
                 error += f"; last error: {as_text(last_error)}"
             await self._finish_job(entry_id, job, deliveries, error=error)
             return
+        started_at = time.time()
         started = await self._attempt(keys=[key], args=[
             "status", JobStatus.RUNNING.value, "deliveries", deliveries, "consumer", self.consumer_name,
-            "started_at", repr(time.time()), "id", job.job_id, "camera_id", job.camera_id,
+            "started_at", repr(started_at), "id", job.job_id, "camera_id", job.camera_id,
             "created_at", repr(job.created_at), "frame_ts", repr(job.frame_ts),
             "person_count", job.person_count,
         ])
@@ -462,22 +537,26 @@ class QueueWorker:
                 structured = await asyncio.to_thread(structured_caption, caption, job.schema)
         except SchemaRefused as err:  # no attempt can succeed: dead-lettered now, once
             self.stats.failed_attempts += 1
-            await self._finish_job(entry_id, job, deliveries, error=f"{type(err).__name__}: {err}")
+            await self._finish_job(entry_id, job, deliveries, error=f"{type(err).__name__}: {err}",
+                                   started_at=started_at)
             return
         except Exception as err:  # any captioner failure is the job's error, recorded and retried
             error = f"{type(err).__name__}: {err}"
             self.stats.failed_attempts += 1
             log.warning("job %s attempt %d/%d failed: %s", job.job_id, deliveries, self.max_deliveries, error)
             if deliveries >= self.max_deliveries:
-                await self._finish_job(entry_id, job, deliveries, error=error)
+                await self._finish_job(entry_id, job, deliveries, error=error, started_at=started_at)
             else:
                 await self._attempt(keys=[key], args=["status", JobStatus.QUEUED.value, "error", error])
             return
-        await self._finish_job(entry_id, job, deliveries, caption=caption, structured=structured)
+        await self._finish_job(entry_id, job, deliveries, caption=caption, structured=structured,
+                               started_at=started_at)
 
     async def _finish_job(self, entry_id: str, job: Job, deliveries: int, caption: str | None = None,
-                          error: str | None = None, structured: dict | None = None) -> None:
+                          error: str | None = None, structured: dict | None = None,
+                          started_at: float | None = None) -> None:
         result = job.queued_result()
+        result.claimed_at, result.started_at = self._claimed_at.get(entry_id), started_at
         result.status = JobStatus.FAILED.value if error is not None else JobStatus.DONE.value
         result.caption, result.error, result.structured = caption, error, structured
         # finished_at is set from Redis's clock (jobqueue/finish.py); this value only holds the field's place.
@@ -535,9 +614,7 @@ class QueueWorker:
         dead-letter entry, XACK and XDEL in one transaction, so it is dead-lettered once). A result the
         producer wrote for it says failed, with the error."""
         await self._acknowledge(entry_id, dead_letter_fields(fields, error, deliveries))
-        job_id = fields.get(b"job_id", fields.get("job_id"))
-        if isinstance(job_id, bytes):
-            job_id = job_id.decode(errors="replace")
+        job_id = _job_id(fields)
         if job_id:
             await self._fail(keys=[result_key(job_id)], args=[
                 "status", JobStatus.FAILED.value, "error", error, "deliveries", deliveries,

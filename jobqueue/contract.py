@@ -7,11 +7,13 @@ Life of a job:
 
 1. A producer `XADD`s the job to `JOBS_STREAM` and, in the same atomic step, writes the job's result
    hash `result_key(job_id)` with status `queued`.
-2. A worker of `CONSUMER_GROUP` reads it (`XREADGROUP` or `XAUTOCLAIM`), marks the result `running`,
-   captions the image, then in one atomic step finishes the result (`done` with the caption, or `failed`
-   with the error and an entry on `DEAD_STREAM`), appends it to the caption feeds, `XACK`s and `XDEL`s
-   the stream entry. Finishing is first-writer-wins per job_id, so a redelivered job never yields a
-   second caption or a second dead-letter entry.
+2. A worker of `CONSUMER_GROUP` reads it (`XREADGROUP` or `XAUTOCLAIM`) and marks the result `claimed` (with
+   its name as `consumer` and `claimed_at`) while the job waits for one of its slots; it marks it `running`
+   (`started_at`) when it hands the job to its captioner, captions the image, then in one atomic step
+   finishes the result (`done` with the caption, or `failed` with the error and an entry on `DEAD_STREAM`),
+   appends it to the caption feeds, `XACK`s and `XDEL`s the stream entry. Finishing is first-writer-wins
+   per job_id, so a redelivered job never yields a second caption or a second dead-letter entry. A worker
+   that stops hands the jobs it claimed and never started back (`queued` again; another claims them).
 
 The job stream thus holds only outstanding jobs (waiting or in progress): its length is the backlog.
 
@@ -136,7 +138,11 @@ def flat(fields: dict) -> list:
 
 
 class JobStatus(str, Enum):
+    """A result's state: queued (on the stream, or back there after a failed attempt), claimed (read by the
+    worker named in `consumer`, waiting there for a slot), running (being captioned), done or failed (final)."""
+
     QUEUED = "queued"
+    CLAIMED = "claimed"
     RUNNING = "running"
     DONE = "done"
     FAILED = "failed"
@@ -681,7 +687,7 @@ class CaptionResult:
     finished_at: float | None = None
     error: str | None = None
     deliveries: int = 0
-    consumer: str | None = None  # the queue worker that finished the job
+    consumer: str | None = None  # the queue worker that holds the job (claimed, running) or finished it
     fall: bool = False  # a fall alert (see Job.fall)
     classes: list[str] = field(default_factory=list)  # the class of each person box
     structured: dict | None = None  # the caption parsed, for a job with a schema
@@ -690,6 +696,8 @@ class CaptionResult:
     start_ts: float | None = None  # the first and last frame's times (seconds, as frame_ts); frame_ts if unset
     end_ts: float | None = None
     frame_count: int = 1
+    claimed_at: float | None = None  # when a worker claimed the job last (Unix time, the worker's clock)
+    started_at: float | None = None  # when that worker started captioning it
 
     def __post_init__(self) -> None:
         self.start_ts = self.frame_ts if self.start_ts is None else self.start_ts
@@ -727,6 +735,8 @@ class CaptionResult:
                 start_ts=finite_number("start_ts", values["start_ts"]) if "start_ts" in values else None,
                 end_ts=finite_number("end_ts", values["end_ts"]) if "end_ts" in values else None,
                 frame_count=integer("frame_count", values.get("frame_count", "1")),
+                claimed_at=finite_number("claimed_at", values["claimed_at"]) if "claimed_at" in values else None,
+                started_at=finite_number("started_at", values["started_at"]) if "started_at" in values else None,
             )
         except KeyError as missing:
             raise ValueError(f"caption result lacks field {missing}") from None

@@ -561,7 +561,9 @@ async function refreshEngine() {
   $("engine-itl").textContent = stats.itl_samples
     ? `p50 ${formatNumber(stats.itl_p50_ms)} ms · p99 ${formatNumber(stats.itl_p99_ms)} ms`
     : "no tokens in the last minute";
-  $("engine-note").textContent = `${stats.steps_per_s.toFixed(1)} steps/s · ${stats.num_preemptions} preemptions`;
+  const jobs = stats.camera_jobs;  // the in-process queue worker's: running, and claimed waiting for a slot
+  $("engine-note").textContent = `${stats.steps_per_s.toFixed(1)} steps/s · ${stats.num_preemptions} preemptions` +
+    (jobs ? ` · camera jobs: ${jobs.running} running, ${jobs.claimed} claimed` : "");
   drawEngineCharts();
 }
 

@@ -6,8 +6,10 @@ an API key the page asks for it once, then says so when the server goes away."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +43,7 @@ from jobqueue.contract import (
     frame_key,
     result_key,
 )
+from jobqueue.producer import JobProducer
 from pipeline.camera_stats import CameraStatsPublisher
 from pipeline.runner import CameraPipeline, PipelineConfig
 from tests.api.test_api_prefix_cache import chat_turns
@@ -191,6 +194,71 @@ def test_camera_caption_frame_counters_and_chat(server, redis_url, page, tmp_pat
     expect(page.locator("#engine-itl")).to_contain_text("p99")
     page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+
+
+class HeldCaptioner:
+    """The server's own captioner, each job held (on the server's loop) until `release` is set."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.release = threading.Event()
+
+    async def _held(self) -> None:
+        while not self.release.is_set():
+            await asyncio.sleep(0.05)
+
+    async def caption(self, *args, **kwargs) -> str:
+        await self._held()
+        return await self.inner.caption(*args, **kwargs)
+
+    async def caption_frames(self, *args, **kwargs) -> str:
+        await self._held()
+        return await self.inner.caption_frames(*args, **kwargs)
+
+    async def caption_video(self, *args, **kwargs) -> str:
+        await self._held()
+        return await self.inner.caption_video(*args, **kwargs)
+
+
+def test_a_job_claimed_ahead_says_claimed_by_the_worker_then_running_then_done(server, redis_url, page):
+    """With one slot, the server's worker runs one job and claims the next ahead: the status route says
+    `running` and `claimed` (with the worker's name) and `queued` for the third, the engine panel counts the
+    jobs the worker holds; once released, all three are done."""
+    worker = server.state.worker
+    held, inner, batch_size = HeldCaptioner(worker.captioner), worker.captioner, worker.batch_size
+    worker.captioner, worker.batch_size = held, 1
+    try:
+        time.sleep(worker.block_ms / 1000 * 1.5)  # a read in flight (up to batch_size jobs) has returned
+        image = BUS.read_bytes()
+        jobs = [Job(camera_id="held-cam", frame_ts=float(i), prompt="Who is there?", image=image,
+                    detections=[Detection(10, 20, 110, 220, 0.9, 1)]) for i in range(3)]
+        producer = JobProducer(redis_url)
+        for job in jobs:
+            producer.submit(job)
+        producer.close()
+
+        def statuses() -> list[tuple[str, str | None]]:
+            answers = [httpx.get(f"{server.url}/v1/captions/{job.job_id}").json() for job in jobs]
+            return [(answer["status"], answer["consumer"]) for answer in answers]
+
+        expected = [("running", worker.consumer_name), ("claimed", worker.consumer_name), ("queued", None)]
+        deadline = time.monotonic() + HANG_GUARD_MS / 1000
+        while statuses() != expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert statuses() == expected
+        claimed = httpx.get(f"{server.url}/v1/captions/{jobs[1].job_id}").json()
+        assert claimed["claimed_at"] is not None and claimed["started_at"] is None and claimed["deliveries"] == 1
+        assert httpx.get(f"{server.url}/v1/engine/stats").json()["camera_jobs"] == {"claimed": 1, "running": 1}
+        page.goto(server.url)
+        expect(page.locator("#engine-note")).to_contain_text("camera jobs: 1 running, 1 claimed")
+        held.release.set()
+        while {status for status, _ in statuses()} != {"done"} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert statuses() == [("done", worker.consumer_name)] * 3
+        expect(page.locator("#engine-note")).to_contain_text("camera jobs: 0 running, 0 claimed")
+    finally:
+        held.release.set()
+        worker.captioner, worker.batch_size = inner, batch_size
 
 
 def test_engine_panel_shows_the_prefix_cache(server, page):

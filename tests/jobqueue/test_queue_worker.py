@@ -301,3 +301,74 @@ def test_alerts_are_recognised_from_their_stream_entry():
     assert not is_alert(job.to_fields())
     job.fall = True
     assert is_alert(job.to_fields()) and is_alert({b"kind": b"fall"}) and not is_alert({b"fall": b"\xff"})
+
+
+def test_jobs_claimed_ahead_say_claimed_by_their_worker_until_a_slot_starts_them(redis_url):
+    """The result of each job shows where it is: running at the worker (2 slots), claimed there and waiting for a
+    slot (2 claimed ahead), or still queued on the stream (2 unread). A worker that stops hands the jobs it claimed
+    and never started back (queued again); another worker claims and captions them, and each finished result
+    keeps when it was claimed and started."""
+    jobs = [make_job(f"cam{i}") for i in range(6)]
+    enqueue(redis_url, jobs)
+
+    async def statuses(client: redis.asyncio.Redis) -> list[tuple[str, str | None]]:
+        results = [await get_result(client, job.job_id) for job in jobs]
+        return [(result.status, result.consumer) for result in results]
+
+    async def scenario() -> None:
+        captioner = HeldCaptioner()
+        first = QueueWorker(redis_url, captioner, consumer_name="first", block_seconds=0.1, batch_size=2)
+        first.start()
+        expected = [("claimed", "first")] * 2 + [("queued", None)] * 2 + [("running", "first")] * 2
+        for _ in range(600):
+            if sorted(await statuses(first.redis)) == expected:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(await statuses(first.redis)) == expected
+        for job in jobs:
+            result = await get_result(first.redis, job.job_id)
+            if result.status == "claimed":
+                assert result.claimed_at is not None and result.started_at is None and result.deliveries == 1
+                assert result.to_json()["status"] == "claimed"  # as GET /v1/captions/{id} answers it
+            elif result.status == "running":
+                assert result.started_at >= result.claimed_at
+        assert first._stop_event is not None
+        first._stop_event.set()  # it stops: the two it runs end, the two it claimed go back
+        captioner.release.set()
+        await first.stop()
+        after_stop = sorted(await statuses(first.redis))
+        assert after_stop == [("done", "first")] * 2 + [("queued", None)] * 4
+        for job in jobs:
+            result = await get_result(first.redis, job.job_id)
+            if result.status == "queued":
+                assert result.claimed_at is None
+        second = QueueWorker(redis_url, captioner, consumer_name="second", block_seconds=0.1, batch_size=2,
+                             claim_idle_seconds=0)
+        await work_until_idle(second)
+        finished = [await get_result(second.redis, job.job_id) for job in jobs]
+        assert sorted(r.consumer for r in finished) == ["first"] * 2 + ["second"] * 4
+        for result in finished:
+            assert result.status == "done"
+            assert result.claimed_at <= result.started_at <= result.finished_at
+        assert sorted(r.deliveries for r in finished) == [1, 1, 1, 1, 2, 2]  # the two handed back: delivered again
+        await first.redis.aclose()
+        await second.redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_claim_writes_no_result_where_the_producer_wrote_none_and_never_reopens_a_finished_one(redis_url):
+    done = make_job("finished")
+    enqueue(redis_url, [done])
+
+    async def scenario() -> None:
+        worker = QueueWorker(redis_url, DecodingCaptioner(), consumer_name="w", block_seconds=0.1)
+        await work_until_idle(worker)
+        stored = await get_result(worker.redis, done.job_id)
+        assert stored.status == "done"
+        await worker._mark_claimed([("0-1", {b"job_id": done.job_id.encode()}, 5), ("0-2", {b"job_id": b"none"}, 1)])
+        assert await get_result(worker.redis, done.job_id) == stored  # a late claim does not reopen it
+        assert await worker.redis.exists(result_key("none")) == 0  # nor makes a result a producer did not write
+        await worker.redis.aclose()
+
+    asyncio.run(scenario())
