@@ -178,13 +178,15 @@ def engine_check(model: str, device: torch.device, dtype: str, smoke: bool) -> d
                "kernel": dict(attention_backend="kernel", cuda_graphs=False)}
     if device.type == "cuda":
         configs["kernel+graphs"] = dict(attention_backend="kernel", cuda_graphs=True)
+    if dtype != "float32":  # the same weights in float32: how far each path's rounding takes its greedy tokens
+        configs["reference-float32"] = dict(attention_backend="reference", cuda_graphs=False, dtype="float32")
     result: dict = {"model": model, "dtype": dtype, "requests": n, "max_tokens": max_tokens, "configs": {}}
     bandwidth = copy_bandwidth(device, 256 if smoke else 2048) if device.type == "cuda" else None
     result["copy_bandwidth_gbps"] = bandwidth / 1e9 if bandwidth else None
     tokens = {}
     for name, overrides in configs.items():
         began = time.perf_counter()
-        engine = Engine(EngineConfig(**common, **overrides))
+        engine = Engine(EngineConfig(**{**common, **overrides}))
         load_s = time.perf_counter() - began
         graphs = engine.runner.graphs
         entry = {"load_s": load_s, "graph_capture_s": graphs.capture_seconds if graphs else None,
@@ -198,7 +200,7 @@ def engine_check(model: str, device: torch.device, dtype: str, smoke: bool) -> d
         kv = engine.kv_cache
         per_token_kv = 2 * len(kv.keys) * kv.keys[0].shape[1] * kv.keys[0].shape[2] * kv.keys[0].element_size()
         entry["decode"] = []
-        for batch in batches:
+        for batch in batches if name != "reference-float32" else ():
             ms = _decode_step_ms(engine, batch, context, steps)
             floor_ms = (weight_bytes + batch * context * per_token_kv) / bandwidth * 1e3 if bandwidth else None
             entry["decode"].append(dict(batch=batch, context=context, step_ms=ms, read_floor_ms=floor_ms,
@@ -209,6 +211,12 @@ def engine_check(model: str, device: torch.device, dtype: str, smoke: bool) -> d
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    exact = tokens.pop("reference-float32", None)
+    if exact is not None:
+        for name, got in tokens.items():
+            same = sum(a == b for r, g in zip(exact, got) for a, b in zip(r, g)) / sum(len(r) for r in exact)
+            result["configs"][name]["token_agreement_with_float32"] = same
+            print(f"engine {model} {name:14s} greedy tokens equal to float32's: {same:.2%}", flush=True)
     reference = tokens["reference"]
     for name, got in tokens.items():
         same = sum(a == b for r, g in zip(reference, got) for a, b in zip(r, g))

@@ -274,10 +274,18 @@ def kv_tensors(engine: Engine) -> list[torch.Tensor]:
     return [*cache.keys, *cache.values, *(cache.key_scales or []), *(cache.value_scales or [])]
 
 
+def held_bytes(device: str) -> int:
+    """The memory the engine's tensors live in: the process's resident memory on the CPU, the device's allocated
+    memory on a GPU (where the process's resident memory holds neither weights nor KV cache)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return resident_bytes()
+
+
 def memory_besides_kv(engine: Engine, before: int) -> dict[str, float]:
-    """What the engine holds once started, in MB: the process's resident memory less what it held before the engine
-    was built (`before`: the interpreter, torch and transformers, the benchmark) and less the KV cache, against the
-    bytes of the model's own tensors (parameters, buffers, int8 layers)."""
+    """What the engine holds once started, in MB: `held_bytes` less what it held before the engine was built
+    (`before`: on the CPU the interpreter, torch and transformers, the benchmark) and less the KV cache, against
+    the bytes of the model's own tensors (parameters, buffers, int8 layers)."""
     from engine.quantization import int8_bytes
 
     model = engine.adapter.model
@@ -285,7 +293,7 @@ def memory_besides_kv(engine: Engine, before: int) -> dict[str, float]:
                 for t in [*model.parameters(), *model.buffers()]}
     weights = sum(storages.values()) + int8_bytes(model)
     kv = sum(t.numel() * t.element_size() for t in kv_tensors(engine))
-    held = resident_bytes() - before
+    held = held_bytes(str(engine.device)) - before
     return {"engine_mb": held / 1e6, "before_engine_mb": before / 1e6, "kv_cache_mb": kv / 1e6,
             "weights_mb": weights / 1e6, "besides_kv_mb": (held - kv) / 1e6,
             "besides_kv_vs_weights": (held - kv) / weights}
@@ -334,7 +342,7 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
     # tokens a request may need: the measured steps, and as many as the prompt's length for the steps of the others'
     # prefill (a step budgeted by time can give each prompt only a chunk while the first ones already decode)
     extra = cfg.warmup + 2 * cfg.steps + cfg.counted_steps + cfg.later + 8 + cfg.context
-    before = resident_bytes()
+    before = held_bytes(cfg.device)
     engine = Engine(EngineConfig(
         model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_batched_tokens=max(cfg.budget, cfg.decodes),
         max_num_seqs=cfg.decodes, max_model_len=cfg.context + extra + 16, num_threads=cfg.threads,
