@@ -228,26 +228,31 @@ def _summary_of(steps: list[dict[str, float]]) -> dict[str, Any]:
     }
 
 
-def read_bandwidth(threads: int | None, megabytes: int = 512) -> float:
-    """Bytes a second this machine reads from memory with torch's threads: the best of three passes over an array
-    larger than any cache, summed in float32 and multiplied as a bfloat16 matrix by one row (a decode step's
-    own kind of read; whichever reads faster here is the floor's bandwidth)."""
+def read_bandwidth(threads: int | None, megabytes: int = 512, device: str = "cpu") -> float:
+    """Bytes a second `device` reads from its memory (on the CPU with torch's threads): the best of three passes
+    over an array larger than any cache, summed in float32 and multiplied as a bfloat16 matrix by one row (a decode
+    step's own kind of read; whichever reads faster here is the floor's bandwidth)."""
     if threads:
         torch.set_num_threads(threads)
-    array = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    array = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
     array.sum()
-    by_sum = array.numel() * 4 / min(_timed(array.sum) for _ in range(3))
+    by_sum = array.numel() * 4 / min(_timed(array.sum, device) for _ in range(3))
     del array
-    matrix = torch.zeros(megabytes * 2**20 // 2 // 4096, 4096, dtype=torch.bfloat16)
-    row = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    matrix = torch.zeros(megabytes * 2**20 // 2 // 4096, 4096, dtype=torch.bfloat16, device=device)
+    row = torch.zeros(1, 4096, dtype=torch.bfloat16, device=device)
     torch.nn.functional.linear(row, matrix)
-    by_product = matrix.numel() * 2 / min(_timed(lambda: torch.nn.functional.linear(row, matrix)) for _ in range(3))
+    by_product = matrix.numel() * 2 / min(_timed(lambda: torch.nn.functional.linear(row, matrix), device)
+                                          for _ in range(3))
     return max(by_sum, by_product)
 
 
-def _timed(fn: Callable) -> float:
+def _timed(fn: Callable, device: str = "cpu") -> float:
+    """Seconds `fn()` takes, waiting for a GPU to finish it."""
+    synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    synchronize()
     began = time.perf_counter()
     fn()
+    synchronize()
     return time.perf_counter() - began
 
 
@@ -300,7 +305,7 @@ def memory_besides_kv(engine: Engine, before: int) -> dict[str, float]:
 
 
 def read_floor(engine: Engine, cfg: HostConfig, context: float, late_context: float) -> dict[str, float]:
-    bandwidth = read_bandwidth(cfg.threads)
+    bandwidth = read_bandwidth(cfg.threads, device=cfg.device)
     early, late = step_read_bytes(engine, cfg.decodes, context), step_read_bytes(engine, cfg.decodes, late_context)
     return {"bandwidth_gb_s": bandwidth / 1e9, "weights_mb": early["weights"] / 1e6, "kv_mb_early": early["kv"] / 1e6,
             "kv_mb_late": late["kv"] / 1e6, "early_ms": sum(early.values()) / bandwidth * 1e3,
