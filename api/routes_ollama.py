@@ -1,11 +1,12 @@
-"""Ollama's API on the same engine and keys (what Home Assistant's Ollama integration, Frigate's Ollama provider and
-the `ollama` Python client call): `/api/chat` (with `tools`) and `/api/generate` with base64 `images`, `format`
-("json" or a JSON Schema), `options`, `stream` (default true: NDJSON, one object a line), `keep_alive` accepted
-and ignored (the model stays loaded); `/api/tags`, `/api/show`, `/api/ps`, `/api/version`. Errors are Ollama's
-`{"error": "..."}`.
+"""Ollama's API on the same engine and keys (what Home Assistant's Ollama integration, Frigate's Ollama provider and the
+`ollama` Python client call): `/api/chat` (with `tools`, alone or beside a `format`: the model calls the tools or
+answers in the format, held by one grammar as OpenAI's `auto` tools beside a `response_format`) and `/api/generate`
+with base64 `images`, `format` ("json" or a JSON Schema), `options`, `stream` (default true: NDJSON, one object a
+line), `keep_alive` accepted and ignored (the model stays loaded); `/api/tags`, `/api/show`, `/api/ps`,
+`/api/version`. Errors are Ollama's `{"error": "..."}`.
 
-Sampling defaults are Ollama's (OLLAMA_OPTIONS), not OpenAI's: a client that sends no options gets what it would
-get from Ollama. `num_predict` -1 (Ollama's default) and -2 mean up to the context.
+Sampling defaults are Ollama's (OLLAMA_OPTIONS), not OpenAI's: a client that sends no options gets what it would get
+from Ollama. `num_predict` -1 (Ollama's default) and -2 mean up to the context.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from api.pools import work_pools
 from api.routes_openai import EnginePrompt, final_output, text_deltas, with_tools
 from api.state import ServerState, server_state
 from api.streaming import ClientDisconnected
-from api.tools import Function, ToolCallParser, tool_plan
+from api.tools import Function, ToolCallParser, tool_plan, tools_and_answer
 from engine import RequestOutput, SamplingParams
-from engine.grammar import GrammarSpec
+from engine.grammar import GrammarSpec, tool_call_begin
 
 router = APIRouter(prefix="/api")
 
@@ -214,9 +215,10 @@ def done_reason(output: RequestOutput) -> str:
 
 
 async def run(request: Request, state: ServerState, body: Common, params: SamplingParams, grammar: GrammarSpec | None,
-              shape: Any, **engine_input: Any) -> Response:
-    """Submit, then answer whole or as NDJSON; `shape(text, output_or_None)` makes one response object."""
-    await compile_ahead(state.bridge.engine, grammar, "format", request)
+              shape: Any, grammar_param: str = "format", **engine_input: Any) -> Response:
+    """Submit, then answer whole or as NDJSON; `shape(text, output_or_None)` makes one response object;
+    `grammar_param`: the field the grammar's errors name."""
+    await compile_ahead(state.bridge.engine, grammar, grammar_param, request)
     stream = await state.bridge.add(sampling=params, cache_salt=cache_salt(request, state.settings, None),
                                     **engine_input)
     started = time.perf_counter()
@@ -256,14 +258,11 @@ async def chat(request: Request, state: ServerState = Depends(server_state)) -> 
         if not body.messages:  # Ollama's way to load a model
             return JSONResponse({"model": body.model, "created_at": now(), "message": {"role": "assistant",
                                  "content": ""}, "done_reason": "load", "done": True})
-        grammar = format_grammar(body.format)
         named = body.tool_choice if body.tool_choice not in (None, "auto", "none", "required") else None
         plan = tool_plan([tool_function(t, i) for i, t in enumerate(body.tools or [])],
                          None if named else body.tool_choice, named, None)
-        if plan is not None and plan.calls:
-            if grammar is not None:
-                raise APIError(400, "format and tools cannot be combined: send one")
-            grammar = plan.grammar
+        # tools with a format, as Ollama answers them: calls, or an answer in the format (`auto`)
+        grammar, grammar_param = tools_and_answer(plan, format_grammar(body.format), "format")
         params = sampling(body, state, grammar)
         messages, images, tool_turns = [], [], []
         for i, message in enumerate(body.messages):
@@ -285,12 +284,15 @@ async def chat(request: Request, state: ServerState = Depends(server_state)) -> 
             answer = {"model": body.model, "created_at": now(), "message": reply, "done": output is not None}
             if output is not None:
                 answer["done_reason"] = done_reason(output)
-                if parser is not None and parser.calls:
+                calls = parser.calls if parser is not None else []
+                if any(c.complete for c in calls):
                     reply["tool_calls"] = [{"function": {"name": c.name, "arguments": json.loads(c.arguments)}}
-                                           for c in parser.calls]
+                                           for c in calls if c.complete]
+                # a call cut by num_predict (done_reason "length") has no arguments to give: its text is content
+                reply["content"] += "".join(tool_call_begin(c.name) + c.arguments for c in calls if not c.complete)
             return answer
 
-        return await run(request, state, body, params, grammar, shape, images=prompt.images,
+        return await run(request, state, body, params, grammar, shape, grammar_param, images=prompt.images,
                          messages=None if prompt.text is not None else prompt.messages, prompt=prompt.text)
 
     return await answered(work())

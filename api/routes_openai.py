@@ -37,10 +37,10 @@ from api.tools import (
     ParsedCall,
     ToolCallParser,
     ToolPlan,
-    calls_or_answer,
     render_tools,
     template_takes_tools,
     tool_plan,
+    tools_and_answer,
 )
 from api.videos import check_video_input, load_video_url, video_sampling
 from engine import RequestOutput, SamplingParams
@@ -292,12 +292,7 @@ def request_grammar(body: SamplingFields, fmt: Any, format_param: str,
     """The request's grammar: its structured output's, its tool calls', or under `auto` both (calls, or an answer
     in the structured output: `calls_or_answer`); `required` and a named function make calls only, so their
     structured output holds no text."""
-    grammar, param = structured_output_spec(body, fmt, format_param)
-    if plan is not None and plan.calls:
-        if grammar is not None and plan.mode == "auto":
-            return calls_or_answer(plan, grammar), plan.param
-        return plan.grammar, plan.param
-    return grammar, param
+    return tools_and_answer(plan, *structured_output_spec(body, fmt, format_param))
 
 
 def openai_tool_call(call: ParsedCall) -> dict[str, Any]:

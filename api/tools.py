@@ -100,6 +100,19 @@ def calls_or_answer(plan: ToolPlan, answer: GrammarSpec) -> GrammarSpec:
     return GrammarSpec(structural_tag=json.dumps(tag, separators=(",", ":")))
 
 
+def tools_and_answer(plan: ToolPlan | None, answer: GrammarSpec | None,
+                     answer_param: str) -> tuple[GrammarSpec | None, str]:
+    """A request's grammar and the field its errors name, from its tools' plan and its structured output (`answer`,
+    sent at `answer_param`: OpenAI's `response_format`, vLLM's fields, Ollama's `format`): the structured output's
+    alone without calls; the calls' for `required` and a named function (calls only, so no answer text); under
+    `auto` with a structured output, both (`calls_or_answer`)."""
+    if plan is None or not plan.calls:
+        return answer, answer_param
+    if answer is not None and plan.mode == "auto":
+        return calls_or_answer(plan, answer), plan.param
+    return plan.grammar, plan.param
+
+
 def answer_format(spec: GrammarSpec) -> dict[str, Any]:
     """A structured output's grammar as a structural tag's element."""
     if spec.json_schema is not None:

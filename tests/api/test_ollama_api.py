@@ -1,6 +1,7 @@
 """Ollama's API on a real uvicorn server with the tiny model, driven by the official `ollama` client: chat and
 generate with base64 images, streamed (NDJSON) equal to whole, `format` as "json" and as a JSON Schema (the output
-parses and validates), options (seed, num_predict, stop), list/show/version, the API key, errors as
+parses and validates), tools (alone, in a history, beside a format: every call's arguments validate, every answer in
+the format parses), options (seed, num_predict, stop), list/show/version, the API key, errors as
 {"error": ...}."""
 
 from __future__ import annotations
@@ -98,11 +99,18 @@ def test_errors_in_ollamas_body(client, server):
     assert httpx.post(f"{server.url}/api/generate", json={"model": MODEL, "prompt": "hi"}).status_code == 401
 
 
+# Only what the `ollama` client sends of a tool's schema (its Tool model keeps a property's type, items, description
+# and enum, and drops the rest: `minimum`, `maximum`, `additionalProperties`...), so that the server's grammar holds
+# the arguments to this schema itself; bounds are enums.
 COUNT_TOOL = {"type": "function", "function": {"name": "count_people", "description": "Count people at a camera.",
-              "parameters": {"type": "object", "properties": {
+              "parameters": {"type": "object", "required": ["camera", "minimum"], "properties": {
                   "camera": {"type": "string", "enum": ["door", "yard"]},
-                  "minimum": {"type": "integer", "minimum": 0, "maximum": 9}},
-                  "required": ["camera", "minimum"], "additionalProperties": False}}}
+                  "minimum": {"type": "integer", "enum": list(range(10))}}}}}
+
+
+def test_the_tool_schema_reaches_the_server_whole():
+    sent = ollama._types.Tool.model_validate(COUNT_TOOL).model_dump(exclude_none=True, by_alias=True)
+    assert sent == COUNT_TOOL
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -140,6 +148,98 @@ def test_chat_with_a_tool_history(client):
                 {"role": "tool", "content": "3", "tool_name": "count_people"}]
     reply = client.chat(model=MODEL, messages=messages, tools=[COUNT_TOOL], options=GREEDY)
     assert reply.done
-    with pytest.raises(ollama.ResponseError) as caught:
-        client.chat(model=MODEL, messages=messages[:1], tools=[COUNT_TOOL], format="json")
-    assert caught.value.status_code == 400
+
+
+SCENE = {"type": "object", "properties": {"people": {"type": "integer", "minimum": 0, "maximum": 9},
+                                          "summary": {"type": "string", "maxLength": 12}},
+         "required": ["people", "summary"], "additionalProperties": False}
+
+
+def replies(client: ollama.Client, stream: bool, **call) -> tuple[str, list, str]:
+    """The content, tool calls and done_reason of one chat, streamed or whole."""
+    answer = client.chat(model=MODEL, messages=[{"role": "user", "content": "How many at the door?"}], stream=stream,
+                         **call)
+    parts = list(answer) if stream else [answer]
+    assert parts[-1].done
+    return ("".join(p.message.content or "" for p in parts), [c for p in parts for c in p.message.tool_calls or []],
+            parts[-1].done_reason)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_with_tools_and_a_format_calls_or_answers_in_the_format(client, server, stream):
+    """As Ollama answers it: with `tools` and `format` the model calls a tool (its arguments valid) or answers in the
+    format (the schema validates). Which one a random model takes is its own, so vlmcap's `tool_choice` pins each
+    branch once: `required` calls (the format holds no call), `none` answers in the format."""
+    arguments = COUNT_TOOL["function"]["parameters"]
+    options = {"temperature": 1.0, "num_predict": 200}
+    kinds = set()
+    for seed in range(3):
+        content, calls, done = replies(client, stream, tools=[COUNT_TOOL], format=SCENE,
+                                       options={**options, "seed": seed})
+        for call in calls:
+            assert call.function.name == "count_people"
+            jsonschema.validate(dict(call.function.arguments), arguments)
+        if not calls and done == "stop":  # else cut by num_predict (calls in parallel may go on)
+            jsonschema.validate(json.loads(content), SCENE)
+        kinds.add("calls" if calls else "answer")
+    assert kinds
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for choice, calls_wanted in (("required", True), ("none", False)):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "How many?"}], "tools": [COUNT_TOOL],
+                "format": SCENE, "tool_choice": choice, "stream": stream, "options": {**options, "seed": 5}}
+        lines = [json.loads(line) for line in httpx.post(f"{server.url}/api/chat", json=body, headers=headers,
+                                                         timeout=120).text.splitlines() if line]
+        calls = [c for line in lines for c in line["message"].get("tool_calls", [])]
+        content = "".join(line["message"]["content"] for line in lines)
+        assert lines[-1]["done"] and bool(calls) == calls_wanted, lines[-1]
+        for call in calls:
+            jsonschema.validate(call["function"]["arguments"], arguments)
+        if not calls_wanted:
+            jsonschema.validate(json.loads(content), SCENE)
+
+
+def test_format_json_with_tools_answers_an_object(client):
+    content, calls, _ = replies(client, False, tools=[COUNT_TOOL], format="json",
+                                options={"temperature": 0, "num_predict": 200})
+    for call in calls:
+        jsonschema.validate(dict(call.function.arguments), COUNT_TOOL["function"]["parameters"])
+    if not calls:
+        assert content.startswith("{")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_num_predict_is_content_not_a_call(server, stream):
+    """A call whose arguments num_predict cut has no arguments to give (Ollama's are an object): its text is the
+    content, done_reason "length"; never a 500."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "How many?"}], "tools": [COUNT_TOOL],
+            "tool_choice": "required", "stream": stream, "options": {"temperature": 0, "num_predict": 60}}
+    response = httpx.post(f"{server.url}/api/chat", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=120)
+    assert response.status_code == 200
+    lines = [json.loads(line) for line in response.text.splitlines() if line]
+    assert lines[-1]["done_reason"] == "length"
+    assert not any(line["message"].get("tool_calls") for line in lines)
+    content = "".join(line["message"]["content"] for line in lines)
+    assert content.startswith('<tool_call>\n{"name": "count_people", "arguments": {')
+
+
+def many_tools(count: int, properties: int) -> list[dict]:
+    return [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": {
+        f"p{j}": {"type": "integer"} for j in range(properties)}}}} for i in range(count)]
+
+
+@pytest.mark.parametrize("tools,fmt,status,named", [
+    (many_tools(80, 2), SCENE, 400, "max_properties"),  # the tools' schemas count together with the format's
+    ([COUNT_TOOL], {"type": "object", "description": "x" * 200_000}, 413, "max_schema_bytes"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "description": "x" * 200_000}}}],
+     "json", 413, "max_schema_bytes"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "(" * 30_000 + "a" + ")" * 30_000}}}}}], SCENE, 400, "max_regex"),
+])
+def test_hostile_tools_with_a_format_are_refused_by_the_grammar_limits(server, tools, fmt, status, named):
+    """Tools beside a format go through the same limits as either alone, before anything is compiled."""
+    response = httpx.post(f"{server.url}/api/chat", headers={"Authorization": f"Bearer {KEY}"}, timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": tools, "format": fmt,
+        "stream": False})
+    assert response.status_code == status, response.text
+    assert set(response.json()) == {"error"} and named in response.json()["error"]
