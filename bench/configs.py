@@ -314,7 +314,7 @@ class SoakConfig:
     memory_interval: float = 2.0
     seed: int = 0
     startup_timeout: float = 600.0
-    probe_rounds: int = 5
+    probe_rounds: int = 8
 
     def __post_init__(self) -> None:
         if not 0 <= self.probe_rounds <= 100:
