@@ -352,19 +352,32 @@ class Sent:
     at: float  # wall clock when it was put on the queue
 
 
+class _Arrivals(list):
+    """A chat's text chunk times (`stream_chat` appends them), which set `streaming` at the first."""
+
+    def __init__(self, streaming: asyncio.Event) -> None:
+        super().__init__()
+        self.streaming = streaming
+
+    def append(self, at: float) -> None:
+        super().append(at)
+        self.streaming.set()
+
+
 async def _chat_loop(http: Any, model: str, cfg: CamerasConfig, gaps: list[float], errors: list[str],
-                     tokens: list[int]) -> None:
+                     tokens: list[int], streaming: asyncio.Event) -> None:
     """Chats one after another until cancelled: the gaps between the text chunks of each, in seconds, and when
     cancelled (the load is over) the gap still open since the running chat's last chunk, so that a chat stalled at
-    the end counts too."""
+    the end counts too. `streaming` is set at the first text chunk (or the first error)."""
     body = {"model": model, "messages": [{"role": "user", "content": CHAT_TEXT}], "stream": True,
             "max_tokens": cfg.chat_max_tokens, "ignore_eos": True}
     while True:
-        times: list[float] = []
+        times = _Arrivals(streaming)
         try:
             refused = await stream_chat(http, body, times)
             if refused is not None:
                 errors.append(refused[:200])
+                streaming.set()
                 await asyncio.sleep(1.0)
                 continue
         except asyncio.CancelledError:
@@ -373,6 +386,7 @@ async def _chat_loop(http: Any, model: str, cfg: CamerasConfig, gaps: list[float
             raise
         except Exception as exc:  # a chat that breaks is counted, the others go on
             errors.append(f"{type(exc).__name__}: {exc}"[:200])
+            streaming.set()
             await asyncio.sleep(1.0)
         finally:
             gaps.extend(later - earlier for earlier, later in zip(times, times[1:]))
@@ -413,11 +427,19 @@ async def _load(cfg: CamerasConfig, backend: Backend, count: int, schedule: list
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key and backend.name != VLMCAP else {}
     async with httpx.AsyncClient(base_url=backend.chat_url, timeout=httpx.Timeout(600, connect=30), limits=limits,
                                  headers=headers) as http:
+        tokens = [0]
+        streaming = [asyncio.Event() for _ in range(cfg.chats)]
+        chats = [asyncio.create_task(_chat_loop(http, backend.model, cfg, gaps, errors, tokens, started))
+                 for started in streaming]
+        # The step begins once every chat streams: a chat's wait for its first token (a fresh server's first
+        # requests, a loaded machine) is no gap between tokens, and a step whose chats had not streamed yet when it
+        # ended would have no gap to judge them by.
+        try:
+            await asyncio.wait_for(asyncio.gather(*(started.wait() for started in streaming)), cfg.startup_timeout)
+        except TimeoutError:
+            errors.append(f"a chat streamed nothing within {cfg.startup_timeout:.0f} s")
         began = time.time()
         until = began + cfg.duration
-        tokens = [0]
-        chats = [asyncio.create_task(_chat_loop(http, backend.model, cfg, gaps, errors, tokens))
-                 for _ in range(cfg.chats)]
         await asyncio.gather(*(_camera(i, count, schedule, cycle, began, until, producer, sent)
                                for i in range(count)))
         await asyncio.sleep(max(0.0, until - time.time()))
