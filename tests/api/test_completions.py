@@ -211,6 +211,58 @@ def test_token_id_prompts_run_as_given_equal_to_generate_on_those_ids(client, se
     assert response.status_code == 400 and "placeholder" in response.json()["error"]["message"]
 
 
+def test_lm_evals_requests_as_it_sends_them(server):
+    """lm-eval's `--model local-completions` (0.4.13, tokenizer_backend huggingface, batch_size 3), its two request
+    shapes as it sends them. Loglikelihood: token-id prompts batched, echo, logprobs 1, max_tokens 1; lm-eval sums
+    `token_logprobs[ctxlen:-1]` (equal to transformers' own forward here) and calls a continuation greedy when each
+    token's log-probability equals the largest of its `top_logprobs` (exactly, as floats). Generation: token-id
+    prompts batched, stop strings with the EOS token's text, seed; each choice the greedy text cut at a stop."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    tokenizer = server.state.bridge.engine.tokenizer
+    model = AutoModelForImageTextToText.from_pretrained(preset_checkpoint("tiny"), dtype=torch.float32).eval()
+
+    def scores(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    context = tokenizer("Question: Who waits at the bus stop?\nAnswer:", add_special_tokens=False).input_ids
+    greedy_ids = list(context)
+    for _ in range(3):  # a continuation the model itself would choose: lm-eval's is_greedy is True for it
+        greedy_ids.append(int(scores(greedy_ids)[-1].argmax()))
+    prompts = [tokenizer("Question: Who waits at the bus stop?\nAnswer:" + text, add_special_tokens=False).input_ids
+               for text in (" a man", " nobody")] + [greedy_ids]
+    assert all(ids[:len(context)] == context for ids in prompts)
+    body = {"model": MODEL, "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
+    choices = sorted(answer["choices"], key=lambda c: c["index"])
+    assert len(choices) == len(prompts)
+    greedy_flags = []
+    for choice, ids in zip(choices, prompts, strict=True):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + 1  # the prompt's, then the one new token's
+        reference = scores(ids)
+        expected = [reference[i - 1, ids[i]].item() for i in range(len(context), len(ids))]
+        assert lp["token_logprobs"][len(context):-1] == pytest.approx(expected, abs=1e-4)
+        flags = [value == max(top.values()) for value, top in zip(lp["token_logprobs"][len(context):-1],
+                                                                  lp["top_logprobs"][len(context):-1], strict=True)]
+        assert flags == [int(reference[i - 1].argmax()) == ids[i] for i in range(len(context), len(ids))]
+        greedy_flags.append(all(flags))
+    assert greedy_flags[-1]
+    eos = tokenizer.decode([tokenizer.eos_token_id])
+    body = {"model": MODEL, "prompt": prompts[:2], "max_tokens": 16, "temperature": 0, "stop": ["\n", "Question:", eos],
+            "seed": 1234}
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
+    for choice, ids in zip(sorted(answer["choices"], key=lambda c: c["index"]), prompts[:2], strict=True):
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+        text = tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+        cut = min([text.index(s) for s in body["stop"] if s in text], default=len(text))
+        assert choice["text"] == text[:cut]
+
+
 SOAK_CASES = ["prompt_logprobs_over_cap", "prompt_logprobs_streamed", "store_metadata_huge", "stored_list_over_limit",
               "stored_list_after_unknown", "stored_unknown_id", "stored_update_bad_body"]
 
