@@ -232,12 +232,15 @@ class Client:
 
     async def good_clients(self, tally: Tally, rng: random.Random) -> None:
         """The drop-in routes (issue 36): /v1/completions with n=2 (now and then streamed) or Ollama's /api/generate
-        with an image and /api/chat streamed as NDJSON; a stream whose lines carry an error counts as a 500. Also
-        lm-eval's loglikelihood call (echo, logprobs: the prompt's tokens scored) and a stored chat completion read
-        back and deleted."""
-        choice = rng.randrange(5)
+        with an image, /api/chat streamed as NDJSON, or /api/chat with tools beside a format (`ollama_tools`); a
+        stream whose lines carry an error counts as a 500. Also lm-eval's loglikelihood call (echo, logprobs: the
+        prompt's tokens scored) and a stored chat completion read back and deleted."""
+        choice = rng.randrange(6)
         if choice == 3:
             await self.scored_prompt(tally, rng)
+            return
+        if choice == 5:
+            await self.ollama_tools(tally, rng)
             return
         if choice == 4:
             await self.stored_chat(tally, rng)
@@ -264,6 +267,33 @@ class Client:
             tally.outcomes.append(Outcome("ollama", status, error))
         except httpx.HTTPError as exc:
             tally.outcomes.append(Outcome("ollama", None, f"{type(exc).__name__}: {exc}"))
+
+    async def ollama_tools(self, tally: Tally, rng: random.Random) -> None:
+        """Ollama's /api/chat with tools beside a format (now and then streamed): each call's arguments valid under
+        its function's schema, else a finished answer that parses under the format; one that does not, or a line
+        that carries an error, counts as a 500."""
+        ask = f"Weather at stop {rng.randrange(1000)}?"
+        body = {"model": self.model, "messages": [{"role": "user", "content": ask}],
+                "tools": SOAK_TOOLS, "format": SOAK_FORMAT, "stream": rng.random() < 0.5,
+                "options": {"num_predict": TOOL_MAX_TOKENS, "seed": rng.randrange(2**31), "temperature": 1.0}}
+        try:
+            async with self.http.stream("POST", "/api/chat", json=body) as response:
+                status, error = response.status_code, None
+                lines = [json.loads(line) async for line in response.aiter_lines() if line] if status == 200 else []
+        except httpx.HTTPError as exc:
+            tally.outcomes.append(Outcome("ollama", None, f"{type(exc).__name__}: {exc}"))
+            return
+        if any("error" in line for line in lines):
+            status, error = 500, next(line["error"] for line in lines if "error" in line)
+        elif lines:
+            calls = [c["function"] for line in lines for c in line["message"].get("tool_calls") or []]
+            content = "".join(line["message"]["content"] for line in lines)
+            bad = [c for c in calls if not _valid_call(c["name"], json.dumps(c["arguments"]))]
+            if bad:
+                status, error = 500, f"invalid tool call {bad[0]}"
+            elif not calls and lines[-1].get("done_reason") == "stop" and not _valid_format(content):
+                status, error = 500, f"an answer outside the format: {content[:200]!r}"
+        tally.outcomes.append(Outcome("ollama", status, error))
 
     async def scored_prompt(self, tally: Tally, rng: random.Random) -> None:
         """/v1/completions with echo and logprobs (and now and then vLLM's prompt_logprobs): every prompt token but
@@ -323,6 +353,8 @@ SOAK_TOOLS = [
         "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
         "additionalProperties": False}}},
 ]
+SOAK_FORMAT = {"type": "object", "properties": {"people": {"type": "integer", "minimum": 0, "maximum": 9}},
+               "required": ["people"], "additionalProperties": False}
 MCP_HEADERS = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-06-18"}
 TOOL_MAX_TOKENS = 160  # a whole call of the tools above, written out by the tiny model's byte-level tokens
 
@@ -336,6 +368,16 @@ def _valid_call(name: str, arguments: str) -> bool:
         return set(value) == {"city", "days"} and isinstance(value["city"], str) and len(value["city"]) <= 8 \
             and isinstance(value["days"], int) and 1 <= value["days"] <= 7
     return name == "clock" and value == {"zone": value.get("zone")} and value["zone"] in ("UTC", "CET")
+
+
+def _valid_format(text: str) -> bool:
+    """Whether `text` is an answer under SOAK_FORMAT."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(value, dict) and set(value) == {"people"} and isinstance(value["people"], int) \
+        and 0 <= value["people"] <= 9
 
 
 def _many_tools(count: int, properties: int) -> list[dict[str, Any]]:
@@ -422,7 +464,7 @@ HOSTILE_REQUESTS: dict[str, Any] = {
             {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "tools": SOAK_TOOLS}),
     "too_many_n": lambda c: c.http.post("/v1/chat/completions", json=c.chat_body("Hi", n=10**6)),
     # The drop-in routes (issue 36): refused insertion, token ids past the vocabulary, too many choices, Ollama's
-    # unknown options, models and undecodable images.
+    # unknown options, models and undecodable images, many or huge tools beside a format.
     "completions_suffix": lambda c: c.http.post("/v1/completions", json={"model": c.model, "prompt": "a",
                                                                           "suffix": "b"}),
     "completions_bad_token_ids": lambda c: c.http.post("/v1/completions", json={"model": c.model,
@@ -436,6 +478,12 @@ HOSTILE_REQUESTS: dict[str, Any] = {
         "0.5", "1e400").encode()),
     "ollama_unknown_model": lambda c: c.http.post("/api/chat", json={"model": "llama3:70b", "messages": [
         {"role": "user", "content": "hi"}]}),
+    "ollama_tools_many_with_format": lambda c: c.http.post("/api/chat", json={
+        "model": c.model, "messages": [{"role": "user", "content": "hi"}], "tools": _many_tools(80, 2),
+        "format": SOAK_FORMAT, "stream": False}),
+    "ollama_tools_huge_with_format": lambda c: c.http.post("/api/chat", json={
+        "model": c.model, "messages": [{"role": "user", "content": "hi"}], "tools": SOAK_TOOLS, "stream": False,
+        "format": {"type": "object", "description": "x" * 200_000}}),
     "ollama_bomb_image": lambda c: c.http.post("/api/generate", json={
         "model": c.model, "prompt": "a", "stream": False, "images": [base64.b64encode(c.bomb).decode(), "@@@"]}),
     # The camera memory (issue 37): user words are never full-text syntax; times, cursors and uploads have limits.

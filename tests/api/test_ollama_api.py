@@ -243,3 +243,35 @@ def test_hostile_tools_with_a_format_are_refused_by_the_grammar_limits(server, t
         "stream": False})
     assert response.status_code == status, response.text
     assert set(response.json()) == {"error"} and named in response.json()["error"]
+
+
+OLLAMA_SOAK_CASES = ["ollama_bad_options", "ollama_unknown_model", "ollama_bomb_image",
+                     "ollama_tools_many_with_format", "ollama_tools_huge_with_format"]
+
+
+def test_the_soaks_ollama_cases_here(server):
+    """`vlmcap bench soak`'s Ollama cases against this server: the hostile ones each a 4xx; the good tools beside a
+    format (streamed and not) 200, each call valid and each finished answer in the format (else counted 500)."""
+    import asyncio
+    import random
+
+    from bench.configs import SoakConfig
+    from bench.soak import HOSTILE_REQUESTS, Client, Tally
+
+    async def send() -> list:
+        tally = Tally()
+        async with httpx.AsyncClient(base_url=server.url, timeout=300,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as http:
+            client = Client(http, SoakConfig(max_tokens=4), [], MODEL)
+            for name in OLLAMA_SOAK_CASES:
+                await client._record(tally, f"hostile:{name}", HOSTILE_REQUESTS[name](client))
+            for seed in range(2):  # one streamed, one whole
+                await client.ollama_tools(tally, random.Random(seed))
+        return tally.outcomes
+
+    outcomes = asyncio.run(send())
+    hostile = {o.kind.removeprefix("hostile:"): o.status for o in outcomes if o.kind.startswith("hostile:")}
+    assert set(hostile) == set(OLLAMA_SOAK_CASES)
+    assert all(status is not None and 400 <= status < 500 for status in hostile.values()), hostile
+    good = [o for o in outcomes if o.kind == "ollama"]
+    assert len(good) == 2 and all(o.status == 200 for o in good), good
