@@ -95,6 +95,32 @@ def test_streamed_calls_equal_the_whole_answer(client):
     valid("weather", calls[0]["arguments"])
 
 
+def test_streamed_auto_tools_as_frigate_sends_them_equal_the_whole_answer(client):
+    """Frigate 0.18's chat: tools with `tool_choice: "auto"`, streamed. With a seed the deltas (text, then each
+    call's id and name once, then its argument chunks) add up to the unstreamed answer; every call validates."""
+    for seed in range(2):
+        kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", temperature=1.0, seed=seed,
+                      max_tokens=120)
+        whole = client.chat.completions.create(**kwargs).choices[0]
+        text, calls, finish = "", {}, None
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for choice in chunk.choices:
+                finish = choice.finish_reason or finish
+                text += choice.delta.content or ""
+                for delta in choice.delta.tool_calls or []:
+                    call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+                    if delta.id:
+                        assert call["id"] is None
+                        call.update(id=delta.id, name=delta.function.name)
+                    call["arguments"] += delta.function.arguments or ""
+        assert finish == whole.finish_reason and text == (whole.message.content or "")
+        expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+        assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == expected
+        if finish == "tool_calls":
+            for name, arguments in expected:
+                valid(name, arguments)
+
+
 def test_auto_lets_the_model_write_text_or_valid_calls(client):
     for seed in range(3):
         choice = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=1.0, seed=seed,
