@@ -87,3 +87,46 @@ def _own_data_dir(tmp_path_factory) -> Iterator[None]:
         os.environ.pop("XDG_DATA_HOME", None)
     else:
         os.environ["XDG_DATA_HOME"] = before
+
+
+# -- engine start-up ----------------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True, scope="session")
+def _engine_start_up_measured_once() -> Iterator[None]:
+    """Every engine this test process starts measures what an engine of its kind measured before in this process
+    only once: the CPU kernels' row range per weight shape (engine/cpu/tuning.py `measure_row_range`) and the step
+    cost model's fit (engine/calibration.py `calibrate`, keyed by the engine's whole config, its model length and
+    free blocks). Each is a timing of this machine; reusing the first one's result is what a second measurement
+    could have given, and saves seconds at each of the suite's hundreds of engine and server start-ups. Engines
+    in subprocesses (the CLI's, the benchmarks') still measure."""
+    import dataclasses
+
+    import torch
+
+    from engine import calibration
+    from engine.cpu import build, tuning
+
+    measure_row_range, calibrate = tuning.measure_row_range, calibration.calibrate
+    ranges: dict[tuple, tuple[int, int]] = {}
+    fits: dict[tuple, dict] = {}
+
+    def measured_once(weight: torch.Tensor) -> tuple[int, int]:
+        key = (tuple(weight.shape), weight.dtype, build.variant(), torch.get_num_threads())
+        if key not in ranges:
+            ranges[key] = measure_row_range(weight)
+        return ranges[key]
+
+    def calibrated_once(costs, config, pool, runner, max_model_len: int, token_id: int) -> None:
+        key = (repr(config), max_model_len, pool.block_size, pool.num_free, token_id, build.variant(),
+               torch.get_num_threads())
+        if key in fits:
+            for name, value in fits[key].items():
+                setattr(costs, name, value)
+            return
+        calibrate(costs, config, pool, runner, max_model_len, token_id)
+        fits[key] = {f.name: getattr(costs, f.name) for f in dataclasses.fields(costs) if f.name != "target"}
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tuning, "measure_row_range", measured_once)
+        patch.setattr(calibration, "calibrate", calibrated_once)
+        yield
