@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from typing import Any
 
 from fastapi import Request
@@ -15,7 +16,7 @@ from api.openai_schemas import JSONSchemaFormat, ResponseFormat, ResponsesTextFo
 from api.pools import CLIENT_KEY, WorkPools, work_pools
 from api.streaming import until_disconnect
 from engine import Engine
-from engine.grammar import GrammarSpec
+from engine.grammar import GrammarCompiler, GrammarSpec
 from engine.grammar_limits import GrammarLimitError
 from engine.grammar_pool import GrammarBusy, GrammarTimeout, keyed
 from jobqueue.structured import SchemaRefused
@@ -23,6 +24,27 @@ from jobqueue.structured import SchemaRefused
 
 class GrammarRefused(APIError, SchemaRefused):
     """A grammar the server will never compile: a 4xx for a client, a dead letter for a job."""
+
+
+# Engines whose grammar compiler this process has built (or seen built) off the event loop.
+_compilers_built: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+async def engine_grammars(engine: Engine, pools: WorkPools | None) -> GrammarCompiler:
+    """The engine's grammar compiler, built off the event loop: its first use imports xgrammar, reads the
+    vocabulary and starts the compiler's processes (0.9 s for the tiny model on an idle core), during which the
+    loop would serve no other client. ValueError when xgrammar is not installed."""
+    if engine in _compilers_built:
+        return engine.grammars
+    if pools is None:
+        compiler = await asyncio.to_thread(lambda: engine.grammars)
+    else:
+        compiler = await pools.run("schema", lambda: engine.grammars)
+    try:
+        _compilers_built.add(engine)
+    except TypeError:  # an engine that takes no weak reference (a test's stand-in): asked in the pool each time
+        pass
+    return compiler
 
 
 async def compile_ahead(engine: Engine, spec: GrammarSpec | None, param: str, request: Request | None = None,
@@ -35,14 +57,14 @@ async def compile_ahead(engine: Engine, spec: GrammarSpec | None, param: str, re
     ClientDisconnected (the compile cancelled) when `request`'s client leaves first."""
     if spec is None:
         return
+    if pools is None and request is not None and getattr(request.app.state, "vlmcap", None) is not None:
+        pools = work_pools(request.app.state.vlmcap)
     try:
-        compiler = engine.grammars
+        compiler = await engine_grammars(engine, pools)
     except ValueError as exc:  # xgrammar is not installed
         raise GrammarRefused(400, f"{param}: {exc}", param, "unsupported_value") from None
     cancelled = threading.Event()
     key = key or CLIENT_KEY.get()
-    if pools is None and request is not None and getattr(request.app.state, "vlmcap", None) is not None:
-        pools = work_pools(request.app.state.vlmcap)
     if pools is None:
         work = asyncio.get_running_loop().run_in_executor(compiler.executor, keyed, key, compiler.compile, spec,
                                                           cancelled)

@@ -163,3 +163,80 @@ def test_a_grammar_compile_that_finds_no_worker_is_a_503_for_the_callers_key() -
     assert seen == ["salt-1", "salt-2"]
     pools.close()
     engine.grammars.executor.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_queue_jobs_decode_by_their_cameras_key_and_an_alert_by_its_own(monkeypatch):
+    """A camera whose jobs' images decode slowly holds its share of the decode pool (one thread of three) and its
+    other jobs wait behind it; a fall alert's decode, under its own key, runs at once."""
+    from types import SimpleNamespace
+
+    from api.captioner import EngineCaptioner, job_key
+    from api.settings import Limits
+    from jobqueue.consumer import current_job
+    from jobqueue.contract import Detection, Job
+
+    limits = Limits()  # pools of its own (the defaults: decode has 3 threads, a key 1 of them)
+    release = threading.Event()
+
+    def decode(data: bytes, limits: Limits, param: str) -> str:
+        if not CLIENT_KEY.get().startswith("alert:"):
+            assert release.wait(30), "never released"
+        return "image"
+
+    monkeypatch.setattr("api.captioner.decode_image", decode)
+    captioner = EngineCaptioner(SimpleNamespace(engine=SimpleNamespace(single_input_options=None)), limits, 4)
+
+    async def no_engine(*args) -> str:
+        return f"caption for {CLIENT_KEY.get()}"
+
+    captioner._caption = no_engine
+
+    def job(camera: str, fall: bool = False) -> Job:
+        return Job(camera_id=camera, frame_ts=0.0, prompt="?", image=b"jpeg", fall=fall,
+                   detections=[Detection(0, 0, 1, 1, 0.9)])
+
+    async def caption(of: Job) -> str:  # as the worker runs each job: in its own task, the job in its context
+        current_job.set(of)
+        return await captioner.caption(of.image, of.prompt, 10)
+
+    async def scenario() -> tuple[str, dict, dict, list[str]]:
+        slow = [asyncio.create_task(caption(job("busy"))) for _ in range(4)]
+        await asyncio.sleep(0.2)
+        alert = await caption(job("busy", fall=True))
+        stats = captioner_pools.stats()
+        release.set()
+        return alert, stats.running, stats.waiting, await asyncio.gather(*slow)
+
+    from api.pools import work_pools
+
+    captioner_pools = work_pools(limits)["decode"]
+    alert, running, waiting, slow = asyncio.run(scenario())
+    assert alert == "caption for alert:busy"
+    assert running == {"camera:busy": 1} and waiting == {"camera:busy": 3}
+    assert slow == ["caption for camera:busy"] * 4
+    assert job_key() is None and CLIENT_KEY.get() is None  # outside a job's task: no key set
+
+
+@pytest.mark.timeout(60)
+def test_the_grammar_compiler_is_built_in_the_schema_pool_not_on_the_event_loop():
+    """Its first use takes about a second (xgrammar imported, the vocabulary read): never on the event loop."""
+    from api.grammars import engine_grammars
+
+    built_on: list[str] = []
+
+    class Engine:
+        @property
+        def grammars(self) -> str:
+            built_on.append(threading.current_thread().name)
+            return "compiler"
+
+    engine, pools = Engine(), WorkPools(deadline_s=30, key_share=0.5)
+
+    async def scenario() -> list[str]:
+        return [await engine_grammars(engine, pools), await engine_grammars(engine, pools)]
+
+    assert asyncio.run(scenario()) == ["compiler", "compiler"]
+    assert built_on[0].startswith("vlmcap-schema")  # the first, which builds it, in the pool
+    assert built_on[1] == "MainThread"  # once built, read where it is needed
+    pools.close()
