@@ -3,6 +3,8 @@ build compiles; the engine picks the best one the CPU's flags allow and says whi
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -136,6 +138,33 @@ def test_add_rms_norm_is_the_residual_add_then_llama_s_norm(dtype):
     ops.add_rms_norm(h, delta, routing.Norm.of(norm), out)
     assert torch.equal(h, expected_h)  # the add rounds as torch's does
     assert (out.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * 4
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norms_of_each_build_are_torch_s_bit_for_bit(name, dtype):
+    """Llama's and Gemma's RMSNorm: torch's sum of squares (ATen's cascade over 8-float vectors, its tail and lanes
+    in order; under 8 elements its scalar sums), a division by the width, 1 / sqrt, the products in torch's order:
+    the same bits, float32 included (an int8 layer after a norm rounds its input per token, so a ulp there can move
+    a whole quantum: Qwen2.5-VL's vision tower)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    lib = build.load_variant(name)
+    for dim in (1, 3, 4, 7, 8, 9, 31, 64, 100, 576, 1280, 5000):
+        torch.manual_seed(dim)
+        llama, gemma = LlamaRMSNorm(dim, eps=1e-6).to(dtype), Gemma3RMSNorm(dim, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            llama.weight.copy_(torch.randn(dim))
+            gemma.weight.copy_(torch.randn(dim) * 0.5)
+        x = (torch.randn(5, dim) * 3).to(dtype)
+        with torch.no_grad():
+            want, want_gemma = llama(x), gemma(x)
+        assert torch.equal(ops.run_norm(lib, x, llama.weight.detach(), 1e-6), want), f"Llama's, {dim}"
+        out = torch.empty_like(x)
+        assert lib.add_rms_norm(x.data_ptr(), None, None, abi.DTYPE_CODES[dtype], 5, dim,
+                                ctypes.byref(routing.Norm.of(gemma).args), out.data_ptr(), 1) == 0
+        assert torch.equal(out, want_gemma), f"Gemma's, {dim}"
 
 
 def _assert_rounded_alike(got: torch.Tensor, want: torch.Tensor) -> None:

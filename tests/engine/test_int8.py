@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -59,18 +60,76 @@ def test_int8_tokens_equal_the_reference_model_s_with_images_and_prefix_caching(
         assert tokens[i] == int8_oracle(job.prompt, job.images, job.max_tokens), f"job {i}"
 
 
-def test_int8_qwen2_vl_tokens_equal_the_reference_model_s(families, images):
-    """Qwen2-VL: q/k/v biases, M-RoPE, its vision tower's blocks and merger stock on int8 layers."""
-    family = families("tiny-qwen2-vl")
-    oracle = oracle_for(family.checkpoint, prepare=quantize_linears)
+# A logit margin below which the reference's greedy choice is a tie at float32's noise once int8 magnifies it.
+# Chunked prefill reorders attention's float sums (torch's own SDPA: the first rows of a 13-query causal call differ
+# from the same rows of a 96-query one by 2.4e-7), and where such a difference moves an activation across a rounding
+# boundary of the next layer's per-token int8 quantization, it becomes a whole quantum (a logit moves by ~4e-3
+# in tiny-qwen2.5-vl, where the float path's differences stay ~1e-7). Every other position must agree.
+NEAR_TIE = 0.02
+
+
+def margin_oracle(checkpoint: str, prepare) -> Callable[[str, list, int], tuple[list[int], list[float]]]:
+    """oracle_for's greedy tokens with, at each, the reference's margin of its top logit over the next one."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).to(DEVICE).eval()
+    prepare(model)
+
+    def generate(prompt: str, images: list, max_tokens: int) -> tuple[list[int], list[float]]:
+        inputs = processor(text=[prompt], images=[images] if images else None, return_tensors="pt").to(DEVICE)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        top = [logits[0].float().topk(2).values for logits in out.logits]
+        return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), [(t[0] - t[1]).item() for t in top]
+
+    return generate
+
+
+def assert_tokens_equal_but_at_a_tie(got: list[int], want: list[int], margins: list[float], what: str) -> bool:
+    """got == want, or equal up to a position where the reference's margin is below NEAR_TIE (after which the two
+    continue from different tokens). Returns whether they parted at such a tie."""
+    if got == want:
+        return False
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    assert first < len(margins) and margins[first] < NEAR_TIE, (
+        f"{what}: tokens part at {first} where the reference's margin is "
+        f"{margins[first] if first < len(margins) else None} (got {got}, want {want})")
+    print(f"{what}: parted at a near tie (position {first}, reference margin {margins[first]:.1e})")
+    return True
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+def test_int8_qwen2_vl_tokens_equal_the_reference_model_s(families, images, name):
+    """Qwen2-VL and Qwen2.5-VL: q/k/v biases, M-RoPE, their vision towers' blocks (Qwen2.5-VL's windowed, with
+    RMSNorms, which the C kernel computes with torch's bits, and gated MLPs) and mergers stock on int8 layers. The
+    image features are the reference's bit for bit; the tokens are too, but where the reference's choice is a
+    tie within the float noise that int8 magnifies (NEAR_TIE): at most one job may part there."""
+    family = families(name)
+    oracle = margin_oracle(family.checkpoint, quantize_linears)
     jobs = family_jobs(family, images)[:3]
     jobs.append(replace(jobs[2], max_tokens=5, arrive_at_step=60))
     engine = family.engine(max_num_batched_tokens=13, max_num_seqs=4, quantization="int8", **FAST)
     assert engine.stats().lean_layers == engine.adapter.num_layers
     tokens, _ = run_jobs(engine, jobs)
     assert _hits(engine) > 0
-    for i, job in enumerate(jobs):
-        assert tokens[i] == oracle(job.prompt, job.images, job.max_tokens), f"job {i}"
+    parted = [assert_tokens_equal_but_at_a_tie(tokens[i], *oracle(job.prompt, job.images, job.max_tokens),
+                                               f"{name} job {i}") for i, job in enumerate(jobs)]
+    assert sum(parted) <= 1
+
+    adapter = engine.adapter  # the tower's features: the reference's, bit for bit
+    _, mm = adapter.process(family.prompt(1, "Describe."), [images["bus"]])
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(family.checkpoint, dtype=torch.float32).eval()
+    quantize_linears(model)
+    inputs = mm.encoder_inputs[0]
+    with torch.no_grad():
+        want = model.model.get_image_features(pixel_values=inputs["pixel_values"],
+                                              image_grid_thw=inputs["image_grid_thw"])
+    want = torch.cat(list(getattr(want, "pooler_output", want)))
+    assert torch.equal(torch.cat(list(adapter.encode(mm.encoder_inputs))), want)
 
 
 def test_int8_without_the_cpu_kernels_runs_the_pytorch_path(make_engine, int8_oracle, photos):
