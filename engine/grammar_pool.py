@@ -33,6 +33,8 @@ from engine.grammar_limits import GrammarLimits
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often a waiting compile looks at its cancel event
+NICE = 5  # the workers' CPU priority below the engine's (as the media box's children): a costly schema slows its
+# own request first, not the steps of everyone's tokens
 KEY_SHARE = 0.5  # the most of the workers one key compiles on at once (at least one worker)
 DEFAULT_KEY = "server"  # the key of compiles no client's key comes with
 # The key a compile is for, read by `GrammarPool.compile` (set with `keyed`).
@@ -83,6 +85,7 @@ def _serve(conn: Any, info: Any, compile_one: Any) -> None:
     _close_inherited(conn.fileno())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; the child ends when its pipe does
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.nice(NICE)
     import xgrammar
 
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)

@@ -4,6 +4,7 @@ schemas leave another's small one a worker; a compile that finds no worker free 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -91,3 +92,26 @@ def test_a_compile_that_finds_no_worker_within_its_wait_is_busy(pool):
     for thread in threads + others:
         thread.join(30)
     assert all(isinstance(end, GrammarCancelled) for end in ends + others_ends) and len(ends + others_ends) == 3
+
+
+def _niceness(xgr: Any, compiler: Any, kind: str, text: str) -> Any:
+    """In the child: refuses every compile, naming the child's CPU niceness."""
+    raise RuntimeError(f"niceness {os.nice(0)}")
+
+
+def test_workers_compile_below_the_engines_cpu_priority(checkpoint):
+    """A costly schema's compile is CPU work of one client: its worker runs niced (as the media box's children),
+    so the engine's steps for everyone else go first on busy cores."""
+    from transformers import AutoTokenizer
+
+    from engine.grammar_pool import NICE
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=512, stop_token_ids=[tokenizer.eos_token_id])
+    niced = GrammarPool(info, GrammarLimits(workers=1, compile_timeout_s=60), _niceness)
+    try:
+        with pytest.raises(Exception) as refused:
+            niced.compile("json", SMALL, threading.Event(), key="k")
+        assert f"niceness {min(19, os.nice(0) + NICE)}" in str(refused.value)
+    finally:
+        niced.close()
