@@ -125,6 +125,8 @@ def visible_query(request: Request, settings: ServerSettings, **fields: Any) -> 
 
 
 def _param_of(message: str) -> str | None:
+    if message.startswith("at most ") and " cameras a query" in message:
+        return "camera"  # the query parameter, repeated too often
     word = message.split(" ", 1)[0]
     return {"camera": "camera"}.get(word, word if word in ("since", "until", "kind", "limit", "q", "cursor") else None)
 
@@ -171,14 +173,16 @@ async def _get_visible(request: Request, memory: CameraMemory, event_id: str) ->
 
 # -- routes -------------------------------------------------------------------------------------------------
 CAMERAS_HELP = f"only these cameras' events (repeat, at most {MAX_CAMERAS})"
+SINCE_HELP = "events that end at or after this time (epoch seconds or ISO 8601)"
+UNTIL_HELP = "events that start at or before this time"
 
 
 @router.get("/events")
 async def list_events(
     request: Request,
     camera: list[str] = Query([], description=CAMERAS_HELP),
-    since: str | None = Query(None, description="events that end at or after this time (epoch seconds or ISO 8601)"),
-    until: str | None = Query(None, description="events that start at or before this time"),
+    since: str | None = Query(None, description=SINCE_HELP),
+    until: str | None = Query(None, description=UNTIL_HELP),
     kind: str | None = Query(None, description="sighting, event, fall or video"),
     fall: bool | None = Query(None, description="only fall alerts (true) or none of them (false)"),
     q: str | None = Query(None, description="words of the caption or its structured fields, all of them; ranked"),
@@ -226,15 +230,19 @@ def _similar_json(found: list[tuple[Event, float]]) -> dict[str, Any]:
 
 @router.get("/events/{event_id}/similar")
 async def similar_events(event_id: str, request: Request, camera: list[str] = Query([], description=CAMERAS_HELP),
+                         since: str | None = Query(None, description=SINCE_HELP),
+                         until: str | None = Query(None, description=UNTIL_HELP),
                          limit: int = Query(10, description="events, 1 to 200"),
                          memory: CameraMemory = Depends(camera_memory)) -> dict[str, Any]:
     """The events whose frames look most like this one's (cosine of the embeddings, highest first): the event
-    itself comes first."""
+    itself comes first (when the filters keep it). A bad camera, time or limit is a 400 naming it."""
+    filters = {"cameras": camera, "since": timestamp(since, "since"), "until": timestamp(until, "until"),
+               "limit": limit}
+    query = visible_query(request, memory.settings, **filters)  # the filters checked before the event is read
     event = await _get_visible(request, memory, event_id)
     if event.embedding is None:
         raise APIError(409, f"event {event_id!r} has no embedding (its frames could not be embedded)", "event_id",
                        "no_embedding")
-    query = visible_query(request, memory.settings, cameras=camera, limit=limit)
     found = [] if query is None else await work_pools(memory.settings).run("summary", memory.store.similar,
                                                                            event.embedding, query)
     return _similar_json(found)
@@ -242,13 +250,17 @@ async def similar_events(event_id: str, request: Request, camera: list[str] = Qu
 
 @router.post("/events/similar")
 async def events_like_image(request: Request, camera: list[str] = Query([], description=CAMERAS_HELP),
+                            since: str | None = Query(None, description=SINCE_HELP),
+                            until: str | None = Query(None, description=UNTIL_HELP),
                             limit: int = Query(10, description="events, 1 to 200"),
                             memory: CameraMemory = Depends(camera_memory)) -> dict[str, Any]:
     """The events that look most like an uploaded image: a multipart file field `image`, or JSON
-    `{"image": "<base64 or data URL>"}`."""
+    `{"image": "<base64 or data URL>"}`. A bad camera, time or limit is a 400 naming it, before the upload is
+    read."""
     state: ServerState = server_state(request)
+    query = visible_query(request, memory.settings, cameras=camera, since=timestamp(since, "since"),
+                          until=timestamp(until, "until"), limit=limit)
     data = await _uploaded_image(request, state.settings)
-    query = visible_query(request, memory.settings, cameras=camera, limit=limit)
     vector = (await embed_inputs(state, [data], []))[0]
     found = [] if query is None else await work_pools(memory.settings).run("summary", memory.store.similar,
                                                                            vector, query)

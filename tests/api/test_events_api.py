@@ -178,10 +178,42 @@ def test_pages_follow_their_cursor(http):
     ({"cursor": "garbage"}, "cursor"), ({"cursor": "x" * 2000}, "cursor"), ({"since": "yesterday"}, "since"),
     ({"since": "1e300"}, "since"), ({"since": "nan"}, "since"), ({"since": NOW + 50, "until": NOW}, "until"),
     ({"limit": 0}, "limit"), ({"limit": 100000}, "limit"), ({"kind": "party"}, "kind"), ({"q": "a" * 600}, "q"),
-    ({"camera": "../../etc"}, "camera"),
+    ({"camera": "../../etc"}, "camera"), ({"camera": ["c"] * 65}, "camera"), ({"limit": "ten"}, "limit"),
 ])
 def test_bad_filters_are_400_naming_them(http, params, param):
     assert_error(http.get("/v1/events", params=params), 400, param)
+
+
+SIMILAR_BAD = [({"limit": 0}, "limit"), ({"limit": 201}, "limit"), ({"limit": "ten"}, "limit"),
+               ({"limit": "1e9"}, "limit"), ({"camera": "../../etc"}, "camera"), ({"camera": ["c"] * 65}, "camera"),
+               ({"since": "yesterday"}, "since"), ({"until": "nan"}, "until"), ({"since": "-1"}, "since"),
+               ({"since": NOW + 50, "until": NOW}, "until")]
+
+
+@pytest.mark.parametrize("route", ["by-id", "by-upload-json", "by-upload-multipart"])
+@pytest.mark.parametrize("params, param", SIMILAR_BAD)
+def test_bad_filters_of_the_similar_routes_are_400_naming_them(http, route, params, param):
+    """Before any event is read or image embedded: the filters of GET /v1/events/{id}/similar and POST
+    /v1/events/similar answer 400 in OpenAI's error body naming the parameter (never 422 or 500)."""
+    frame = jpeg(BUS, size=(64, 48))
+    if route == "by-id":
+        answer = http.get("/v1/events/sighting-1/similar", params=params)
+    elif route == "by-upload-json":
+        data_url = "data:image/jpeg;base64," + base64.b64encode(frame).decode()
+        answer = http.post("/v1/events/similar", params=params, json={"image": data_url})
+    else:
+        answer = http.post("/v1/events/similar", params=params, files={"image": ("f.jpg", frame, "image/jpeg")})
+    assert_error(answer, 400, param)
+
+
+def test_similar_events_within_a_time_range(http):
+    assert ids(http.get("/v1/events/event-1/similar", params={"since": NOW + 5, "until": NOW + 20})) == ["event-1"]
+    iso = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(NOW + 25))
+    assert ids(http.get("/v1/events/sighting-1/similar", params={"since": iso})) == ["fall-1"]
+    frame = http.get("/v1/events/sighting-1/frames/0").content
+    found = ids(http.post("/v1/events/similar", params={"until": NOW + 1},
+                          files={"image": ("f.jpg", frame, "image/jpeg")}))
+    assert found == ["sighting-1"]
 
 
 @pytest.mark.parametrize("q", ['"', "red OR", "NEAR(a b)", "caption:x", "* ) (", "'; DROP TABLE events; --",
