@@ -1,7 +1,9 @@
 """The OpenAI-compatible routes on a real uvicorn server (loopback, tiny model), driven by the official
 `openai` client and by `ultralytics.LLM`: models, chat with an image (streamed and not), usage that
 matches the tokens, the Responses API, the API key, concurrency with exact greedy tokens, and aborts of
-clients that leave."""
+clients that leave. The server is the session's shared keyed one (tests/api/conftest.py: the same settings this
+module once started a server of its own with); what other modules asked of it before is not relied on: counts
+are taken as differences, the engine is seen idle once this module's own requests end."""
 
 from __future__ import annotations
 
@@ -13,15 +15,12 @@ import httpx
 import openai
 import pytest
 from PIL import Image
+from server_support import KEY, MODEL
 from ultralytics import LLM
 from ultralytics.utils import ASSETS
 
-from api.background import BackgroundServer
-from api.server import create_app
-from api.settings import Limits, ServerSettings
-from engine import EngineConfig, EngineStats
+from engine import EngineStats
 
-KEY = "test-key"
 BUS = ASSETS / "bus.jpg"
 ZIDANE = ASSETS / "zidane.jpg"
 
@@ -33,14 +32,6 @@ def data_url(path) -> str:
 def image_message(text: str, *paths) -> list[dict]:
     parts = [{"type": "image_url", "image_url": {"url": data_url(p)}} for p in paths]
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    settings = ServerSettings(engine=EngineConfig(model="tiny", max_num_batched_tokens=256), api_key=KEY,
-                              served_model_name="vlmcap-tiny", limits=Limits(max_tokens_cap=4096))
-    with BackgroundServer(create_app(settings)) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +51,7 @@ def metric(server, name: str, **labels) -> float:
 
 
 def test_models_and_health(server, client):
-    assert [m.id for m in client.models.list().data] == ["vlmcap-tiny"]
+    assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{server.url}/ready").status_code == 200
 
@@ -71,13 +62,13 @@ def test_wrong_or_missing_key_is_refused(server):
         wrong.models.list()
     assert refused.value.status_code == 401
     assert "API key" in refused.value.body["message"]
-    missing = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "vlmcap-tiny", "messages": []})
+    missing = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": []})
     assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_chat_with_image_usage_matches_tokens(server, client):
     messages = image_message("Describe the people.", BUS)
-    reply = client.chat.completions.create(model="vlmcap-tiny", messages=messages, max_tokens=6, temperature=0,
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
                                            extra_body={"return_token_ids": True, "ignore_eos": True})
     choice = reply.choices[0]
     token_ids = choice.model_extra["token_ids"]
@@ -91,7 +82,7 @@ def test_chat_with_image_usage_matches_tokens(server, client):
 
 def test_streamed_chat_equals_non_streamed(server, client):
     messages = [{"role": "system", "content": "Be brief."}, *image_message("What is here?", ZIDANE)]
-    kwargs = {"model": "vlmcap-tiny", "messages": messages, "max_completion_tokens": 7, "temperature": 0}
+    kwargs = {"model": MODEL, "messages": messages, "max_completion_tokens": 7, "temperature": 0}
     whole = client.chat.completions.create(**kwargs, extra_body={"return_token_ids": True})
     chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True},
                                                  extra_body={"return_token_ids": True}))
@@ -109,7 +100,7 @@ def test_streamed_chat_equals_non_streamed(server, client):
 
 
 def test_stream_ends_with_done(server):
-    body = {"model": "vlmcap-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}
     raw = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
     assert raw.headers["content-type"].startswith("text/event-stream")
     events = [line for line in raw.text.split("\n\n") if line]
@@ -119,14 +110,14 @@ def test_stream_ends_with_done(server):
 def test_responses_api(server, client):
     inputs = [{"role": "user", "content": [{"type": "input_text", "text": "Describe."},
                                            {"type": "input_image", "image_url": data_url(BUS)}]}]
-    response = client.responses.create(model="vlmcap-tiny", input=inputs, instructions="Be brief.",
+    response = client.responses.create(model=MODEL, input=inputs, instructions="Be brief.",
                                        max_output_tokens=5, temperature=0, extra_body={"ignore_eos": True})
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     assert response.usage.output_tokens == 5
     engine_form = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
                    {"role": "user", "content": [{"type": "text", "text": "Describe."}, {"type": "image"}]}]
     assert response.usage.input_tokens == expected_prompt_tokens(server, engine_form, [BUS])
-    with client.responses.stream(model="vlmcap-tiny", input=inputs, instructions="Be brief.", max_output_tokens=5,
+    with client.responses.stream(model=MODEL, input=inputs, instructions="Be brief.", max_output_tokens=5,
                                  temperature=0, extra_body={"ignore_eos": True}) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_response()
@@ -138,7 +129,7 @@ def test_responses_api(server, client):
 
 @pytest.mark.parametrize("api", ["responses", "chat.completions"])
 def test_ultralytics_llm_describes_bus(server, api):
-    model = LLM("vlmcap-tiny", api=api, base_url=f"{server.url}/v1", api_key=KEY)
+    model = LLM(MODEL, api=api, base_url=f"{server.url}/v1", api_key=KEY)
     limit = {"max_output_tokens": 4} if api == "responses" else {"max_tokens": 4}
     engine_form = [{"role": "user", "content": [{"type": "text", "text": "Describe the image."}, {"type": "image"}]}]
     expected = expected_prompt_tokens(server, engine_form, [BUS])
@@ -174,7 +165,7 @@ SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
 
 async def stream_tokens(client: openai.AsyncOpenAI, text: str, paths, priority: int = 0, **sampling) -> list[int]:
     stream = await client.chat.completions.create(
-        model="vlmcap-tiny", messages=image_message(text, *paths), max_tokens=8, stream=True,
+        model=MODEL, messages=image_message(text, *paths), max_tokens=8, stream=True,
         extra_body={"return_token_ids": True, "priority": priority, **sampling},
     )
     return [t async for chunk in stream if chunk.choices for t in chunk.choices[0].model_extra.get("token_ids") or []]
@@ -232,7 +223,7 @@ def wait_until_running(server, timeout_s: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-LONG = {"model": "vlmcap-tiny", "messages": image_message("Go on and on.", BUS), "max_tokens": 4000,
+LONG = {"model": MODEL, "messages": image_message("Go on and on.", BUS), "max_tokens": 4000,
         "ignore_eos": True, "temperature": 0}
 
 
@@ -267,7 +258,7 @@ def test_disconnected_non_streamed_request_is_aborted(server):
 
 
 def test_metrics_count_requests_and_latencies(server, client):
-    client.chat.completions.create(model="vlmcap-tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                    extra_body={"ignore_eos": True})
     assert httpx.get(f"{server.url}/metrics").status_code == 401  # a server with a key keeps its metrics behind it
     text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
