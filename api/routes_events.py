@@ -245,7 +245,27 @@ async def similar_events(event_id: str, request: Request, camera: list[str] = Qu
                        "no_embedding")
     found = [] if query is None else await work_pools(memory.settings).run("summary", memory.store.similar,
                                                                            event.embedding, query)
-    return _similar_json(found)
+    return _similar_json(_itself_first(event, found, query))
+
+
+def _itself_first(event: Event, found: list[tuple[Event, float]],
+                  query: EventQuery | None) -> list[tuple[Event, float]]:
+    """The event first of its similar events when the filters keep it. The store breaks equal scores by id, so
+    an event whose frames are another's too (two people's first sightings on one frame: one image, one vector)
+    could come second, or past the page's end."""
+    if query is None or not _kept_by(event, query):
+        return found
+    own = next((score for other, score in found if other.id == event.id),
+               sum(v * v for v in event.embedding or []))  # its cosine with itself (a unit vector)
+    return [(event, own)] + [(other, score) for other, score in found if other.id != event.id][: query.limit - 1]
+
+
+def _kept_by(event: Event, query: EventQuery) -> bool:
+    """Whether a visible event passes a similar search's filters (memory/sql.py's `filters`: cameras, a time range
+    the event overlaps)."""
+    return ((not query.cameras or event.camera_id in query.cameras)
+            and (query.since is None or event.end_ts >= query.since)
+            and (query.until is None or event.start_ts <= query.until))
 
 
 @router.post("/events/similar")
