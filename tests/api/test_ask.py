@@ -8,6 +8,7 @@ cameras only; hostile input answered 400 in OpenAI's error body."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 
@@ -159,3 +160,77 @@ def test_the_prompt_stays_within_the_context_and_the_image_limit(tight):
         assert bob["empty"] and bob["event_ids"] == []
         http.headers["Authorization"] = "Bearer wrong"
         assert_error(http.post("/v1/cameras/ask", json={"question": "who?"}), 401)
+
+
+# -- chats stay stall-free while a question runs ------------------------------------------------------------
+BUDGET = 32  # tokens a step: the question's prompt (captions and frames) takes many steps
+
+
+@pytest.mark.timeout(300)
+def test_chats_decode_in_every_step_while_the_question_s_prompt_prefills(tmp_path_factory):
+    """Two chats stream over HTTP; a question about the cameras (four events' captions and four of their frames)
+    is asked beside them. The engine's own schedule, recorded step by step: every step that carries a piece of the
+    question's prompt (a chunk of it, or its frames' tower work) also carries one decode token of each chat. No
+    timing: the steps are counted, not measured."""
+    data_dir = seed(tmp_path_factory.mktemp("ask-stall") / "data", known_events())
+    settings = ServerSettings(engine=EngineConfig(model="tiny", max_num_batched_tokens=BUDGET, max_num_seqs=8),
+                              data_dir=str(data_dir))
+    with BackgroundServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=120) as http:
+        engine = server.state.bridge.engine
+        steps: list = []
+        schedule = engine.scheduler.schedule
+
+        def recorded():
+            out = schedule()
+            steps.append(out)
+            return out
+
+        engine.scheduler.schedule = recorded
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        started = [threading.Event() for _ in range(2)]
+        done = threading.Event()
+        tokens = [0, 0]
+
+        def chat(index: int) -> None:
+            body = {"model": model, "messages": [{"role": "user", "content": f"Tell me story {index} about buses."}],
+                    "max_tokens": 2000, "ignore_eos": True, "stream": True, "temperature": 0}
+            with httpx.Client(base_url=server.url, timeout=120) as own, \
+                    own.stream("POST", "/v1/chat/completions", json=body) as stream:
+                for line in stream.iter_lines():
+                    if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                        tokens[index] += 1
+                        started[index].set()
+                    if done.is_set():
+                        return
+
+        threads = [threading.Thread(target=chat, args=(i,), daemon=True) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        try:
+            for event in started:
+                assert event.wait(120), "a chat did not start streaming"
+            mark = len(steps)
+            chats = {c.request_id for c in steps[mark - 1].chunks if c.start >= c.num_prompt_tokens}
+            assert len(chats) == 2, "both chats decode when the question comes"
+            answer = ask(http, question="did anyone fall in the warehouse?", max_events=4, max_frames=4, max_tokens=4)
+        finally:
+            done.set()
+        for thread in threads:
+            thread.join(60)
+        during = steps[mark:]
+        asked = {c.request_id for out in during for c in out.chunks if c.request_id not in chats}
+        assert len(asked) == 1, asked
+        [question] = asked
+        prefill = [out for out in during
+                   if any(c.request_id == question and c.start < c.num_prompt_tokens for c in out.chunks)
+                   or any(w.request_id == question for w in out.encoder_work)]
+        prompt_tokens = answer["usage"]["prompt_tokens"]
+        assert len(answer["frames"]) == 4 and len(answer["event_ids"]) == 4
+        assert prompt_tokens > 5 * BUDGET and len(prefill) >= prompt_tokens // BUDGET
+        assert any(out.encoder_work for out in prefill), "its frames went through the tower in these steps"
+        for number, out in enumerate(prefill):
+            decodes = [c for c in out.chunks if c.request_id in chats]
+            assert sorted(c.request_id for c in decodes) == sorted(chats), f"step {number}: a chat skipped"
+            assert all(c.num_tokens == 1 and c.start >= c.num_prompt_tokens for c in decodes)
+            assert out.num_tokens <= BUDGET
+        assert all(tokens), "the chats streamed their tokens"
