@@ -2,8 +2,8 @@
 from returning freed memory and the C kernels' build chosen (before the model loads); then the attention backend
 (engine/attention_backends.py), whether Linear layers go through the CPU's kernel, the lean decoder and vision
 layers (engine/lean_layers.py, engine/lean_vision.py) with the kernel row ranges measured for them, and whether
-decode steps are replayed from CUDA graphs. The platform owns the lean layers; the adapter is handed them
-(`VLMAdapter.lean`, `VLMAdapter.lean_vision`) to run its text model and tower through them."""
+decode steps are replayed from CUDA graphs. The platform owns the lean layers and installs them in place of the
+stock modules they replace (engine/lean_paths.py); the adapters describe the model family only."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from engine import lean_paths
 from engine.config import EngineConfig
 from engine.models.base import VLMAdapter
 
@@ -101,7 +102,8 @@ class Platform:
         if config.lean_layers is not False and adapter.vision_layers is not None:
             layers = lean_vision_layers(adapter.vision_layers)
             self.lean_vision = layers if any(layer is not None for layer in layers) else None
-        adapter.lean, adapter.lean_vision = self.lean, self.lean_vision
+        lean_paths.set_text(adapter.text_model, self.lean)
+        lean_paths.set_vision(adapter.vision_layers, self.lean_vision)
         routing.route_linears(adapter.model)
         routing.route_norms(adapter.model)
         self.cpu_kernels = build.variant()

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from PIL import Image
 
+from engine import lean_paths
 from engine.attention import ATTN_IMPLEMENTATION, AttentionBatch
 from engine.request import MultimodalPrompt
 from engine.video import Video
+
+if TYPE_CHECKING:
+    from engine.lean_layers import LeanTextModel
+    from engine.lean_vision import LeanVisionLayer
 
 # Model types whose image tokens attend to each other both ways in transformers (Gemma 3 puts a bidirectional
 # block over each image's tokens), among the families with an adapter. A causal chunk boundary
@@ -129,9 +134,24 @@ class VLMAdapter:
             text_config.sliding_window if "sliding_attention" in layer_types else None
         )
         self.atomic_inputs = image_tokens_attend_bidirectionally(model.config)
-        self.lean: Any = None  # engine/lean_layers.LeanTextModel where the engine runs the text model lean
-        # engine/lean_vision.py's layers (None where one runs stock), where the engine runs the tower lean
-        self.lean_vision: list[Any] | None = None
+
+    # What the platform runs lean in place of this model's modules (engine/lean_paths.py holds it; the adapter keeps
+    # no lean state): read, and set by callers that turn the lean path off and on again (tests, `bench host`).
+    @property
+    def lean(self) -> LeanTextModel | None:
+        return lean_paths.text(self.text_model)
+
+    @lean.setter
+    def lean(self, value: LeanTextModel | None) -> None:
+        lean_paths.set_text(self.text_model, value)
+
+    @property
+    def lean_vision(self) -> list[LeanVisionLayer | None] | None:
+        return lean_paths.vision_layers(self.vision_layers)
+
+    @lean_vision.setter
+    def lean_vision(self, value: list[LeanVisionLayer | None] | None) -> None:
+        lean_paths.set_vision(self.vision_layers, value)
 
     # -- family-specific ------------------------------------------------------------------------
     @property
@@ -268,8 +288,9 @@ class VLMAdapter:
     def forward_text(
         self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
-        if self.lean is not None:  # engine/lean_layers.py, set by the engine
-            return self.lean.forward(inputs_embeds, position_ids, batch)
+        lean = self.lean  # engine/lean_layers.py, where the platform runs it
+        if lean is not None:
+            return lean.forward(inputs_embeds, position_ids, batch)
         out = self.text_model(
             inputs_embeds=inputs_embeds.unsqueeze(0),
             position_ids=position_ids.unsqueeze(-2),  # [T] -> [1, T]; [streams, T] -> [streams, 1, T]

@@ -104,7 +104,7 @@ class ImageTowerAdapter(VLMAdapter):
         if first == 0:
             states = [(self._embed(self._views(item)), None) for item in inputs]
         sizes = [state[0].shape[0] for state in states]
-        hidden, carried = run_slices(self.vision_layers, self.lean_vision, first, end, join([s[0] for s in states]),
+        hidden, carried = run_slices(self.vision_layers, first, end, join([s[0] for s in states]),
                                      None, join([s[1] for s in states]))
         if end < self.encoder_slices:
             return list(zip(hidden.split(sizes), split(carried, sizes)))

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from engine import lean_paths
 from engine.host_memory import MMAP_THRESHOLD
 from engine.lean_vision import LeanVisionLayer
 
@@ -66,13 +67,13 @@ def run_slice(layer: torch.nn.Module, which: int, hidden: torch.Tensor, mask: An
     return hidden + mlp.fc2(carried), None
 
 
-def run_slices(layers: torch.nn.ModuleList, lean: list[LeanVisionLayer | None] | None, first: int, end: int,
-               hidden: torch.Tensor, mask: Any, carried: Any) -> tuple[torch.Tensor, Any]:
-    """Slices first..end-1 of the tower whose encoder layers are `layers` (each lean where `lean` has it)."""
+def run_slices(layers: torch.nn.ModuleList, first: int, end: int, hidden: torch.Tensor, mask: Any, carried: Any
+               ) -> tuple[torch.Tensor, Any]:
+    """Slices first..end-1 of the tower whose encoder layers are `layers` (each lean where the platform runs it
+    lean: engine/lean_paths.py)."""
     for index in range(first, end):
-        layer = index // SLICES_PER_LAYER
-        hidden, carried = run_slice(layers[layer], index % SLICES_PER_LAYER, hidden, mask, carried,
-                                    lean[layer] if lean is not None else None)
+        layer = layers[index // SLICES_PER_LAYER]
+        hidden, carried = run_slice(layer, index % SLICES_PER_LAYER, hidden, mask, carried, lean_paths.vision(layer))
     return hidden, carried
 
 

@@ -108,7 +108,7 @@ class SmolVLMAdapter(VLMAdapter):
         hidden = join([state[0] for state in states])
         masks = [state[1] for state in states]
         mask = None if all(m is None for m in masks) else torch.cat([self._full_mask(h, m) for h, m, _ in states])
-        hidden, carried = run_slices(vision.encoder.layers, self.lean_vision, first, end, hidden, mask,
+        hidden, carried = run_slices(vision.encoder.layers, first, end, hidden, mask,
                                      join([state[2] for state in states]))
         if end < self.encoder_slices:
             return list(zip(hidden.split(1), masks, split(carried, [1] * len(states))))
