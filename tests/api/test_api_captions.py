@@ -38,7 +38,7 @@ def poll(http: httpx.Client, caption_id: str, timeout_s: float = 120.0) -> dict:
         result = http.get(f"/v1/captions/{caption_id}").json()
         if result["status"] in ("done", "failed") or time.monotonic() > deadline:
             return result
-        assert result["status"] in ("queued", "running"), result
+        assert result["status"] in ("queued", "claimed", "running"), result
         time.sleep(0.05)
 
 
