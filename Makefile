@@ -12,9 +12,14 @@ $(VENV): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(VENV)
 
+# The suite's modules on TEST_WORKERS processes (pytest-xdist), each module whole on one of them (its module
+# fixtures, servers and Redis, started once): many tests wait on servers and subprocesses, so two processes keep
+# two cores busy.
+TEST_WORKERS ?= 2
+
 test: $(VENV) browser
 	$(BIN)/ruff check engine api pipeline jobqueue cli tests bench memory
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 demo: $(VENV)
 	$(BIN)/vlmcap demo

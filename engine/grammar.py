@@ -29,6 +29,7 @@ import torch
 
 from engine.grammar_limits import GrammarLimitError, GrammarLimits, check_regex, check_schema
 from engine.grammar_pool import GrammarCancelled, GrammarPool, GrammarTimeout
+from engine.grammar_utf8 import Utf8Guard
 
 
 @dataclass(frozen=True)
@@ -221,12 +222,15 @@ def _clean_error(exc: Exception) -> str:
 
 class Matcher:
     """One request's position in its grammar: which tokens may come next, and whether it has ended.
-    `filler` is its compiler's batch mask filler (see `apply_token_masks`)."""
+    `filler` is its compiler's batch mask filler (see `apply_token_masks`); `utf8` its compiler's UTF-8 rule, which
+    every mask is held to (engine/grammar_utf8.py), with `utf8_state` where the output stands in it."""
 
-    def __init__(self, matcher: Any, vocab_size: int, filler: BatchFiller) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, filler: BatchFiller, utf8: Utf8Guard) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
         self.filler = filler
+        self.utf8 = utf8
+        self.utf8_state = 0
         # The allowed next tokens' bitmask row ([1, words], int32, on the host) where `forced_tokens` filled it
         # for the current state; `apply_token_masks` uses it instead of filling it again. Dropped at `accept`.
         self.mask: torch.Tensor | None = None
@@ -236,6 +240,7 @@ class Matcher:
         accepted = bool(self._matcher.accept_token(int(token_id)))
         if accepted:
             self.mask = None
+            self.utf8_state = self.utf8.after(self.utf8_state, int(token_id))
         return accepted
 
     @property
@@ -317,6 +322,8 @@ class GrammarCompiler:
         self.pool = GrammarPool(info, self.limits, _compile_in_child)
         self.cache = CompiledCache(self.limits.max_cache_bytes)
         self.filler = BatchFiller()
+        self.utf8_vocab: list[bytes] = list(info.decoded_vocab)  # each token's bytes, as decoded text has them
+        self.utf8 = Utf8Guard(self.utf8_vocab, vocab_size, [*info.special_token_ids, *info.stop_token_ids])
 
     @property
     def executor(self) -> ThreadPoolExecutor:
@@ -371,7 +378,7 @@ class GrammarCompiler:
     def matcher(self, spec: GrammarSpec) -> Matcher:
         """A fresh matcher for one request under `spec`."""
         xgr = _xgrammar()
-        return Matcher(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, self.filler)
+        return Matcher(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, self.filler, self.utf8)
 
     def close(self) -> None:
         self.pool.close()
@@ -379,7 +386,8 @@ class GrammarCompiler:
 
 def _fill(xgr: Any, bitmask: torch.Tensor, matchers: list[Matcher], rows: list[int]) -> None:
     """Row `rows[j]` of `bitmask` (on the host) to the tokens `matchers[j]` allows next: the row its last
-    `forced_tokens` kept, else filled, all those in one batch by xgrammar's threads."""
+    `forced_tokens` kept, else filled, all those in one batch by xgrammar's threads; then each held to the UTF-8
+    rule from where its output stands."""
     todo = []
     for matcher, row in zip(matchers, rows):
         if matcher.mask is not None:
@@ -388,6 +396,7 @@ def _fill(xgr: Any, bitmask: torch.Tensor, matchers: list[Matcher], rows: list[i
             todo.append((matcher, row))
     if todo:
         todo[0][0].filler.fill(xgr, [matcher._matcher for matcher, _ in todo], bitmask, [row for _, row in todo])
+        todo[0][0].utf8.restrict(bitmask, [row for _, row in todo], [matcher.utf8_state for matcher, _ in todo])
 
 
 def forced_tokens(matchers: list[Matcher]) -> list[int | None]:

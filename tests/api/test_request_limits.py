@@ -121,8 +121,8 @@ def neighbour_tokens(client: openai.OpenAI) -> list[int]:
     return tokens
 
 
-def assert_openai_error(reply: httpx.Response) -> None:
-    assert 400 <= reply.status_code < 500, (reply.status_code, reply.text[:300])
+def assert_openai_error(reply: httpx.Response, sent: object = None) -> None:
+    assert 400 <= reply.status_code < 500, (sent, reply.status_code, reply.text[:300])
     error = reply.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"], error
 
@@ -139,7 +139,7 @@ def test_every_numeric_field_with_extreme_values_and_an_intact_neighbour(server,
             if acceptable(name, literal):
                 assert reply.status_code == 200, (path, name, literal, reply.text[:300])
             else:
-                assert_openai_error(reply)
+                assert_openai_error(reply, (path, name, literal))
                 error = reply.json()["error"]
                 assert name in f"{error['message']} {error['param']}" or "NaN is not JSON" in error["message"], \
                     (path, reply.text)

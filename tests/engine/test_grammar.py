@@ -307,3 +307,79 @@ def test_new_spec_kinds_refuse_bad_values(fields, message):
     with pytest.raises(ValueError, match=message):
         GrammarSpec(**fields)
     assert hash(GrammarSpec(choice=("a", "b"))) == hash(GrammarSpec(choice=("a", "b")))
+
+
+def test_constrained_strings_stay_well_formed_utf8_whatever_the_model_prefers(checkpoint):
+    """xgrammar lets a surrogate's bytes (ED A0-BF xx) into a string; Python decodes them as three U+FFFD each, so
+    a `maxLength: 8` string came back longer. A model that prefers exactly those bytes still writes a string of
+    at most 8 well-formed characters, and the masks allow the lawful continuations only."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    compiler = GrammarCompiler(tokenizer, 512, [tokenizer.eos_token_id])
+    byte_token = {bytes_[0]: t for t, bytes_ in enumerate(compiler.utf8_vocab) if len(bytes_) == 1}
+    assert len(byte_token) == 256  # the tiny tokenizer is byte-level: every byte is a token
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+              "additionalProperties": False}
+    matcher = compiler.matcher(GrammarSpec.from_schema(schema))
+    for byte in b'{"city": "\xed':
+        assert matcher.accept(byte_token[byte])
+    logits = torch.zeros(1, 512)
+    apply_token_masks(logits, [matcher])
+    allowed = {b for b, t in byte_token.items() if logits[0, t] == 0.0}
+    assert allowed == set(range(0x80, 0xA0))  # after ED: a continuation below A0, never a surrogate's
+    # The preferred bytes, from the most: a surrogate's, then other non-ASCII bytes, ASCII last.
+    preference = [0xED, 0xA0, 0x80, *range(0xC2, 0xF5), *range(0x80, 0xC0), *range(0x20, 0x7F)]
+    scores = torch.full((1, 512), -1e4)
+    for rank, byte in enumerate(preference):
+        scores[0, byte_token[byte]] = 1e3 - rank
+    scores[0, tokenizer.eos_token_id] = -1e3
+    matcher = compiler.matcher(GrammarSpec.from_schema(schema))
+    out: list[int] = []
+    while not matcher.is_terminated and len(out) < 200:
+        logits = scores.clone()
+        apply_token_masks(logits, [matcher])
+        token = int(logits.argmax())
+        assert matcher.accept(token)
+        out.append(token)
+    text = b"".join(compiler.utf8_vocab[t] for t in out if t != tokenizer.eos_token_id).decode("utf-8")  # strict
+    city = json.loads(text)["city"]
+    assert 1 <= len(city) <= 8 and "\ufffd" not in city and tokenizer.decode(out, skip_special_tokens=True) == text
+    compiler.close()
+
+
+def test_the_utf8_rule_allows_exactly_the_well_formed_continuations():
+    """Random walks over a vocabulary of every byte, some whole characters and some invalid sequences, under the
+    rule alone: every walk decodes strictly, and at each step a token is allowed exactly when the bytes so far
+    plus its own are the start of well-formed UTF-8 (Python's incremental decoder is the oracle)."""
+    import codecs
+    import random
+
+    from engine.grammar_utf8 import Utf8Guard
+
+    vocab = [bytes([b]) for b in range(256)] + ["é".encode(), "€".encode(), "😀".encode(), b"ab\xe2\x82",
+                                                b"\xac!", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xc0\xaf", b""]
+    guard = Utf8Guard(vocab, len(vocab) + 5, neutral=[len(vocab) - 1])
+    # Every proper start of a character's encoding (Python's incremental decoder holds some that are not, ED A0);
+    # a proper start depends on the code point's bits above its last 6 only, so one code point of each 64.
+    starts = {b""} | {code[:n] for c in range(0x80, 0x110000, 64) if not 0xD800 <= c < 0xE000
+                      for code in [chr(c).encode()] for n in range(1, len(code))}
+    rng = random.Random(0)
+    for _ in range(40):
+        state, written = 0, b""
+        for _ in range(30):
+            row = torch.full((1, guard.masks.shape[1]), -1, dtype=torch.int32)
+            guard.restrict(row, [0], [state])
+            bits = [(int(row[0, t // 32]) >> (t % 32)) & 1 for t in range(len(vocab))]
+            for t, bit in enumerate(bits):
+                decoder = codecs.getincrementaldecoder("utf-8")()
+                try:
+                    decoder.decode(written + vocab[t])
+                    lawful = decoder.getstate()[0] in starts  # what it holds back can still become a character
+                except UnicodeDecodeError:
+                    lawful = False
+                assert bit == lawful, (written, vocab[t])
+            token = rng.choice([t for t, bit in enumerate(bits) if bit])
+            state, written = guard.after(state, token), written + vocab[token]
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        decoder.decode(written)  # never raises: well-formed so far
