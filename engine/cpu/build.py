@@ -27,7 +27,11 @@ FOLDER = Path(__file__).parent.parent / "csrc"
 SOURCES = [FOLDER / "paged_decode.c", FOLDER / "linear.c", FOLDER / "linear_int8.c", FOLDER / "rms_norm.c",
            FOLDER / "rope_store.c", FOLDER / "gelu.c", FOLDER / "decode_layers.c", FOLDER / "full_attention.c"]
 HEADERS = [FOLDER / "dtypes.h", FOLDER / "kernels.h", FOLDER / "linear.h"]
-FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")  # compiling; linking is LINK_FLAGS, without -ffast-math:
+# GCC links crtfastmath.o into what it links with -ffast-math (shared libraries too, before GCC 13), whose constructor
+# turns on flush-to-zero and denormals-are-zero for the thread that loads the library and the threads it starts, so
+# the whole server's floats changed (Python parsed 1e-320 as 0.0: a top_k of 1e-320 passed as an integer).
+LINK_FLAGS = ("-shared", "-fopenmp")
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 # name -> (compiler flags, the CPU flags of /proc/cpuinfo it needs), best first.
@@ -71,14 +75,20 @@ def compile_variant(name: str) -> Path | None:
         return None
     flags = (*FLAGS, *VARIANTS[name][0])
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    key = hashlib.sha256(source + " ".join(flags).encode() + platform.machine().encode()).hexdigest()[:16]
+    recipe = " ".join((*flags, *LINK_FLAGS)).encode() + platform.machine().encode()
+    key = hashlib.sha256(source + recipe).hexdigest()[:16]
     folder = Path(tempfile.gettempdir()) / "vlmcap-kernels"
     library = folder / f"vlmcap-cpu-{name}-{key}.so"
     if not library.exists():
         folder.mkdir(parents=True, exist_ok=True)
         partial = folder / f".{library.name}.{os.getpid()}"
-        done = subprocess.run([compiler, *flags, f"-I{FOLDER}", *map(str, SOURCES), "-o", str(partial), "-lm"],
-                              capture_output=True, text=True)
+        with tempfile.TemporaryDirectory(dir=folder) as work:  # objects first, then linked without -ffast-math
+            done = subprocess.run([compiler, *flags, "-c", f"-I{FOLDER}", *map(str, SOURCES)], cwd=work,
+                                  capture_output=True, text=True)
+            if done.returncode == 0:
+                objects = [str(Path(work) / f"{path.stem}.o") for path in SOURCES]
+                done = subprocess.run([compiler, *LINK_FLAGS, *objects, "-o", str(partial), "-lm"],
+                                      capture_output=True, text=True)
         if done.returncode != 0:
             log.warning("the CPU kernels (%s) did not compile (%s): %s", name, compiler, done.stderr[-2000:])
             partial.unlink(missing_ok=True)

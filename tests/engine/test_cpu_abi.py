@@ -116,3 +116,28 @@ def test_every_struct_lies_where_the_compiler_puts_it(tmp_path):
         assert int(printed[name]) == ctypes.sizeof(struct), name
         for field, _ in struct._fields_:
             assert int(printed[f"{name}.{field}"]) == getattr(struct, field).offset, (name, field)
+
+
+def test_loading_the_kernels_leaves_the_process_s_floats_alone():
+    """The builds are compiled with -ffast-math, but linked without it: GCC 12 links crtfastmath.o into a shared
+    library built with it, whose constructor turned on flush-to-zero and denormals-are-zero for the loading thread
+    and the threads it starts (the server then parsed a top_k of 1e-320 as 0.0, an integer). In a fresh process,
+    after every build this CPU runs is loaded, a subnormal survives parsing and arithmetic, there and in a new
+    thread."""
+    import sys
+
+    script = """
+import threading
+from engine.cpu import build
+loaded = [name for name in build.runnable_variants() if build.load_variant(name) is not None]
+values = [float("1e-320"), 5e-324 * 3]
+thread = threading.Thread(target=lambda: values.append(float("1e-320")))
+thread.start()
+thread.join()
+print(len(loaded), *[v != 0.0 for v in values])
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          cwd=build.FOLDER.parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded, *kept = done.stdout.split()
+    assert int(loaded) >= 1 and kept == ["True", "True", "True"], done.stdout
