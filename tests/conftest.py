@@ -130,3 +130,18 @@ def _engine_start_up_measured_once() -> Iterator[None]:
         patch.setattr(tuning, "measure_row_range", measured_once)
         patch.setattr(calibration, "calibrate", calibrated_once)
         yield
+
+
+# -- test ids -------------------------------------------------------------------------------------------
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each schemathesis case its own id. Schemathesis names its items by operation ("test[GET /v1/models]"), but
+    pytest 9 gives them all the test function's id, and pytest-xdist, which hands tests to its processes by id, ran
+    one operation of the fuzzed API instead of all of them. A duplicate id left stops the run."""
+    seen: set[str] = set()
+    for item in items:
+        if getattr(item, "operation_label", None) is not None and not item.nodeid.endswith("]"):
+            item._id = item.parent.id.child(item.name)
+        if item.nodeid in seen:
+            raise pytest.UsageError(f"two tests have the id {item.nodeid}: pytest-xdist would run one of them")
+        seen.add(item.nodeid)
