@@ -33,7 +33,7 @@ import torch
 
 from bench.configs import HostConfig
 from bench.report import machine, pyplot, save_figure
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, SamplingParams, lean_paths
 from engine.host_memory import resident_bytes
 
 PHASES = ("schedule", "encode", "prepare", "forward", "sample", "detokenize", "rest")
@@ -326,16 +326,16 @@ def vision_tile_ms(engine: Engine, tiles: int, repeats: int = 2) -> dict[str, fl
     prompt = adapter.render_messages([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}])
     _, mm = adapter.process(prompt, [photo], options=dict(adapter.single_input_options) or None)
     inputs = mm.encoder_inputs[:1] * tiles
-    lean = adapter.lean_vision
+    lean = lean_paths.vision_layers(adapter.vision_layers)
     result = {}
     for name, layers in (("engine", lean), ("stock", None)):
-        adapter.lean_vision = layers
+        lean_paths.set_vision(adapter.vision_layers, layers)
         adapter.encode(inputs)
         began = time.perf_counter()
         for _ in range(repeats):
             adapter.encode(inputs)
         result[f"{name}_ms_per_input"] = (time.perf_counter() - began) / repeats / tiles * 1e3
-    adapter.lean_vision = lean
+    lean_paths.set_vision(adapter.vision_layers, lean)
     result["lean_layers"] = sum(layer is not None for layer in lean or ())
     result["input_rows"] = mm.input_rows[0]
     return result

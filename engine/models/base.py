@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from PIL import Image
@@ -14,10 +14,6 @@ from engine import lean_paths
 from engine.attention import ATTN_IMPLEMENTATION, AttentionBatch
 from engine.request import MultimodalPrompt
 from engine.video import Video
-
-if TYPE_CHECKING:
-    from engine.lean_layers import LeanTextModel
-    from engine.lean_vision import LeanVisionLayer
 
 # Model types whose image tokens attend to each other both ways in transformers (Gemma 3 puts a bidirectional
 # block over each image's tokens), among the families with an adapter. A causal chunk boundary
@@ -135,24 +131,6 @@ class VLMAdapter:
         )
         self.atomic_inputs = image_tokens_attend_bidirectionally(model.config)
 
-    # What the platform runs lean in place of this model's modules (engine/lean_paths.py holds it; the adapter keeps
-    # no lean state): read, and set by callers that turn the lean path off and on again (tests, `bench host`).
-    @property
-    def lean(self) -> LeanTextModel | None:
-        return lean_paths.text(self.text_model)
-
-    @lean.setter
-    def lean(self, value: LeanTextModel | None) -> None:
-        lean_paths.set_text(self.text_model, value)
-
-    @property
-    def lean_vision(self) -> list[LeanVisionLayer | None] | None:
-        return lean_paths.vision_layers(self.vision_layers)
-
-    @lean_vision.setter
-    def lean_vision(self, value: list[LeanVisionLayer | None] | None) -> None:
-        lean_paths.set_vision(self.vision_layers, value)
-
     # -- family-specific ------------------------------------------------------------------------
     @property
     def text_model(self) -> torch.nn.Module:
@@ -172,7 +150,7 @@ class VLMAdapter:
     def encode(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Vision features of each encoder input, one [rows, hidden] tensor each: the tower whole
         (`encode_whole`), or, where its layers run lean, all of its slices, which are the lean layers' path."""
-        if self.lean_vision is not None:
+        if lean_paths.vision_layers(self.vision_layers) is not None:
             return self.encode_slices(inputs, [None] * len(inputs), 0, self.encoder_slices)
         return self.encode_whole(inputs)
 
@@ -288,7 +266,7 @@ class VLMAdapter:
     def forward_text(
         self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
-        lean = self.lean  # engine/lean_layers.py, where the platform runs it
+        lean = lean_paths.text(self.text_model)  # engine/lean_layers.py, where the platform runs it
         if lean is not None:
             return lean.forward(inputs_embeds, position_ids, batch)
         out = self.text_model(

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, SamplingParams, lean_paths
 from engine.models import ADAPTERS, resolve_checkpoint
 from engine.models.base import image_tokens_attend_bidirectionally
 from engine.presets import PRESETS
@@ -100,19 +100,20 @@ def test_a_sliced_tower_gives_the_whole_tower_s_features(families, images, name,
         if isinstance(module, KernelLinear | KernelPatchConv):
             module.rows = (0, 0)
     assert adapter.encoder_slices == SLICED_TOWERS[name]
-    assert (adapter.lean_vision is not None) == (lean and name in LEAN_TOWERS)
+    lean_vision = lean_paths.vision_layers(adapter.vision_layers)
+    assert (lean_vision is not None) == (lean and name in LEAN_TOWERS)
     photos = [images["bus"], images["zidane"]][:count]
     _, mm = adapter.process(families(name).prompt(count, "Compare."), photos)
     inputs = mm.encoder_inputs
-    lean_layers, adapter.lean_vision = adapter.lean_vision, None
+    lean_paths.set_vision(adapter.vision_layers, None)
     whole = adapter.encode(inputs)  # transformers' own features
-    adapter.lean_vision = lean_layers
+    lean_paths.set_vision(adapter.vision_layers, lean_vision)
     sliced = [None] * len(inputs)
     for stage in range(adapter.encoder_slices):
         sliced = adapter.encode_slices(inputs, sliced, stage, stage + 1)
     assert len(sliced) == len(whole) == count
     for want, got in zip(whole, sliced):
-        if adapter.lean_vision is not None:
+        if lean_vision is not None:
             assert (want - got).abs().max().item() <= 1e-4 * want.abs().max().item()
         else:
             assert torch.equal(want, got)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench.host import OpCounter
-from engine import Engine, EngineConfig, SamplingParams, lean_layers
+from engine import Engine, EngineConfig, SamplingParams, lean_layers, lean_paths
 from engine.lean_layers import LeanTextModel, fits
 from tests.engine.conftest import DEVICE, run_jobs
 from tests.engine.test_exactness import mixed_jobs
@@ -84,7 +84,7 @@ def test_weights_are_held_once(make_engine):
 
     assert abs(weight_bytes(lean) - weight_bytes(stock)) <= 0.01 * weight_bytes(stock)
     attn = lean.adapter.text_model.layers[0].self_attn
-    fused = lean.adapter.lean.layers[0].qkv.weight
+    fused = lean_paths.text(lean.adapter.text_model).layers[0].qkv.weight
     assert attn.q_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
     assert attn.v_proj.weight.data_ptr() == fused.data_ptr() + (attn.q_proj.out_features + attn.k_proj.out_features) \
         * fused.shape[1] * fused.element_size()
@@ -101,7 +101,8 @@ def test_gemma_layers_fit_and_layers_of_another_kind_run_stock(families, images,
     real_fits = lean_layers.fits
     monkeypatch.setattr(lean_layers, "fits", lambda layer: real_fits(layer) and layer.self_attn.layer_idx != 1)
     engine = family.engine(max_num_batched_tokens=13, max_num_seqs=4, cpu_linear_rows=ALWAYS_KERNEL)
-    assert engine.adapter.lean.layers[1] is None and engine.stats().lean_layers == engine.adapter.num_layers - 1
+    lean = lean_paths.text(engine.adapter.text_model)
+    assert lean.layers[1] is None and engine.stats().lean_layers == engine.adapter.num_layers - 1
     jobs = family_jobs(family, images)
     tokens, _ = run_jobs(engine, jobs)
     for i, job in enumerate(jobs):
@@ -138,7 +139,7 @@ def _decode_outputs(engine: Engine, one_call: bool, calls: list[int], monkeypatc
     """The text model's outputs of every step of 4 requests (steps of decodes only in one call or not)."""
     from engine.cpu import ops
 
-    engine.adapter.lean.one_call = one_call
+    lean_paths.text(engine.adapter.text_model).one_call = one_call
     run = ops.decode_layers
     monkeypatch.setattr(ops, "decode_layers", lambda *a: (calls.append(1), run(*a)))
     forward, seen = engine.adapter.forward_text, []
@@ -185,7 +186,8 @@ def test_one_call_names_the_layer_whose_kernel_refused(checkpoint, caplog):
     while not engine.scheduler.running or engine.scheduler.running[0].num_computed_tokens < \
             engine.scheduler.running[0].num_prompt_tokens:
         engine.step()
-    lean, run = engine.adapter.lean, engine.adapter.lean._run_in_one_call
+    lean = lean_paths.text(engine.adapter.text_model)
+    run = lean._run_in_one_call
 
     def too_long(layer_args, batch, *rest):
         batch.decodes[0].context_lens.fill_(batch.decodes[0].block_tables.shape[1] * batch.kv_cache.block_size + 1)

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from engine import lean_vision
+from engine import lean_paths, lean_vision
 from engine.lean_vision import fits
 from tests.engine.conftest import run_jobs
 from tests.engine.test_exactness import mixed_jobs
@@ -49,8 +49,8 @@ def test_lean_features_equal_the_stock_tower_s(make_engine, photos, dtype, own, 
     monkeypatch.setattr(lean_vision, "own_attention", lambda *_: own)
     engine = make_engine(dtype="float32" if dtype == torch.float32 else "bfloat16")
     adapter = engine.adapter
-    stock = copy.deepcopy(adapter)
-    stock.lean_vision = None
+    stock = copy.deepcopy(adapter)  # new modules: the platform's lean layers replace none of them
+    assert lean_paths.vision_layers(stock.vision_layers) is None
     inputs = _tile_inputs(engine, photos)
     expected = stock.encode(inputs)
     whole = adapter.encode(inputs)
@@ -68,7 +68,7 @@ def test_vision_weights_are_held_once(make_engine):
     """q/k/v become views of one matrix per layer; no copy of any weight."""
     engine = make_engine()
     layer = engine.adapter.vision_layers[0]
-    fused = engine.adapter.lean_vision[0].qkv.weight
+    fused = lean_paths.vision(layer).qkv.weight
     attn = layer.self_attn
     assert attn.q_proj.weight.data_ptr() == fused.data_ptr()
     assert attn.v_proj.weight.data_ptr() == fused.data_ptr() + 2 * attn.q_proj.out_features * fused.shape[1] \
@@ -100,9 +100,9 @@ def test_every_product_path_gives_the_stock_features(make_engine, photos, fused,
     equal the stock tower's."""
     engine = make_engine(**({} if kernel_rows is None else {"cpu_linear_rows": kernel_rows}))
     adapter = engine.adapter
-    stock = copy.deepcopy(adapter)
-    stock.lean_vision = None
-    for layer in adapter.lean_vision:
+    stock = copy.deepcopy(adapter)  # new modules: the platform's lean layers replace none of them
+    assert lean_paths.vision_layers(stock.vision_layers) is None
+    for layer in lean_paths.vision_layers(adapter.vision_layers):
         layer.fused = fused
         if kernel_rows is None:
             for projection in layer.projections():
