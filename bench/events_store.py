@@ -1,13 +1,13 @@
 """`vlmcap bench events`: what the camera memory costs. A store filled with `events` synthetic events (captions
 from a vocabulary, 16 cameras over 30 days, a structured caption on every third, one real thumbnail each, a unit
-vector of the served model's hidden size), written one job at a time as the server's writer does: the write cost
-per job (p50/p99 of `add`, early and once the store is full), then the latency of each kind of search at that size
-(newest page, a camera's hour, one word, two words with a camera, falls, similar by vector, similar within a
-camera, the second page of a word), and how many of the exact nearest events each similar search found (recall:
-1.0 for an exact scan; pgvector's HNSW index is approximate). With `--embed-model` it also times the writer's
-other per-job work: the
-thumbnails, and a frame's embedding from that model's vision tower (what the writer runs for a frame whose caption
-gave none: a tiled sighting, a clip's still; an event's frames come with their caption's own).
+vector of the served model's hidden size near one of its camera's scenes), written one job at a time as the
+server's writer does: the write cost per job (p50/p99 of `add`, early and once the store is full), then the latency
+of each kind of search at that size (newest page, a camera's hour, one word, two words with a camera, falls,
+similar by vector, similar within a camera, the second page of a word), and how many of the exact nearest events
+each similar search found (recall: 1.0 for an exact scan; pgvector's HNSW index is approximate). With
+`--embed-model` it also times the writer's other per-job work: the thumbnails, and a frame's embedding from that
+model's vision tower (what the writer runs for a frame whose caption gave none: a tiled sighting, a clip's still; an
+event's frames come with their caption's own).
 
 SQLite by default (a temporary file, or `--store PATH`); `--store postgresql://...` measures the PostgreSQL
 store the same way (with pgvector's index where the server has the extension, else its `real[]` scan: `vectors`
@@ -64,9 +64,25 @@ def _thumbnail() -> bytes:
     return thumbnail(path.read_bytes(), 320) if path.exists() else Image.new("RGB", (8, 8)).tobytes()
 
 
-def _vector(rng: Any, dim: int) -> list[float]:
-    values = rng.standard_normal(dim)
+# Frames cluster: a camera sees a few scenes, and each event's vector lies near one of its camera's (a cosine of
+# about 0.8 with the scene's center at 576 values), not at an independent random point, where no neighbourhoods
+# exist and no graph index (pgvector's HNSW) can find the exact nearest.
+CAMERAS = 16
+SCENES = 8  # scenes per camera
+SPREAD = 0.03  # each value's noise around a scene's unit center
+
+
+def _vector(rng: Any, dim: int, center: Any = None) -> list[float]:
+    values = rng.standard_normal(dim) if center is None else center + SPREAD * rng.standard_normal(dim)
     return (values / math.sqrt(float(values @ values))).tolist()
+
+
+def _scenes(cfg: EventsBenchConfig) -> Any:
+    """[CAMERAS * SCENES, dim]: each camera's scenes' unit centers, camera c's at rows c * SCENES on."""
+    import numpy as np
+
+    rng = np.random.default_rng(cfg.seed + 2)
+    return np.asarray([_vector(rng, cfg.dim) for _ in range(CAMERAS * SCENES)])
 
 
 def _events(cfg: EventsBenchConfig, jpeg: bytes, now: float):
@@ -75,17 +91,20 @@ def _events(cfg: EventsBenchConfig, jpeg: bytes, now: float):
     from memory import Event, EventFrame
 
     rng, vectors = random.Random(cfg.seed), np.random.default_rng(cfg.seed)
+    scenes = _scenes(cfg)
     span = 30 * 86400.0
     for index in range(cfg.events):
         start = now - span + span * index / cfg.events
         fall = index % 50 == 49
         structured = ({"clothing": rng.choice(WORDS), "action": rng.choice(WORDS), "threat_level": rng.randint(0, 2)}
                       if index % 3 == 0 else None)
-        yield Event(id=f"bench-{index}", camera_id=f"cam-{index % 16}", kind="fall" if fall else
+        camera = index % CAMERAS
+        scene = scenes[camera * SCENES + rng.randrange(SCENES)]
+        yield Event(id=f"bench-{index}", camera_id=f"cam-{camera}", kind="fall" if fall else
                     rng.choice(("sighting", "event")), start_ts=start, end_ts=start + rng.uniform(0, 30),
                     finished_at=start + 31, caption=" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 24))),
                     structured=structured, fall=fall, track_id=index % 100, person_count=rng.randint(1, 4),
-                    frames=[EventFrame(jpeg, start)], embedding=_vector(vectors, cfg.dim))
+                    frames=[EventFrame(jpeg, start)], embedding=_vector(vectors, cfg.dim, scene))
 
 
 def _timed(run: Any, repeats: int) -> tuple[list[float], Any]:
@@ -153,7 +172,8 @@ def run_events_bench(cfg: EventsBenchConfig) -> dict[str, Any]:
 
         jpeg = _thumbnail()
         now = time.time()
-        probe = _vector(np.random.default_rng(cfg.seed + 1), cfg.dim)
+        # A new frame of camera 7's first scene: its nearest events are that scene's, of every camera's hour.
+        probe = _vector(np.random.default_rng(cfg.seed + 1), cfg.dim, _scenes(cfg)[7 * SCENES])
         exact = _Exact(np.asarray(probe))
         adds: list[float] = []
         began = time.perf_counter()
