@@ -227,8 +227,10 @@ class PostgresEventStore:
                     conn.execute("SELECT set_config('hnsw.iterative_scan', 'strict_order', true)")
                 rows = conn.execute(sql, params).fetchall()
                 if len(rows) < query.limit:  # the index may have stopped early: the exact answer
+                    # planned afresh: psycopg prepares a statement run often, and a prepared statement's cached
+                    # plan, the index scan, would ignore enable_indexscan and give the same short answer again
                     conn.execute("SELECT set_config('enable_indexscan', 'off', true)")
-                    rows = conn.execute(sql, params).fetchall()
+                    rows = conn.execute(sql, params, prepare=False).fetchall()
         return [(event_from_row(row), float(row[14])) for row in rows]
 
     def similar_sql(self, unit: list[float], query: EventQuery) -> tuple[str, list]:

@@ -164,6 +164,31 @@ def test_the_similar_query_is_served_by_the_index(opener, postgres_url):
     store.close()
 
 
+@pytest.mark.parametrize("postgres_url", ["pgvector"], indirect=True)
+def test_a_window_the_index_scan_misses_is_answered_exactly_every_time(opener, postgres_url, tmp_path):
+    """A camera's short window among many events: pgvector's iterative index scan gives up before it finds the
+    window's events (here after one tuple) and the store asks again without the index. Ten times in a row on one
+    connection, past the count at which psycopg prepares the statement (whose cached plan is the index scan), the
+    answer is the exact one, SQLite's."""
+    events = random_events(400, 16)
+    lite = open_store_at(str(tmp_path / "events.db"))
+    sql(postgres_url, "ALTER ROLE vlmcap SET hnsw.max_scan_tuples = 1")
+    try:
+        store = opener()
+        for event in events:
+            assert lite.add(event) and store.add(event)
+        query = EventQuery(cameras=("cam-0", "cam-1"), since=store_cases.NOW + 500, until=store_cases.NOW + 900,
+                           limit=30)
+        want = [e.id for e, _ in lite.similar(events[40].embedding, query)]
+        assert 2 <= len(want) < 30
+        for _ in range(10):
+            assert [e.id for e, _ in store.similar(events[40].embedding, query)] == want
+        store.close()
+    finally:
+        sql(postgres_url, "ALTER ROLE vlmcap RESET hnsw.max_scan_tuples")
+        lite.close()
+
+
 def test_same_similar_events_as_sqlite(opener, postgres_url, tmp_path):
     """The same events in SQLite and this server: the same similar events in the same order with the same
     scores, for an event's own vector (itself first) and a new one, with filters that keep many or few events
