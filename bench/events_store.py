@@ -85,13 +85,12 @@ def _scenes(cfg: EventsBenchConfig) -> Any:
     return np.asarray([_vector(rng, cfg.dim) for _ in range(CAMERAS * SCENES)])
 
 
-def _events(cfg: EventsBenchConfig, jpeg: bytes, now: float):
+def _events(cfg: EventsBenchConfig, jpeg: bytes, now: float, scenes: Any):
     import numpy as np
 
     from memory import Event, EventFrame
 
     rng, vectors = random.Random(cfg.seed), np.random.default_rng(cfg.seed)
-    scenes = _scenes(cfg)
     span = 30 * 86400.0
     for index in range(cfg.events):
         start = now - span + span * index / cfg.events
@@ -173,11 +172,12 @@ def run_events_bench(cfg: EventsBenchConfig) -> dict[str, Any]:
         jpeg = _thumbnail()
         now = time.time()
         # A new frame of camera 7's first scene: its nearest events are that scene's, of every camera's hour.
-        probe = _vector(np.random.default_rng(cfg.seed + 1), cfg.dim, _scenes(cfg)[7 * SCENES])
+        scenes = _scenes(cfg)
+        probe = _vector(np.random.default_rng(cfg.seed + 1), cfg.dim, scenes[7 * SCENES])
         exact = _Exact(np.asarray(probe))
         adds: list[float] = []
         began = time.perf_counter()
-        for event in _events(cfg, jpeg, now):
+        for event in _events(cfg, jpeg, now, scenes):
             start = time.perf_counter()
             store.add(event)
             adds.append(time.perf_counter() - start)

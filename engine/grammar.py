@@ -322,8 +322,7 @@ class GrammarCompiler:
         self.pool = GrammarPool(info, self.limits, _compile_in_child)
         self.cache = CompiledCache(self.limits.max_cache_bytes)
         self.filler = BatchFiller()
-        self.utf8_vocab: list[bytes] = list(info.decoded_vocab)  # each token's bytes, as decoded text has them
-        self.utf8 = Utf8Guard(self.utf8_vocab, vocab_size, [*info.special_token_ids, *info.stop_token_ids])
+        self.utf8 = Utf8Guard(info.decoded_vocab, vocab_size, [*info.special_token_ids, *info.stop_token_ids])
 
     @property
     def executor(self) -> ThreadPoolExecutor:

@@ -317,7 +317,8 @@ def test_constrained_strings_stay_well_formed_utf8_whatever_the_model_prefers(ch
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     compiler = GrammarCompiler(tokenizer, 512, [tokenizer.eos_token_id])
-    byte_token = {bytes_[0]: t for t, bytes_ in enumerate(compiler.utf8_vocab) if len(bytes_) == 1}
+    vocab = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=512).decoded_vocab  # each token's bytes
+    byte_token = {bytes_[0]: t for t, bytes_ in enumerate(vocab) if len(bytes_) == 1}
     assert len(byte_token) == 256  # the tiny tokenizer is byte-level: every byte is a token
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
               "additionalProperties": False}
@@ -342,7 +343,7 @@ def test_constrained_strings_stay_well_formed_utf8_whatever_the_model_prefers(ch
         token = int(logits.argmax())
         assert matcher.accept(token)
         out.append(token)
-    text = b"".join(compiler.utf8_vocab[t] for t in out if t != tokenizer.eos_token_id).decode("utf-8")  # strict
+    text = b"".join(vocab[t] for t in out if t != tokenizer.eos_token_id).decode("utf-8")  # strict
     city = json.loads(text)["city"]
     assert 1 <= len(city) <= 8 and "\ufffd" not in city and tokenizer.decode(out, skip_special_tokens=True) == text
     compiler.close()
@@ -383,3 +384,8 @@ def test_the_utf8_rule_allows_exactly_the_well_formed_continuations():
             state, written = guard.after(state, token), written + vocab[token]
         decoder = codecs.getincrementaldecoder("utf-8")()
         decoder.decode(written)  # never raises: well-formed so far
+    # A row the rule would empty (after ED, the grammar allows only a surrogate's A0) keeps the grammar's own.
+    row = torch.zeros((1, guard.masks.shape[1]), dtype=torch.int32)
+    row[0, 0xA0 // 32] = 1 << (0xA0 % 32)
+    guard.restrict(row, [0], [guard.after(0, 0xED)])
+    assert int(row[0, 0xA0 // 32]) == 1 << (0xA0 % 32) and int(row.count_nonzero()) == 1
