@@ -35,7 +35,7 @@
  * to back, one stream through the weights that the prefetchers follow (faster than tasks dealt one at a time,
  * which interleave the threads' reads); a thread done with its share takes the back half of another's, and goes
  * on with it front to back, so a thread that loses its core leaves its work to the others. A share is one 64-bit
- * word, next | end << 32, changed by compare-and-swap. `deal` runs once (omp single) before any `next_task`. */
+ * word, next | end << 32, changed by compare-and-swap. `deal` runs once (`deal_team`) before any `next_task`. */
 void deal(uint64_t *shares, int count_of_shares, int64_t count) {
     for (int s = 0; s < count_of_shares; s++)
         shares[s] = (uint64_t)(count * s / count_of_shares) | (uint64_t)(count * (s + 1) / count_of_shares) << 32;
@@ -77,26 +77,20 @@ int64_t next_task(uint64_t *shares) {
 
 #if defined(__AVX512F__)
 typedef __m512 vf;
+typedef __m512i vi;
 #define VW 16
 #define RX 6   /* rows of x per block: 24 sums, 4 weights and x in 32 registers */
 #define MR 12  /* rows of x per tile (gemm): 24 sums */
 #ifndef GEMM_ROWS
 #define GEMM_ROWS 64  /* rows of x from which tiles of packed panels beat the blocks (a scratch timing, 2 threads) */
 #endif
-static inline vf vzero(void) { return _mm512_setzero_ps(); }
-static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+#define V_(op) _mm512_##op            /* an intrinsic on vf or vi: V_(fmadd_ps) */
+#define VI_(op) _mm512_##op##_si512   /* one on the whole of a vi: VI_(loadu) */
 static inline __attribute__((always_inline)) vf vload(const void *p, int dtype, int64_t at) {
     return widen16(p, dtype, at);
 }
-#define XLOAD(p) _mm512_loadu_ps(p)
-static inline vf vset1(float v) { return _mm512_set1_ps(v); }
-static inline void vstore(float *p, vf v) { _mm512_storeu_ps(p, v); }
-typedef __m512i vi;
-static inline vi wload(const uint16_t *p) { return _mm512_loadu_si512((const void *)p); }
-static inline vi lanes_of(const int32_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline vf as_floats(vi d) { return _mm512_castsi512_ps(d); }
 static inline vi gather_words(vi at, const void *base) { return _mm512_i32gather_epi32(at, base, 4); }
-static inline vf even_of(vi d) { return _mm512_castsi512_ps(_mm512_slli_epi32(d, 16)); }
-static inline vf odd_of(vi d) { return _mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32((int)0xffff0000u))); }
 /* [sum(a), sum(b), sum(c), sum(d)] */
 static inline __m128 reduce4(vf a, vf b, vf c, vf d) {
     const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
@@ -110,6 +104,7 @@ static inline __m128 reduce4(vf a, vf b, vf c, vf d) {
 }
 #elif defined(VECTOR)
 typedef __m256 vf;
+typedef __m256i vi;
 #define VW 8
 #define RX 2   /* rows of x per block: 8 sums, 4 weights, x and the odd columns' mask in 16 registers (with 3 rows,
                   the compiler spills sums to the stack: 1.45x slower at 8 rows, a scratch timing on one core) */
@@ -117,26 +112,31 @@ typedef __m256 vf;
 #ifndef GEMM_ROWS
 #define GEMM_ROWS 32
 #endif
-static inline vf vzero(void) { return _mm256_setzero_ps(); }
-static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+#define V_(op) _mm256_##op
+#define VI_(op) _mm256_##op##_si256
 static inline __attribute__((always_inline)) vf vload(const void *p, int dtype, int64_t at) {
     return widen8(p, dtype, at);
 }
-#define XLOAD(p) _mm256_loadu_ps(p)
-static inline vf vset1(float v) { return _mm256_set1_ps(v); }
-static inline void vstore(float *p, vf v) { _mm256_storeu_ps(p, v); }
-typedef __m256i vi;
-static inline vi wload(const uint16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
-static inline vi lanes_of(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vf as_floats(vi d) { return _mm256_castsi256_ps(d); }
 static inline vi gather_words(vi at, const void *base) { return _mm256_i32gather_epi32((const int *)base, at, 4); }
-static inline vf even_of(vi d) { return _mm256_castsi256_ps(_mm256_slli_epi32(d, 16)); }
-static inline vf odd_of(vi d) { return _mm256_castsi256_ps(_mm256_and_si256(d, _mm256_set1_epi32((int)0xffff0000u))); }
 static inline __m128 reduce4(vf a, vf b, vf c, vf d) {
     const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 #else
 #define RX 6
+#endif
+
+#ifdef VW  /* the same for both widths */
+static inline vf vzero(void) { return V_(setzero_ps)(); }
+static inline vf vfma(vf a, vf b, vf c) { return V_(fmadd_ps)(a, b, c); }
+#define XLOAD(p) V_(loadu_ps)(p)
+static inline vf vset1(float v) { return V_(set1_ps)(v); }
+static inline void vstore(float *p, vf v) { V_(storeu_ps)(p, v); }
+static inline vi wload(const uint16_t *p) { return VI_(loadu)((const vi *)p); }
+static inline vi lanes_of(const int32_t *p) { return VI_(loadu)((const vi *)p); }
+static inline vf even_of(vi d) { return as_floats(V_(slli_epi32)(d, 16)); }
+static inline vf odd_of(vi d) { return as_floats(VI_(and)(d, V_(set1_epi32)((int)0xffff0000u))); }
 #endif
 
 /* One weight value as float32. */
@@ -456,8 +456,7 @@ static void amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
     {
         float sums[2][16][16] __attribute__((aligned(64)));
         int64_t configured = -1;  /* rows of x the tiles are configured for (other code may reconfigure them) */
-#pragma omp single
-        deal(shares, team_size(), tasks);
+        deal_team(shares, tasks);
         for (int64_t task; (task = next_task(shares)) >= 0;) {
             const int64_t first = glu_mode ? 16 * task : 32 * task;  /* first weight row of each tile */
             const int64_t second = glu_mode ? out_cols + first : first + 16;
@@ -655,8 +654,7 @@ static void gemm(const void *x, int64_t m, int64_t k, const void *w, int w_dtype
 #endif
             pack_rows(x, io_dtype, m, k, g * MR, xp + g * k * MR);
         }
-#pragma omp single
-        deal(shares, team_size(), tasks);
+        deal_team(shares, tasks);
         for (int64_t task; (task = next_task(shares)) >= 0;) {
             const int64_t here = MIN(span, panel_count - task * span);
             int64_t rows_of[MAX_SPAN][NR], count[MAX_SPAN], first_col[MAX_SPAN], cols[MAX_SPAN];
@@ -754,18 +752,13 @@ int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int
     uint64_t shares[num_threads];
 #pragma omp parallel num_threads(num_threads) if (m * n * k >= 65536)
     for (int64_t i0 = 0; i0 < m; i0 += MC) {
-        const int64_t chunk = MIN(MC, m - i0);
-        /* the chunk's rows in blocks of equal size (8 rows: 4 + 4, not 6 + 2) */
-        const int64_t per_block = (chunk + (chunk + RX - 1) / RX - 1) / ((chunk + RX - 1) / RX);
-#pragma omp single
-        deal(shares, team_size(), tasks);
-        for (int64_t task; (task = next_task(shares)) >= 0;) {
-            const int64_t first_block = block0 + task * NB, count = MIN(NB, blocks - first_block);
-            int64_t rows_of[(NB + 1) * RW];  /* and the block after the task's, to prefetch */
-            for (int64_t b = 0; b <= count; b++) block_rows(first_block + b, glu_mode, n, out_cols, rows_of + b * RW);
+        const int64_t chunk = MIN(MC, m - i0), per_block = rows_per_block(chunk, RX);
+        int64_t rows_of[(NB + 1) * RW];  /* a task's (take_task) */
+        deal_team(shares, tasks);
+        for (task_blocks t; take_task(shares, block0, blocks, glu_mode, n, out_cols, rows_of, &t);) {
             float sums[MC * NB * RW];
             memset(sums, 0, sizeof(float) * (size_t)(chunk * NB * RW));
-            for (int64_t b = 0; b < count; b++) {
+            for (int64_t b = 0; b < t.count; b++) {
                 const void *wr[RW], *wn[RW];
                 for (int c = 0; c < RW; c++) {
                     wr[c] = (const char *)w + rows_of[b * RW + c] * w_stride * item;
@@ -789,12 +782,10 @@ int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int
 #endif
                 }
             }
-            const int64_t first_col = glu_mode ? 2 * first_block : RW * first_block;
-            const int64_t cols = MIN(glu_mode ? 2 * count : RW * count, out_cols - first_col);
             for (int64_t s = 0; s < chunk; s++) {
                 float done[NB * RW];
-                finish_row(sums + s * NB * RW, count, glu_mode, bias, rows_of, io_dtype, done);
-                store_floats(done, cols, y, io_dtype, (i0 + s) * out_cols + first_col);
+                finish_row(sums + s * NB * RW, t.count, glu_mode, bias, rows_of, io_dtype, done);
+                store_floats(done, t.cols, y, io_dtype, (i0 + s) * out_cols + t.first_col);
             }
         }
 #pragma omp barrier

@@ -10,6 +10,8 @@
 #include <omp.h>
 #endif
 
+#include "dtypes.h"  /* MIN */
+
 #ifdef _OPENMP
 static inline int team_size(void) { return omp_get_num_threads(); }
 static inline int team_index(void) { return omp_get_thread_num(); }
@@ -33,6 +35,41 @@ int64_t next_task(uint64_t *shares);
 void block_rows(int64_t block, int glu_mode, int64_t n, int64_t out_cols, int64_t r[RW]);
 void finish_row(float *sums, int64_t blocks, int glu_mode, const float *bias, const int64_t *rows_of, int dtype,
                 float *out);
+
+/* `deal` of `count` tasks to the calling team: one thread deals while the others wait (omp single), so every
+ * thread of the team calls it, before any `next_task`. */
+static inline __attribute__((always_inline)) void deal_team(uint64_t *shares, int64_t count) {
+#pragma omp single
+    deal(shares, team_size(), count);
+}
+
+/* Rows of x per block when a chunk of `chunk` rows goes in blocks of at most `most` rows, all of about the same
+ * size (8 rows, at most 6: 4 + 4, not 6 + 2). */
+static inline __attribute__((always_inline)) int64_t rows_per_block(int64_t chunk, int64_t most) {
+    const int64_t count = (chunk + most - 1) / most;
+    return (chunk + count - 1) / count;
+}
+
+/* A task of the loops over blocks of weight rows (`take_task`): NB blocks (fewer in the last task). */
+typedef struct {
+    int64_t count;            /* its blocks */
+    int64_t first_col, cols;  /* the output columns they finish */
+} task_blocks;
+
+/* The calling thread's next task (`next_task`) of the blocks from block0 on (`blocks` in all) into *t, and the
+ * weight rows of its blocks, and of the block after them (to prefetch), into rows_of; 0 when none is left. */
+static inline __attribute__((always_inline)) int take_task(uint64_t *shares, int64_t block0, int64_t blocks,
+                                                           int glu_mode, int64_t n, int64_t out_cols,
+                                                           int64_t rows_of[(NB + 1) * RW], task_blocks *t) {
+    const int64_t task = next_task(shares);
+    if (task < 0) return 0;
+    const int64_t first_block = block0 + task * NB;
+    t->count = MIN(NB, blocks - first_block);
+    t->first_col = glu_mode ? 2 * first_block : RW * first_block;
+    t->cols = MIN(glu_mode ? 2 * t->count : RW * t->count, out_cols - t->first_col);
+    for (int64_t b = 0; b <= t->count; b++) block_rows(first_block + b, glu_mode, n, out_cols, rows_of + b * RW);
+    return 1;
+}
 
 /* y = x W^T for int8 weights (linear_int8.c; linear() passes it every I8 weight). */
 int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t *w, int64_t w_stride, int64_t n,

@@ -350,8 +350,7 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
             int64_t configured = -1;  /* rows of x the tiles are configured for (other code may reconfigure them) */
 #pragma omp for schedule(static)
             for (int64_t rb = 0; rb < (m + AMX_ROWS - 1) / AMX_ROWS; rb++) amx_pack(xq, m, kp, k, rb, packed);
-#pragma omp single
-            deal(shares, team_size(), amx_tasks);
+            deal_team(shares, amx_tasks);
             for (int64_t task; (task = next_task(shares)) >= 0;)
                 amx_task(packed, m, k, w, w_stride, n, scale, xs, glu_mode, task, bias, y, io_dtype, &configured);
             _tile_release();
@@ -360,26 +359,18 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
 #endif
         if (tasks > 0 && !__atomic_load_n(&failed, __ATOMIC_RELAXED))
             for (int64_t i0 = 0; i0 < m; i0 += chunk_rows) {
-                const int64_t chunk = MIN(chunk_rows, m - i0);
-                /* the chunk's rows in blocks of equal size (8 rows: 4 + 4, not 6 + 2) */
-                const int64_t per_block = (chunk + (chunk + RX - 1) / RX - 1) / ((chunk + RX - 1) / RX);
-#pragma omp single
-                deal(shares, team_size(), tasks);
-                for (int64_t task; (task = next_task(shares)) >= 0;) {
-                    const int64_t first_block = block0 + task * NB, count = MIN(NB, blocks - first_block);
-                    int64_t rows_of[(NB + 1) * RW];  /* and the block after the task's, to prefetch */
-                    for (int64_t b = 0; b <= count; b++)
-                        block_rows(first_block + b, glu_mode, n, out_cols, rows_of + b * RW);
+                const int64_t chunk = MIN(chunk_rows, m - i0), per_block = rows_per_block(chunk, RX);
+                int64_t rows_of[(NB + 1) * RW];  /* a task's (take_task) */
+                deal_team(shares, tasks);
+                for (task_blocks t; take_task(shares, block0, blocks, glu_mode, n, out_cols, rows_of, &t);) {
                     const int8_t *wr[NB + 1][RW];
-                    for (int64_t b = 0; b <= count; b++)
+                    for (int64_t b = 0; b <= t.count; b++)
                         for (int c = 0; c < RW; c++) wr[b][c] = w + rows_of[b * RW + c] * w_stride;
                     float scale_of[NB * RW];
                     int32_t offset_of[NB * RW];
-                    task_scales(rows_of, count, scale, row_sums, OFFSET, scale_of, offset_of);
-                    const int64_t first_col = glu_mode ? 2 * first_block : RW * first_block;
-                    const int64_t cols = MIN(glu_mode ? 2 * count : RW * count, out_cols - first_col);
+                    task_scales(rows_of, t.count, scale, row_sums, OFFSET, scale_of, offset_of);
                     int32_t sums[MCI * NB * RW];
-                    for (int64_t b = 0; b < count; b++)
+                    for (int64_t b = 0; b < t.count; b++)
                         for (int64_t i = i0; i < i0 + chunk; i += per_block) {
                             const int rows = (int)MIN(per_block, i0 + chunk - i);
                             /* later rows find the block in the cache: its first pass prefetches the next */
@@ -393,8 +384,8 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
 #endif
                         }
                     for (int64_t s = 0; s < chunk; s++)
-                        finish_sums(sums + s * NB * RW, scale_of, offset_of, count, rows_of, xs[i0 + s], glu_mode,
-                                    bias, io_dtype, y, i0 + s, out_cols, first_col, cols);
+                        finish_sums(sums + s * NB * RW, scale_of, offset_of, t.count, rows_of, xs[i0 + s], glu_mode,
+                                    bias, io_dtype, y, i0 + s, out_cols, t.first_col, t.cols);
                 }
 #pragma omp barrier
             }
