@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from jobqueue.checks import at_least, not_negative, positive
 from jobqueue.contract import CaptionResult
 
 log = logging.getLogger(__name__)
@@ -70,14 +71,10 @@ class AlertWebhook:
                  retries: int = DEFAULT_WEBHOOK_RETRIES, backoff_s: float = DEFAULT_WEBHOOK_BACKOFF_S,
                  max_pending: int = DEFAULT_WEBHOOK_MAX_PENDING) -> None:
         validate_webhook_url(url)
-        if timeout_s <= 0:
-            raise ValueError(f"alert webhook timeout must be positive, got {timeout_s}")
-        if retries < 0:
-            raise ValueError(f"alert webhook retries must not be negative, got {retries}")
-        if backoff_s < 0:
-            raise ValueError(f"alert webhook backoff must not be negative, got {backoff_s}")
-        if max_pending < 1:
-            raise ValueError(f"alert webhook max_pending must be at least 1, got {max_pending}")
+        positive("alert webhook timeout", timeout_s)
+        not_negative("alert webhook retries", retries)
+        not_negative("alert webhook backoff", backoff_s)
+        at_least("alert webhook max_pending", max_pending, 1)
         self.url = url
         self.timeout_s = timeout_s
         self.retries = retries

@@ -24,6 +24,8 @@ import redis.asyncio.retry
 import redis.retry
 from redis.backoff import ExponentialBackoff
 
+from jobqueue.checks import at_least
+
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 2.0
@@ -50,8 +52,7 @@ def connect_sync(redis_url: str) -> redis.Redis:
 def connect(redis_url: str, block_seconds: float = 1.0, max_connections: int = MAX_CONNECTIONS) -> aioredis.Redis:
     """An asyncio client (the queue worker, result readers, the server) whose socket timeout outlasts a
     blocking read of `block_seconds` (XREADGROUP, XREAD), over a pool of at most `max_connections`."""
-    if max_connections < 1:
-        raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+    at_least("max_connections", max_connections, 1)
     pool = aioredis.BlockingConnectionPool.from_url(
         redis_url, max_connections=max_connections, timeout=POOL_WAIT_S, socket_connect_timeout=CONNECT_TIMEOUT_S,
         socket_timeout=block_seconds + 10, health_check_interval=30, retry=_retry(redis.asyncio.retry.Retry))

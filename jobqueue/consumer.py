@@ -33,6 +33,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from jobqueue.checks import at_least, not_negative
 from jobqueue.connection import connect
 from jobqueue.contract import (
     CONSUMER_GROUP,
@@ -222,12 +223,9 @@ class QueueWorker:
         """`fall_priority` is the engine priority of fall jobs (`Job.fall`); `on_alert` is called, without
         waiting on it, with the stored result of each fall job this worker finishes first (e.g.
         `AlertWebhook.notify`); `on_finished` with each job it finishes first and its result (the event store)."""
-        if max_deliveries < 1:
-            raise ValueError(f"max_deliveries must be at least 1, got {max_deliveries}")
-        if claim_idle_seconds < 0:
-            raise ValueError(f"claim_idle_seconds must not be negative, got {claim_idle_seconds}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        at_least("max_deliveries", max_deliveries, 1)
+        not_negative("claim_idle_seconds", claim_idle_seconds)
+        at_least("batch_size", batch_size, 1)
         self.redis = connect(redis_client, block_seconds) if isinstance(redis_client, str) else redis_client
         self.captioner = captioner
         self.consumer_name = consumer_name or default_consumer_name()

@@ -35,6 +35,8 @@ from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 
+from jobqueue.checks import at_least
+
 JOBS_STREAM = "vlmcap:jobs"
 DEAD_STREAM = "vlmcap:jobs:dead"
 CONSUMER_GROUP = "vlmcap:workers"
@@ -457,8 +459,7 @@ def _frames_from_fields(values: dict) -> list[JobImage]:
     """The frames of an entry with `frame_count`: `image`, `image_1`, ... with `frame_times`, `notes` and
     (optional) `frame_detections`, each checked; the limits of `check_job_size` apply."""
     count = integer("frame_count", values["frame_count"])
-    if count < 1:
-        raise ValueError(f"frame_count must be at least 1, got {count}")
+    at_least("frame_count", count, 1)
     if count > MAX_FRAMES_PER_JOB:
         raise ValueError(f"frame_count is {count}, over the limit of {MAX_FRAMES_PER_JOB} frames per job")
     images = []

@@ -13,6 +13,7 @@ from enum import Enum
 
 import redis
 
+from jobqueue.checks import at_least
 from jobqueue.connection import connect_sync
 from jobqueue.contract import (
     CONSUMER_GROUP,
@@ -122,8 +123,7 @@ class JobProducer:
         buffer_size: int = 64,
         max_backoff_seconds: float = 10.0,
     ) -> None:
-        if stream_maxlen < 1:
-            raise ValueError(f"stream_maxlen must be at least 1, got {stream_maxlen}")
+        at_least("stream_maxlen", stream_maxlen, 1)
         self.stream_maxlen = stream_maxlen
         self.backpressure = Backpressure(backpressure)
         self.max_backoff_seconds = max_backoff_seconds

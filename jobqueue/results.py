@@ -12,6 +12,7 @@ from typing import TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from jobqueue.checks import at_least
 from jobqueue.contract import (
     CAPTIONS_STREAM,
     CONSUMER_GROUP,
@@ -63,8 +64,7 @@ async def recent_captions(redis_client: aioredis.Redis, camera: str | None = Non
                           limit: int = 50, feed: str | None = None) -> list[CaptionResult]:
     """Finished results (done and failed), newest first, of one camera or all (or of `feed`, e.g. the
     alerts feed)."""
-    if limit < 1:
-        raise ValueError(f"limit must be at least 1, got {limit}")
+    at_least("limit", limit, 1)
     feed = feed or captions_feed(camera)
     entries = await redis_client.xrevrange(feed, count=limit)
     results = [readable(CaptionResult.from_fields, fields, f"{feed} {as_text(entry_id)}")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from PIL import Image
 
+from jobqueue.checks import positive_count
 from jobqueue.contract import CaptionResult, Job, JobStatus
 from memory.store import Event, EventFrame
 
@@ -51,8 +52,7 @@ class FrameEmbeddings:
     its event's writer computes it again. Safe across threads."""
 
     def __init__(self, max_frames: int = 2048) -> None:
-        if max_frames < 1:
-            raise ValueError(f"max_frames must be positive, got {max_frames}")
+        positive_count("max_frames", max_frames)
         self.max_frames = max_frames
         self._kept: OrderedDict[bytes, array] = OrderedDict()
         self._lock = threading.Lock()

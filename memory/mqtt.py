@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from jobqueue.checks import at_least
 from jobqueue.contract import CaptionResult, Job, JobStatus
 
 log = logging.getLogger(__name__)
@@ -132,8 +133,7 @@ class MqttPublisher:
         self.prefix = validate_prefix(prefix)
         self.discovery_prefix = validate_prefix(discovery_prefix, "mqtt_discovery_prefix") if discovery_prefix \
             else None
-        if max_pending < 1:
-            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        at_least("max_pending", max_pending, 1)
         if not 1 <= min_backoff_s <= max_backoff_s:
             raise ValueError(f"backoff must be 1 <= min ({min_backoff_s}) <= max ({max_backoff_s}) seconds")
         self.node = UNSAFE_RUN.sub("_", self.prefix)

@@ -19,13 +19,13 @@ each thread has its own connection."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import psycopg
 
-from memory.sql import COLUMNS, Retention, event_from_row, filters, log_trim, page_from_rows
-from memory.store import Event, EventFrame, EventPage, EventQuery, check_vector, query_terms, search_fields
+from memory.connections import Connections
+from memory.sql import SELECTED, Retention, after, filters, full_event, log_trim, newest_first, page_from_rows, scored
+from memory.store import Event, EventPage, EventQuery, check_vector, query_terms, search_fields
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS vlmcap_events (
@@ -62,7 +62,6 @@ CREATE TABLE IF NOT EXISTS vlmcap_event_frames (
 );
 """
 SCHEMA_LOCK = 7_202_612  # an advisory lock: servers starting together create the tables once
-SELECTED = ", ".join("e." + c.strip() for c in COLUMNS.split(","))
 HNSW_MAX_DIM = 2000  # pgvector's HNSW index takes vectors of at most 2,000 values
 MIN_EF_SEARCH = 64  # candidates an HNSW search keeps (pgvector's default is 40); at least twice the page
 # pgvector's errors where the server has no `vector` extension or this user may not create it.
@@ -79,10 +78,9 @@ class PostgresEventStore:
         stays `vector`)."""
         self.url = url
         self.retention = retention or Retention()
-        self._local = threading.local()
-        self._connections: list[psycopg.Connection] = []
-        self._lock = threading.Lock()
-        self._closed = False
+        self._connections: Connections[psycopg.Connection] = Connections(
+            lambda: psycopg.connect(self.url, autocommit=True, connect_timeout=10), "the event store is closed",
+            usable=lambda conn: not conn.closed)
         self._indexed: set[int] = set()  # vector sizes whose HNSW index this store has made sure of
         conn = self._conn()
         with conn.transaction():
@@ -116,21 +114,10 @@ class PostgresEventStore:
         self._indexed.add(dim)
 
     def _conn(self) -> psycopg.Connection:
-        if self._closed:
-            raise RuntimeError("the event store is closed")
-        conn = getattr(self._local, "conn", None)
-        if conn is None or conn.closed:
-            conn = self._local.conn = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
-            with self._lock:
-                self._connections.append(conn)
-        return conn
+        return self._connections.mine()
 
     def close(self) -> None:
-        self._closed = True
-        with self._lock:
-            for conn in self._connections:
-                conn.close()
-            self._connections.clear()
+        self._connections.close()
 
     def add(self, event: Event) -> bool:
         vector = check_vector(event.embedding) if event.embedding is not None else None
@@ -181,35 +168,21 @@ class PostgresEventStore:
         conn = self._conn()
         row = conn.execute(f"SELECT {SELECTED}, {self._embedding} FROM vlmcap_events e WHERE e.id = %s",
                            (event_id,)).fetchone()
-        if row is None or (owner is not None and row[11] not in (None, owner)):
-            return None
-        event = event_from_row(row)
-        event.frames = [EventFrame(jpeg=bytes(jpeg), ts=ts) for ts, jpeg in conn.execute(
-            "SELECT ts, jpeg FROM vlmcap_event_frames WHERE seq = %s ORDER BY idx", (row[12],))]
-        event.embedding = list(row[14]) if row[14] is not None else None
-        return event
+        return full_event(conn, row, owner, "SELECT ts, jpeg FROM vlmcap_event_frames WHERE seq = %s ORDER BY idx",
+                          list)
 
     def search(self, query: EventQuery) -> EventPage:
         where, params = filters(query, "%s", lambda name: f"e.{name}")
-        position = query.position()
         if query.q is None:
-            if position is not None:
-                where += " AND (e.start_ts < %s OR (e.start_ts = %s AND e.id < %s))"
-                params += [position[0], position[0], position[1]]
-            sql = (f"SELECT {SELECTED}, e.start_ts FROM vlmcap_events e WHERE {where} "
-                   f"ORDER BY e.start_ts DESC, e.id DESC LIMIT %s")
+            sql, params = newest_first("vlmcap_events", where, params, query.position(), "%s")
         else:
             # Each word a quoted lexeme: to_tsquery sees no operator of the user's.
             terms = " & ".join("'" + term.replace("'", "''") + "'" for term in query_terms(query.q))
             rank = "(-ts_rank_cd(e.search, to_tsquery('simple', %s))::float8)"
-            sql_where = f"e.search @@ to_tsquery('simple', %s) AND {where}"
-            params = [terms, *params]
-            if position is not None:
-                sql_where += f" AND ({rank} > %s OR ({rank} = %s AND e.id > %s))"
-                params += [terms, position[0], terms, position[0], position[1]]
-            sql = (f"SELECT {SELECTED}, {rank} AS sort_key FROM vlmcap_events e WHERE {sql_where} "
-                   f"ORDER BY sort_key, e.id LIMIT %s")
-            params = [terms, *params]
+            later, more = after(query.position(), rank, "%s", key_params=(terms,))
+            sql = (f"SELECT {SELECTED}, {rank} AS sort_key FROM vlmcap_events e "
+                   f"WHERE e.search @@ to_tsquery('simple', %s) AND {where}{later} ORDER BY sort_key, e.id LIMIT %s")
+            params = [terms, terms, *params, *more]
         rows = self._conn().execute(sql, [*params, query.limit + 1]).fetchall()
         return page_from_rows(rows, query)
 
@@ -231,7 +204,7 @@ class PostgresEventStore:
                     # plan, the index scan, would ignore enable_indexscan and give the same short answer again
                     conn.execute("SELECT set_config('enable_indexscan', 'off', true)")
                     rows = conn.execute(sql, params, prepare=False).fetchall()
-        return [(event_from_row(row), float(row[14])) for row in rows]
+        return scored(rows)
 
     def similar_sql(self, unit: list[float], query: EventQuery) -> tuple[str, list]:
         """The similar-events query for the unit vector `unit` and its parameters: pgvector's cosine distance in

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from jobqueue.checks import positive_count
+
 EVENTS_FILE = "events.db"  # the embedded store's file under the data directory
 
 
@@ -41,8 +43,7 @@ class MemorySettings:
         if not self.events_max_age_days > 0:
             raise ValueError(f"events_max_age_days must be positive, got {self.events_max_age_days!r}")
         for name in ("events_max_bytes", "events_frames", "events_thumbnail_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+            positive_count(name, getattr(self, name))
         self.key_cameras  # noqa: B018 (a malformed entry is refused at start)
 
     @property

@@ -18,10 +18,21 @@ from pathlib import Path
 import pysqlite3 as sqlite3
 import sqlite_vec
 
-from memory.sql import COLUMNS, Retention, event_from_row, filters, log_trim, page_from_rows
+from memory.connections import Connections
+from memory.sql import (
+    COLUMNS,
+    SELECTED,
+    Retention,
+    after,
+    filters,
+    full_event,
+    log_trim,
+    newest_first,
+    page_from_rows,
+    scored,
+)
 from memory.store import (
     Event,
-    EventFrame,
     EventPage,
     EventQuery,
     check_vector,
@@ -75,12 +86,10 @@ class SQLiteEventStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.retention = retention or Retention()
         self._write_lock = threading.Lock()
-        self._local = threading.local()
-        self._connections: list[sqlite3.Connection] = []
-        self._connections_lock = threading.Lock()
-        self._writer = self._connect()
+        self._connections: Connections[sqlite3.Connection] = Connections(
+            self._connect, f"the event store {self.path} is closed")
+        self._writer = self._connections.keep(self._connect())
         self._writer.executescript(SCHEMA)
-        self._closed = False
 
     # -- connections ---------------------------------------------------------------------------------------
     def _connect(self) -> sqlite3.Connection:
@@ -91,24 +100,13 @@ class SQLiteEventStore:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=ON")
-        with self._connections_lock:
-            self._connections.append(conn)
         return conn
 
     def _reader(self) -> sqlite3.Connection:
-        if self._closed:
-            raise RuntimeError(f"the event store {self.path} is closed")
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = self._connect()
-        return conn
+        return self._connections.mine()
 
     def close(self) -> None:
-        self._closed = True
-        with self._connections_lock:
-            for conn in self._connections:
-                conn.close()
-            self._connections.clear()
+        self._connections.close()
 
     # -- writing --------------------------------------------------------------------------------------------
     def add(self, event: Event) -> bool:
@@ -181,34 +179,21 @@ class SQLiteEventStore:
     def get(self, event_id: str, owner: str | None = None) -> Event | None:
         conn = self._reader()
         row = conn.execute(f"SELECT {COLUMNS}, embedding FROM events WHERE id = ?", (event_id,)).fetchone()
-        if row is None or (owner is not None and row[11] not in (None, owner)):
-            return None
-        event = event_from_row(row)
-        event.frames = [EventFrame(jpeg=bytes(jpeg), ts=ts) for ts, jpeg in
-                        conn.execute("SELECT ts, jpeg FROM frames WHERE seq = ? ORDER BY idx", (row[12],))]
-        if row[14] is not None:
-            event.embedding = list(memoryview(row[14]).cast("f"))
-        return event
+        return full_event(conn, row, owner, "SELECT ts, jpeg FROM frames WHERE seq = ? ORDER BY idx",
+                          lambda blob: list(memoryview(blob).cast("f")))
 
     def search(self, query: EventQuery) -> EventPage:
         where, params = filters(query, "?", lambda name: f"e.{name}")
-        position = query.position()
         if query.q is None:
-            if position is not None:
-                where += " AND (e.start_ts < ? OR (e.start_ts = ? AND e.id < ?))"
-                params += [position[0], position[0], position[1]]
-            sql = (f"SELECT {', '.join('e.' + c.strip() for c in COLUMNS.split(','))}, e.start_ts FROM events e "
-                   f"WHERE {where} ORDER BY e.start_ts DESC, e.id DESC LIMIT ?")
+            sql, params = newest_first("events", where, params, query.position(), "?")
         else:
             match = " ".join(f'"{term}"' for term in query_terms(query.q))
-            if position is not None:
-                where += " AND (t.rank > ? OR (t.rank = ? AND e.id > ?))"
-                params += [position[0], position[0], position[1]]
+            later, more = after(query.position(), "t.rank", "?")
             # The matches ranked first, once (materialized): the planner otherwise probes the index per row.
             sql = (f"WITH t AS MATERIALIZED (SELECT rowid, bm25(events_text, 1.0, 0.5) AS rank FROM events_text "
-                   f"WHERE events_text MATCH ?) SELECT {', '.join('e.' + c.strip() for c in COLUMNS.split(','))}, "
-                   f"t.rank FROM t JOIN events e ON e.seq = t.rowid WHERE {where} ORDER BY t.rank, e.id LIMIT ?")
-            params = [match, *params]
+                   f"WHERE events_text MATCH ?) SELECT {SELECTED}, t.rank FROM t JOIN events e ON e.seq = t.rowid "
+                   f"WHERE {where}{later} ORDER BY t.rank, e.id LIMIT ?")
+            params = [match, *params, *more]
         rows = self._reader().execute(sql, [*params, query.limit + 1]).fetchall()
         return page_from_rows(rows, query)
 
@@ -219,7 +204,7 @@ class SQLiteEventStore:
             f"SELECT {COLUMNS}, 1 - vec_distance_cosine(embedding, ?) AS score FROM events "
             f"WHERE embedding IS NOT NULL AND vec_length(embedding) = ? AND {where} "
             f"ORDER BY score DESC, id LIMIT ?", [unit, len(vector), *params, query.limit]).fetchall()
-        return [(event_from_row(row), float(row[14])) for row in rows]
+        return scored(rows)
 
     def __repr__(self) -> str:
         return f"SQLiteEventStore({os.fspath(self.path)!r})"

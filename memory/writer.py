@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from jobqueue.checks import positive_count
 from memory.store import Event, EventStore
 
 log = logging.getLogger("memory")
@@ -27,8 +28,7 @@ class EventWriter:
 
     def __init__(self, store: EventStore, prepare: Callable[[Any], Event | None] | None = None,
                  max_pending: int = 1000, trim_every_s: float = 600.0) -> None:
-        if max_pending < 1:
-            raise ValueError(f"max_pending must be positive, got {max_pending}")
+        positive_count("max_pending", max_pending)
         self.store = store
         self.prepare = prepare
         self.trim_every_s = trim_every_s

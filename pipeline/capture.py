@@ -20,6 +20,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from jobqueue.checks import at_least, positive
 from pipeline.frame import Frame
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,8 @@ class FpsLimiter:
     """Lets through at most `fps` frames per second of frame time (no cap when fps is None)."""
 
     def __init__(self, fps: float | None) -> None:
-        if fps is not None and fps <= 0:
-            raise ValueError(f"fps must be positive, got {fps}")
+        if fps is not None:
+            positive("fps", fps)
         self.interval = 1.0 / fps if fps else 0.0
         self._next_ts = float("-inf")
 
@@ -168,10 +169,8 @@ class LiveSource:
         watchdog_seconds: float = 10.0,
         max_backoff_seconds: float = 30.0,
     ) -> None:
-        if buffer_size < 1:
-            raise ValueError(f"buffer_size must be at least 1, got {buffer_size}")
-        if watchdog_seconds <= 0:
-            raise ValueError(f"watchdog_seconds must be positive, got {watchdog_seconds}")
+        at_least("buffer_size", buffer_size, 1)
+        positive("watchdog_seconds", watchdog_seconds)
         self.target = target
         self.stats = CaptureStats()
         self.max_frame_age_seconds = max_frame_age_seconds

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import cv2
 import numpy as np
 
+from jobqueue.checks import not_negative, positive
 from jobqueue.contract import FALL_CLASS, MAX_FRAMES_PER_JOB, Detection, JobImage
 from pipeline.frame import Frame
 
@@ -111,10 +112,8 @@ class EventRecorder:
     def __init__(self, frames: int, end_seconds: float, max_seconds: float) -> None:
         if not 1 <= frames <= MAX_FRAMES_PER_JOB:
             raise ValueError(f"event frames must be between 1 and {MAX_FRAMES_PER_JOB} (the job limit), got {frames}")
-        if end_seconds < 0:
-            raise ValueError(f"event end seconds must not be negative, got {end_seconds}")
-        if max_seconds <= 0:
-            raise ValueError(f"event max seconds must be positive, got {max_seconds}")
+        not_negative("event end seconds", end_seconds)
+        positive("event max seconds", max_seconds)
         self.frames = frames
         self.end_seconds = end_seconds
         self.max_seconds = max_seconds

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from jobqueue.checks import at_least, not_negative
 from jobqueue.contract import FALL_CLASS, Detection
 from pipeline.frame import Frame
 
@@ -68,12 +69,9 @@ class Gate:
                             ("best_frame_window_seconds", best_frame_window_seconds),
                             ("lost_after_seconds", lost_after_seconds),
                             ("fall_cooldown_seconds", fall_cooldown_seconds)):
-            if value < 0:
-                raise ValueError(f"{name} must not be negative, got {value}")
-        if max_jobs_per_minute < 1:
-            raise ValueError(f"max_jobs_per_minute must be at least 1, got {max_jobs_per_minute}")
-        if fall_min_frames < 1:
-            raise ValueError(f"fall_min_frames must be at least 1, got {fall_min_frames}")
+            not_negative(name, value)
+        at_least("max_jobs_per_minute", max_jobs_per_minute, 1)
+        at_least("fall_min_frames", fall_min_frames, 1)
         self.fall_cooldown_seconds = fall_cooldown_seconds
         self.fall_min_frames = fall_min_frames
         self.fall_min_confidence = fall_min_confidence

@@ -12,6 +12,7 @@ from enum import Enum
 import cv2
 import numpy as np
 
+from jobqueue.checks import at_least
 from jobqueue.contract import DEFAULT_STREAM_MAXLEN, Detection, Job
 from jobqueue.producer import Backpressure, JobProducer
 from pipeline.camera_stats import CameraStatsPublisher
@@ -164,8 +165,7 @@ class PipelineConfig:
             raise ValueError("camera id must not be empty")
         validate_prompt_template(self.prompt)
         validate_prompt_template(self.event_prompt, EVENT_PROMPT_PLACEHOLDERS)
-        if self.event_frame_size < 16:
-            raise ValueError(f"event_frame_size must be at least 16 pixels, got {self.event_frame_size}")
+        at_least("event_frame_size", self.event_frame_size, 16, " pixels")
         if not 1 <= self.jpeg_quality <= 100:
             raise ValueError(f"jpeg_quality must be between 1 and 100, got {self.jpeg_quality}")
 
