@@ -136,19 +136,26 @@ ToolTurns = list[dict[str, Any]]  # per turn: its `tool_calls` [(id, name, argum
 
 
 async def start(body: SamplingFields, sampling: SamplingParams, grammar: GrammarSpec | None, grammar_param: str,
-                turns: list[tuple[str, list[tuple[str, str, str]]]], request: Request,
-                state: ServerState, plan: ToolPlan | None = None, tool_turns: ToolTurns | None = None) -> RequestStream:
+                turns: list[tuple[str, list[tuple[str, str, str]]]], request: Request, state: ServerState,
+                plan: ToolPlan | None = None,
+                tool_turns: ToolTurns | None = None) -> tuple[RequestStream, ToolCallParser | None] | Response:
     """A request's stream, after the checks it passes before it reaches the engine: every parameter honoured (400
-    naming one that is not), its priority not below the server's floor, its grammar compiled (cancelled if the
-    client leaves: ClientDisconnected), its prompt built (with its tools and its history's calls: `plan`,
-    `tool_turns`)."""
-    refuse_unsupported(body)
-    client_priority(body.priority, 0, state.settings.limits.min_client_priority)
-    await compile_ahead(state.bridge.engine, grammar, grammar_param, request)
-    prompt = await build_prompt(turns, state, body)
-    if plan is not None or any(tool_turns or []):
-        prompt = with_tools(prompt, plan, tool_turns or [], state)
-    return await submit(prompt, sampling, body, request, state)
+    naming one that is not), its priority not below the server's floor, its grammar compiled, its prompt built
+    (with its tools and its history's calls: `plan`, `tool_turns`); with the parser of its output's tool calls
+    where `plan` lets the model call tools (else None). A Response (499) if the client left before the request was
+    submitted (the grammar's compile is then cancelled)."""
+    try:
+        refuse_unsupported(body)
+        client_priority(body.priority, 0, state.settings.limits.min_client_priority)
+        await compile_ahead(state.bridge.engine, grammar, grammar_param, request)
+        prompt = await build_prompt(turns, state, body)
+        if plan is not None or any(tool_turns or []):
+            prompt = with_tools(prompt, plan, tool_turns or [], state)
+        stream = await submit(prompt, sampling, body, request, state)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    parser = ToolCallParser(tuple(f.name for f in plan.functions)) if plan is not None and plan.calls else None
+    return stream, parser
 
 
 def with_tools(prompt: EnginePrompt, plan: ToolPlan | None, tool_turns: ToolTurns, state: ServerState) -> EnginePrompt:
@@ -364,11 +371,10 @@ async def start_chat(body: ChatCompletionRequest, request: Request, state: Serve
                                logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                                prompt_logprobs=body.prompt_logprobs)
     turns, tool_turns = chat_turns(body)
-    try:
-        stream = await start(body, sampling, grammar, grammar_param, turns, request, state, plan, tool_turns)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    parser = ToolCallParser(tuple(f.name for f in plan.functions)) if plan is not None and plan.calls else None
+    started = await start(body, sampling, grammar, grammar_param, turns, request, state, plan, tool_turns)
+    if isinstance(started, Response):
+        return started
+    stream, parser = started
     return ChatCall(body, stream, parser, f"chatcmpl-{stream.request_id}", int(time.time()))
 
 
@@ -640,11 +646,10 @@ async def responses(body: ResponsesRequest, request: Request, state: ServerState
     grammar, grammar_param = request_grammar(body, body.text.format if body.text else None, "text.format", plan)
     sampling = sampling_params(body, body.max_output_tokens, body.stop, state, "max_output_tokens", grammar)
     turns, tool_turns = responses_turns(body)
-    try:
-        stream = await start(body, sampling, grammar, grammar_param, turns, request, state, plan, tool_turns)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    parser = ToolCallParser(tuple(f.name for f in plan.functions)) if plan is not None and plan.calls else None
+    started = await start(body, sampling, grammar, grammar_param, turns, request, state, plan, tool_turns)
+    if isinstance(started, Response):
+        return started
+    stream, parser = started
     meta = ResponseMeta(f"resp_{stream.request_id}", f"msg_{stream.request_id}", time.time(), body,
                         state.settings.model_name, parser)
     if body.stream:

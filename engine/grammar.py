@@ -32,6 +32,16 @@ from engine.grammar_pool import GrammarCancelled, GrammarPool, GrammarTimeout
 from engine.grammar_utf8 import Utf8Guard
 
 
+def _parse_json_text(text: object, field: str) -> Any:
+    """A spec field given as JSON text, parsed; a ValueError naming `field` if it is not a string or not JSON."""
+    if not isinstance(text, str):
+        raise ValueError(f"{field} must be JSON text, got {type(text).__name__}")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{field} is not valid JSON: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request's output must match: exactly one of a JSON schema (as JSON text), any JSON object, a regular
@@ -55,12 +65,7 @@ class GrammarSpec:
             raise ValueError("a grammar needs exactly one of json_schema, json_object=True, regex, choice, grammar or "
                              "structural_tag")
         if self.json_schema is not None:
-            if not isinstance(self.json_schema, str):
-                raise ValueError(f"json_schema must be JSON text, got {type(self.json_schema).__name__}")
-            try:
-                schema = json.loads(self.json_schema)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"json_schema is not valid JSON: {exc}") from exc
+            schema = _parse_json_text(self.json_schema, "json_schema")
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"a JSON schema must be an object or a boolean, got {self.json_schema[:80]!r}")
         for name in ("regex", "grammar"):
@@ -72,12 +77,7 @@ class GrammarSpec:
                     not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError(f"choice must be a non-empty tuple of non-empty strings, got {str(self.choice)[:80]}")
         if self.structural_tag is not None:
-            if not isinstance(self.structural_tag, str):
-                raise ValueError(f"structural_tag must be JSON text, got {type(self.structural_tag).__name__}")
-            try:
-                tag = json.loads(self.structural_tag)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"structural_tag is not valid JSON: {exc}") from exc
+            tag = _parse_json_text(self.structural_tag, "structural_tag")
             if not isinstance(tag, dict) or tag.get("type") != "structural_tag" or "format" not in tag:
                 raise ValueError('a structural tag is an object {"type": "structural_tag", "format": ...}, got '
                                  f"{self.structural_tag[:80]!r}")

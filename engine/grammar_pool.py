@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from engine.grammar_limits import GrammarLimits
+from engine.media_box import kill_idle
 
 log = logging.getLogger(__name__)
 
@@ -251,10 +252,4 @@ class GrammarPool:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
-        while True:
-            try:
-                worker = self._idle.get_nowait()
-            except queue.Empty:
-                return
-            if worker is not None:
-                worker.kill()
+        kill_idle(self._idle)

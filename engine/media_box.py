@@ -47,7 +47,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -239,6 +239,25 @@ class _Child:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+class Killable(Protocol):
+    def kill(self) -> None: ...
+
+
+ChildT = TypeVar("ChildT", bound=Killable)
+
+
+def kill_idle(slots: queue.Queue[ChildT | None]) -> None:
+    """Kill the child in each slot of a pool of supervised children (None: a free slot, its child started at first
+    use), emptying the queue: the idle children, as a busy one is not in it. Also engine/grammar_pool.py's."""
+    while True:
+        try:
+            child = slots.get_nowait()
+        except queue.Empty:
+            return
+        if child is not None:
+            child.kill()
+
+
 class MediaBox:
     """Up to `limits.workers` decoding children, started at first use and replaced when one is killed or dies."""
 
@@ -351,13 +370,7 @@ class MediaBox:
 
     def close(self) -> None:
         self._closed = True
-        while True:
-            try:
-                child = self._slots.get_nowait()
-            except queue.Empty:
-                return
-            if child is not None:
-                child.kill()
+        kill_idle(self._slots)
 
 
 # Images decoded in the calling process rather than the box: the box costs a child's round trip and a copy of the

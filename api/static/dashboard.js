@@ -711,6 +711,21 @@ async function eventFrameUrl(eventId, index) {
   }
 }
 
+// Shows the event's first frame in `thumb` once loaded ("—" if it cannot be), its object URL kept in `urls` to be
+// revoked with the list; false for an event that kept no frame.
+function showFirstFrame(thumb, event, urls) {
+  if (!event.frame_count) return false;
+  eventFrameUrl(event.id, 0).then((url) => {
+    if (!url) return void (thumb.textContent = "—");
+    urls.push(url);
+    const image = el("img");
+    image.alt = `First frame of event ${event.id}`;
+    image.src = url;
+    thumb.replaceChildren(image);
+  });
+  return true;
+}
+
 function eventMeta(event) {
   const parts = [el("span", "camera-badge", event.camera_id), el("time", "time", formatTime(event.start_ts))];
   if (event.fall) parts.push(el("span", "badge-fall", "fall"));
@@ -736,18 +751,7 @@ function eventItem(event, current) {
   item.append(thumb, body);
   item.addEventListener("click", () => openEvent(event.id));
   item.addEventListener("keydown", (key) => { if (key.key === "Enter") openEvent(event.id); });
-  if (event.frame_count) {
-    eventFrameUrl(event.id, 0).then((url) => {
-      if (!url) return void (thumb.textContent = "—");
-      events.urls.push(url);
-      const image = el("img");
-      image.alt = `First frame of event ${event.id}`;
-      image.src = url;
-      thumb.replaceChildren(image);
-    });
-  } else {
-    thumb.textContent = "no frame";
-  }
+  if (!showFirstFrame(thumb, event, events.urls)) thumb.textContent = "no frame";
   return item;
 }
 
@@ -855,16 +859,7 @@ function askItem(event) {
   body.append(meta, el("p", "caption-text", event.caption));
   link.append(thumb, body);
   item.append(link);
-  if (event.frame_count) {
-    eventFrameUrl(event.id, 0).then((url) => {
-      if (!url) return void (thumb.textContent = "—");
-      ask.urls.push(url);
-      const image = el("img");
-      image.alt = `First frame of event ${event.id}`;
-      image.src = url;
-      thumb.replaceChildren(image);
-    });
-  }
+  showFirstFrame(thumb, event, ask.urls);
   return item;
 }
 

@@ -22,6 +22,8 @@ from engine.presets.sizes import (
     Preset,
     Qwen2VLPreset,
     SmolVLMPreset,
+    TextSizes,
+    VisionSizes,
 )
 from engine.presets.tokenizer import (
     GEMMA3_CHAT_TEMPLATE,
@@ -32,13 +34,19 @@ from engine.presets.tokenizer import (
 )
 
 
+def _tower_config(sizes: TextSizes | VisionSizes) -> dict[str, Any]:
+    """The config keys of the sizes that a text model and a vision tower both have."""
+    return {
+        "hidden_size": sizes.hidden,
+        "intermediate_size": sizes.intermediate,
+        "num_hidden_layers": sizes.layers,
+        "num_attention_heads": sizes.heads,
+    }
+
+
 def _text_config(preset: Preset, tokenizer) -> dict[str, Any]:
     text = preset.text
-    return {
-        "hidden_size": text.hidden,
-        "intermediate_size": text.intermediate,
-        "num_hidden_layers": text.layers,
-        "num_attention_heads": text.heads,
+    return _tower_config(text) | {
         "num_key_value_heads": text.kv_heads,
         "vocab_size": text.vocab_size,
         "max_position_embeddings": text.max_positions,
@@ -53,11 +61,7 @@ def _text_config(preset: Preset, tokenizer) -> dict[str, Any]:
 
 def _vision_config(preset: Preset) -> dict[str, Any]:
     vision = preset.vision
-    return {
-        "hidden_size": vision.hidden,
-        "intermediate_size": vision.intermediate,
-        "num_hidden_layers": vision.layers,
-        "num_attention_heads": vision.heads,
+    return _tower_config(vision) | {
         "image_size": vision.image_px,
         "patch_size": vision.patch_px,
     }
