@@ -68,7 +68,7 @@ if [ "$part" = core ] || [ "$part" = all ]; then
   if [ "$device" != cpu ]; then  # on the CPU these are `make test`'s
     # The modules whose engine and oracle run on VLMCAP_TEST_DEVICE (the CPU kernels' and the int8 modules are
     # the CPU's); every failure listed, none stopping the others.
-    step tests-engine 100 "$python" -m pytest -q -p no:cacheprovider -o addopts="" --timeout 60 \
+    step tests-engine 200 "$python" -m pytest -q -p no:cacheprovider -o addopts="" --timeout 60 \
       tests/engine/{test_exactness,test_prefix_cache,test_attention,test_video,test_sampling_penalties}.py \
       tests/engine/{test_prompt_logprobs,test_checkpoint_shapes,test_grammar,test_jump_forward}.py
   fi
