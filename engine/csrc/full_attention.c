@@ -6,7 +6,13 @@
  * one input's head: its keys are packed once as float32, transposed ([d][n], each d-th value of NR keys a
  * vector), and its values as float32 rows; then each tile of MR query rows takes all its scores at once
  * (MR x NR outer products, one FMA per score and step along d), their softmax in float32, and their sum of
- * values (RO rows at a time, d in vectors). torch's flash attention for bfloat16 on the CPU runs a 512 px
+ * values (RO rows at a time, d in vectors). Where the build has AVX-512's bfloat16 dot products and `mode` does
+ * not ask for widened products (PRODUCTS_WIDEN, the Linear kernel's choice for this CPU), bfloat16 inputs go by
+ * vdpbf16ps instead (32 products per instruction, half the instructions of FMAs on widened values): the scores
+ * from the keys packed as words of two values of d ([d / 2][n_pad]) and each query's pair broadcast, scaled after;
+ * the sums of values from the softmax's weights rounded to bfloat16 (as torch's flash attention rounds them for
+ * bfloat16) two keys a word, against the values packed as words of two keys' ([(n + 1) / 2][d]). The softmax and
+ * every sum stay float32. torch's flash attention for bfloat16 on the CPU runs a 512 px
  * SigLIP tile's attention (1,024 patches, 12 heads of 64) at about 130 GFLOP/s on 2 AVX-512 cores: half the
  * tower's time. The vectors are GCC's, as wide as the build's instruction set.
  */
@@ -53,6 +59,32 @@ static void scores(const float *qp, const float *kt, int64_t d, int64_t n_pad, f
     }
 }
 
+#ifdef __AVX512BF16__
+/* The tile's scores s[MR][n_pad] = scale * qw ([d / 2][MR] words: two bfloat16 of a query row each) times kw
+ * ([d / 2][n_pad] words: two bfloat16 of a key each), NR keys at a time. */
+static void scores_dot(const uint32_t *qw, const uint32_t *kw, int64_t pairs, int64_t n_pad, float scale, float *s) {
+    const __m512 scaled = _mm512_set1_ps(scale);
+    for (int64_t c = 0; c < n_pad; c += NR) {
+        __m512 sums[MR][2];
+        for (int r = 0; r < MR; r++) sums[r][0] = sums[r][1] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < pairs; t++) {
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kw + t * n_pad + c);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kw + t * n_pad + c + FW);
+#pragma GCC unroll 12
+            for (int r = 0; r < MR; r++) {
+                const __m512bh q = (__m512bh)_mm512_set1_epi32((int)qw[t * MR + r]);
+                sums[r][0] = _mm512_dpbf16_ps(sums[r][0], k0, q);
+                sums[r][1] = _mm512_dpbf16_ps(sums[r][1], k1, q);
+            }
+        }
+        for (int r = 0; r < MR; r++) {
+            _mm512_storeu_ps(s + r * n_pad + c, _mm512_mul_ps(sums[r][0], scaled));
+            _mm512_storeu_ps(s + r * n_pad + c + FW, _mm512_mul_ps(sums[r][1], scaled));
+        }
+    }
+}
+#endif
+
 /* Rows of s [rows][n_pad]: their first n values exponentiated less the row's largest, their sums in `total`. */
 static void softmax_rows(float *s, int64_t rows, int64_t n, int64_t n_pad, float *total) {
     for (int64_t r = 0; r < rows; r++) {
@@ -97,11 +129,61 @@ static void weighted_values(const float *p, int64_t rows, int64_t n, int64_t n_p
     for (int64_t r = 0; r < rows; r++) store_floats(done[r], d, out, dtype, out_offset + r * out_stride);
 }
 
+#ifdef __AVX512BF16__
+/* weighted_values by vdpbf16ps: the rows of p (in place in s: their first n values rounded to bfloat16 and paired,
+ * two keys' weights a word, a zero weight past n) against the values as words of two keys' values (vw:
+ * [pairs][d]), the sums float32. */
+static void weighted_values_dot(float *p, int64_t rows, int64_t n, int64_t n_pad, const uint32_t *vw, int64_t d,
+                                const float *total, void *out, int dtype, int64_t out_offset, int64_t out_stride) {
+    const int64_t pairs = (n + 1) / 2;
+    for (int64_t r = 0; r < rows; r++) {  /* each 32 weights read before their 16 words are written over them */
+        float *row = p + r * n_pad;
+        for (int64_t j = n; j < n_pad; j++) row[j] = 0.0f;
+        for (int64_t j = 0; j < n_pad; j += 2 * FW) {
+            const __m512 low = _mm512_loadu_ps(row + j), high = _mm512_loadu_ps(row + j + FW);
+            _mm512_storeu_si512((uint32_t *)row + j / 2, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+        }
+    }
+    float done[RO][256] __attribute__((aligned(64)));
+    for (int64_t c = 0; c < d; c += 4 * FW) {
+        const int span = (int)MIN(4, (d - c) / FW);
+        __m512 o[RO][4];
+        for (int r = 0; r < RO; r++)
+            for (int b = 0; b < 4; b++) o[r][b] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < pairs; t++) {
+            __m512bh value[4];
+#pragma GCC unroll 4
+            for (int b = 0; b < 4; b++)
+                if (b < span) value[b] = (__m512bh)_mm512_loadu_si512(vw + t * d + c + b * FW);
+#pragma GCC unroll 6
+            for (int r = 0; r < RO; r++) {
+                if (r >= rows) break;
+                const __m512bh weight = (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)(p + r * n_pad))[t]);
+#pragma GCC unroll 4
+                for (int b = 0; b < 4; b++)
+                    if (b < span) o[r][b] = _mm512_dpbf16_ps(o[r][b], value[b], weight);
+            }
+        }
+        for (int r = 0; r < RO; r++)
+            for (int b = 0; b < 4; b++)
+                if (r < rows && b < span)
+                    _mm512_store_ps(done[r] + c + b * FW, _mm512_mul_ps(o[r][b], _mm512_set1_ps(1.0f / total[r])));
+    }
+    for (int64_t r = 0; r < rows; r++) store_floats(done[r], d, out, dtype, out_offset + r * out_stride);
+}
+#endif
+
 /* Returns 0; 1 where d is not a multiple of the vector width (or above 256); 2 where memory runs out. */
 int full_attention(const void *q, const void *k, const void *v, int dtype, int64_t batch, int64_t heads, int64_t n,
                    int64_t d, int64_t batch_stride, int64_t head_stride, int64_t row_stride, float scale, void *out,
-                   int num_threads) {
+                   int mode, int num_threads) {
     if (d % FW || d > 256 || n < 1) return 1;
+#ifdef __AVX512BF16__
+    const int dot = dtype == BF16 && !(mode & PRODUCTS_WIDEN);
+#else
+    const int dot = 0;
+    (void)mode;
+#endif
     const int64_t n_pad = (n + NR - 1) / NR * NR, tiles = (n + MR - 1) / MR;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
@@ -118,7 +200,15 @@ int full_attention(const void *q, const void *k, const void *v, int dtype, int64
         for (int64_t task = 0; task < batch * heads; task++) {
             if (!kt) continue;
             const int64_t b = task / heads, h = task % heads, base = b * batch_stride + h * head_stride;
-            for (int64_t j0 = 0; j0 < n_pad; j0 += FW) {  /* FW keys at a time, so that kt is written by vectors */
+#ifdef __AVX512BF16__
+            uint32_t *kw = (uint32_t *)kt, *qw = (uint32_t *)qp;  /* the dot products' keys and queries, as words */
+            for (int64_t j = 0; dot && j < n_pad; j++) {  /* keys past n: zeros */
+                const uint16_t *key = (const uint16_t *)k + base + MIN(j, n - 1) * row_stride;
+                for (int64_t t = 0; t < d / 2; t++)
+                    kw[t * n_pad + j] = j < n ? (uint32_t)key[2 * t] | (uint32_t)key[2 * t + 1] << 16 : 0u;
+            }
+#endif
+            for (int64_t j0 = 0; !dot && j0 < n_pad; j0 += FW) {  /* FW keys at a time, so that kt is written by vectors */
                 for (int64_t j = j0; j < j0 + FW; j++) {
                     if (j < n) load_floats(k, dtype, base + j * row_stride, d, block[j - j0]);
                     else memset(block[j - j0], 0, (size_t)d * sizeof(float));
@@ -126,16 +216,39 @@ int full_attention(const void *q, const void *k, const void *v, int dtype, int64
                 for (int64_t t = 0; t < d; t++)
                     for (int j = 0; j < FW; j++) kt[t * n_pad + j0 + j] = block[j][t];
             }
-            for (int64_t j = 0; j < n; j++) load_floats(v, dtype, base + j * row_stride, d, vrows + j * d);
+#ifdef __AVX512BF16__
+            uint32_t *vw = (uint32_t *)vrows;  /* the dot products' values: [(n + 1) / 2][d] words of two keys' */
+            for (int64_t j = 0; dot && j < n; j += 2) {
+                const uint16_t *even = (const uint16_t *)v + base + j * row_stride, *odd = even + row_stride;
+                for (int64_t t = 0; t < d; t++)
+                    vw[j / 2 * d + t] = (uint32_t)even[t] | (j + 1 < n ? (uint32_t)odd[t] << 16 : 0u);
+            }
+#endif
+            for (int64_t j = 0; !dot && j < n; j++) load_floats(v, dtype, base + j * row_stride, d, vrows + j * d);
             for (int64_t tile = 0; tile < tiles; tile++) {
                 const int64_t first = tile * MR, rows = MIN(MR, n - first);
-                for (int64_t r = 0; r < MR; r++) {  /* rows past n repeat the last one; their results are dropped */
+#ifdef __AVX512BF16__
+                if (dot) {
+                    for (int64_t r = 0; r < MR; r++) {  /* rows past n repeat the last one; their results are dropped */
+                        const uint16_t *query = (const uint16_t *)q + base + MIN(first + r, n - 1) * row_stride;
+                        for (int64_t t = 0; t < d / 2; t++)
+                            qw[t * MR + r] = (uint32_t)query[2 * t] | (uint32_t)query[2 * t + 1] << 16;
+                    }
+                    scores_dot(qw, kw, d / 2, n_pad, scale, s);
+                }
+#endif
+                for (int64_t r = 0; !dot && r < MR; r++) {  /* as above */
                     load_floats(q, dtype, base + MIN(first + r, n - 1) * row_stride, d, row);
                     for (int64_t t = 0; t < d; t++) qp[t * MR + r] = row[t] * scale;
                 }
-                scores(qp, kt, d, n_pad, s);
+                if (!dot) scores(qp, kt, d, n_pad, s);
                 softmax_rows(s, rows, n, n_pad, total);
-                for (int64_t r0 = 0; r0 < rows; r0 += RO)
+#ifdef __AVX512BF16__
+                for (int64_t r0 = 0; dot && r0 < rows; r0 += RO)
+                    weighted_values_dot(s + r0 * n_pad, MIN(RO, rows - r0), n, n_pad, vw, d, total + r0, out, dtype,
+                                        ((b * n + first + r0) * heads + h) * d, heads * d);
+#endif
+                for (int64_t r0 = 0; !dot && r0 < rows; r0 += RO)
                     weighted_values(s + r0 * n_pad, MIN(RO, rows - r0), n, n_pad, vrows, d, total + r0, out, dtype,
                                     ((b * n + first + r0) * heads + h) * d, heads * d);
             }

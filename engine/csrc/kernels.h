@@ -75,7 +75,7 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
                            float scale, int64_t window, void *out, int num_threads);
 int full_attention(const void *q, const void *k, const void *v, int dtype, int64_t batch, int64_t heads, int64_t n,
                    int64_t d, int64_t batch_stride, int64_t head_stride, int64_t row_stride, float scale, void *out,
-                   int num_threads);
+                   int mode, int num_threads);
 int rms_norm(const void *x, int io_dtype, int64_t rows, int64_t dim, const void *weight, int w_dtype, float eps,
              void *out, int num_threads);
 int gelu_tanh(void *x, int dtype, int64_t count, int num_threads);
