@@ -28,8 +28,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from engine.child_slots import kill_idle
 from engine.grammar_limits import GrammarLimits
-from engine.media_box import kill_idle
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any
+
+from engine.child_slots import kill_idle
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -237,25 +239,6 @@ class _Child:
             except OSError:
                 pass
         shutil.rmtree(self.folder, ignore_errors=True)
-
-
-class Killable(Protocol):
-    def kill(self) -> None: ...
-
-
-ChildT = TypeVar("ChildT", bound=Killable)
-
-
-def kill_idle(slots: queue.Queue[ChildT | None]) -> None:
-    """Kill the child in each slot of a pool of supervised children (None: a free slot, its child started at first
-    use), emptying the queue: the idle children, as a busy one is not in it. Also engine/grammar_pool.py's."""
-    while True:
-        try:
-            child = slots.get_nowait()
-        except queue.Empty:
-            return
-        if child is not None:
-            child.kill()
 
 
 class MediaBox:

@@ -18,6 +18,7 @@
  */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "dtypes.h"
 #include "kernels.h"
@@ -60,6 +61,13 @@ static void scores(const float *qp, const float *kt, int64_t d, int64_t n_pad, f
 }
 
 #ifdef __AVX512BF16__
+/* Word t of p: two bfloat16 (or 4 bytes of any type) as the dot products take them, read without type punning. */
+static inline uint32_t word_at(const void *p, int64_t t) {
+    uint32_t word;
+    memcpy(&word, (const char *)p + 4 * t, sizeof(word));
+    return word;
+}
+
 /* The tile's scores s[MR][n_pad] = scale * qw ([d / 2][MR] words: two bfloat16 of a query row each) times kw
  * ([d / 2][n_pad] words: two bfloat16 of a key each), NR keys at a time. */
 static void scores_dot(const uint32_t *qw, const uint32_t *kw, int64_t pairs, int64_t n_pad, float scale, float *s) {
@@ -158,7 +166,7 @@ static void weighted_values_dot(float *p, int64_t rows, int64_t n, int64_t n_pad
 #pragma GCC unroll 6
             for (int r = 0; r < RO; r++) {
                 if (r >= rows) break;
-                const __m512bh weight = (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)(p + r * n_pad))[t]);
+                const __m512bh weight = (__m512bh)_mm512_set1_epi32((int)word_at(p + r * n_pad, t));
 #pragma GCC unroll 4
                 for (int b = 0; b < 4; b++)
                     if (b < span) o[r][b] = _mm512_dpbf16_ps(o[r][b], value[b], weight);
@@ -204,8 +212,7 @@ int full_attention(const void *q, const void *k, const void *v, int dtype, int64
             uint32_t *kw = (uint32_t *)kt, *qw = (uint32_t *)qp;  /* the dot products' keys and queries, as words */
             for (int64_t j = 0; dot && j < n_pad; j++) {  /* keys past n: zeros */
                 const uint16_t *key = (const uint16_t *)k + base + MIN(j, n - 1) * row_stride;
-                for (int64_t t = 0; t < d / 2; t++)
-                    kw[t * n_pad + j] = j < n ? (uint32_t)key[2 * t] | (uint32_t)key[2 * t + 1] << 16 : 0u;
+                for (int64_t t = 0; t < d / 2; t++) kw[t * n_pad + j] = j < n ? word_at(key, t) : 0u;
             }
 #endif
             for (int64_t j0 = 0; !dot && j0 < n_pad; j0 += FW) {  /* FW keys at a time, so that kt is written by vectors */
@@ -231,8 +238,7 @@ int full_attention(const void *q, const void *k, const void *v, int dtype, int64
                 if (dot) {
                     for (int64_t r = 0; r < MR; r++) {  /* rows past n repeat the last one; their results are dropped */
                         const uint16_t *query = (const uint16_t *)q + base + MIN(first + r, n - 1) * row_stride;
-                        for (int64_t t = 0; t < d / 2; t++)
-                            qw[t * MR + r] = (uint32_t)query[2 * t] | (uint32_t)query[2 * t + 1] << 16;
+                        for (int64_t t = 0; t < d / 2; t++) qw[t * MR + r] = word_at(query, t);
                     }
                     scores_dot(qw, kw, d / 2, n_pad, scale, s);
                 }
