@@ -1,10 +1,15 @@
 #!/bin/bash
-# vlmcap and vLLM-CPU side by side on the engine-speed workloads (issue 11's table), one server at a time,
-# the same checkpoint (dummy:smolvlm-256m, bfloat16) and the same client (`vlmcap bench ...`, ignore_eos).
+# vlmcap, vLLM-CPU and llama.cpp side by side on the engine-speed workloads (issue 11's table), one server at a
+# time, the same checkpoint (dummy:smolvlm-256m, bfloat16) and the same client (`vlmcap bench ...`, ignore_eos).
 #
-#   PEER=$HOME/vllm-peer bench/peers_side_by_side.sh [vllm|vlmcap|both]     # default: both
+#   PEER=$HOME/vllm-peer bench/peers_side_by_side.sh [vllm|vlmcap|both|llama]     # default: both (vLLM, vlmcap)
+#   LLAMA_PEER=$HOME/llama-peer LLAMA_TYPE=q8_0 bench/peers_side_by_side.sh llama
 #
-# Needs vLLM-CPU built once: PEER=$HOME/vllm-peer ../shared/peers/vllm-cpu/setup.sh (see its README).
+# Needs vLLM-CPU built once: PEER=$HOME/vllm-peer ../shared/peers/vllm-cpu/setup.sh (see its README); for llama.cpp,
+# LLAMA_PEER=$HOME/llama-peer: its setup.sh, then convert.sh of MODEL_DIR into $LLAMA_PEER/gguf (OUTTYPE=$LLAMA_TYPE,
+# bf16 by default; q8_0 for its 8-bit weights). llama-server runs 32 slots of 2,048 tokens (serve.sh's NP and
+# CTX_PER_SLOT), so that no workload's request waits for a slot. vlmcap's name in the results is $VLMCAP_NAME
+# (default vlmcap; e.g. vlmcap-int8 with SETTINGS="--quantization int8").
 # Writes JSON, PNG and text per workload and server to $OUT (default bench/results/side-by-side) and prints a
 # summary. Workloads:
 #   chats8   8 streaming chats, 256 tokens each: gap between tokens (ITL p50)
@@ -26,6 +31,8 @@ OUT=${OUT:-bench/results/side-by-side}
 PORT=${PORT:-8799}
 THREADS=${THREADS:-2}
 SETTINGS=${SETTINGS:-}
+VLMCAP_NAME=${VLMCAP_NAME:-vlmcap}
+LLAMA_TYPE=${LLAMA_TYPE:-bf16}
 PEERS_DIR=${PEERS_DIR:-$(cd .. && pwd)/shared/peers/vllm-cpu}
 URL=http://127.0.0.1:$PORT
 MODEL_DIR=${MODEL_DIR:-$($PY -c "from engine.models import resolve_checkpoint as r; print(r('dummy:smolvlm-256m'))" \
@@ -63,6 +70,18 @@ start_vllm() {
   warm_up vllm
 }
 
+start_llama() {
+  : "${LLAMA_PEER:?set LLAMA_PEER to the folder that the llama.cpp setup.sh filled}"
+  local gguf=$LLAMA_PEER/gguf
+  [ -f "$gguf/text-$LLAMA_TYPE.gguf" ] || { echo "no $gguf/text-$LLAMA_TYPE.gguf: run convert.sh" >&2; return 1; }
+  NP=${NP:-32} CTX_PER_SLOT=${CTX_PER_SLOT:-2048} THREADS=$THREADS PEER=$LLAMA_PEER \
+    "$(dirname "$PEERS_DIR")/llama-cpp/serve.sh" "$gguf/text-$LLAMA_TYPE.gguf" "$gguf/mmproj-$LLAMA_TYPE.gguf" "$PORT" \
+    > "$OUT/llama-server.log" 2>&1 &
+  SERVER_PID=$!
+  wait_ready /health
+  warm_up llama
+}
+
 start_vlmcap() {  # on its defaults, plus $SETTINGS
   # shellcheck disable=SC2086
   $PY -c "from cli.main import app; app(prog_name='vlmcap')" serve --model dummy:smolvlm-256m --dtype bfloat16 \
@@ -70,7 +89,7 @@ start_vlmcap() {  # on its defaults, plus $SETTINGS
     > "$OUT/vlmcap-server.log" 2>&1 &
   SERVER_PID=$!
   wait_ready /ready
-  warm_up vlmcap
+  warm_up "$VLMCAP_NAME"
 }
 
 warm_up() {  # $1: a name for its log. Not measured: requests with an image, then batches of 8 and of 32
@@ -118,9 +137,16 @@ if [ "$WHICH" = vllm ] || [ "$WHICH" = both ]; then
 fi
 if [ "$WHICH" = vlmcap ] || [ "$WHICH" = both ]; then
   start_vlmcap
-  workloads vlmcap
-  [ -n "${VBENCH_ONLY:-}" ] || bench vlmcap text32 serve --url "$URL" --rate inf --num-requests 32 --image-fraction 0 --max-tokens 64
-  vbench vlmcap dummy:smolvlm-256m
+  workloads "$VLMCAP_NAME"
+  [ -n "${VBENCH_ONLY:-}" ] || bench "$VLMCAP_NAME" text32 serve --url "$URL" --rate inf --num-requests 32 --image-fraction 0 --max-tokens 64
+  vbench "$VLMCAP_NAME" dummy:smolvlm-256m
+  stop_server
+fi
+if [ "$WHICH" = llama ]; then
+  start_llama
+  workloads "llama-$LLAMA_TYPE"
+  [ -n "${VBENCH_ONLY:-}" ] || bench "llama-$LLAMA_TYPE" text32 serve --url "$URL" --rate inf --num-requests 32 --image-fraction 0 --max-tokens 64
+  vbench "llama-$LLAMA_TYPE" "$MODEL_DIR"
   stop_server
 fi
 
@@ -142,11 +168,15 @@ rows = [
     ("24 at 1/s: TTFT p50 (ms)", "mixed24", lambda r: r["ttft_ms"]["p50"]),
     ("24 at 1/s: e2e p50 (s)", "mixed24", lambda r: r["e2e_ms"]["p50"] / 1000),
 ]
-lines = [f"| workload | vLLM-CPU | vlmcap | vlmcap / vLLM |", "| --- | --- | --- | --- |"]
+names = [n for n in ("vllm", "llama-bf16", "llama-q8_0") if (out / f"{n}-chats8.json").exists()]
+ours = sorted(p.name.removesuffix("-chats8.json") for p in out.glob("vlmcap*-chats8.json"))
+lines = [f"| workload | {' | '.join(names + ours)} | " + " | ".join(f"{o} / {n}" for o in ours for n in names) + " |",
+         "| --- " * (1 + len(names + ours) + len(ours) * len(names)) + "|"]
 for label, workload, get in rows:
-    vals = [load(n, workload) for n in ("vllm", "vlmcap")]
-    vals = [get(v) if v else float("nan") for v in vals]
-    lines.append(f"| {label} | {vals[0]:.1f} | {vals[1]:.1f} | {vals[1] / vals[0]:.2f} |")
+    vals = {n: load(n, workload) for n in names + ours}
+    vals = {n: get(v) if v else float("nan") for n, v in vals.items()}
+    lines.append(f"| {label} | " + " | ".join(f"{vals[n]:.1f}" for n in names + ours) + " | "
+                 + " | ".join(f"{vals[o] / vals[n]:.2f}" for o in ours for n in names) + " |")
 (out / "summary.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF

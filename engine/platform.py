@@ -54,11 +54,16 @@ class Platform:
             self._route_cpu_kernels(adapter)
 
     def started(self) -> None:
-        """Start-up done (the model prepared, the steps calibrated): on the CPU, the copies made on the way given
-        back to the system (engine/host_memory.py)."""
+        """Start-up done (the model prepared, the steps calibrated): on the CPU, the kernels' scratch buffers that
+        start-up's timings grew (engine/cpu/ops.py) and the copies made on the way given back to the system
+        (engine/host_memory.py)."""
         if self.device.type == "cpu":
             from engine.host_memory import release_freed_memory
 
+            if self.cpu_linear:
+                from engine.cpu import ops
+
+                ops.release_scratch()
             release_freed_memory()
 
     @property

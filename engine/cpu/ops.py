@@ -230,6 +230,13 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def release_scratch() -> None:
+    """The kernels' scratch buffers of the calling thread freed (engine/csrc/scratch.c): start-up's timings grew
+    them to shapes that steps may never run; steps grow them again to what they need. Not while a kernel runs on
+    this thread."""
+    build.lib().release_scratch()
+
+
 @torch.library.custom_op("vlmcap::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return linear(x, weight, bias)

@@ -227,18 +227,28 @@ static inline __attribute__((always_inline)) __m256 dequantize8(const void *p, i
 #endif
 
 /* Growable buffers of the calling thread (SCRATCH_SLOTS of them, one set per source file), kept across calls: no
- * allocation per call. */
+ * allocation per call. release_scratch (scratch.c) frees the calling thread's in every file: the engine calls it
+ * once start-up's timings, which ran the largest shapes, are done, so that a buffer keeps only what steps need. */
 #define SCRATCH_SLOTS 2
+static __thread void *scratch_buffer[SCRATCH_SLOTS];
+static __thread size_t scratch_held[SCRATCH_SLOTS];
 static inline void *thread_scratch_at(int slot, size_t bytes) {
-    static __thread void *buffer[SCRATCH_SLOTS];
-    static __thread size_t held[SCRATCH_SLOTS];
-    if (bytes > held[slot]) {
-        free(buffer[slot]);
-        buffer[slot] = malloc(bytes);
-        held[slot] = buffer[slot] ? bytes : 0;
+    if (bytes > scratch_held[slot]) {
+        free(scratch_buffer[slot]);
+        scratch_buffer[slot] = malloc(bytes);
+        scratch_held[slot] = scratch_buffer[slot] ? bytes : 0;
     }
-    return buffer[slot];
+    return scratch_buffer[slot];
 }
+static void release_file_scratch(void) {
+    for (int slot = 0; slot < SCRATCH_SLOTS; slot++) {
+        free(scratch_buffer[slot]);
+        scratch_buffer[slot] = NULL;
+        scratch_held[slot] = 0;
+    }
+}
+void register_scratch(void (*release)(void));  /* scratch.c */
+__attribute__((constructor)) static void register_file_scratch(void) { register_scratch(release_file_scratch); }
 static inline void *thread_scratch(size_t bytes) { return thread_scratch_at(0, bytes); }
 
 #endif

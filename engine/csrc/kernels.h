@@ -81,5 +81,6 @@ int rms_norm(const void *x, int io_dtype, int64_t rows, int64_t dim, const void 
 int gelu_tanh(void *x, int dtype, int64_t count, int num_threads);
 int decode_layers(const decode_step *s, const lean_layer *layers, int64_t count);
 const char *linear_isa(void);
+int release_scratch(void);
 
 #endif

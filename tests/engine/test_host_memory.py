@@ -18,11 +18,21 @@ class _MallInfo2(ctypes.Structure):
                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def _mapped_bytes() -> int:
-    """glibc's bytes in allocations served by their own mmap (`mallinfo2().hblkhd`)."""
+def _mallinfo() -> _MallInfo2:
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     libc.mallinfo2.restype = _MallInfo2
-    return libc.mallinfo2().hblkhd
+    return libc.mallinfo2()
+
+
+def _in_use_bytes() -> int:
+    """glibc's bytes handed out and not yet freed, heap and mapped (`uordblks + hblkhd`)."""
+    info = _mallinfo()
+    return info.uordblks + info.hblkhd
+
+
+def _mapped_bytes() -> int:
+    """glibc's bytes in allocations served by their own mmap (`mallinfo2().hblkhd`)."""
+    return _mallinfo().hblkhd
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the rule is glibc's malloc; elsewhere it does nothing")
@@ -54,3 +64,20 @@ def test_an_engine_gives_back_its_start_up_copies(make_engine, caplog):
     with caplog.at_level(logging.INFO, logger="engine.host_memory"):
         make_engine()
     assert any("start-up garbage given back" in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallinfo2 is glibc's")
+def test_the_kernels_scratch_is_given_back_and_grows_again():
+    """A Linear of 512 rows x 12,288 (SmolVLM's connector at the row count start-up times it) packs x into a 25 MB
+    scratch buffer the kernels keep; `release_scratch` frees it, and the next call, given a fresh buffer, computes
+    the same."""
+    from engine.cpu import ops
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 12288, generator=generator).bfloat16()
+    weight = torch.randn(64, 12288, generator=generator).bfloat16()
+    first = ops.linear(x, weight)
+    before = _in_use_bytes()
+    ops.release_scratch()
+    assert before - _in_use_bytes() >= 512 * 12288 * 4
+    assert torch.equal(ops.linear(x, weight), first)
