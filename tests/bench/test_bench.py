@@ -218,3 +218,14 @@ def test_bench_soak_short_run_holds(tmp_path):
     assert jobs["heavy_jobs"] == jobs["heavy_ended"] == latency["burst"]["heavy_job"]
     assert {"hostile:burst_sdp_video", "hostile:burst_slow_client_headers"} <= set(result["requests"])
     assert is_png(png)
+
+
+def test_bench_linear_int8_times_the_products_from_memory_and_from_the_cache():
+    """`python -m bench.linear_int8` on the tiny preset: both weight dtypes, the pass from memory and the layers'
+    pass with one layer's weights in every place (the arithmetic's own time)."""
+    from bench import linear_int8
+
+    result = linear_int8.main(["--preset", "tiny", "--rows", "2", "--threads", "1", "--repeats", "1"])
+    for key in ("layers_ms", "layers_in_cache_ms"):
+        assert set(result[key]) == {"bf16", "int8"} and all(ms > 0 for ms in result[key].values())
+    assert result["int8_gmac_s_in_cache"] > 0 and 0 < result["layers_int8_floor_ms"] < result["int8_floor_ms"]
