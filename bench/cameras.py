@@ -199,11 +199,33 @@ def clip_pass(redis_url: str) -> tuple[list[tuple[float, Any]], float]:
 
 def camera_copy(job: Any, camera_id: str, shift: float) -> Any:
     """`job` as camera `camera_id` sends it: a new id, its frames' times moved by `shift` seconds (a pass's start
-    on the wall clock)."""
-    frames = [dataclasses.replace(frame, ts=frame.ts + shift) for frame in job.frames]
+    on the wall clock), and each frame stamped with the camera and its time (`stamped`), so that no two copies'
+    frames are the same image: a backend's caches keyed by an image's content (an encoder cache, a prefix cache)
+    cannot serve a camera's frames from another camera's or an earlier pass's, as they could not in a real
+    deployment."""
+    frames = [dataclasses.replace(frame, ts=frame.ts + shift, image=stamped(frame.image, camera_id, frame.ts + shift))
+              for frame in job.frames]
+    image = frames[0].image if frames else stamped(job.image, camera_id, job.frame_ts + shift)
     return dataclasses.replace(job, camera_id=camera_id, job_id=uuid.uuid4().hex, created_at=time.time(),
-                               frame_ts=job.frame_ts + shift, frames=frames,
+                               frame_ts=job.frame_ts + shift, frames=frames, image=image,
                                prompt=job.prompt.replace(RECORDING_CAMERA, camera_id))
+
+
+def stamped(jpeg: bytes, camera_id: str, ts: float) -> bytes:
+    """The JPEG with the camera's id and the frame's time written in its top-left corner, as a camera's on-screen
+    display stamps them, encoded again (quality 90)."""
+    import cv2
+    import numpy as np
+
+    image = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR)
+    if image is None:
+        raise ValueError(f"a recorded frame is not a JPEG ({len(jpeg)} bytes)")
+    text = f"{camera_id} {time.strftime('%H:%M:%S', time.gmtime(ts))}.{int(ts * 1000) % 1000:03d}"
+    cv2.putText(image, text, (4, 14), cv2.FONT_HERSHEY_SIMPLEX, 0.4, (255, 255, 255), 1, cv2.LINE_AA)
+    ok, encoded = cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_QUALITY, 90])
+    if not ok:
+        raise ValueError(f"could not encode a stamped frame of {camera_id}")
+    return encoded.tobytes()
 
 
 # -- the backends ------------------------------------------------------------------------------------

@@ -5,10 +5,12 @@ pipeline's of the recorded clip. Timings are the lead's, not the test's."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 
 import pytest
+from PIL import Image
 from typer.testing import CliRunner
 
 from bench.cameras import CamerasConfig, camera_copy, clip_pass, late_percentile, recorded_tracks
@@ -26,6 +28,15 @@ def test_the_recorded_clip_gives_the_pipeline_s_jobs(redis_url):
     copy = camera_copy(fall, "cam-07", 1000.0)
     assert (copy.camera_id, copy.end_ts, copy.frame_count) == ("cam-07", fall.end_ts + 1000.0, fall.frame_count)
     assert copy.job_id != fall.job_id and "recorded-camera" not in copy.prompt
+    # Every copy's frames are images of their own (stamped with the camera and time), as real cameras' are: no
+    # backend can caption them from a cache keyed by the image. Same size, the same JPEG kind.
+    again, other = camera_copy(fall, "cam-07", 1060.0), camera_copy(fall, "cam-08", 1000.0)
+    images = [f.image for job in (copy, again, other) for f in job.frames]
+    assert len(set(images)) == len(images) and copy.image == copy.frames[0].image
+    originals = {Image.open(io.BytesIO(f.image)).size for f in fall.frames}
+    assert {Image.open(io.BytesIO(image)).size for image in images} == originals
+    sighting = next(job for _, job in schedule if not job.frames)
+    assert camera_copy(sighting, "cam-07", 1000.0).image != sighting.image
     # A job failed or not finished is late (infinite): the percentiles that reach it are infinite, not NaN.
     assert (late_percentile([1.0, 2.0, math.inf], 50), late_percentile([math.inf] * 2, 50)) == (2.0, math.inf)
     assert late_percentile([1.0, math.inf], 95) == math.inf and late_percentile([1.0, 3.0], 50) == 2.0
