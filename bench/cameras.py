@@ -56,7 +56,8 @@ class CamerasConfig:
     """`vlmcap bench cameras`: N cameras and streaming chats against one backend, N ramped.
 
     model: the model vlmcap's server serves: tiny, dummy:<preset> or a checkpoint (other backends serve their own).
-    dtype: the dtype of vlmcap's server (default: the engine's).
+    dtype: the dtype of vlmcap's server: bfloat16, as vLLM and llama.cpp serve a bfloat16 checkpoint (the engine's
+        own default, float32, would compare float32 against their bfloat16).
     threads: torch threads of vlmcap's server (default: torch's choice).
     cameras: camera counts, in order (repeat); the ramp stops at the first that is not sustained.
     duration: seconds of load at each camera count.
@@ -80,7 +81,7 @@ class CamerasConfig:
     """
 
     model: str = "dummy:smolvlm-256m"
-    dtype: str | None = None
+    dtype: str = "bfloat16"
     threads: int | None = None
     cameras: tuple[str, ...] = ("1", "2", "4", "8", "16", "32", "64")
     duration: float = 120.0
