@@ -214,19 +214,18 @@ def camera_copy(job: Any, camera_id: str, shift: float) -> Any:
 
 def stamped(jpeg: bytes, camera_id: str, ts: float) -> bytes:
     """The JPEG with the camera's id and the frame's time written in its top-left corner, as a camera's on-screen
-    display stamps them, encoded again (quality 90)."""
+    display stamps them, encoded again as the pipeline encodes a job's image (`pipeline.runner.job_image`)."""
     import cv2
     import numpy as np
+
+    from pipeline.runner import Annotate, job_image
 
     image = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR)
     if image is None:
         raise ValueError(f"a recorded frame is not a JPEG ({len(jpeg)} bytes)")
     text = f"{camera_id} {time.strftime('%H:%M:%S', time.gmtime(ts))}.{int(ts * 1000) % 1000:03d}"
     cv2.putText(image, text, (4, 14), cv2.FONT_HERSHEY_SIMPLEX, 0.4, (255, 255, 255), 1, cv2.LINE_AA)
-    ok, encoded = cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_QUALITY, 90])
-    if not ok:
-        raise ValueError(f"could not encode a stamped frame of {camera_id}")
-    return encoded.tobytes()
+    return job_image(image, [], Annotate.NONE)
 
 
 # -- the backends ------------------------------------------------------------------------------------

@@ -238,10 +238,13 @@ def test_the_first_streamed_chunk_carries_the_role_and_the_first_token(client):
     assert [c.choices[0].delta.role for c in chunks[1:]] == [None] * (len(chunks) - 1)
 
 
+def schema_request(schema: dict) -> dict:
+    return {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "JSON"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+
+
 def chat_with_schema(url: str, schema: dict, timeout: float = 120) -> httpx.Response:
-    return httpx.post(f"{url}/v1/chat/completions", timeout=timeout, json={
-        "model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "JSON"}],
-        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    return httpx.post(f"{url}/v1/chat/completions", timeout=timeout, json=schema_request(schema))
 
 
 @pytest.mark.parametrize("schema,status,limit", [
@@ -276,8 +279,7 @@ def test_a_client_that_leaves_cancels_its_compile(unlimited):
     pool = unlimited.state.bridge.engine.grammars.pool
     restarts = pool.restarts
     schema = {"type": "object", "properties": {f"q{i}": {"type": "integer"} for i in range(1000)}}
-    body = json.dumps({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "JSON"}],
-                       "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    body = json.dumps(schema_request(schema))
     address = urlsplit(unlimited.url)
     with socket.create_connection((address.hostname, address.port)) as client:
         client.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {address.netloc}\r\nContent-Type: "
