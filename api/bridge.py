@@ -245,6 +245,7 @@ class EngineBridge:
         mm_processor_kwargs: dict[str, Any] | None = None,
         prompt_token_ids: list[int] | None = None,
         embed_images: bool = False,
+        itl_target_ms: float | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream. Raises APIError: 400 for a request the engine refuses,
         429 when the waiting queue is full, 503 while shutting down."""
@@ -266,7 +267,8 @@ class EngineBridge:
                 self.engine.add_request(prompt=prompt, messages=messages, images=images, sampling=sampling,
                                         priority=priority, request_id=stream.request_id, cache_salt=cache_salt,
                                         videos=videos, mm_processor_kwargs=mm_processor_kwargs,
-                                        prompt_token_ids=prompt_token_ids, embed_images=embed_images)
+                                        prompt_token_ids=prompt_token_ids, embed_images=embed_images,
+                                        itl_target_ms=itl_target_ms)
             finally:  # here, not once the event loop resumes: the next step must not still count it
                 with self._cond:
                     self._adding -= 1

@@ -51,12 +51,14 @@ class EngineCaptioner:
     """Implements `jobqueue.consumer.Captioner`. Greedy, so a frame gets the same caption on every run."""
 
     def __init__(self, bridge: EngineBridge, limits: Limits, max_tokens: int,
-                 structured_max_tokens: int | None = None) -> None:
-        """`structured_max_tokens`: the default for captions under a JSON schema (longer than a sentence)."""
+                 structured_max_tokens: int | None = None, fall_itl_target_ms: float | None = None) -> None:
+        """`structured_max_tokens`: the default for captions under a JSON schema (longer than a sentence);
+        `fall_itl_target_ms`: the engine's own target of a fall alert's caption (None: the engine's)."""
         self.bridge = bridge
         self.limits = limits
         self.max_tokens = max_tokens
         self.structured_max_tokens = structured_max_tokens or max_tokens
+        self.fall_itl_target_ms = fall_itl_target_ms
         # Where a caption's frames' embeddings go, with the frames' bytes (the camera memory's `remember`); None:
         # the engine pools none.
         self.keep_embeddings: Callable[[list[bytes], list[list[float]]], None] | None = None
@@ -130,7 +132,10 @@ class EngineCaptioner:
         await compile_ahead(self.bridge.engine, grammar, "schema", key=cache_salt,  # GrammarRefused: dead-lettered
                             pools=work_pools(self.limits))
         default = self.max_tokens if grammar is None else self.structured_max_tokens
+        job = current_job.get()
         return await self.bridge.add(
+            # A fall alert's caption is waited for to its end: its decodes keep their own, tighter target.
+            itl_target_ms=self.fall_itl_target_ms if job is not None and job.fall else None,
             prompt=self.bridge.engine.user_prompt(content),  # any checkpoint: with or without a chat template
             images=images,
             videos=videos,

@@ -64,7 +64,7 @@ async def _build_state(settings: ServerSettings, metrics: Metrics, engine: Any |
     else:
         captions = MemoryCaptionStore()
     captioner = EngineCaptioner(bridge, settings.limits, settings.caption_max_tokens,
-                                settings.structured_caption_max_tokens)
+                                settings.structured_caption_max_tokens, settings.fall_itl_target_ms or None)
     feeds = FeedHub(captions.redis if isinstance(captions, RedisCaptionStore) else None,
                     settings.max_sse_subscribers)
     return ServerState(settings=settings, bridge=bridge, metrics=metrics, captions=captions, captioner=captioner,

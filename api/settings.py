@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -117,6 +118,9 @@ class ServerSettings(QueueSettings, MemorySettings, MqttSettings):
     caption_prompt: prompt of captions that give none.
     caption_max_tokens: new tokens of a caption.
     structured_caption_max_tokens: new tokens of a caption under a JSON schema (a job's or a request's `schema`).
+    fall_itl_target_ms: the inter-token latency a fall alert's caption asks of the engine: while it decodes, camera
+        captions and other less urgent prompts fill each step only up to it, so that the alert ends seconds sooner
+        under load (0: the engine's own target, `--itl-target-ms`).
     shutdown_grace_s: seconds in-flight requests get to finish at shutdown.
     summary_every: with Redis, append one summary per camera of the interval just ended to vlmcap:summaries:<camera>
         this often ('90s', '15m', '1h'; default: never).
@@ -153,6 +157,7 @@ class ServerSettings(QueueSettings, MemorySettings, MqttSettings):
     caption_prompt: str = "Describe the people in this image in one sentence."
     caption_max_tokens: int = 64
     structured_caption_max_tokens: int = 512
+    fall_itl_target_ms: float = 50.0
     shutdown_grace_s: float = 10.0
     summary_every: str | None = None
     summary_max_tokens: int = 768
@@ -180,6 +185,9 @@ class ServerSettings(QueueSettings, MemorySettings, MqttSettings):
         for name in ("work_deadline_s", "header_timeout_s", "body_timeout_s", "access_log_per_s", "max_connections"):
             if not getattr(self, name) > 0:  # NaN too
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if not (math.isfinite(self.fall_itl_target_ms) and self.fall_itl_target_ms >= 0):
+            raise ValueError(f"fall_itl_target_ms must be 0 or a positive number of milliseconds, got "
+                             f"{self.fall_itl_target_ms!r}")
         if not 0 < self.key_share <= 1:
             raise ValueError(f"key_share must be over 0 and at most 1, got {self.key_share!r}")
         self.media_box_limits  # noqa: B018  (its ValueError names the option)

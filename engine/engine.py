@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -223,6 +224,7 @@ class Engine:
         mm_processor_kwargs: dict[str, Any] | None = None,
         prompt_token_ids: list[int] | None = None,
         embed_images: bool = False,
+        itl_target_ms: float | None = None,
     ) -> str:
         """Queue a request and return its id. Raises ValueError for a request that can never run.
         Give exactly one of `prompt` (text, with a marker per image and video), `messages` (rendered through the
@@ -235,7 +237,9 @@ class Engine:
         bytes (read with OpenCV, frames sampled by `VideoSampling()`), one for each video marker of the prompt.
         `embed_images`: the finished output carries `image_embeddings`, each encoder input's features as this request's
         own steps computed them, pooled as `embed` pools an image's (engine/embeddings.py): the images' embeddings
-        without a second run of the tower where each image is one encoder input (`single_input_options`)."""
+        without a second run of the tower where each image is one encoder input (`single_input_options`).
+        `itl_target_ms`: this request's own inter-token-latency target, held against less urgent work while it
+        decodes (engine/scheduler.py: a fall alert's caption), where steps are budgeted by time."""
         if sum(given is not None for given in (prompt, messages, prompt_token_ids)) != 1:
             raise ValueError("give exactly one of prompt or messages (or prompt_token_ids)")
         sampling = sampling or SamplingParams()
@@ -243,6 +247,9 @@ class Engine:
             raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if itl_target_ms is not None and not (isinstance(itl_target_ms, (int, float)) and not isinstance(
+                itl_target_ms, bool) and math.isfinite(itl_target_ms) and itl_target_ms > 0):
+            raise ValueError(f"itl_target_ms must be a positive number of milliseconds or None, got {itl_target_ms!r}")
         if cache_salt is not None and not (isinstance(cache_salt, str) and 0 < len(cache_salt) <= MAX_CACHE_SALT):
             raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters, got "
                              f"{str(cache_salt)[:80]!r}")
@@ -295,6 +302,7 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop),
             matcher=matcher,
             cache_salt=cache_salt,
+            itl_target_ms=None if itl_target_ms is None else float(itl_target_ms),
         )
         with self._lock:
             if request_id in self.requests:

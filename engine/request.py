@@ -93,6 +93,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far (engine/block_hash.py)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first admitted
     cache_salt: str | None = None  # shares cached blocks and image features only with the same salt (block_hash.py)
+    itl_target_ms: float | None = None  # its own inter-token-latency target against less urgent work (scheduler.py)
     finish_reason: str | None = None
     text: str = ""
     # Turns output_token_ids into `text` a step at a time; preemption keeps output_token_ids, so it stays valid.

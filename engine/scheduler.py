@@ -43,6 +43,13 @@ work still get as much time as the decodes (at most the planned share of the tar
 doubles while a prompt is prefilled, and the prompt keeps a share of the machine whatever the model's size; a
 target that is set is kept to. The token and encoder budgets stay upper bounds.
 
+A request may ask for a tighter target of its own (`Request.itl_target_ms`: a fall alert's caption, which a person
+waits for to its end). It holds against the prompts after it in the rule's order (a higher priority value, or the
+same and later): while it decodes in a step, they get only what a step planned to its target leaves after the
+work before them, without the least progress above (a decode's tokens are bounded, so they wait at most that
+long); the prompts before it are planned against the step's target as before. Under a token budget (no target)
+it bounds nothing.
+
 When a running request needs a block and none is free, the lowest-priority, newest running request not yet
 scheduled this step is preempted (possibly the one asking): its blocks are freed and it is recomputed later
 from its prompt plus the tokens it has generated. Blocks and the prefix cache: engine/kv_cache_manager.py.
@@ -112,11 +119,15 @@ class Scheduler:
         budget = StepBudget.for_step(self.config, self.costs)
         scheduled: set[str] = set()
         by_priority = sorted(self.running, key=Request.sort_key)
-        self._schedule_decodes([r for r in by_priority if r.is_decoding], budget, scheduled, out)
+        decodes = [r for r in by_priority if r.is_decoding]
+        self._schedule_decodes(decodes, budget, scheduled, out)
         if self.config.itl_target_ms is None:
             budget.balance()
+        # The own targets of the requests decoding in this step, most urgent first (the rule's own targets).
+        targets = [(r.sort_key(), r.itl_target_ms) for r in decodes
+                   if r.itl_target_ms is not None and r.request_id in scheduled]
         prompts = sorted([r for r in by_priority if not r.is_decoding] + self.waiting, key=Request.sort_key)
-        self._schedule_prompts(prompts, budget, scheduled, out)
+        self._schedule_prompts(prompts, budget, scheduled, out, targets)
         return out
 
     def _schedule_decodes(
@@ -133,13 +144,18 @@ class Scheduler:
                 budget.spend_decode(request.num_computed_tokens, n)
 
     def _schedule_prompts(
-        self, prompts: list[Request], budget: StepBudget, scheduled: set[str], out: SchedulerOutput
+        self, prompts: list[Request], budget: StepBudget, scheduled: set[str], out: SchedulerOutput,
+        targets: list[tuple[tuple[int, int], float]],
     ) -> None:
-        """Running prompts' next chunks and waiting prompts' admissions, in `prompts`' order (the rule's item 2)."""
-        admitting = True
+        """Running prompts' next chunks and waiting prompts' admissions, in `prompts`' order (the rule's item 2),
+        each planned under the own `targets` (sort key, ms) of the decodes before it in that order."""
+        admitting, urgent, tightened = True, sorted(targets), 0
         for request in prompts:
             if budget.spent:
                 return
+            while tightened < len(urgent) and urgent[tightened][0] < request.sort_key():
+                budget.tighten(urgent[tightened][1])
+                tightened += 1
             if request.status is RequestStatus.RUNNING and request.request_id not in scheduled:
                 self._schedule_prefill(request, budget, scheduled, out)
             elif request.status is RequestStatus.WAITING and admitting:
@@ -211,7 +227,7 @@ class Scheduler:
         if unready is not None:
             n = min(n, request.mm.input_first_position(unready) - start)
         if chunked and n > 0:
-            floor = 0 if budget.prefill_scheduled else self.config.block_size
+            floor = 0 if budget.prefill_scheduled or budget.tightened else self.config.block_size
             n = self._keep_spans_whole(request, start, min(n, budget.affordable_tokens(start, budget.work_cost(work),
                                                                                        floor)), budget)
         return n, work

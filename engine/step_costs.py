@@ -52,8 +52,8 @@ def chunk_keys(start: int, num_tokens: int) -> int:
 
 class CostModel(Protocol):
     """What the scheduler reads of a cost model: a step's planned cost, its fixed part, a chunk's cost, an
-    encoder output row's cost (None: not known yet), whether that cost bounds the encoder's work, and what is left
-    of a step for its prompts after its decodes."""
+    encoder output row's cost (None: not known yet), whether that cost bounds the encoder's work, what is left
+    of a step for its prompts after its decodes, and a step's planned cost under a request's own target."""
 
     planned: float
     per_encoder_row: float | None
@@ -64,6 +64,8 @@ class CostModel(Protocol):
     def chunk_cost(self, start: int, num_tokens: int) -> float: ...
 
     def after_decodes(self, left: float) -> float: ...
+
+    def planned_for(self, target_ms: float) -> float | None: ...
 
 
 @dataclass
@@ -83,6 +85,10 @@ class TokenCosts:
 
     def after_decodes(self, left: float) -> float:
         return left
+
+    def planned_for(self, target_ms: float) -> float | None:
+        """None: tokens are no time, so a request's own target bounds nothing."""
+        return None
 
 
 @dataclass
@@ -117,6 +123,10 @@ class StepCosts:
         """Under the default target (engine/scheduler.py's rule): a step's prompts get at least as much time as its
         decodes took (`planned - left`), at most the planned time."""
         return max(left, min(self.planned - left, self.planned))
+
+    def planned_for(self, target_ms: float) -> float | None:
+        """Seconds a step is filled to under a request's own target of `target_ms` (`Request.itl_target_ms`)."""
+        return target_ms * 1e-3 * PLANNED_SHARE
 
     def fit(self, shapes: list[StepShape], seconds: list[float]) -> None:
         """Least squares of the steps' seconds over [1, tokens, keys], coefficients kept non-negative."""

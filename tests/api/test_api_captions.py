@@ -192,3 +192,34 @@ def test_entries_off_the_contract_are_skipped_not_served(module_redis_url, redis
         cameras = http.get("/v1/cameras")
         assert cameras.status_code == 200 and "cam-nan" not in [c["camera_id"] for c in cameras.json()["data"]]
     client.close()
+
+
+def test_a_fall_alerts_caption_asks_the_engine_for_its_own_target(module_redis_url, redis_api, monkeypatch):
+    """The in-process worker's captions reach the engine at their priorities; a fall alert's with the server's
+    `fall_itl_target_ms`, which holds less urgent prompts out of its decode steps (engine/scheduler.py)."""
+    engine = redis_api.state.bridge.engine
+    asked: list[tuple[int, float | None]] = []
+    add_request = engine.add_request
+
+    def recording(**kwargs):
+        asked.append((kwargs["priority"], kwargs.get("itl_target_ms")))
+        return add_request(**kwargs)
+
+    monkeypatch.setattr(engine, "add_request", recording)
+    producer = JobProducer(module_redis_url)
+    jobs = [Job(camera_id="cam-f", frame_ts=20.0 + i, prompt=PROMPT, image=BUS, fall=fall,
+                detections=[Detection(10, 20, 110, 220, 0.9)]) for i, fall in enumerate((False, True))]
+    for job in jobs:
+        producer.submit(job)
+    producer.close()
+    with httpx.Client(base_url=redis_api.url, timeout=120) as http:
+        assert [poll(http, job.job_id)["status"] for job in jobs] == ["done", "done"]
+    settings = ServerSettings()
+    assert sorted(asked) == [(settings.fall_priority, settings.fall_itl_target_ms), (settings.caption_priority, None)]
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_a_fall_target_that_is_not_a_number_of_milliseconds_is_refused(bad):
+    with pytest.raises(ValueError, match="fall_itl_target_ms must be 0 or a positive number"):
+        ServerSettings(fall_itl_target_ms=bad)
+    assert ServerSettings(fall_itl_target_ms=0).fall_itl_target_ms == 0  # 0: the engine's own target

@@ -241,3 +241,63 @@ def test_a_decode_with_forced_tokens_computes_them_in_one_chunk_leaving_a_token_
     assert a.is_decoding and a.num_forced == 0  # the last forced token is its next decode
     out = step(s)
     assert chunks(out) == [("a", 13, 14), ("b", 4, 5), ("c", 4, 5)] and all(c.samples for c in out.chunks)
+
+
+# -- a request's own target ----------------------------------------------------------------------------
+def timed_scheduler(target_ms: float = 100.0) -> Scheduler:
+    """Steps budgeted by time: 10 ms fixed, 1 ms a token (no key or encoder cost), planned to 85 ms of 100."""
+    from engine.step_costs import StepCosts
+
+    costs = StepCosts(target_ms * 1e-3, fixed=0.010, per_token=0.001, ready=True)
+    config = EngineConfig(max_num_batched_tokens=512, max_num_seqs=8, block_size=BS, watermark=0.0,
+                          itl_target_ms=target_ms)
+    return Scheduler(config, BlockPool(256, BS), costs=costs)
+
+
+def decoding(s: Scheduler, rid: str, priority: int, target_ms: float | None, arrival: int = 0) -> Request:
+    """A request of `priority` with its own target, stepped until it decodes."""
+    r = request(rid, 3, priority=priority, arrival=arrival, first_token=700)
+    r.itl_target_ms = target_ms
+    s.add(r)
+    step(s)
+    assert r.is_decoding
+    return r
+
+
+def test_a_decoding_request_with_its_own_target_bounds_the_less_urgent_prompts_after_it():
+    """The alert decodes (1 ms) under its own target, planned to 17.5 ms: a camera prompt behind it gets what that
+    leaves after the fixed 10 ms and the decode (6 tokens, instead of the step target's 74)."""
+    from engine.step_costs import PLANNED_SHARE
+
+    own = 17.5 / PLANNED_SHARE
+    for target, expected in ((own, 6), (None, 74)):
+        s = timed_scheduler()
+        decoding(s, "alert", 5, target)
+        s.add(request("camera", 200, priority=10, arrival=1))
+        assert chunks(step(s)) == [("alert", 3, 4), ("camera", 0, expected)]
+
+
+def test_prompts_before_it_keep_the_step_target_and_those_after_it_get_no_least_progress():
+    """A chat's prompt (more urgent) is prefilled whole although the alert's target is spent by it; the camera
+    prompt and a second alert (same priority, later) then get nothing, not even the step's first block."""
+    from engine.step_costs import PLANNED_SHARE
+
+    s = timed_scheduler()
+    decoding(s, "alert", 5, 17.5 / PLANNED_SHARE)
+    s.add(request("camera", 200, priority=10, arrival=1))
+    s.add(request("later-alert", 30, priority=5, arrival=2, first_token=300))
+    out = step(s)
+    assert chunks(out) == [("alert", 3, 4), ("later-alert", 0, 6)]
+    s.add(request("chat", 40, priority=0, arrival=3, first_token=500))
+    assert chunks(step(s)) == [("alert", 4, 5), ("chat", 0, 40)]  # the chat's 40 ms leave nothing under 17.5
+    s = timed_scheduler()
+    decoding(s, "alert", 5, 1e-3)  # a target its decode alone is over
+    s.add(request("camera", 200, priority=10, arrival=1))
+    assert chunks(step(s)) == [("alert", 3, 4)]  # no least progress: the camera waits for the alert's last token
+
+
+def test_a_request_target_bounds_nothing_under_a_token_budget():
+    s = scheduler()  # no cost model: tokens only
+    decoding(s, "alert", 5, 1e-3)
+    s.add(request("camera", 40, priority=10, arrival=1))
+    assert chunks(step(s)) == [("alert", 3, 4), ("camera", 0, 15)]

@@ -210,3 +210,39 @@ def test_photo_prompts_arriving_together_are_prefilled_one_after_the_other(make_
     assert first_token[ids[0]] + 3 < first_token[ids[1]]
     for rid, (prompt, images) in zip(ids, jobs):
         assert tokens[rid] == oracle(prompt, images, 4)
+
+
+def test_a_fall_alerts_own_target_holds_a_camera_prompt_back_until_its_last_token(make_engine, oracle, photos):
+    """An alert decodes under a target its decodes alone are over: a camera's photo prompt (less urgent) computes
+    nothing, no token and no tower slice, until the alert's last token, while a chat's prompt (more urgent) is
+    prefilled and decodes; then the camera prompt runs. Every request's tokens are transformers' greedy ones."""
+    engine = make_engine(max_num_seqs=8)
+    assert engine.step_costs is not None and engine.step_costs.ready  # steps budgeted by time (the CPU's target)
+    alert = engine.add_request(prompt=PROMPTS[1], images=[photos[0]], sampling=SamplingParams(max_tokens=8),
+                               priority=5, itl_target_ms=1e-3)
+    while not engine.requests[alert].is_decoding:
+        engine.step()
+    camera = engine.add_request(prompt=PROMPTS[1], images=[photos[1]], sampling=SamplingParams(max_tokens=4),
+                                priority=10)
+    chat = engine.add_request(prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=4))
+    tokens: dict[str, list[int]] = {}
+    while alert in engine.requests:
+        for output in engine.step():
+            tokens[output.request_id] = output.token_ids
+        assert engine.requests[camera].num_computed_tokens == 0
+        assert not engine.scheduler.encoder_inputs.progress.get(camera)
+    assert tokens[chat]  # prefilled and decoding beside the alert
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens[output.request_id] = output.token_ids
+    assert tokens[alert] == oracle(PROMPTS[1], [photos[0]], 8)
+    assert tokens[camera] == oracle(PROMPTS[1], [photos[1]], 4)
+    assert tokens[chat] == oracle(PROMPTS[0], [], 4)
+
+
+@pytest.mark.parametrize("target", [0, -5, float("nan"), float("inf"), True, "50"])
+def test_a_request_target_that_is_not_a_positive_number_is_refused(make_engine, target):
+    engine = make_engine()
+    with pytest.raises(ValueError, match="itl_target_ms must be a positive number"):
+        engine.add_request(prompt=PROMPTS[0], itl_target_ms=target)
+    assert not engine.has_unfinished_requests()
