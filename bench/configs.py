@@ -209,6 +209,8 @@ class ServeConfig:
     image_fraction: share of requests that carry a photo to caption.
     prompt_words: words in each prompt.
     seed: seed of arrivals and prompts.
+    temperature: each request's sampling temperature (0: greedy; 1: OpenAI's default, what a client that sets none
+        gets).
     slo: goodput SLOs in ms, e.g. ttft=500,itl=100 (also tpot, e2e).
     ignore_eos: send ignore_eos, so every request generates max_tokens tokens (vlmcap and vLLM accept it; OpenAI's
         API does not; random-weight models reach EOS at random).
@@ -226,6 +228,7 @@ class ServeConfig:
     prompt_words: int = 48
     max_tokens: int = 64
     seed: int = 0
+    temperature: float = 0.0
     slo: dict[str, float] = field(default_factory=dict)
     ignore_eos: bool = True
     timeout: float = 600.0

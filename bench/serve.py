@@ -79,7 +79,7 @@ async def _one(
         "max_tokens": cfg.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "temperature": 0.0,
+        "temperature": cfg.temperature,
     }
     if cfg.ignore_eos:
         body["ignore_eos"] = True

@@ -18,6 +18,7 @@ import torch
 
 from engine.outputs import RequestOutput
 from engine.request import Request
+from engine.sampling import draw_as_sampled
 from engine.scheduler import Scheduler
 from engine.scheduler_output import EncoderWork
 
@@ -129,9 +130,8 @@ class OutputProcessor:
                 request.num_forced += 1
                 self.num_generated_tokens += 1
                 self.num_forced_tokens += 1
-                if request.generator is not None:  # the sampler's one draw a token (engine/sampling.py `sample`)
-                    torch.empty(self.vocab_size, dtype=torch.float32, device=self.device).exponential_(
-                        generator=request.generator)
+                if request.generator is not None:  # the sampler's draws for the token (engine/sampling.py)
+                    draw_as_sampled(params, request.generator, self.vocab_size, self.device)
                 output = by_id[request.request_id]
                 if not request.matcher.accept(token):  # cannot happen: the grammar allows it
                     by_id[request.request_id] = self.fail(request)

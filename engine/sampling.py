@@ -229,8 +229,9 @@ def sample(
     take the argmax. The others are scaled by their temperature after subtracting the row's maximum (so any
     temperature the parameters allow stays finite), cut to their top_k tokens and to the smallest prefix of the
     sorted distribution whose mass reaches top_p (the likeliest token always stays), and sampled by the exponential
-    race (argmax of p / E with E ~ Exp(1), which draws from p), each row's E from its request's own generator, so a
-    seeded request repeats whatever else is batched.
+    race (argmax of p / E with E ~ Exp(1), which draws from p) among the tokens that remain (`_race`), each row's E
+    from its request's own generator, as many draws as its own parameters and logits call for, so a seeded request
+    repeats whatever else is batched.
     """
     if histories is not None:
         apply_penalties(logits, params, histories)
@@ -240,26 +241,100 @@ def sample(
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         index = torch.tensor(rows, device=logits.device)
-        settings = torch.tensor([[params[i].temperature, params[i].top_k, params[i].top_p] for i in rows],
-                                dtype=torch.float32, device=logits.device)
+        temperature = torch.tensor([[params[i].temperature] for i in rows], dtype=torch.float32, device=logits.device)
         x = logits[index]
-        sorted_x, order = torch.sort(x - x.max(dim=-1, keepdim=True).values, dim=-1, descending=True)
-        sorted_x = sorted_x / settings[:, :1]
-        rank = torch.arange(x.shape[-1], device=x.device)
-        top_k = settings[:, 1:2]
-        sorted_x = sorted_x.masked_fill((top_k > 0) & (rank >= top_k), float("-inf"))
-        probs = torch.softmax(sorted_x, dim=-1)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= settings[:, 2:3]
-        probs = probs.masked_fill(drop & (rank > 0), 0.0)
-        race = torch.empty_like(probs)
-        for row, i in enumerate(rows):
-            race[row].exponential_(generator=generators[i])
-        picked = order.gather(-1, (probs / race).argmax(dim=-1, keepdim=True)).squeeze(-1)
-        bad = ~torch.isfinite(probs).all(dim=-1) | (probs.sum(dim=-1) <= 0)
+        x = (x - x.max(dim=-1, keepdim=True).values) / temperature  # log-weights, at most 0 (NaN: a bad row)
+        picked = _race(x, [params[i] for i in rows], [generators[i] for i in rows])
+        bad = ~torch.isfinite(x.amax(dim=-1))  # NaN somewhere, or no finite logit at all
         tokens = tokens.index_copy(0, index, picked)
         failed = failed.index_copy(0, index, bad.to(failed.dtype))
     both = torch.stack([tokens, failed]).tolist()  # the one read-back
     return both[0], [bool(f) for f in both[1]], token_logprobs(logits, params, tokens, both[0])
+
+
+# Top-p rows without top_k look for their prefix among their likeliest tokens first (a partial sort); a row whose
+# prefix is longer (a flat distribution) sorts its whole vocabulary.
+TOP_P_CANDIDATES = 256
+
+
+def _race(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """The sampled token of each row of log-weights `x` [rows, vocab] (`sample`'s rule). A row without top_k or
+    top_p races over its whole vocabulary in token order, with no sort; the others over their candidates, best
+    first: their top_k tokens (`torch.topk`), or for top_p alone their `TOP_P_CANDIDATES` likeliest where those hold
+    the prefix, else every token sorted. Each row draws E for its own candidates only."""
+    vocab = x.shape[-1]
+    picked = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    whole = [r for r, p in enumerate(params) if p.top_k == 0 and p.top_p >= 1.0]
+    if whole:
+        at = torch.tensor(whole, device=x.device)
+        picked[at] = _exponential_race(torch.exp(x[at]), [generators[r] for r in whole], [vocab] * len(whole))
+    top_k = [r for r, p in enumerate(params) if p.top_k > 0]
+    top_p = [r for r, p in enumerate(params) if p.top_k == 0 and p.top_p < 1.0]
+    if top_k:
+        at = torch.tensor(top_k, device=x.device)
+        values, order = torch.topk(x[at], min(max(params[r].top_k for r in top_k), vocab), dim=-1)
+        k = torch.tensor([[params[r].top_k] for r in top_k], device=x.device)
+        values = values.masked_fill(torch.arange(values.shape[-1], device=x.device) >= k, float("-inf"))
+        # Renormalized over its top_k tokens, as `torch.softmax` over the vocabulary with the rest masked.
+        picked[at] = _truncated_race(values, order, torch.logsumexp(values, dim=-1, keepdim=True),
+                                     [params[r] for r in top_k], [generators[r] for r in top_k],
+                                     [min(params[r].top_k, vocab) for r in top_k])
+    if top_p:
+        at = torch.tensor(top_p, device=x.device)
+        rows = x[at]
+        total = torch.logsumexp(rows, dim=-1, keepdim=True)
+        values, order = torch.topk(rows, min(TOP_P_CANDIDATES, vocab), dim=-1)
+        mass = torch.exp(values - total).sum(dim=-1)
+        held = (mass >= torch.tensor([params[r].top_p for r in top_p], device=x.device)).tolist()
+        for group, count in (([j for j, h in enumerate(held) if h], values.shape[-1]),
+                             ([j for j, h in enumerate(held) if not h], vocab)):
+            if not group:
+                continue
+            g = torch.tensor(group, device=x.device)
+            if count == vocab:
+                values_g, order_g = torch.sort(rows[g], dim=-1, descending=True)
+            else:
+                values_g, order_g = values[g], order[g]
+            picked[at[g]] = _truncated_race(values_g, order_g, total[g], [params[top_p[j]] for j in group],
+                                            [generators[top_p[j]] for j in group], [count] * len(group))
+    return picked
+
+
+def draw_as_sampled(params: SamplingParams, generator: torch.Generator, vocab: int, device: torch.device) -> None:
+    """Advance `generator` as `sample` does for a row whose grammar allows one token: a token jump-forward appends
+    without sampling draws alike, so that a seeded request's later tokens are those of sampling every token."""
+    if params.top_k > 0:
+        count = min(params.top_k, vocab)
+    elif params.top_p < 1.0:
+        count = min(TOP_P_CANDIDATES, vocab)  # one token holds all the mass: within the likeliest
+    else:
+        count = vocab
+    torch.empty(count, dtype=torch.float32, device=device).uniform_(generator=generator)
+
+
+def _truncated_race(values: torch.Tensor, order: torch.Tensor, total: torch.Tensor, params: list[SamplingParams],
+                    generators: list[torch.Generator | None], counts: list[int]) -> torch.Tensor:
+    """The race among candidates `values` (log-weights, best first; `order`: their token ids), normalized by the
+    log-mass `total`, cut to the smallest prefix whose mass reaches each row's top_p (the first always stays);
+    row i draws `counts[i]` E."""
+    probs = torch.exp(values - total)
+    top_p = torch.tensor([[p.top_p] for p in params], dtype=probs.dtype, device=probs.device)
+    drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+    drop[:, 0] = False
+    probs = probs.masked_fill(drop, 0.0)
+    return order.gather(-1, _exponential_race(probs, generators, counts).unsqueeze(-1)).squeeze(-1)
+
+
+def _exponential_race(weights: torch.Tensor, generators: list[torch.Generator | None], counts: list[int]
+                      ) -> torch.Tensor:
+    """argmax over each row's first `counts[row]` columns of weight / E, E ~ Exp(1) drawn from the row's own
+    generator (-log U, U uniform: a uniform draw costs a seventh of torch's `exponential_`). Which column wins
+    is distributed as the weights: the exponential race."""
+    race = torch.zeros_like(weights)  # a column past its row's count keeps U = 0: E = inf, it never wins
+    for row, (generator, count) in enumerate(zip(generators, counts)):
+        race[row, :count].uniform_(generator=generator)
+    race.log_().neg_()
+    return (weights / race).argmax(dim=-1)
 
 
 def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor,
