@@ -257,10 +257,16 @@ def sample(
 TOP_P_CANDIDATES = 256
 
 
+def top_p_candidates(vocab: int, device: torch.device) -> int:
+    """The likeliest tokens a top_p row without top_k is first cut from: `TOP_P_CANDIDATES` on the CPU; the whole
+    vocabulary elsewhere (a GPU sorts it at little cost, and choosing rows would read back from the device)."""
+    return min(TOP_P_CANDIDATES, vocab) if device.type == "cpu" else vocab
+
+
 def _race(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
     """The sampled token of each row of log-weights `x` [rows, vocab] (`sample`'s rule). A row without top_k or
     top_p races over its whole vocabulary in token order, with no sort; the others over their candidates, best
-    first: their top_k tokens (`torch.topk`), or for top_p alone their `TOP_P_CANDIDATES` likeliest where those hold
+    first: their top_k tokens (`torch.topk`), or for top_p alone their `top_p_candidates` likeliest where those hold
     the prefix, else every token sorted. Each row draws E for its own candidates only."""
     vocab = x.shape[-1]
     picked = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
@@ -283,20 +289,20 @@ def _race(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.
         at = torch.tensor(top_p, device=x.device)
         rows = x[at]
         total = torch.logsumexp(rows, dim=-1, keepdim=True)
-        values, order = torch.topk(rows, min(TOP_P_CANDIDATES, vocab), dim=-1)
-        mass = torch.exp(values - total).sum(dim=-1)
-        held = (mass >= torch.tensor([params[r].top_p for r in top_p], device=x.device)).tolist()
-        for group, count in (([j for j, h in enumerate(held) if h], values.shape[-1]),
-                             ([j for j, h in enumerate(held) if not h], vocab)):
-            if not group:
-                continue
-            g = torch.tensor(group, device=x.device)
-            if count == vocab:
-                values_g, order_g = torch.sort(rows[g], dim=-1, descending=True)
-            else:
-                values_g, order_g = values[g], order[g]
-            picked[at[g]] = _truncated_race(values_g, order_g, total[g], [params[top_p[j]] for j in group],
-                                            [generators[top_p[j]] for j in group], [count] * len(group))
+        count = top_p_candidates(vocab, x.device)
+        values, order = torch.topk(rows, count, dim=-1)  # best first (the whole vocabulary sorted, at its size)
+        groups = [(list(range(len(top_p))), values, order, count)]
+        if count < vocab:  # on the CPU: which rows' prefix their likeliest tokens hold (no device read-back)
+            mass = torch.exp(values - total).sum(dim=-1)
+            held = (mass >= torch.tensor([params[r].top_p for r in top_p], device=x.device)).tolist()
+            inside, longer = [j for j, h in enumerate(held) if h], [j for j, h in enumerate(held) if not h]
+            groups = [(inside, values[inside], order[inside], count)]
+            if longer:
+                groups.append((longer, *torch.sort(rows[longer], dim=-1, descending=True), vocab))
+        for group, values_g, order_g, n in groups:
+            if group:
+                picked[at[group]] = _truncated_race(values_g, order_g, total[group], [params[top_p[j]] for j in group],
+                                                    [generators[top_p[j]] for j in group], [n] * len(group))
     return picked
 
 
@@ -306,7 +312,7 @@ def draw_as_sampled(params: SamplingParams, generator: torch.Generator, vocab: i
     if params.top_k > 0:
         count = min(params.top_k, vocab)
     elif params.top_p < 1.0:
-        count = min(TOP_P_CANDIDATES, vocab)  # one token holds all the mass: within the likeliest
+        count = top_p_candidates(vocab, device)  # one token holds all the mass: within the likeliest
     else:
         count = vocab
     torch.empty(count, dtype=torch.float32, device=device).uniform_(generator=generator)

@@ -25,13 +25,16 @@ def reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(warpers(torch.zeros(1, 1, dtype=torch.long), logits[None].clone())[0], dim=-1)
 
 
-@pytest.mark.parametrize("candidates", [engine.sampling.TOP_P_CANDIDATES, 8])  # 8: top_p's prefix is longer
+# TOP_P_CANDIDATES is over VOCAB: top_p rows sort the whole vocabulary (as on a GPU); 8: within their 8 likeliest
+# where those hold the prefix, else sorted.
+@pytest.mark.parametrize("candidates", [engine.sampling.TOP_P_CANDIDATES, 8])
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.7, top_k=5),
-    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=1.3, top_p=0.8),  # with 8 candidates: a prefix longer than they are, sorted
+    SamplingParams(temperature=0.5, top_p=0.5),  # a prefix within 8
     SamplingParams(temperature=0.9, top_k=20, top_p=0.6),
-], ids=["whole", "top_k", "top_p", "top_k_top_p"])
+], ids=["whole", "top_k", "top_p", "top_p_peaked", "top_k_top_p"])
 def test_draws_follow_transformers_warped_distribution(params, candidates, monkeypatch):
     monkeypatch.setattr(engine.sampling, "TOP_P_CANDIDATES", candidates)
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(7)) * 2
