@@ -286,7 +286,7 @@ class Scheduler:
         """`_keep_span_whole` where the prompt's image spans are atomic (`atomic_inputs`), else `n`."""
         if request.mm is None or not request.mm.atomic_inputs:
             return n
-        return self._keep_span_whole(request.mm, start, n, alone=not budget.prefill_scheduled)
+        return self._keep_span_whole(request.mm, start, n, alone=not (budget.prefill_scheduled or budget.tightened))
 
     @staticmethod
     def _keep_span_whole(mm: MultimodalPrompt, start: int, n: int, alone: bool) -> int:

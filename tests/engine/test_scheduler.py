@@ -301,3 +301,18 @@ def test_a_request_target_bounds_nothing_under_a_token_budget():
     decoding(s, "alert", 5, 1e-3)
     s.add(request("camera", 40, priority=10, arrival=1))
     assert chunks(step(s)) == [("alert", 3, 4), ("camera", 0, 15)]
+
+
+def test_an_atomic_span_is_not_taken_whole_past_a_request_target():
+    """A Gemma 3-like prompt whose next span (40 placeholders, its tower cached) is larger than what the alert's
+    target leaves is not taken whole as a lone prefill would be: it waits for the alert's last token."""
+    from engine.step_costs import PLANNED_SHARE
+
+    for target, expected in ((17.5 / PLANNED_SHARE, []), (None, [("camera", 0, 40)])):
+        s = timed_scheduler(target_ms=30.0)  # planned to 25.5 ms: 40 placeholders (40 ms) never fit
+        decoding(s, "alert", 5, target)
+        camera = photo_request("camera", first=0, tiles=1, arrival=1, rows=40)
+        camera.priority, camera.mm.atomic_inputs = 10, True
+        s.encoder_inputs.progress["camera"] = {0: 1}  # its tower has run
+        s.add(camera)
+        assert chunks(step(s))[1:] == expected
