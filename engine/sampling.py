@@ -257,23 +257,30 @@ def sample(
 TOP_P_CANDIDATES = 256
 
 
-def top_p_candidates(vocab: int, device: torch.device) -> int:
-    """The likeliest tokens a top_p row without top_k is first cut from: `TOP_P_CANDIDATES` on the CPU; the whole
-    vocabulary elsewhere (a GPU sorts it at little cost, and choosing rows would read back from the device)."""
-    return min(TOP_P_CANDIDATES, vocab) if device.type == "cpu" else vocab
+def candidates(params: SamplingParams, vocab: int, device: torch.device) -> int:
+    """The tokens a sampled row races among first, as many E as it draws: its whole vocabulary without top_k or
+    top_p; its top_k; for top_p alone its `TOP_P_CANDIDATES` likeliest on the CPU (a row whose prefix is longer
+    then sorts and draws for its whole vocabulary), the whole vocabulary elsewhere (a GPU sorts it at little cost,
+    and choosing rows would read back from the device)."""
+    if params.top_k > 0:
+        return min(params.top_k, vocab)
+    if params.top_p < 1.0 and device.type == "cpu":
+        return min(TOP_P_CANDIDATES, vocab)
+    return vocab
 
 
 def _race(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
     """The sampled token of each row of log-weights `x` [rows, vocab] (`sample`'s rule). A row without top_k or
     top_p races over its whole vocabulary in token order, with no sort; the others over their candidates, best
-    first: their top_k tokens (`torch.topk`), or for top_p alone their `top_p_candidates` likeliest where those hold
-    the prefix, else every token sorted. Each row draws E for its own candidates only."""
+    first (`candidates`): their top_k tokens (`torch.topk`), or for top_p alone their likeliest where those hold the
+    prefix, else every token sorted. Each row draws E for its own candidates only."""
     vocab = x.shape[-1]
     picked = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     whole = [r for r, p in enumerate(params) if p.top_k == 0 and p.top_p >= 1.0]
     if whole:
         at = torch.tensor(whole, device=x.device)
-        picked[at] = _exponential_race(torch.exp(x[at]), [generators[r] for r in whole], [vocab] * len(whole))
+        picked[at] = _exponential_race(torch.exp(x[at]), [generators[r] for r in whole],
+                                       [candidates(params[r], vocab, x.device) for r in whole])
     top_k = [r for r, p in enumerate(params) if p.top_k > 0]
     top_p = [r for r, p in enumerate(params) if p.top_k == 0 and p.top_p < 1.0]
     if top_k:
@@ -284,12 +291,12 @@ def _race(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.
         # Renormalized over its top_k tokens, as `torch.softmax` over the vocabulary with the rest masked.
         picked[at] = _truncated_race(values, order, torch.logsumexp(values, dim=-1, keepdim=True),
                                      [params[r] for r in top_k], [generators[r] for r in top_k],
-                                     [min(params[r].top_k, vocab) for r in top_k])
+                                     [candidates(params[r], vocab, x.device) for r in top_k])
     if top_p:
         at = torch.tensor(top_p, device=x.device)
         rows = x[at]
         total = torch.logsumexp(rows, dim=-1, keepdim=True)
-        count = top_p_candidates(vocab, x.device)
+        count = candidates(params[top_p[0]], vocab, x.device)  # the same for every top_p row
         values, order = torch.topk(rows, count, dim=-1)  # best first (the whole vocabulary sorted, at its size)
         groups = [(list(range(len(top_p))), values, order, count)]
         if count < vocab:  # on the CPU: which rows' prefix their likeliest tokens hold (no device read-back)
@@ -309,12 +316,7 @@ def _race(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.
 def draw_as_sampled(params: SamplingParams, generator: torch.Generator, vocab: int, device: torch.device) -> None:
     """Advance `generator` as `sample` does for a row whose grammar allows one token: a token jump-forward appends
     without sampling draws alike, so that a seeded request's later tokens are those of sampling every token."""
-    if params.top_k > 0:
-        count = min(params.top_k, vocab)
-    elif params.top_p < 1.0:
-        count = top_p_candidates(vocab, device)  # one token holds all the mass: within the likeliest
-    else:
-        count = vocab
+    count = candidates(params, vocab, device)  # forced: one token holds all the mass, within the first candidates
     torch.empty(count, dtype=torch.float32, device=device).uniform_(generator=generator)
 
 
