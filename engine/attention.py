@@ -18,11 +18,14 @@ backend that built the batch, engine/attention_backends.py, where the choice is 
   sliding windows). float32 anywhere, and everything on the CPU; the exactness reference.
 - **cpu** (`cpu_attention`): every decode of the step in one call of a small C kernel that reads the cache
   blocks in place (engine/cpu/ops.py): on the CPU the gather's copy costs as much as the attention, and grows
-  with context. Prefill chunks read the cache in place too (`PrefillSpan.prefix_runs`): the keys before the
-  chunk, which every query of the chunk sees, as views of runs of consecutive cache blocks, no mask; the chunk's
-  own keys (copied: as many as the chunk's tokens) with the chunk's causal mask; the pieces' results merged by
-  their log-sum-exp, as flash attention merges blocks. What a chunk copies is its own size, not its context's.
-  Sliding-window layers, and a prefix in more than `MAX_PREFIX_RUNS` runs, take the reference's gather.
+  with context. A short chunk's queries go with them, each a decode whose context ends at its own position
+  (its chunk's keys are in the cache before attention runs): what a causal mask computes, without the
+  prefill path's pieces a layer. Longer prefill chunks read the cache in place too (`PrefillSpan.prefix_runs`):
+  the keys before the chunk, which every query of the chunk sees, as views of runs of consecutive cache blocks,
+  no mask; the chunk's own keys (copied: as many as the chunk's tokens) with the chunk's causal mask; the
+  pieces' results merged by their log-sum-exp, as flash attention merges blocks. What a chunk copies is its own
+  size, not its context's. Sliding-window layers, and a prefix in more than `MAX_PREFIX_RUNS` runs, take the
+  reference's gather.
 
 An int8 cache (engine/kv_cache.py) passes each path its layer's scales (`scales`: the key and value scales,
 [slots, kv_heads] float32): the CPU's decode kernel and the Triton kernel read the int8 rows in place, the torch

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.attention_backends import ChunkLayout
+from engine.attention_backends import ChunkLayout, QueryRow
 from engine.presets import PRESETS, build_checkpoint
 from engine.scheduler_output import ScheduledChunk
 from tests.engine.conftest import DEVICE
@@ -18,22 +18,14 @@ CPU_ONLY = pytest.mark.skipif(DEVICE != "cpu", reason="the CPU kernels' own path
 def _groups(runner, decodes):
     """The runner's decode batches, each with the masks and tables its backend makes for them."""
     builder = runner.backend
-    layouts = [ChunkLayout(i, _decode_at(n), blocks) for i, n, blocks in decodes]
+    rows = [QueryRow(i, n, blocks) for i, n, blocks in decodes]
     built = []
-    for group in builder.decode_groups(layouts):
-        width = max(len(layout.blocks) for layout in group)
-        tables = torch.tensor([layout.blocks + [0] * (width - len(layout.blocks)) for layout in group])
-        built.append(builder.decode_group(torch.tensor([layout.query_start for layout in group]),
-                                          torch.tensor([layout.chunk.end for layout in group]), tables))
+    for group in builder.decode_groups(rows):
+        width = max(len(row.blocks) for row in group)
+        tables = torch.tensor([row.blocks + [0] * (width - len(row.blocks)) for row in group])
+        built.append(builder.decode_group(torch.tensor([row.index for row in group]),
+                                          torch.tensor([row.context_len for row in group]), tables))
     return built
-
-
-def _decode_at(context: int) -> ScheduledChunk:
-    """A decode chunk whose query is the `context`-th token of a request (its context: `context` keys)."""
-    from engine.request import Request
-
-    request = Request("r", list(range(context)), SamplingParams(), 0, 0, context + 1)
-    return ScheduledChunk.of(request, context - 1, 1, 16)
 
 
 def test_a_long_context_among_short_ones_is_attended_in_its_own_batch(make_engine):
@@ -255,6 +247,53 @@ def test_prefill_chunks_read_the_cache_in_place_as_the_reference_gathers_it(dtyp
     assert sum(count for _, count in runs) == start
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("start", "tokens", "window"), [
+    (0, 5, None),  # the sequence's first chunk
+    (37, 2, None),  # starting inside a block
+    (64, 32, None),  # at a block's start, as long as a chunk read as decodes gets
+    (40, 9, 12),  # a sliding window shorter than the context
+])
+def test_short_chunks_are_attended_as_decodes_as_the_reference_masks_them(dtype, start, tokens, window):
+    """A short causal chunk's queries join the CPU's decode batch (each query seeing the keys up to its own
+    position, its chunk's keys written before attention) and give what the reference's masked chunk gives; a
+    longer chunk keeps the prefill path."""
+    from engine.attention_backends import DECODE_ROWS_CHUNK, CpuBackend, IntPacker, ReferenceBackend
+    from engine.kv_cache import KVCache
+    from engine.model_runner import cache_slots
+    from engine.request import Request
+
+    block_size, heads, kv_heads, d = 16, 6, 2, 32
+    blocks = [9, 10, 3, 4, 30, 31, 32]
+    end = start + tokens
+    torch.manual_seed(0)
+    cache = KVCache(1, 48, block_size, kv_heads, d, dtype, torch.device("cpu"))
+    cache.keys[0].copy_(torch.randn_like(cache.keys[0], dtype=torch.float32))
+    cache.values[0].copy_(torch.randn_like(cache.values[0], dtype=torch.float32))
+    request = Request("r", list(range(end + 40)), SamplingParams(), 0, 0, end + 41)
+    decode = Request("d", list(range(50)), SamplingParams(), 0, 0, 51)
+    layouts = [ChunkLayout(0, ScheduledChunk.of(decode, 49, 1, block_size), [20, 21, 22, 23]),
+               ChunkLayout(1, ScheduledChunk.of(request, start, tokens, block_size), blocks[: -(-end // block_size)])]
+    slots = torch.tensor([23 * block_size + 1, *cache_slots(blocks, start, end, block_size)])
+    q = torch.randn(heads, 1 + tokens, d).to(dtype)
+    results = []
+    for builder_class in (ReferenceBackend, CpuBackend):
+        builder = builder_class(cache, block_size, torch.device("cpu"), window)
+        packer = IntPacker()
+        reserved = builder.reserve(layouts, 1 + tokens, packer)
+        batch = builder.build(reserved, torch.tensor(packer.values), slots)
+        results.append((batch, batch.attend(q, cache.keys[0], cache.values[0], batch, window, 0.3)))
+    (reference, expected), (batch, got) = results
+    assert len(reference.prefills) == (tokens > 1) and not batch.prefills and len(batch.decodes) == 1
+    assert batch.decodes[0].query_index.tolist() == list(range(1 + tokens))
+    assert batch.decodes[0].context_lens.tolist() == [50, *range(start + 1, end + 1)]
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    longer = ChunkLayout(1, ScheduledChunk.of(request, start, DECODE_ROWS_CHUNK + 1, block_size), blocks)
+    assert len(CpuBackend(cache, block_size, torch.device("cpu"), window).reserve([longer], 40, IntPacker())[1]) == 1
 
 
 @CPU_ONLY
