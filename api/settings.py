@@ -157,7 +157,7 @@ class ServerSettings(QueueSettings, MemorySettings, MqttSettings):
     caption_prompt: str = "Describe the people in this image in one sentence."
     caption_max_tokens: int = 64
     structured_caption_max_tokens: int = 512
-    fall_itl_target_ms: float = 50.0
+    fall_itl_target_ms: float = 30.0
     shutdown_grace_s: float = 10.0
     summary_every: str | None = None
     summary_max_tokens: int = 768

@@ -6,8 +6,9 @@ file is read faster or slower than real time.
 
 Falls: a tracked person seen on the ground (boxes of class FALL_CLASS, from the people-fall detector, with
 a confidence of at least `fall_min_confidence`) in `fall_min_frames` frames yields a fall job
-(`GatedFrame.fall`): the best of those frames, once the best-frame window after the first sighting has
-passed; then no other fall job for that track until `fall_cooldown_seconds` have passed. Fall jobs are not
+(`GatedFrame.fall`) on the frame that makes them enough: the best of those frames, without waiting for a
+better one (an alert is wanted now; the track's event shows the rest); then no other fall job for that track
+until `fall_cooldown_seconds` have passed. Fall jobs are not
 held by the per-camera rate cap (they are rare: one per track and cooldown) and count as that track's next
 caption job."""
 
@@ -45,10 +46,9 @@ class _TrackState:
     best_score: float = -1.0
     best_frame: Frame | None = None
     best_detections: list[Detection] | None = None
-    # Falls: sightings on the ground since the last fall job, the first one's time and the best frame.
+    # Falls: sightings on the ground since the last fall job, and the best frame of them.
     fall_next_due_ts: float = float("-inf")
     fall_frames: int = 0
-    fall_first_ts: float = 0.0
     fall_best_score: float = -1.0
     fall_frame: Frame | None = None
     fall_detections: list[Detection] | None = None
@@ -97,8 +97,6 @@ class Gate:
             if score > state.best_score:
                 state.best_score, state.best_frame, state.best_detections = score, frame, detections
             if self._is_fall(det) and frame.ts >= state.fall_next_due_ts:
-                if state.fall_frames == 0:
-                    state.fall_first_ts = frame.ts
                 state.fall_frames += 1
                 if score > state.fall_best_score:
                     state.fall_best_score, state.fall_frame, state.fall_detections = score, frame, detections
@@ -114,14 +112,12 @@ class Gate:
     def _is_fall(self, detection: Detection) -> bool:
         return detection.label == FALL_CLASS and detection.confidence >= self.fall_min_confidence
 
-    def _emit_falls(self, now: float, flush: bool) -> list[GatedFrame]:
-        """Fall jobs due now: tracks seen on the ground in enough frames, whose window has passed (or that
-        are lost, or at the end of the source). One job covers every due track on the ground in its frame."""
+    def _emit_falls(self, now: float) -> list[GatedFrame]:
+        """Fall jobs due now: tracks seen on the ground in enough frames. One job covers every due track on the
+        ground in its frame."""
         due = {
             track_id for track_id, state in self._tracks.items()
             if state.fall_frames >= self.fall_min_frames and state.fall_frame is not None
-            and (flush or now >= state.fall_first_ts + self.window_seconds
-                 or now - state.last_seen_ts > self.lost_after_seconds)
         }
         out: list[GatedFrame] = []
         for track_id in sorted(due):
@@ -148,7 +144,7 @@ class Gate:
     def _emit_due(self, now: float, flush: bool) -> list[GatedFrame]:
         while self._emitted_ts and self._emitted_ts[0] <= now - 60.0:
             self._emitted_ts.popleft()
-        out = self._emit_falls(now, flush)
+        out = self._emit_falls(now)
         due: set[int] = set()
         for track_id, state in list(self._tracks.items()):
             lost = now - state.last_seen_ts > self.lost_after_seconds

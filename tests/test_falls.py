@@ -109,6 +109,19 @@ def test_gate_needs_confident_repeated_sightings():
         Gate(fall_min_frames=0)
 
 
+def test_a_fall_is_alerted_on_the_frame_that_confirms_it_not_after_the_best_frame_window():
+    """At 5 fps with a 3 s best-frame window and two sightings on the ground needed, the fall job comes with the
+    second sighting (0.2 s after the first), on the better of the two frames, and is the track's one job."""
+    gate = Gate(cooldown_seconds=60.0, best_frame_window_seconds=3.0, max_jobs_per_minute=100, fall_min_frames=2)
+    image = np.zeros((480, 640, 3), np.uint8)
+    emitted = []
+    for index in range(20):
+        ts = index * 0.2
+        people = [_lying(4, confidence=0.8 if index == 0 else 0.6)] if index < 10 else []
+        emitted += [(ts, g.frame.ts, g.fall) for g in gate.update(Frame(image, ts, index), people)]
+    assert emitted == [(0.2, 0.0, True)]
+
+
 class PriorityCaptioner(DecodingCaptioner):
     """Captions like `DecodingCaptioner` and records the priority each prompt was captioned at."""
 

@@ -50,7 +50,7 @@ def test_the_recorded_clip_gives_the_pipeline_s_jobs(redis_url):
 def test_bench_cameras_reports_each_camera_count(tmp_path):
     out = tmp_path / "cameras.json"
     answer = CliRunner().invoke(app, [
-        "bench", "cameras", "--model", "tiny", "--in-process", "--cameras", "1", "--cameras", "2", "--duration", "4",
+        "bench", "cameras", "--model", "tiny", "--in-process", "--cameras", "1", "--cameras", "2", "--duration", "6",
         "--clip-every", "12", "--chats", "2", "--chat-max-tokens", "16", "--caption-max-tokens", "4",
         "--alert-within-s", "900", "--caption-p95-within-s", "900", "--chat-gap-p99-within-s", "900",
         "--json", str(out)], catch_exceptions=False)
