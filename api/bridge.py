@@ -13,11 +13,13 @@ import asyncio
 import ctypes
 import functools
 import logging
+import math
 import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,6 +30,8 @@ from api.pools import POOL_THREADS, WorkPool
 from engine import Engine, EngineStats, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
+
+URGENT_POLL_S = 0.05  # how often work held back for an urgent request looks again
 
 
 class EngineFailure(RuntimeError):
@@ -161,13 +165,14 @@ class EngineBridge:
     """Runs `engine` on its own thread and serves its outputs to coroutines.
 
     The step thread is the process's one thread that runs torch and the CPU kernels on several threads
-    (`Engine.num_threads`); every other thread that reaches torch (request preprocessing) runs it on one
-    (`one_thread_here`). Each thread that starts parallel work keeps an OpenMP pool of its own, and while more pool
-    threads live than the machine has cores, OpenMP's barriers stop spinning: every parallel region of the step then
-    waits on the kernel (`build_engine` keeps the loading thread's pool from living on). Likewise while requests are
-    being preprocessed: where the step's threads and those would be more than the cores, a step runs on one thread
-    fewer for each (`step_threads`), since a parallel region waits for its slowest thread, and one that shares a
-    core waits for a time slice in every region of the step (what that costs: BENCHMARKS.md, the stall benchmark).
+    (`Engine.num_threads`); every other thread that reaches torch runs it on one (`one_thread_here`). Each thread
+    that starts parallel work keeps an OpenMP pool of its own, and while more pool threads live than the machine has
+    cores, OpenMP's barriers stop spinning: every parallel region of the step then waits on the kernel
+    (`build_engine` keeps the loading thread's pool from living on). Likewise while other threads run torch beside
+    the steps (`beside`: a request's preprocessing, an event's embedding, an ask's prompt): where the step's threads
+    and those would be more than the cores, a step runs on one thread fewer for each (`step_threads`), since a
+    parallel region waits for its slowest thread, and one that shares a core waits for a time slice in every region
+    of the step (what that costs: BENCHMARKS.md, the stall benchmark).
 
     After each step the thread waits (at most `HANDOVER_S`) until the event loop has sent what the step
     produced, and only then starts the next one: the loop's work for a step (events, JSON, socket writes)
@@ -176,6 +181,7 @@ class EngineBridge:
     overhead`, BENCHMARKS.md)."""
 
     HANDOVER_S = 0.02
+    BACKGROUND_WAIT_S = 30.0  # the longest `background` work waits for urgent requests to finish
 
     def __init__(self, engine: Engine, max_waiting_requests: int, metrics: Metrics | None = None,
                  admission: WorkPool | None = None) -> None:
@@ -193,7 +199,9 @@ class EngineBridge:
         self.metrics = metrics
         self._streams: dict[str, RequestStream] = {}
         self._aborts: list[str] = []
-        self._adding = 0  # requests being preprocessed on a thread now (the step gives up threads for them)
+        self._beside = 0  # threads running torch beside the steps now (`beside`: the step gives up threads for them)
+        # Requests added with an inter-token target of their own, by priority (`background`, `_after_urgent`).
+        self._urgent: dict[str, int] = {}
         self._entering = 0  # requests between `add` and the engine's queue (their turn, then preprocessing)
         self._cond = threading.Condition()
         self._draining = False
@@ -260,25 +268,23 @@ class EngineBridge:
             self._streams[stream.request_id] = stream
 
         def add() -> None:
-            one_thread_here()  # this thread's torch work (preprocessing) starts no pool of threads
-            with self._cond:
-                self._adding += 1
-            try:
+            with self.beside():  # preprocessing: template, tokens, image tiles
                 self.engine.add_request(prompt=prompt, messages=messages, images=images, sampling=sampling,
                                         priority=priority, request_id=stream.request_id, cache_salt=cache_salt,
                                         videos=videos, mm_processor_kwargs=mm_processor_kwargs,
                                         prompt_token_ids=prompt_token_ids, embed_images=embed_images,
                                         itl_target_ms=itl_target_ms)
-            finally:  # here, not once the event loop resumes: the next step must not still count it
+            if itl_target_ms is not None:
                 with self._cond:
-                    self._adding -= 1
-                    self._cond.notify()
+                    self._urgent[stream.request_id] = priority
 
         # Preprocessing (template, tokens, image tiles) runs in the admission pool, the client key's turn. A
         # client leaving meanwhile, or a deadline passed, leaves no request behind: aborted here if it is in the
         # engine already, else its first output finds no stream and aborts it (`_deliver`).
         self._entering += 1  # counted as waiting from here, also while it waits for its turn
         try:
+            if itl_target_ms is None:
+                await self._after_urgent(priority)
             await self.admission.run(add)
         except ValueError as exc:
             self._forget(stream.request_id)
@@ -289,6 +295,52 @@ class EngineBridge:
         finally:
             self._entering -= 1
         return stream
+
+    @contextmanager
+    def beside(self) -> Iterator[None]:
+        """Torch work on this thread beside the steps (a request's preprocessing, an event's embedding): it runs on
+        one thread (`one_thread_here`) and is counted while it runs, so that the steps give up a thread for it where
+        the cores are short (`step_threads`). Uncounted at its end, on this thread: the next step does not wait for
+        the event loop to count it out."""
+        one_thread_here()
+        with self._cond:
+            self._beside += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._beside -= 1
+                self._cond.notify()
+
+    def _urgent_before(self, priority: float) -> bool:
+        """Whether a request with an inter-token target of its own, of a priority value at most `priority`, is in
+        flight (held under `_cond`)."""
+        for request_id in [r for r in self._urgent if r not in self._streams]:  # finished, aborted or failed
+            del self._urgent[request_id]
+        return any(value <= priority for value in self._urgent.values())
+
+    @contextmanager
+    def background(self, max_wait_s: float = BACKGROUND_WAIT_S) -> Iterator[None]:
+        """`beside`, for work nobody waits on (an event's embedding): it first waits, at most `max_wait_s`, until no
+        request that keeps an inter-token target of its own (a fall alert's caption) is in flight, so that it never
+        takes a core from one."""
+        deadline = time.monotonic() + max_wait_s
+        with self._cond:
+            while self._urgent_before(math.inf) and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(min(left, URGENT_POLL_S))
+        with self.beside():
+            yield
+
+    async def _after_urgent(self, priority: int) -> None:
+        """A request of a priority value at least an urgent one's in flight (a camera caption behind a fall alert's)
+        could not be prefilled while that one decodes anyway (engine/scheduler.py): it is preprocessed after it, at
+        most `BACKGROUND_WAIT_S` later, instead of taking a core from it now."""
+        deadline = time.monotonic() + self.BACKGROUND_WAIT_S
+        while time.monotonic() < deadline:
+            with self._cond:
+                if not self._urgent_before(priority):
+                    return
+            await asyncio.sleep(URGENT_POLL_S)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished); its stream ends with finish_reason "abort".
@@ -309,9 +361,9 @@ class EngineBridge:
 
     # -- the step thread ------------------------------------------------------------------------
     def step_threads(self) -> int:
-        """The threads of the next step: the engine's, less one for each request being preprocessed beyond
-        the cores the step's threads leave free (at least one)."""
-        preparing = self._adding
+        """The threads of the next step: the engine's, less one for each thread working beside it (`beside`)
+        beyond the cores the step's threads leave free (at least one)."""
+        preparing = self._beside
         if not preparing:
             return self.num_threads
         spare = max(0, self.cores - self.num_threads)

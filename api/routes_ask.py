@@ -30,7 +30,7 @@ from fastapi.responses import Response
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.bridge import EngineFailure, one_thread_here
+from api.bridge import EngineFailure
 from api.errors import APIError, error_body
 from api.guard import cache_salt
 from api.pools import work_pools
@@ -184,8 +184,7 @@ def fit_prompt(engine: Any, question: str, ranked: list[Event], frames: dict[str
                budget: int) -> AskPrompt:
     """The prompt of the best-ranked events and frames whose tokens are within `budget`: the last-chosen frame
     goes first, then the lowest-ranked event (with its frames), until it fits. ValueError when the question alone
-    does not fit. Runs on a worker thread (the processor and image decoding)."""
-    one_thread_here()
+    does not fit. Runs on a worker thread beside the steps (`EngineBridge.beside`: the processor, image decoding)."""
     events = list(ranked)
     decoded = {i: [(index, f, Image.open(io.BytesIO(f.jpeg)).convert("RGB")) for index, f in chosen]
                for i, chosen in frames.items()}
@@ -269,7 +268,8 @@ async def prepare(body: AskRequest, request: Request, memory: CameraMemory, stat
         if not ranked:
             return None
         frames = choose_frames(memory.store, ranked, max_frames, query.owner)
-        return fit_prompt(state.bridge.engine, body.question, ranked, frames, context - max_tokens)
+        with state.bridge.beside():
+            return fit_prompt(state.bridge.engine, body.question, ranked, frames, context - max_tokens)
 
     try:
         return Asked(await work_pools(state).run("summary", run), max_tokens)

@@ -31,7 +31,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 from starlette.datastructures import UploadFile
 
-from api.bridge import one_thread_here
+from api.bridge import EngineBridge
 from api.errors import APIError
 from api.guard import DEFAULT_KEY_NAME, key_name
 from api.images import data_url_bytes, decode_base64, decode_image
@@ -54,10 +54,12 @@ EMBEDDING = threading.Lock()
 
 
 class CameraMemory(EventKeeper):
-    """The server's event store, its writer thread and the engine that embeds events' frames."""
+    """The server's event store, its writer thread and the engine that embeds events' frames (in the background:
+    `EngineBridge.background`)."""
 
-    def __init__(self, store: EventStore, settings: ServerSettings, engine: Any) -> None:
-        self.engine = engine
+    def __init__(self, store: EventStore, settings: ServerSettings, bridge: EngineBridge) -> None:
+        self.bridge = bridge
+        self.engine = bridge.engine
         # The embeddings a caption's own encoder run gave its frames (`remember`), which the writer reuses.
         self.frame_embeddings = FrameEmbeddings()
         self.frames_reused = 0  # kept frames whose vector came with their caption
@@ -78,9 +80,8 @@ class CameraMemory(EventKeeper):
         missing = [jpeg for jpeg, vector in zip(jpegs, vectors) if vector is None]
         self.frames_reused += len(jpegs) - len(missing)
         if missing:
-            one_thread_here()
             try:
-                with EMBEDDING:
+                with self.bridge.background(), EMBEDDING:  # after any fall alert's caption, beside the steps
                     computed = iter(self.engine.embed(images=missing))
             except Exception as exc:  # the event is kept without a vector: found by text, not by likeness
                 log.warning("event store: no embedding for an event's frames: %s: %s", type(exc).__name__, exc)
@@ -90,10 +91,10 @@ class CameraMemory(EventKeeper):
         return mean_unit(vectors)
 
 
-async def open_memory(settings: ServerSettings, engine: Any) -> CameraMemory | None:
+async def open_memory(settings: ServerSettings, bridge: EngineBridge) -> CameraMemory | None:
     """The configured store opened (None when off); a store that cannot be opened is logged and left off, so the
     server still captions."""
-    return await asyncio.to_thread(open_keeper, settings, lambda store: CameraMemory(store, settings, engine))
+    return await asyncio.to_thread(open_keeper, settings, lambda store: CameraMemory(store, settings, bridge))
 
 
 def camera_memory(request: Request, state: ServerState = Depends(server_state)) -> CameraMemory:
@@ -363,8 +364,7 @@ async def embed_inputs(state: ServerState, images: list[bytes], texts: list[str]
     engine = state.bridge.engine
 
     def run() -> list[list[float]]:
-        one_thread_here()
-        with EMBEDDING:
+        with state.bridge.beside(), EMBEDDING:
             return engine.embed(images=images, texts=texts)
 
     try:

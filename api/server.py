@@ -102,7 +102,7 @@ def create_app(settings: ServerSettings, engine: Any | None = None) -> FastAPI:
                 log.exception("the engine failed to load")
                 app.state.load_error = f"{type(exc).__name__}: {exc}"
                 return
-            app.state.memory = memory = await routes_events.open_memory(settings, state.bridge.engine)
+            app.state.memory = memory = await routes_events.open_memory(settings, state.bridge)
             if memory is not None:  # the store's writer reuses the embeddings of captions' own encoder runs
                 state.captioner.keep_embeddings = memory.remember
             if settings.redis_url and settings.run_queue_worker:

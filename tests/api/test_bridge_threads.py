@@ -91,3 +91,86 @@ def test_a_step_beside_preprocessing_runs_on_the_cores_left():
         return final.finish_reason
 
     assert asyncio.run(scenario()) == "length"
+
+
+def test_an_event_s_embedding_waits_for_fall_alerts_then_runs_beside_the_steps(tmp_path):
+    """The event store's writer running the vision tower for an event's frames is background work
+    (`EngineBridge.background`): it waits while a request with an inter-token target of its own (a fall alert's
+    caption) is in flight, then counts as work beside the steps: they give up a thread while it runs, and its own
+    torch runs on one."""
+    import io
+    import time
+
+    from PIL import Image
+
+    from api.bridge import EngineBridge
+    from api.routes_events import CameraMemory
+    from api.settings import ServerSettings
+    from memory.sqlite import SQLiteEventStore
+
+    engine = build_engine(EngineConfig(model="tiny", num_threads=2))
+    bridge = EngineBridge(engine, max_waiting_requests=8)
+    bridge.cores = 2
+    seen: list = []
+    real_embed = engine.embed
+
+    def recording_embed(**inputs):
+        seen.append((bridge.step_threads(), torch.get_num_threads()))
+        return real_embed(**inputs)
+
+    engine.embed = recording_embed
+    memory = CameraMemory(SQLiteEventStore(tmp_path / "events.db"), ServerSettings(), bridge)
+    jpeg = io.BytesIO()
+    Image.new("RGB", (64, 48), (90, 120, 30)).save(jpeg, "JPEG")
+    with bridge._cond:  # a fall alert's caption in flight
+        bridge._streams["alert"] = object()
+        bridge._urgent["alert"] = 5
+    thread = threading.Thread(target=lambda: seen.append(memory.embed_frames([jpeg.getvalue()]) is not None))
+    thread.start()
+    time.sleep(0.5)
+    assert seen == [] and thread.is_alive()  # held back while the alert runs
+    bridge._forget("alert")
+    thread.join(10)
+    assert seen == [(1, 1), True]
+    assert bridge.step_threads() == 2 and not bridge._urgent
+
+
+def test_a_camera_caption_behind_a_fall_alert_is_preprocessed_after_it():
+    """A request with an inter-token target of its own (a fall alert's caption) is urgent while in flight: a request
+    of a priority value at least its own and no target (a camera caption) is preprocessed once it has ended, one
+    more urgent (a chat) at once."""
+    import asyncio
+    import math
+
+    from api.bridge import EngineBridge
+    from engine import SamplingParams
+
+    engine = build_engine(EngineConfig(model="tiny", num_threads=1))
+    added: dict[str, bool] = {}  # each prompt: whether the alert was still in the engine when it was added
+    real_add = engine.add_request
+
+    def recording_add(**request):
+        added[request["prompt"]] = engine.has_unfinished_requests()
+        return real_add(**request)
+
+    engine.add_request = recording_add
+    bridge = EngineBridge(engine, max_waiting_requests=8)
+    bridge.start()
+
+    async def scenario() -> tuple[dict, bool, str | None]:
+        alert = await bridge.add(prompt="a fall", sampling=SamplingParams(max_tokens=40, ignore_eos=True),
+                                 priority=5, itl_target_ms=30.0)
+        urgent = dict(bridge._urgent)
+        caption = asyncio.create_task(bridge.add(prompt="a caption", priority=10,
+                                                 sampling=SamplingParams(max_tokens=2, ignore_eos=True)))
+        chat = await bridge.add(prompt="a chat", sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+        final = await alert.final()
+        await (await caption).final()
+        await chat.final()
+        with bridge._cond:
+            left = bridge._urgent_before(math.inf)
+        await bridge.shutdown(grace_s=1.0)
+        return urgent == {alert.request_id: 5}, left, final.finish_reason
+
+    assert asyncio.run(scenario()) == (True, False, "length")
+    assert added == {"a fall": False, "a chat": True, "a caption": False}
