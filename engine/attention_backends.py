@@ -43,9 +43,9 @@ from engine.attention import (
 from engine.kv_cache import KVCache
 from engine.scheduler_output import ScheduledChunk
 
-# The longest chunk the CPU backend attends as decodes (`CpuBackend.as_decodes`): on a 2-core Zen 4, 9 decodes and
-# a chunk of 2 to 32 tokens at a context of 800-1,500 took 20-35% less than with the chunk on the prefill path,
-# and the same at 64 tokens, where one kernel call per query reading its whole context stops paying.
+# The longest chunk the CPU backend attends as decodes (`CpuBackend.as_decodes`): past it, one kernel call per
+# query, each reading its whole context, stops paying against the prefill path's pieces (2 Zen 4 cores: 9 decodes
+# and a chunk of 2 to 32 tokens took 15-35% less as decodes, 64 tokens the same).
 DECODE_ROWS_CHUNK = 32
 # A decode batch's padded keys may be at most this many times its real ones (see `decode_batches`).
 PADDED_KEYS_LIMIT = 1.5
