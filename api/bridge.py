@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -320,15 +320,17 @@ class EngineBridge:
         return any(value <= priority for value in self._urgent.values())
 
     @contextmanager
-    def background(self, max_wait_s: float = BACKGROUND_WAIT_S) -> Iterator[None]:
+    def background(self, lock: AbstractContextManager | None = None,
+                   max_wait_s: float = BACKGROUND_WAIT_S) -> Iterator[None]:
         """`beside`, for work nobody waits on (an event's embedding): it first waits, at most `max_wait_s`, until no
         request that keeps an inter-token target of its own (a fall alert's caption) is in flight, so that it never
-        takes a core from one."""
+        takes a core from one; then takes `lock` (work that runs one at a time), and only then counts as work
+        beside the steps, so that waiting for either takes no thread from them."""
         deadline = time.monotonic() + max_wait_s
         with self._cond:
             while self._urgent_before(math.inf) and (left := deadline - time.monotonic()) > 0:
                 self._cond.wait(min(left, URGENT_POLL_S))
-        with self.beside():
+        with lock or nullcontext(), self.beside():
             yield
 
     async def _after_urgent(self, priority: int) -> None:

@@ -81,7 +81,7 @@ class CameraMemory(EventKeeper):
         self.frames_reused += len(jpegs) - len(missing)
         if missing:
             try:
-                with self.bridge.background(), EMBEDDING:  # after any fall alert's caption, beside the steps
+                with self.bridge.background(EMBEDDING):  # after any fall alert's caption, beside the steps
                     computed = iter(self.engine.embed(images=missing))
             except Exception as exc:  # the event is kept without a vector: found by text, not by likeness
                 log.warning("event store: no embedding for an event's frames: %s: %s", type(exc).__name__, exc)
@@ -364,7 +364,7 @@ async def embed_inputs(state: ServerState, images: list[bytes], texts: list[str]
     engine = state.bridge.engine
 
     def run() -> list[list[float]]:
-        with state.bridge.beside(), EMBEDDING:
+        with EMBEDDING, state.bridge.beside():  # counted once it runs, not while it waits for the lock
             return engine.embed(images=images, texts=texts)
 
     try:

@@ -8,9 +8,8 @@ Falls: a tracked person seen on the ground (boxes of class FALL_CLASS, from the 
 a confidence of at least `fall_min_confidence`) in `fall_min_frames` frames yields a fall job
 (`GatedFrame.fall`) on the frame that makes them enough: the best of those frames, without waiting for a
 better one (an alert is wanted now; the track's event shows the rest); then no other fall job for that track
-until `fall_cooldown_seconds` have passed. Fall jobs are not
-held by the per-camera rate cap (they are rare: one per track and cooldown) and count as that track's next
-caption job."""
+until `fall_cooldown_seconds` have passed. Fall jobs are not held by the per-camera rate cap (they are rare:
+one per track and cooldown) and count as that track's next caption job."""
 
 from __future__ import annotations
 
