@@ -28,6 +28,7 @@ from api.errors import APIError
 from api.metrics import Metrics
 from api.pools import POOL_THREADS, WorkPool
 from engine import Engine, EngineStats, RequestOutput, SamplingParams
+from engine.request import Preprocessed
 
 log = logging.getLogger(__name__)
 
@@ -268,15 +269,28 @@ class EngineBridge:
             self._streams[stream.request_id] = stream
 
         def add() -> None:
-            with self.beside():  # preprocessing: template, tokens, image tiles
-                self.engine.add_request(prompt=prompt, messages=messages, images=images, sampling=sampling,
-                                        priority=priority, request_id=stream.request_id, cache_salt=cache_salt,
-                                        videos=videos, mm_processor_kwargs=mm_processor_kwargs,
-                                        prompt_token_ids=prompt_token_ids, embed_images=embed_images,
-                                        itl_target_ms=itl_target_ms)
-            if itl_target_ms is not None:
-                with self._cond:
+            def preprocess() -> Preprocessed:
+                return self.engine.preprocess_request(
+                    prompt=prompt, messages=messages, images=images, sampling=sampling, priority=priority,
+                    request_id=stream.request_id, cache_salt=cache_salt, videos=videos,
+                    mm_processor_kwargs=mm_processor_kwargs, prompt_token_ids=prompt_token_ids,
+                    embed_images=embed_images, itl_target_ms=itl_target_ms)
+
+            # Preprocessing with images or videos (tiles, frames: tens to hundreds of milliseconds of torch work) is
+            # work beside the steps. A text prompt's (template and tokens: a millisecond or a few) is not counted:
+            # a step that started meanwhile would give up a thread for all of its length, for the core that work
+            # takes for a few milliseconds of it.
+            if images or videos:
+                with self.beside():
+                    preprocessed = preprocess()
+            else:
+                one_thread_here()
+                preprocessed = preprocess()
+            self.engine.enqueue(preprocessed)  # waits for no step
+            with self._cond:
+                if itl_target_ms is not None:
                     self._urgent[stream.request_id] = priority
+                self._cond.notify()
 
         # Preprocessing (template, tokens, image tiles) runs in the admission pool, the client key's turn. A
         # client leaving meanwhile, or a deadline passed, leaves no request behind: aborted here if it is in the

@@ -34,7 +34,7 @@ from engine.models import load_adapter
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, RequestOutput, StepTimings
 from engine.platform import Platform
-from engine.request import Request
+from engine.request import Preprocessed, Request
 from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler
 from engine.step_costs import DEFAULT_ITL_TARGET_MS, StepCosts
@@ -138,7 +138,9 @@ class Engine:
         self.platform.started()
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # held by a step; `enqueue` does not wait for it (`_incoming`)
+        self._incoming: dict[str, Preprocessed] = {}  # queued while a step ran: in the next step, in this order
+        self._incoming_lock = threading.Lock()
         self._steps = 0
         self._last_step_num_tokens = 0
         self.num_step_failures = 0  # steps whose forward raised (their requests ended with "error")
@@ -226,7 +228,8 @@ class Engine:
         embed_images: bool = False,
         itl_target_ms: float | None = None,
     ) -> str:
-        """Queue a request and return its id. Raises ValueError for a request that can never run.
+        """Queue a request and return its id (`enqueue(preprocess_request(...))`). Raises ValueError for a request
+        that can never run.
         Give exactly one of `prompt` (text, with a marker per image and video), `messages` (rendered through the
         chat template) or `prompt_token_ids` (a text prompt already tokenized: taken as it is, no images).
         `cache_salt`: the request shares cached prefix blocks and image features only with requests of the same
@@ -240,6 +243,29 @@ class Engine:
         without a second run of the tower where each image is one encoder input (`single_input_options`).
         `itl_target_ms`: this request's own inter-token-latency target, held against less urgent work while it
         decodes (engine/scheduler.py: a fall alert's caption), where steps are budgeted by time."""
+        return self.enqueue(self.preprocess_request(
+            prompt=prompt, images=images, sampling=sampling, priority=priority, messages=messages,
+            request_id=request_id, cache_salt=cache_salt, videos=videos, mm_processor_kwargs=mm_processor_kwargs,
+            prompt_token_ids=prompt_token_ids, embed_images=embed_images, itl_target_ms=itl_target_ms))
+
+    def preprocess_request(
+        self,
+        prompt: str | None = None,
+        images: list[ImageInput] | None = None,
+        sampling: SamplingParams | None = None,
+        priority: int = 0,
+        messages: list[dict[str, Any]] | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        videos: list[VideoInput] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        embed_images: bool = False,
+        itl_target_ms: float | None = None,
+    ) -> Preprocessed:
+        """A request checked and preprocessed (template, tokens, image tiles), not yet queued: `add_request` in two
+        halves, so that a caller can tell the preprocessing (torch work, safe on any thread, beside a step) from the
+        queueing (`enqueue`). Takes `add_request`'s arguments and raises its ValueErrors."""
         if sum(given is not None for given in (prompt, messages, prompt_token_ids)) != 1:
             raise ValueError("give exactly one of prompt or messages (or prompt_token_ids)")
         sampling = sampling or SamplingParams()
@@ -304,14 +330,35 @@ class Engine:
             cache_salt=cache_salt,
             itl_target_ms=None if itl_target_ms is None else float(itl_target_ms),
         )
-        with self._lock:
-            if request_id in self.requests:
+        return Preprocessed(request, embed_images)
+
+    def enqueue(self, preprocessed: Preprocessed) -> str:
+        """Queue a request `preprocess_request` made and return its id; raises ValueError if its id is in use. Never
+        waits for a step in progress: a request queued meanwhile is taken in by the next step (or by `abort` and
+        `stats`, which wait for it), so that a caller adding many requests is not held to one a step."""
+        request_id = preprocessed.request.request_id
+        with self._incoming_lock:
+            if request_id in self.requests or request_id in self._incoming:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self.requests[request_id] = request
-            if embed_images:
-                self.output_processor.image_embeddings[request_id] = [None] * (mm.num_inputs if mm is not None else 0)
-            self.scheduler.add(request)
+            self._incoming[request_id] = preprocessed
+        if self._lock.acquire(blocking=False):  # no step in progress: in now
+            try:
+                self._take_incoming()
+            finally:
+                self._lock.release()
         return request_id
+
+    def _take_incoming(self) -> None:
+        """The requests queued since the last step into the scheduler's queue (held under `_lock`)."""
+        with self._incoming_lock:
+            incoming, self._incoming = self._incoming, {}
+            for request_id, preprocessed in incoming.items():
+                request = preprocessed.request
+                self.requests[request_id] = request
+                if preprocessed.embed_images:
+                    inputs = request.mm.num_inputs if request.mm is not None else 0
+                    self.output_processor.image_embeddings[request_id] = [None] * inputs
+                self.scheduler.add(request)
 
     def _process(self, prompt: str, images: list[ImageInput] | None, videos: list[VideoInput] | None,
                  mm_processor_kwargs: dict[str, Any] | None) -> tuple[list[int], Any]:
@@ -359,6 +406,7 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks now. False if it was not running or waiting."""
         with self._lock:
+            self._take_incoming()
             request = self.requests.pop(request_id, None)
             if request is None:
                 return False
@@ -367,12 +415,13 @@ class Engine:
             return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self._incoming)
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, and report every request that gained a token or finished."""
         with self._lock:
+            self._take_incoming()
             began = time.perf_counter()
             scheduled = self.scheduler.schedule()
             scheduled_at = time.perf_counter()
@@ -484,6 +533,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         with self._lock:
+            self._take_incoming()
             kv = self.scheduler.kv_cache_manager.stats()
             return EngineStats(
                 num_running=len(self.scheduler.running),

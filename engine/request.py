@@ -148,3 +148,11 @@ class Request:
     def sort_key(self) -> tuple[int, int]:
         """Lower priority value first, then first come first served."""
         return (self.priority, self.arrival)
+
+
+@dataclass(frozen=True)
+class Preprocessed:
+    """A request `Engine.preprocess_request` checked and preprocessed, not yet queued (`Engine.enqueue`)."""
+
+    request: Request
+    embed_images: bool

@@ -199,13 +199,13 @@ def test_a_fall_alerts_caption_asks_the_engine_for_its_own_target(module_redis_u
     `fall_itl_target_ms`, which holds less urgent prompts out of its decode steps (engine/scheduler.py)."""
     engine = redis_api.state.bridge.engine
     asked: list[tuple[int, float | None]] = []
-    add_request = engine.add_request
+    preprocess_request = engine.preprocess_request
 
     def recording(**kwargs):
         asked.append((kwargs["priority"], kwargs.get("itl_target_ms")))
-        return add_request(**kwargs)
+        return preprocess_request(**kwargs)
 
-    monkeypatch.setattr(engine, "add_request", recording)
+    monkeypatch.setattr(engine, "preprocess_request", recording)
     producer = JobProducer(module_redis_url)
     jobs = [Job(camera_id="cam-f", frame_ts=20.0 + i, prompt=PROMPT, image=BUS, fall=fall,
                 detections=[Detection(10, 20, 110, 220, 0.9)]) for i, fall in enumerate((False, True))]

@@ -41,29 +41,31 @@ def test_building_errors_reach_the_caller():
 
 
 def test_a_step_beside_preprocessing_runs_on_the_cores_left():
-    """While a request is being preprocessed on a machine whose cores the step's threads fill, the steps run
-    on one thread fewer, and on all of them again once it is in (the threads the step saw, recorded)."""
+    """While a request with an image is being preprocessed on a machine whose cores the step's threads fill, the
+    steps run on one thread fewer, and on all of them again once it is in (the threads the step saw, recorded)."""
     import asyncio
+
+    from PIL import Image
 
     from api.bridge import EngineBridge
     from engine import SamplingParams
 
     engine = build_engine(EngineConfig(model="tiny", num_threads=2))
     seen: list[int] = []
-    real_step, real_add = engine.step, engine.add_request
+    real_step, real_preprocess = engine.step, engine.preprocess_request
     preprocessing, release = threading.Event(), threading.Event()
 
     def recording_step():
         seen.append(torch.get_num_threads())
         return real_step()
 
-    def held_add(**request):
+    def held_preprocess(**request):
         if request["sampling"].max_tokens == 3:  # the one held in preprocessing
             preprocessing.set()
             release.wait(30)
-        return real_add(**request)
+        return real_preprocess(**request)
 
-    engine.step, engine.add_request = recording_step, held_add
+    engine.step, engine.preprocess_request = recording_step, held_preprocess
     bridge = EngineBridge(engine, max_waiting_requests=8)
     bridge.cores = 2  # this test's machine, whatever the one it runs on
     assert bridge.step_threads() == 2
@@ -71,7 +73,8 @@ def test_a_step_beside_preprocessing_runs_on_the_cores_left():
 
     async def scenario() -> str | None:
         endless = await bridge.add(prompt="a story", sampling=SamplingParams(max_tokens=4000, ignore_eos=True))
-        held = asyncio.create_task(bridge.add(prompt="a caption", sampling=SamplingParams(max_tokens=3)))
+        held = asyncio.create_task(bridge.add(prompt="<image> a caption", images=[Image.new("RGB", (64, 48))],
+                                              sampling=SamplingParams(max_tokens=3)))
         await asyncio.to_thread(preprocessing.wait, 30)
         assert bridge.step_threads() == 1
         before = len(seen)
@@ -91,6 +94,41 @@ def test_a_step_beside_preprocessing_runs_on_the_cores_left():
         return final.finish_reason
 
     assert asyncio.run(scenario()) == "length"
+
+
+def test_a_text_prompt_s_preprocessing_takes_no_thread_from_the_steps():
+    """A text prompt's preprocessing (template and tokens: a millisecond or a few) is not work beside the steps:
+    chats added while steps run leave the steps all their threads (on two cores a step that started meanwhile
+    would otherwise run on one for all of its length)."""
+    import asyncio
+
+    from api.bridge import EngineBridge
+    from engine import SamplingParams
+
+    engine = build_engine(EngineConfig(model="tiny", num_threads=2))
+    bridge = EngineBridge(engine, max_waiting_requests=16)
+    bridge.cores = 2
+    seen: list[int] = []  # the next step's threads, while each chat is preprocessed
+    real_preprocess = engine.preprocess_request
+
+    def recording_preprocess(**request):
+        seen.append(bridge.step_threads())
+        return real_preprocess(**request)
+
+    engine.preprocess_request = recording_preprocess
+    bridge.start()
+
+    async def scenario() -> list[str | None]:
+        endless = await bridge.add(prompt="a story", sampling=SamplingParams(max_tokens=4000, ignore_eos=True))
+        streams = await asyncio.gather(*[
+            bridge.add(prompt=f"chat {i}", sampling=SamplingParams(max_tokens=3, ignore_eos=True)) for i in range(6)])
+        finals = [(await s.final()).finish_reason for s in streams]
+        bridge.abort(endless.request_id)
+        await bridge.shutdown(grace_s=1.0)
+        return finals
+
+    assert asyncio.run(scenario()) == ["length"] * 6
+    assert seen == [2] * 7
 
 
 def test_an_event_s_embedding_waits_for_fall_alerts_then_runs_beside_the_steps(tmp_path):
@@ -147,13 +185,13 @@ def test_a_camera_caption_behind_a_fall_alert_is_preprocessed_after_it():
 
     engine = build_engine(EngineConfig(model="tiny", num_threads=1))
     added: dict[str, bool] = {}  # each prompt: whether the alert was still in the engine when it was added
-    real_add = engine.add_request
+    real_preprocess = engine.preprocess_request
 
-    def recording_add(**request):
+    def recording_preprocess(**request):
         added[request["prompt"]] = engine.has_unfinished_requests()
-        return real_add(**request)
+        return real_preprocess(**request)
 
-    engine.add_request = recording_add
+    engine.preprocess_request = recording_preprocess
     bridge = EngineBridge(engine, max_waiting_requests=8)
     bridge.start()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import threading
 
 import pytest
 import torch
@@ -52,6 +53,41 @@ def test_bad_requests_are_refused_and_running_ones_finish_unchanged(
     with pytest.raises(ValueError, match=message):
         engine.add_request(**kwargs)
     assert drain(engine)[keep].token_ids == oracle(PROMPTS[1], [photos[0]], 8)
+
+
+def test_a_request_preprocessed_then_queued_runs_as_one_added_at_once(make_engine, oracle, photos):
+    """`add_request` in two halves: `preprocess_request` (no step waits for it; the engine queues nothing) then
+    `enqueue`; the request runs as transformers' generate does, and one queued twice is refused by its id."""
+    engine = make_engine(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=256)
+    running = engine.add_request(prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=6))
+    engine.step()
+    preprocessed = engine.preprocess_request(prompt=PROMPTS[1], images=[photos[0]],
+                                             sampling=SamplingParams(max_tokens=8), request_id="later")
+    assert preprocessed.request.request_id == "later" and "later" not in engine.requests
+    engine.step()
+    assert engine.enqueue(preprocessed) == "later"
+    with pytest.raises(ValueError, match="request id 'later' is already in use"):
+        engine.enqueue(preprocessed)
+    outputs = drain(engine)
+    assert outputs["later"].token_ids == oracle(PROMPTS[1], [photos[0]], 8)
+    assert outputs[running].token_ids == oracle(PROMPTS[0], [], 6)
+
+
+def test_a_request_queued_while_a_step_runs_is_taken_in_by_the_next(make_engine, oracle):
+    """`enqueue` does not wait for a step in progress (the engine's lock held here, as a step holds it): the request
+    waits in the engine, counts as unfinished, and the next step takes it in; its tokens are generate's."""
+    engine = make_engine(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=256)
+    preprocessed = engine.preprocess_request(prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=5))
+    request_id = preprocessed.request.request_id
+    with engine._lock:  # a step in progress
+        queuer = threading.Thread(target=engine.enqueue, args=(preprocessed,))
+        queuer.start()
+        queuer.join(30)
+        assert not queuer.is_alive()
+        assert engine.has_unfinished_requests() and request_id not in engine.requests
+        with pytest.raises(ValueError, match="already in use"):
+            engine.enqueue(preprocessed)
+    assert drain(engine)[request_id].token_ids == oracle(PROMPTS[0], [], 5)
 
 
 def test_a_prompt_that_can_never_fit_in_the_kv_cache_is_refused(make_engine, photos):
