@@ -23,7 +23,10 @@ backend whatever the backend (`accepts`).
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -43,10 +46,20 @@ from engine.attention import (
 from engine.kv_cache import KVCache
 from engine.scheduler_output import ScheduledChunk
 
-# The longest chunk the CPU backend attends as decodes (`CpuBackend.as_decodes`): past it, one kernel call per
-# query, each reading its whole context, stops paying against the prefill path's pieces (2 Zen 4 cores: 9 decodes
-# and a chunk of 2 to 32 tokens took 15-35% less as decodes, 64 tokens the same).
+log = logging.getLogger(__name__)
+
+# A chunk of at most this many tokens the CPU backend attends as decodes wherever it ends (`CpuBackend.as_decodes`:
+# 2 Zen 4 cores, 9 decodes and a chunk of 2 to 32 tokens took 15-35% less as decodes, at any context).
 DECODE_ROWS_CHUNK = 32
+# A longer chunk is attended as decodes while it ends within the context measured at start-up (`rows_context`): each
+# query reading its whole context costs queries x context, torch's flash attention for the prefill path's pieces
+# less per key but more per call, so the decodes win up to some context (2 Zen 4 cores: chunks of 64 to 256 tokens
+# ending within about 1,000 positions, 5-30% less a step) and lose past it. The contexts measured, and the chunk.
+ROWS_CONTEXTS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+ROWS_CHUNK = 128
+# Each timed call of that measurement comes after this many bytes are written, so that it reads the cache from memory
+# as a step's layer does (the other layers' weights and keys in between), not from the CPU's caches.
+COLD_BYTES = 64 << 20
 # A decode batch's padded keys may be at most this many times its real ones (see `decode_batches`).
 PADDED_KEYS_LIMIT = 1.5
 
@@ -123,11 +136,13 @@ class AttentionBackend:
     name: ClassVar[str]
     attend: ClassVar[Callable[..., torch.Tensor]]
 
-    def __init__(self, kv_cache: KVCache, block_size: int, device: torch.device, sliding_window: int | None) -> None:
+    def __init__(self, kv_cache: KVCache, block_size: int, device: torch.device, sliding_window: int | None,
+                 num_heads: int | None = None) -> None:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
         self.sliding_window = sliding_window
+        self.num_heads = num_heads or kv_cache.keys[0].shape[1]  # the model's query heads (default: one a KV head)
 
     @classmethod
     def unavailable(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> list[str]:
@@ -260,6 +275,11 @@ class CpuBackend(ReferenceBackend):
     name = "cpu"
     attend = staticmethod(cpu_attention)
 
+    def __init__(self, kv_cache: KVCache, block_size: int, device: torch.device, sliding_window: int | None,
+                 num_heads: int | None = None) -> None:
+        super().__init__(kv_cache, block_size, device, sliding_window, num_heads)
+        self.rows_context: int | None = None  # `rows_context` here, measured at the first chunk that asks
+
     @classmethod
     def unavailable(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> list[str]:
         from engine.cpu import build
@@ -273,10 +293,18 @@ class CpuBackend(ReferenceBackend):
         return [decodes] if decodes else []
 
     def as_decodes(self, chunk: ScheduledChunk) -> bool:
-        """A decode, and a short chunk whose queries see causally what lies before them: its queries read
-        the cache in place beside the decodes (its keys are written before attention), instead of the prefill
-        path's pieces merged by log-sum-exp."""
-        return chunk.num_tokens <= DECODE_ROWS_CHUNK and not needs_masks(chunk)
+        """A decode, and a causal chunk that is short (`DECODE_ROWS_CHUNK`) or ends within `rows_context`: its
+        queries read the cache in place beside the decodes (its keys are written before attention), instead of the
+        prefill path's pieces merged by log-sum-exp."""
+        if needs_masks(chunk):
+            return False
+        if chunk.num_tokens <= DECODE_ROWS_CHUNK:
+            return True
+        if self.rows_context is None:
+            cache = self.kv_cache
+            self.rows_context = rows_context(cache.model_dtype, self.num_heads, cache.keys[0].shape[1],
+                                             cache.keys[0].shape[2], self.block_size)
+        return chunk.end <= self.rows_context
 
     def decode_group(self, query_index: torch.Tensor, context_lens: torch.Tensor, tables: torch.Tensor) -> DecodeGroup:
         return DecodeGroup(query_index, tables, None, context_lens=context_lens)
@@ -306,6 +334,55 @@ class CpuBackend(ReferenceBackend):
             mask[first:last, first:last] = True
         hidden = torch.zeros(mask.shape, dtype=self.kv_cache.model_dtype, device=self.device)
         return hidden.masked_fill_(~mask, float("-inf"))[None, None]
+
+
+@functools.cache
+@torch.inference_mode()
+def rows_context(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int) -> int:
+    """The longest of `ROWS_CONTEXTS` at whose end a chunk of `ROWS_CHUNK` queries took no longer attended as decodes
+    (the CPU's decode kernel, each query over its context) than by the prefill path's pieces (its own keys and one
+    run of prefix, engine/attention.py), here, on a cache of these shapes read from memory (`COLD_BYTES`), and at
+    each shorter one too; 0 where the decodes lost at the first. Measured once per shape (under a second), with the
+    threads of the caller (the step thread's, at the first long chunk)."""
+    from engine.attention import PrefillSpan, _prefill_in_place
+    from engine.cpu.ops import paged_decode_attention
+
+    flush = torch.zeros(COLD_BYTES // 4)
+
+    def cold_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            flush.add_(1.0)
+            began = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - began)
+        return sorted(times)[len(times) // 2]
+
+    generator = torch.Generator().manual_seed(0)
+    longest = ROWS_CONTEXTS[-1]
+    keys, values = (torch.randn(longest + block_size, kv_heads, head_dim, generator=generator).to(dtype)
+                    for _ in range(2))
+    q = torch.randn(heads, ROWS_CHUNK, head_dim, generator=generator).to(dtype)
+    out = torch.empty(ROWS_CHUNK, heads, head_dim, dtype=dtype)
+    query_index = torch.arange(ROWS_CHUNK)
+    scale = head_dim ** -0.5
+    won = 0
+    for end in ROWS_CONTEXTS:
+        start = end - ROWS_CHUNK
+        tables = torch.arange(-(-end // block_size)).expand(ROWS_CHUNK, -1).contiguous()
+        lengths = torch.arange(start + 1, end + 1)
+        span = PrefillSpan(0, ROWS_CHUNK, tables[0], end, None, prefix_runs=[(0, start)],
+                           own_slots=torch.arange(start, end))
+        as_rows = cold_seconds(lambda t=tables, n=lengths: paged_decode_attention(
+            q, query_index, keys, values, t, n, block_size, scale, None, out))
+        pieces = cold_seconds(lambda s=span: _prefill_in_place(q, keys, values, s, scale))
+        if as_rows > pieces:
+            break
+        won = end
+    log.info("CPU attention: chunks of over %d tokens are attended as decodes while they end within %d positions "
+             "(%s, %d heads over %d KV heads of %d)", DECODE_ROWS_CHUNK, won, dtype, heads, kv_heads, head_dim)
+    return won
 
 
 def slot_runs(blocks: list[int], positions: int, block_size: int) -> list[tuple[int, int]]:

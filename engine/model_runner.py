@@ -71,7 +71,7 @@ class ModelRunner:
         self.attention_backend = attention_backend  # "kernel", "cpu" or "reference", resolved by the engine
         # That backend builds each step's attention metadata; steps whose chunks need explicit masks take the
         # reference's (engine/attention_backends.py).
-        parts = (kv_cache, block_size, self.device, adapter.sliding_window)
+        parts = (kv_cache, block_size, self.device, adapter.sliding_window, adapter.num_heads)
         self.backend = BACKENDS[attention_backend](*parts)
         self.masked_backend = ReferenceBackend(*parts)
         self.uploader = Uploader(self.device)

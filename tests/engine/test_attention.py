@@ -236,6 +236,7 @@ def test_prefill_chunks_read_the_cache_in_place_as_the_reference_gathers_it(dtyp
     results = []
     for builder_class in (ReferenceBackend, CpuBackend):
         builder = builder_class(cache, block_size, torch.device("cpu"), None)
+        builder.rows_context = 0  # the prefill path, whatever the decodes won here
         packer = IntPacker()
         reserved = builder.reserve([layout], end - start, packer)
         batch = builder.build(reserved, torch.tensor(packer.values), slots)
@@ -293,7 +294,55 @@ def test_short_chunks_are_attended_as_decodes_as_the_reference_masks_them(dtype,
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
     longer = ChunkLayout(1, ScheduledChunk.of(request, start, DECODE_ROWS_CHUNK + 1, block_size), blocks)
-    assert len(CpuBackend(cache, block_size, torch.device("cpu"), window).reserve([longer], 40, IntPacker())[1]) == 1
+    backend = CpuBackend(cache, block_size, torch.device("cpu"), window)
+    backend.rows_context = 0  # the decodes lost at every context measured
+    assert len(backend.reserve([longer], 40, IntPacker())[1]) == 1
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_longer_chunk_within_the_measured_context_is_attended_as_decodes(dtype):
+    """Past `DECODE_ROWS_CHUNK` tokens a causal chunk joins the decodes while it ends within `rows_context` (measured
+    here once per shape) and gives what the reference's masked chunk gives; one ending past it keeps the prefill
+    path."""
+    from engine.attention_backends import ROWS_CONTEXTS, CpuBackend, IntPacker, ReferenceBackend, rows_context
+    from engine.kv_cache import KVCache
+    from engine.model_runner import cache_slots
+    from engine.request import Request
+
+    block_size, heads, kv_heads, d = 16, 6, 2, 32
+    start, tokens = 37, 90
+    end = start + tokens
+    blocks = [40, 41, 3, 4, 30, 31, 32, 33, 12]
+    torch.manual_seed(0)
+    cache = KVCache(1, 48, block_size, kv_heads, d, dtype, torch.device("cpu"))
+    cache.keys[0].copy_(torch.randn_like(cache.keys[0], dtype=torch.float32))
+    cache.values[0].copy_(torch.randn_like(cache.values[0], dtype=torch.float32))
+    request = Request("r", list(range(end + 10)), SamplingParams(), 0, 0, end + 11)
+    layouts = [ChunkLayout(0, ScheduledChunk.of(request, start, tokens, block_size), blocks[: -(-end // block_size)])]
+    slots = torch.tensor(cache_slots(blocks, start, end, block_size))
+    q = torch.randn(heads, tokens, d).to(dtype)
+    results = []
+    for builder in (ReferenceBackend(cache, block_size, torch.device("cpu"), None),
+                    CpuBackend(cache, block_size, torch.device("cpu"), None, heads)):
+        if isinstance(builder, CpuBackend):
+            builder.rows_context = end  # as a machine whose decodes won up to this context
+        packer = IntPacker()
+        reserved = builder.reserve(layouts, tokens, packer)
+        batch = builder.build(reserved, torch.tensor(packer.values), slots)
+        results.append((batch, batch.attend(q, cache.keys[0], cache.values[0], batch, None, 0.3)))
+    (reference, expected), (batch, got) = results
+    assert len(reference.prefills) == 1 and not batch.prefills and len(batch.decodes) == 1
+    assert batch.decodes[0].context_lens.tolist() == list(range(start + 1, end + 1))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    beyond = CpuBackend(cache, block_size, torch.device("cpu"), None, heads)
+    beyond.rows_context = end - 1
+    assert len(beyond.reserve(layouts, tokens, IntPacker())[1]) == 1  # a prefill span
+    measured = rows_context(dtype, heads, kv_heads, d, block_size)
+    assert measured in (0, *ROWS_CONTEXTS) and rows_context(dtype, heads, kv_heads, d, block_size) == measured
+    fresh = CpuBackend(cache, block_size, torch.device("cpu"), None, heads)
+    assert fresh.as_decodes(layouts[0].chunk) == (end <= measured) and fresh.rows_context == measured
 
 
 @CPU_ONLY

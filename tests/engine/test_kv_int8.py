@@ -134,6 +134,7 @@ def test_prefill_over_int8_is_the_prefill_over_the_dequantized_values(dtype, blo
         results = []
         for cache in (int8, plain):
             builder = backend(cache, block_size, CPU, None)
+            builder.rows_context = 0  # the prefill path, whatever the decodes won here
             packer = IntPacker()
             reserved = builder.reserve([layout], end - start, packer)
             batch = builder.build(reserved, torch.tensor(packer.values), slots)
