@@ -20,12 +20,14 @@ backend that built the batch, engine/attention_backends.py, where the choice is 
   blocks in place (engine/cpu/ops.py): on the CPU the gather's copy costs as much as the attention, and grows
   with context. A short chunk's queries go with them, each a decode whose context ends at its own position
   (its chunk's keys are in the cache before attention runs): what a causal mask computes, without the
-  prefill path's pieces a layer. Longer prefill chunks read the cache in place too (`PrefillSpan.prefix_runs`):
-  the keys before the chunk, which every query of the chunk sees, as views of runs of consecutive cache blocks,
-  no mask; the chunk's own keys (copied: as many as the chunk's tokens) with the chunk's causal mask; the
-  pieces' results merged by their log-sum-exp, as flash attention merges blocks. What a chunk copies is its own
-  size, not its context's. Sliding-window layers, and a prefix in more than `MAX_PREFIX_RUNS` runs, take the
-  reference's gather.
+  prefill path's pieces a layer. Longer prefill chunks go to the CPU's chunk kernel (engine/csrc/full_attention.c:
+  the vision tower's tiles, the keys a task's queries see packed once from their cache blocks, each query's
+  unseen keys hidden), sliding windows and int8 caches included. Where it does not take a chunk (a head size of
+  no vector width) the chunk reads the cache in place by torch's flash kernel (`PrefillSpan.prefix_runs`): the
+  keys before the chunk, which every query of the chunk sees, as views of runs of consecutive cache blocks, no
+  mask; the chunk's own keys (copied: as many as the chunk's tokens) with the chunk's causal mask; the pieces'
+  results merged by their log-sum-exp, as flash attention merges blocks. Sliding-window layers, and a prefix in
+  more than `MAX_PREFIX_RUNS` runs, then take the reference's gather.
 
 An int8 cache (engine/kv_cache.py) passes each path its layer's scales (`scales`: the key and value scales,
 [slots, kv_heads] float32): the CPU's decode kernel and the Triton kernel read the int8 rows in place, the torch
@@ -45,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from engine.cpu.ops import paged_decode_attention
+from engine.cpu.ops import chunk_attention, paged_decode_attention
 from engine.kv_cache import KVCache, dequantize_kv
 
 # An int8 cache's key and value scales of one layer ([slots, kv_heads] float32 each); None: a cache of the model's
@@ -164,14 +166,20 @@ def cpu_attention(
     scaling: float | None, out: torch.Tensor | None = None, scales: Scales = None,
 ) -> torch.Tensor:
     """As `reference_attention`, reading the cache in place: each decode group (its `context_lens`) through the
-    CPU's decode kernel, straight from q into out; each chunk with `prefix_runs` by `_prefill_in_place` (the
+    CPU's decode kernel, straight from q into out; each causal chunk by the CPU's chunk kernel where it takes it (a
+    cache of q's dtype or int8, a head size of its vectors), else, with `prefix_runs`, by `_prefill_in_place` (the
     others, and every chunk of a sliding-window layer, gathered)."""
     out = _output(q, out)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     for group in batch.decodes:
         paged_decode_attention(q, group.query_index, key_cache, value_cache, group.block_tables, group.context_lens,
-                               batch.kv_cache.block_size, scaling if scaling is not None else q.shape[-1] ** -0.5,
-                               window, out, scales)
+                               batch.kv_cache.block_size, scale, window, out, scales)
     for span in batch.prefills:
+        n = span.query_end - span.query_start
+        if span.own_mask is None and chunk_attention(q, span.query_start, n, span.context_len - n, key_cache,
+                                                     value_cache, span.block_table, batch.kv_cache.block_size, scale,
+                                                     window, out, scales):
+            continue
         if span.prefix_runs is not None and window is None and batch.kv_cache.model_dtype == q.dtype:
             out[span.query_start : span.query_end] = _prefill_in_place(q, key_cache, value_cache, span, scaling,
                                                                        scales)

@@ -12,10 +12,11 @@ of them (`build`), whose `attend` is the backend's path:
 - **reference** (`ReferenceBackend`): decodes in padded batches of similar context length with their masks,
   prefill chunks one by one with theirs;
 - **cpu** (`CpuBackend`): every decode in one batch the CPU's kernel reads in place (context lengths, no masks),
-  and with them each query of a short causal chunk (`DECODE_ROWS_CHUNK`) as a decode at its own position, so a
-  step of decodes and a few prompt tokens runs as a step of decodes (and the lean layers' one call); longer
-  prefill chunks as the reference plus what reading the cache in place needs (the prefix's runs of consecutive
-  slots, the chunk's own slots and mask).
+  and with them each query of a short causal chunk (`DECODE_ROWS_CHUNK`, or a longer one ending within
+  `rows_context`) as a decode at its own position, so a step of decodes and a few prompt tokens runs as a step of
+  decodes (and the lean layers' one call); longer prefill chunks as the reference plus what reading the cache in
+  place needs (the chunk kernel's block table; the torch path's runs of consecutive prefix slots, the chunk's own
+  slots and mask).
 
 A step whose prefill chunk needs explicit masks (image tokens that attend both ways) goes to the reference
 backend whatever the backend (`accepts`).
@@ -51,10 +52,11 @@ log = logging.getLogger(__name__)
 # A chunk of at most this many tokens the CPU backend attends as decodes wherever it ends (`CpuBackend.as_decodes`:
 # 2 Zen 4 cores, 9 decodes and a chunk of 2 to 32 tokens took 15-35% less as decodes, at any context).
 DECODE_ROWS_CHUNK = 32
-# A longer chunk is attended as decodes while it ends within the context measured at start-up (`rows_context`): each
-# query reading its whole context costs queries x context, torch's flash attention for the prefill path's pieces
-# less per key but more per call, so the decodes win up to some context (2 Zen 4 cores: chunks of 64 to 256 tokens
-# ending within about 1,000 positions, 5-30% less a step) and lose past it. The contexts measured, and the chunk.
+# A longer chunk is attended as decodes while it ends within the context measured at its first use (`rows_context`):
+# each query reading its whole context costs queries x context, the prefill path (the chunk kernel, which reads each
+# key once for a tile of queries; else torch's flash kernel by pieces) less per key but more per call, so the
+# decodes can win up to some context and lose past it (2 Zen 4 cores: against the chunk kernel at no context of
+# these; against torch's flash kernel up to 512-1,536). The contexts measured, and the chunk.
 ROWS_CONTEXTS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 ROWS_CHUNK = 128
 # Each timed call of that measurement comes after this many bytes are written, so that it reads the cache from memory
@@ -340,12 +342,13 @@ class CpuBackend(ReferenceBackend):
 @torch.inference_mode()
 def rows_context(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int) -> int:
     """The longest of `ROWS_CONTEXTS` at whose end a chunk of `ROWS_CHUNK` queries took no longer attended as decodes
-    (the CPU's decode kernel, each query over its context) than by the prefill path's pieces (its own keys and one
-    run of prefix, engine/attention.py), here, on a cache of these shapes read from memory (`COLD_BYTES`), and at
-    each shorter one too; 0 where the decodes lost at the first. Measured once per shape (under a second), with the
-    threads of the caller (the step thread's, at the first long chunk)."""
+    (the CPU's decode kernel, each query over its context) than by the prefill path (the chunk kernel where it takes
+    the chunk, else the pieces of its own keys and one run of prefix, engine/attention.py), here, on a cache of
+    these shapes read from memory (`COLD_BYTES`), and at each shorter one too; 0 where the decodes lost at the
+    first. Measured once per shape (under a second), with the threads of the caller (the step thread's, at the
+    first long chunk)."""
     from engine.attention import PrefillSpan, _prefill_in_place
-    from engine.cpu.ops import paged_decode_attention
+    from engine.cpu.ops import chunk_attention, paged_decode_attention
 
     flush = torch.zeros(COLD_BYTES // 4)
 
@@ -376,7 +379,9 @@ def rows_context(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, b
                            own_slots=torch.arange(start, end))
         as_rows = cold_seconds(lambda t=tables, n=lengths: paged_decode_attention(
             q, query_index, keys, values, t, n, block_size, scale, None, out))
-        pieces = cold_seconds(lambda s=span: _prefill_in_place(q, keys, values, s, scale))
+        pieces = cold_seconds(lambda s=span, t=tables: chunk_attention(
+            q, 0, ROWS_CHUNK, s.context_len - ROWS_CHUNK, keys, values, t[0], block_size, scale, None, out)
+            or _prefill_in_place(q, keys, values, s, scale))
         if as_rows > pieces:
             break
         won = end

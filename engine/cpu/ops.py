@@ -20,6 +20,8 @@
 - `decode_layers` (decode_layers.c): every lean decoder layer of a decode step in one call.
 - `full_attention` (full_attention.c) and `gelu_tanh` (gelu.c): a vision tower layer's attention and MLP
   activation (engine/lean_vision.py).
+- `chunk_attention` (full_attention.c): a causal prefill chunk's attention over the paged cache, read in place, by
+  the vision kernel's tiles (engine/attention.py).
 """
 
 from __future__ import annotations
@@ -217,6 +219,35 @@ def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     if failed == 2:
         raise MemoryError(f"full attention could not allocate its buffers ({n} positions of {d})")
     return None if failed else out
+
+
+def chunk_attention(q: torch.Tensor, query_start: int, n: int, start: int, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, block_table: torch.Tensor, block_size: int, scale: float,
+                    window: int | None, out: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    products: str | None = None) -> bool:
+    """A causal prefill chunk's attention over the paged cache read in place (engine/csrc/full_attention.c): its n
+    queries q[:, query_start : query_start + n] ([heads, tokens, d], rows contiguous), at positions start.., over the
+    [slots, kv_heads, d] caches' blocks `block_table` (int64, contiguous), into out[query_start : query_start + n]
+    ([tokens, heads, d], contiguous, q's dtype). An int8 cache comes with its key and value `scales` and is read
+    back in q's dtype (as `paged_decode_attention` reads it). False, with nothing written, where the kernel does not
+    take these inputs (a float cache of another dtype than q's, a head size it has no loop for), so that the caller
+    runs its torch path."""
+    heads, _, d = q.shape
+    kv_heads = key_cache.shape[1]
+    if (q.dtype not in DTYPE_CODES or q.stride(2) != 1 or q.device.type != "cpu" or heads % kv_heads
+            or key_cache.shape[2] != d or not out.is_contiguous() or out.dtype != q.dtype
+            or block_table.dtype != torch.int64 or not block_table.is_contiguous()):
+        return False
+    code, key_scales, value_scales = cache_code(key_cache, value_cache, scales)
+    lib = build.lib()
+    failed = lib.chunk_attention(q.data_ptr(), DTYPE_CODES[q.dtype], q.stride(0), q.stride(1), query_start, n, start,
+                                 key_cache.data_ptr(), value_cache.data_ptr(), key_scales, value_scales, code,
+                                 block_table.data_ptr(), block_size, kv_heads, heads // kv_heads, d, float(scale),
+                                 int(window or 0), out.data_ptr(), products_mode(lib, products),
+                                 torch.get_num_threads())
+    if failed == 2:
+        raise MemoryError(f"chunk attention could not allocate its buffers ({start + n} positions of {d})")
+    return not failed
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

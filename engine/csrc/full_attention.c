@@ -1,5 +1,6 @@
 /* Attention of every token to every token of the same input, no mask (a vision tower's layer), on the CPU
- * (engine/lean_vision.py calls it through engine/cpu/).
+ * (engine/lean_vision.py calls it through engine/cpu/); and, by the same tiles, a causal prefill chunk's over the
+ * paged KV cache (`chunk_attention`, at the end).
  *
  * q, k and v [batch, heads, n, d] are views of one packed projection (rows `row_stride` elements apart, heads
  * `head_stride`, inputs `batch_stride`), in `dtype`; out [batch, n, heads, d] contiguous, in `dtype`. A task is
@@ -257,6 +258,157 @@ int full_attention(const void *q, const void *k, const void *v, int dtype, int64
                 for (int64_t r0 = 0; !dot && r0 < rows; r0 += RO)
                     weighted_values(s + r0 * n_pad, MIN(RO, rows - r0), n, n_pad, vrows, d, total + r0, out, dtype,
                                     ((b * n + first + r0) * heads + h) * d, heads * d);
+            }
+        }
+    }
+    return failed;
+}
+
+/* A cache row of d values at element `offset` as float32 into dst: `load_floats`, an I8 cache's dequantized with its
+ * row's scale (scales[offset / d]) and rounded to `io` (the queries' dtype), as paged_decode.c reads it. */
+static inline void cache_row(const void *cache, const float *scales, int cache_dtype, int io, int64_t offset,
+                             int64_t d, float *dst) {
+    if (cache_dtype == I8) load_dequantized(cache, offset, d, scales[offset / d], io, dst);
+    else load_floats(cache, cache_dtype, offset, d, dst);
+}
+
+#ifdef __AVX512BF16__
+/* The same row as bfloat16 bits (a bfloat16 cache's in place; an I8 cache's dequantized, rounded to bfloat16). */
+static inline const uint16_t *cache_row_bf16(const void *cache, const float *scales, int cache_dtype, int64_t offset,
+                                             int64_t d, uint16_t *dst) {
+    if (cache_dtype != I8) return (const uint16_t *)cache + offset;
+    float row[256];
+    load_dequantized(cache, offset, d, scales[offset / d], BF16, row);
+    for (int64_t t = 0; t < d; t++) {
+        uint32_t bits;
+        memcpy(&bits, row + t, sizeof(bits));
+        dst[t] = (uint16_t)(bits >> 16);  /* exact: the value is a bfloat16 already */
+    }
+    return dst;
+}
+#endif
+
+/* Element offset of KV head g of position p in a paged cache ([slots][kv_heads][d]; position p in block
+ * table[p / block_size], at p % block_size). */
+static inline int64_t cache_offset(const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t d, int64_t p,
+                                   int64_t g) {
+    return ((table[p / block_size] * block_size + p % block_size) * kv_heads + g) * d;
+}
+
+/* A causal prefill chunk's attention over the paged KV cache, read in place (engine/attention.py's CPU path calls
+ * it through engine/cpu/).
+ *
+ * The chunk's n queries are rows query_start.. of q ([heads][tokens][d]: heads `q_head_stride` elements apart,
+ * rows `q_row_stride`), at positions start..start + n - 1 of their sequence, whose keys and values lie in the
+ * [slots][kv_heads][d] caches at the blocks `block_table` names; query heads h share KV head h / groups. Query i
+ * sees keys 0..start + i (in a sliding-window layer, `window` > 0: only the last `window` of them); its output
+ * goes to out row query_start + i ([tokens][heads][d], contiguous). q, the caches and out are all `dtype`. The
+ * arithmetic is `full_attention`'s, a task being one query head and BLOCK_ROWS queries: the keys those queries
+ * see packed once (as float32, or as bfloat16 words for the dot products), each tile of MR queries' scores at
+ * once, the keys a query does not see set to -inf before the softmax. An int8 cache (I8, with its key and value
+ * scales [slots][kv_heads]) is read as paged_decode.c reads it: each row dequantized and rounded to `dtype`, so the
+ * results are those over a cache of `dtype` holding those values. Returns 0; 1 where d is not a multiple of the
+ * vector width (or above 256) or the cache is neither `dtype` nor I8; 2 where memory runs out. */
+#define BLOCK_ROWS (4 * MR)
+int chunk_attention(const void *q, int dtype, int64_t q_head_stride, int64_t q_row_stride, int64_t query_start,
+                    int64_t n, int64_t start, const void *key_cache, const void *value_cache, const float *key_scales,
+                    const float *value_scales, int cache_dtype, const int64_t *block_table, int64_t block_size,
+                    int64_t kv_heads, int64_t groups, int64_t d, float scale, int64_t window, void *out, int mode,
+                    int num_threads) {
+    if (d % FW || d > 256 || n < 1 || (cache_dtype != dtype && cache_dtype != I8)) return 1;
+#ifdef __AVX512BF16__
+    const int dot = dtype == BF16 && !(mode & PRODUCTS_WIDEN);
+#else
+    const int dot = 0;
+    (void)mode;
+#endif
+    const int64_t heads = kv_heads * groups, blocks = (n + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    const int64_t most = start + n, most_pad = (most + NR - 1) / NR * NR;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* a task's keys [d][n_pad], values [keys][d], a tile's queries [d][MR] and scores [MR][n_pad] */
+        float *kt = thread_scratch((size_t)(d * most_pad + most * d + d * MR + MR * most_pad + MR) * sizeof(float));
+        float *vrows = kt ? kt + d * most_pad : NULL, *qp = vrows ? vrows + most * d : NULL;
+        float *s = qp ? qp + d * MR : NULL, *total = s ? s + MR * most_pad : NULL, row[256], block[FW][256];
+        if (!kt) {
+#pragma omp atomic write
+            failed = 2;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < heads * blocks; task++) {
+            if (!kt) continue;
+            const int64_t h = task % heads, g = h / groups, first_row = task / heads * BLOCK_ROWS;
+            const int64_t last_row = MIN(first_row + BLOCK_ROWS, n) - 1;
+            /* the keys the task's queries see: [lo, hi) */
+            const int64_t lo = window > 0 ? (start + first_row + 1 - window > 0 ? start + first_row + 1 - window : 0)
+                                          : 0;
+            const int64_t hi = start + last_row + 1, keys = hi - lo, n_pad = (keys + NR - 1) / NR * NR;
+#ifdef __AVX512BF16__
+            uint32_t *kw = (uint32_t *)kt, *qw = (uint32_t *)qp;
+            uint16_t bits[2][256];
+            for (int64_t j = 0; dot && j < n_pad; j++) {  /* keys past `keys`: zeros */
+                const uint16_t *key = cache_row_bf16(key_cache, key_scales, cache_dtype, cache_offset(
+                    block_table, block_size, kv_heads, d, lo + MIN(j, keys - 1), g), d, bits[0]);
+                for (int64_t t = 0; t < d / 2; t++) kw[t * n_pad + j] = j < keys ? word_at(key, t) : 0u;
+            }
+            uint32_t *vw = (uint32_t *)vrows;  /* [(keys + 1) / 2][d] words of two keys' values */
+            for (int64_t j = 0; dot && j < keys; j += 2) {
+                const uint16_t *even = cache_row_bf16(value_cache, value_scales, cache_dtype, cache_offset(
+                    block_table, block_size, kv_heads, d, lo + j, g), d, bits[0]);
+                const uint16_t *odd = j + 1 < keys ? cache_row_bf16(value_cache, value_scales, cache_dtype, cache_offset(
+                    block_table, block_size, kv_heads, d, lo + j + 1, g), d, bits[1]) : NULL;
+                for (int64_t t = 0; t < d; t++)
+                    vw[j / 2 * d + t] = (uint32_t)even[t] | (odd ? (uint32_t)odd[t] << 16 : 0u);
+            }
+#endif
+            for (int64_t j0 = 0; !dot && j0 < n_pad; j0 += FW) {
+                for (int64_t j = j0; j < j0 + FW; j++) {
+                    if (j < keys)
+                        cache_row(key_cache, key_scales, cache_dtype, dtype,
+                                  cache_offset(block_table, block_size, kv_heads, d, lo + j, g), d, block[j - j0]);
+                    else memset(block[j - j0], 0, (size_t)d * sizeof(float));
+                }
+                for (int64_t t = 0; t < d; t++)
+                    for (int j = 0; j < FW; j++) kt[t * n_pad + j0 + j] = block[j][t];
+            }
+            for (int64_t j = 0; !dot && j < keys; j++)
+                cache_row(value_cache, value_scales, cache_dtype, dtype,
+                          cache_offset(block_table, block_size, kv_heads, d, lo + j, g), d, vrows + j * d);
+            for (int64_t first = first_row; first <= last_row; first += MR) {
+                const int64_t rows = MIN(MR, last_row + 1 - first);
+#ifdef __AVX512BF16__
+                if (dot) {
+                    for (int64_t r = 0; r < MR; r++) {  /* rows past the task's repeat its last; dropped */
+                        const uint16_t *query = (const uint16_t *)q + h * q_head_stride +
+                                                (query_start + MIN(first + r, last_row)) * q_row_stride;
+                        for (int64_t t = 0; t < d / 2; t++) qw[t * MR + r] = word_at(query, t);
+                    }
+                    scores_dot(qw, kw, d / 2, n_pad, scale, s);
+                }
+#endif
+                for (int64_t r = 0; !dot && r < MR; r++) {
+                    load_floats(q, dtype, h * q_head_stride + (query_start + MIN(first + r, last_row)) * q_row_stride,
+                                d, row);
+                    for (int64_t t = 0; t < d; t++) qp[t * MR + r] = row[t] * scale;
+                }
+                if (!dot) scores(qp, kt, d, n_pad, s);
+                for (int64_t r = 0; r < rows; r++) {  /* query first + r sees keys [from, to] */
+                    const int64_t at = start + first + r, to = at - lo;
+                    const int64_t from = window > 0 && at + 1 - window > lo ? at + 1 - window - lo : 0;
+                    float *scored = s + r * n_pad;
+                    for (int64_t j = 0; j < from; j++) scored[j] = -INFINITY;
+                    for (int64_t j = to + 1; j < keys; j++) scored[j] = -INFINITY;
+                }
+                softmax_rows(s, rows, keys, n_pad, total);
+#ifdef __AVX512BF16__
+                for (int64_t r0 = 0; dot && r0 < rows; r0 += RO)
+                    weighted_values_dot(s + r0 * n_pad, MIN(RO, rows - r0), keys, n_pad, vw, d, total + r0, out,
+                                        dtype, ((query_start + first + r0) * heads + h) * d, heads * d);
+#endif
+                for (int64_t r0 = 0; !dot && r0 < rows; r0 += RO)
+                    weighted_values(s + r0 * n_pad, MIN(RO, rows - r0), keys, n_pad, vrows, d, total + r0, out, dtype,
+                                    ((query_start + first + r0) * heads + h) * d, heads * d);
             }
         }
     }

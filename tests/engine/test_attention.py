@@ -346,6 +346,57 @@ def test_a_longer_chunk_within_the_measured_context_is_attended_as_decodes(dtype
 
 
 @CPU_ONLY
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("products", ["dot", "widen"])
+@pytest.mark.parametrize(("start", "tokens", "window"), [
+    (0, 50, None),  # the sequence's first chunk: its own keys alone
+    (37, 90, None),  # starting inside a block, the prefix over blocks that are not consecutive
+    (70, 60, 24),  # a sliding window shorter than the context
+    (5, 3, 4),  # fewer queries than a tile
+])
+def test_the_chunk_kernel_attends_a_causal_chunk_as_the_reference_masks_it(monkeypatch, dtype, products, start,
+                                                                           tokens, window):
+    """The CPU's chunk kernel (the vision kernel's tiles over the paged cache read in place, each query's unseen keys
+    hidden), in each build this machine runs, gives the reference's masked attention, by either bfloat16 products;
+    it refuses a head size it has no vectors for (the torch path's), writing nothing."""
+    from engine.attention_backends import IntPacker, ReferenceBackend
+    from engine.cpu import build, ops
+    from engine.kv_cache import KVCache
+    from engine.model_runner import cache_slots
+    from engine.request import Request
+
+    block_size, heads, kv_heads, d = 16, 6, 2, 32
+    blocks = [40, 2, 38, 4, 36, 6, 34, 8, 32, 10]
+    end = start + tokens
+    torch.manual_seed(0)
+    cache = KVCache(1, 48, block_size, kv_heads, d, dtype, torch.device("cpu"))
+    cache.keys[0].copy_(torch.randn_like(cache.keys[0], dtype=torch.float32))
+    cache.values[0].copy_(torch.randn_like(cache.values[0], dtype=torch.float32))
+    request = Request("r", list(range(end + 5)), SamplingParams(), 0, 0, end + 6)
+    layout = ChunkLayout(0, ScheduledChunk.of(request, start, tokens, block_size), blocks[: -(-end // block_size)])
+    slots = torch.tensor(cache_slots(blocks, start, end, block_size))
+    q = torch.randn(heads, tokens, d).to(dtype)
+    reference = ReferenceBackend(cache, block_size, torch.device("cpu"), window)
+    packer = IntPacker()
+    reserved = reference.reserve([layout], tokens, packer)
+    batch = reference.build(reserved, torch.tensor(packer.values), slots)
+    expected = batch.attend(q, cache.keys[0], cache.values[0], batch, window, 0.3)
+    table = torch.tensor(layout.blocks)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for name in build.runnable_variants():
+        monkeypatch.setattr(build, "variant", lambda name=name: name)
+        got = torch.full_like(expected, float("nan"))
+        assert ops.chunk_attention(q, 0, tokens, start, cache.keys[0], cache.values[0], table, block_size, 0.3,
+                                   window, got, products=products), name
+        torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance, msg=name)
+    odd = KVCache(1, 48, block_size, kv_heads, 34, dtype, torch.device("cpu"))  # a head size of no vector width
+    untouched = torch.full((tokens, heads, 34), float("nan"), dtype=dtype)
+    assert not ops.chunk_attention(torch.randn(heads, tokens, 34).to(dtype), 0, tokens, start, odd.keys[0],
+                                   odd.values[0], table, block_size, 0.3, window, untouched, products=products)
+    assert untouched.isnan().all()
+
+
+@CPU_ONLY
 def test_the_backend_is_chosen_once_and_every_step_s_batch_runs_its_path(make_engine, monkeypatch):
     """`auto` on this CPU (with a compiler) takes the cpu backend; the runner holds that one backend, and the
     batch a step builds carries its path (`attend`), which is what every layer calls."""
