@@ -8,6 +8,7 @@ outputs).
 
 from __future__ import annotations
 
+import inspect
 import io
 import itertools
 import logging
@@ -213,41 +214,6 @@ class Engine:
         return max(1, min(by_memory, by_use))
 
     # -- requests -------------------------------------------------------------------------------
-    def add_request(
-        self,
-        prompt: str | None = None,
-        images: list[ImageInput] | None = None,
-        sampling: SamplingParams | None = None,
-        priority: int = 0,
-        messages: list[dict[str, Any]] | None = None,
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-        videos: list[VideoInput] | None = None,
-        mm_processor_kwargs: dict[str, Any] | None = None,
-        prompt_token_ids: list[int] | None = None,
-        embed_images: bool = False,
-        itl_target_ms: float | None = None,
-    ) -> str:
-        """Queue a request and return its id (`enqueue(preprocess_request(...))`). Raises ValueError for a request
-        that can never run.
-        Give exactly one of `prompt` (text, with a marker per image and video), `messages` (rendered through the
-        chat template) or `prompt_token_ids` (a text prompt already tokenized: taken as it is, no images).
-        `cache_salt`: the request shares cached prefix blocks and image features only with requests of the same
-        salt (engine/block_hash.py).
-        `mm_processor_kwargs`: options for the model's processor that the family allows
-        (`VLMAdapter.processor_options`; SmolVLM: `do_image_splitting`).
-        `videos`: each a `engine.video.Video`, a list of frames (PIL images or arrays), or a file path or encoded
-        bytes (read with OpenCV, frames sampled by `VideoSampling()`), one for each video marker of the prompt.
-        `embed_images`: the finished output carries `image_embeddings`, each encoder input's features as this request's
-        own steps computed them, pooled as `embed` pools an image's (engine/embeddings.py): the images' embeddings
-        without a second run of the tower where each image is one encoder input (`single_input_options`).
-        `itl_target_ms`: this request's own inter-token-latency target, held against less urgent work while it
-        decodes (engine/scheduler.py: a fall alert's caption), where steps are budgeted by time."""
-        return self.enqueue(self.preprocess_request(
-            prompt=prompt, images=images, sampling=sampling, priority=priority, messages=messages,
-            request_id=request_id, cache_salt=cache_salt, videos=videos, mm_processor_kwargs=mm_processor_kwargs,
-            prompt_token_ids=prompt_token_ids, embed_images=embed_images, itl_target_ms=itl_target_ms))
-
     def preprocess_request(
         self,
         prompt: str | None = None,
@@ -263,9 +229,22 @@ class Engine:
         embed_images: bool = False,
         itl_target_ms: float | None = None,
     ) -> Preprocessed:
-        """A request checked and preprocessed (template, tokens, image tiles), not yet queued: `add_request` in two
-        halves, so that a caller can tell the preprocessing (torch work, safe on any thread, beside a step) from the
-        queueing (`enqueue`). Takes `add_request`'s arguments and raises its ValueErrors."""
+        """A request checked and preprocessed (template, tokens, image tiles), not yet queued (`enqueue`): the
+        first half of `add_request`, so that a caller can tell this torch work (safe on any thread, beside a step)
+        from the queueing. Raises ValueError for a request that can never run.
+        Give exactly one of `prompt` (text, with a marker per image and video), `messages` (rendered through the
+        chat template) or `prompt_token_ids` (a text prompt already tokenized: taken as it is, no images).
+        `cache_salt`: the request shares cached prefix blocks and image features only with requests of the same
+        salt (engine/block_hash.py).
+        `mm_processor_kwargs`: options for the model's processor that the family allows
+        (`VLMAdapter.processor_options`; SmolVLM: `do_image_splitting`).
+        `videos`: each a `engine.video.Video`, a list of frames (PIL images or arrays), or a file path or encoded
+        bytes (read with OpenCV, frames sampled by `VideoSampling()`), one for each video marker of the prompt.
+        `embed_images`: the finished output carries `image_embeddings`, each encoder input's features as this request's
+        own steps computed them, pooled as `embed` pools an image's (engine/embeddings.py): the images' embeddings
+        without a second run of the tower where each image is one encoder input (`single_input_options`).
+        `itl_target_ms`: this request's own inter-token-latency target, held against less urgent work while it
+        decodes (engine/scheduler.py: a fall alert's caption), where steps are budgeted by time."""
         if sum(given is not None for given in (prompt, messages, prompt_token_ids)) != 1:
             raise ValueError("give exactly one of prompt or messages (or prompt_token_ids)")
         sampling = sampling or SamplingParams()
@@ -331,6 +310,13 @@ class Engine:
             itl_target_ms=None if itl_target_ms is None else float(itl_target_ms),
         )
         return Preprocessed(request, embed_images)
+
+    def add_request(self, *args: Any, **kwargs: Any) -> str:
+        """Queue a request and return its id: `enqueue(preprocess_request(...))`, with `preprocess_request`'s
+        arguments. Raises ValueError for a request that can never run."""
+        return self.enqueue(self.preprocess_request(*args, **kwargs))
+
+    add_request.__signature__ = inspect.signature(preprocess_request).replace(return_annotation="str")
 
     def enqueue(self, preprocessed: Preprocessed) -> str:
         """Queue a request `preprocess_request` made and return its id; raises ValueError if its id is in use. Never

@@ -182,103 +182,22 @@ static void weighted_values_dot(float *p, int64_t rows, int64_t n, int64_t n_pad
 }
 #endif
 
-/* Returns 0; 1 where d is not a multiple of the vector width (or above 256); 2 where memory runs out. */
-int full_attention(const void *q, const void *k, const void *v, int dtype, int64_t batch, int64_t heads, int64_t n,
-                   int64_t d, int64_t batch_stride, int64_t head_stride, int64_t row_stride, float scale, void *out,
-                   int mode, int num_threads) {
-    if (d % FW || d > 256 || n < 1) return 1;
-#ifdef __AVX512BF16__
-    const int dot = dtype == BF16 && !(mode & PRODUCTS_WIDEN);
-#else
-    const int dot = 0;
-    (void)mode;
-#endif
-    const int64_t n_pad = (n + NR - 1) / NR * NR, tiles = (n + MR - 1) / MR;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        /* a task's keys [d][n_pad], values [n][d], a tile's queries [d][MR] and scores [MR][n_pad] */
-        float *kt = thread_scratch((size_t)(d * n_pad + n * d + d * MR + MR * n_pad + MR) * sizeof(float));
-        float *vrows = kt ? kt + d * n_pad : NULL, *qp = vrows ? vrows + n * d : NULL, *s = qp ? qp + d * MR : NULL;
-        float *total = s ? s + MR * n_pad : NULL, row[256], block[FW][256];
-        if (!kt) {
-#pragma omp atomic write
-            failed = 2;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < batch * heads; task++) {
-            if (!kt) continue;
-            const int64_t b = task / heads, h = task % heads, base = b * batch_stride + h * head_stride;
-#ifdef __AVX512BF16__
-            uint32_t *kw = (uint32_t *)kt, *qw = (uint32_t *)qp;  /* the dot products' keys and queries, as words */
-            for (int64_t j = 0; dot && j < n_pad; j++) {  /* keys past n: zeros */
-                const uint16_t *key = (const uint16_t *)k + base + MIN(j, n - 1) * row_stride;
-                for (int64_t t = 0; t < d / 2; t++) kw[t * n_pad + j] = j < n ? word_at(key, t) : 0u;
-            }
-#endif
-            for (int64_t j0 = 0; !dot && j0 < n_pad; j0 += FW) {  /* FW keys at a time, so that kt is written by vectors */
-                for (int64_t j = j0; j < j0 + FW; j++) {
-                    if (j < n) load_floats(k, dtype, base + j * row_stride, d, block[j - j0]);
-                    else memset(block[j - j0], 0, (size_t)d * sizeof(float));
-                }
-                for (int64_t t = 0; t < d; t++)
-                    for (int j = 0; j < FW; j++) kt[t * n_pad + j0 + j] = block[j][t];
-            }
-#ifdef __AVX512BF16__
-            uint32_t *vw = (uint32_t *)vrows;  /* the dot products' values: [(n + 1) / 2][d] words of two keys' */
-            for (int64_t j = 0; dot && j < n; j += 2) {
-                const uint16_t *even = (const uint16_t *)v + base + j * row_stride, *odd = even + row_stride;
-                for (int64_t t = 0; t < d; t++)
-                    vw[j / 2 * d + t] = (uint32_t)even[t] | (j + 1 < n ? (uint32_t)odd[t] << 16 : 0u);
-            }
-#endif
-            for (int64_t j = 0; !dot && j < n; j++) load_floats(v, dtype, base + j * row_stride, d, vrows + j * d);
-            for (int64_t tile = 0; tile < tiles; tile++) {
-                const int64_t first = tile * MR, rows = MIN(MR, n - first);
-#ifdef __AVX512BF16__
-                if (dot) {
-                    for (int64_t r = 0; r < MR; r++) {  /* rows past n repeat the last one; their results are dropped */
-                        const uint16_t *query = (const uint16_t *)q + base + MIN(first + r, n - 1) * row_stride;
-                        for (int64_t t = 0; t < d / 2; t++) qw[t * MR + r] = word_at(query, t);
-                    }
-                    scores_dot(qw, kw, d / 2, n_pad, scale, s);
-                }
-#endif
-                for (int64_t r = 0; !dot && r < MR; r++) {  /* as above */
-                    load_floats(q, dtype, base + MIN(first + r, n - 1) * row_stride, d, row);
-                    for (int64_t t = 0; t < d; t++) qp[t * MR + r] = row[t] * scale;
-                }
-                if (!dot) scores(qp, kt, d, n_pad, s);
-                softmax_rows(s, rows, n, n_pad, total);
-#ifdef __AVX512BF16__
-                for (int64_t r0 = 0; dot && r0 < rows; r0 += RO)
-                    weighted_values_dot(s + r0 * n_pad, MIN(RO, rows - r0), n, n_pad, vw, d, total + r0, out, dtype,
-                                        ((b * n + first + r0) * heads + h) * d, heads * d);
-#endif
-                for (int64_t r0 = 0; !dot && r0 < rows; r0 += RO)
-                    weighted_values(s + r0 * n_pad, MIN(RO, rows - r0), n, n_pad, vrows, d, total + r0, out, dtype,
-                                    ((b * n + first + r0) * heads + h) * d, heads * d);
-            }
-        }
-    }
-    return failed;
-}
-
-/* A cache row of d values at element `offset` as float32 into dst: `load_floats`, an I8 cache's dequantized with its
- * row's scale (scales[offset / d]) and rounded to `io` (the queries' dtype), as paged_decode.c reads it. */
-static inline void cache_row(const void *cache, const float *scales, int cache_dtype, int io, int64_t offset,
-                             int64_t d, float *dst) {
-    if (cache_dtype == I8) load_dequantized(cache, offset, d, scales[offset / d], io, dst);
-    else load_floats(cache, cache_dtype, offset, d, dst);
+/* A row of d values of k or v at element `offset` as float32 into dst: `load_floats`, or where the source is an
+ * int8 cache (src_dtype I8) dequantized with its row's scale (scales[offset / d]) and rounded to `io` (the queries'
+ * dtype), as paged_decode.c reads one. */
+static inline void source_row(const void *src, const float *scales, int src_dtype, int io, int64_t offset, int64_t d,
+                              float *dst) {
+    if (src_dtype == I8) load_dequantized(src, offset, d, scales[offset / d], io, dst);
+    else load_floats(src, src_dtype, offset, d, dst);
 }
 
 #ifdef __AVX512BF16__
-/* The same row as bfloat16 bits (a bfloat16 cache's in place; an I8 cache's dequantized, rounded to bfloat16). */
-static inline const uint16_t *cache_row_bf16(const void *cache, const float *scales, int cache_dtype, int64_t offset,
-                                             int64_t d, uint16_t *dst) {
-    if (cache_dtype != I8) return (const uint16_t *)cache + offset;
+/* The same row as bfloat16 bits (a bfloat16 source's in place; an int8 cache's dequantized, rounded to bfloat16). */
+static inline const uint16_t *source_row_bf16(const void *src, const float *scales, int src_dtype, int64_t offset,
+                                              int64_t d, uint16_t *dst) {
+    if (src_dtype != I8) return (const uint16_t *)src + offset;
     float row[256];
-    load_dequantized(cache, offset, d, scales[offset / d], BF16, row);
+    load_dequantized(src, offset, d, scales[offset / d], BF16, row);
     for (int64_t t = 0; t < d; t++) {
         uint32_t bits;
         memcpy(&bits, row + t, sizeof(bits));
@@ -288,11 +207,136 @@ static inline const uint16_t *cache_row_bf16(const void *cache, const float *sca
 }
 #endif
 
-/* Element offset of KV head g of position p in a paged cache ([slots][kv_heads][d]; position p in block
- * table[p / block_size], at p % block_size). */
-static inline int64_t cache_offset(const int64_t *table, int64_t block_size, int64_t kv_heads, int64_t d, int64_t p,
-                                   int64_t g) {
-    return ((table[p / block_size] * block_size + p % block_size) * kv_heads + g) * d;
+/* A thread's buffers for tasks of up to `keys` keys (one allocation, grown as needed): the keys [d][n_pad] (kt),
+ * the values [keys][d], a tile's queries [d][MR], its scores [MR][n_pad] and their sums [MR], and the keys' element
+ * offsets [keys]. 0, with `failed` set to 2, where memory runs out. */
+typedef struct {
+    float *kt, *vrows, *qp, *s, *total;
+    int64_t *at;
+} task_buffers;
+
+static int task_scratch(int64_t d, int64_t keys, task_buffers *b, int *failed) {
+    const int64_t n_pad = (keys + NR - 1) / NR * NR;
+    const size_t floats = (size_t)(d * n_pad + keys * d + d * MR + MR * n_pad + MR + 1) / 2 * 2;  /* `at` aligned */
+    b->kt = thread_scratch(floats * sizeof(float) + (size_t)keys * sizeof(int64_t));
+    if (!b->kt) {
+#pragma omp atomic write
+        *failed = 2;
+        return 0;
+    }
+    b->vrows = b->kt + d * n_pad, b->qp = b->vrows + keys * d, b->s = b->qp + d * MR, b->total = b->s + MR * n_pad;
+    b->at = (int64_t *)(b->kt + floats);
+    return 1;
+}
+
+/* The task's keys and values, whose rows start at elements at[0..keys) of k and v (`src_dtype`, an I8 cache's with
+ * their scales), packed as the tiles read them: the keys as float32 transposed (kt [d][n_pad], zeros past `keys`)
+ * and the values as float32 rows, or, for the dot products, the keys as words of two bfloat16 of d ([d / 2][n_pad])
+ * and the values as words of two keys' ([(keys + 1) / 2][d]). */
+static void pack_task(const void *k, const void *v, const float *k_scales, const float *v_scales, int src_dtype,
+                      int io, const int64_t *at, int64_t keys, int64_t d, int dot, task_buffers *b) {
+    const int64_t n_pad = (keys + NR - 1) / NR * NR;
+    float block[FW][256];
+#ifdef __AVX512BF16__
+    uint16_t bits[2][256];
+    uint32_t *kw = (uint32_t *)b->kt, *vw = (uint32_t *)b->vrows;
+    for (int64_t j = 0; dot && j < n_pad; j++) {
+        const uint16_t *key = source_row_bf16(k, k_scales, src_dtype, at[MIN(j, keys - 1)], d, bits[0]);
+        for (int64_t t = 0; t < d / 2; t++) kw[t * n_pad + j] = j < keys ? word_at(key, t) : 0u;
+    }
+    for (int64_t j = 0; dot && j < keys; j += 2) {
+        const uint16_t *even = source_row_bf16(v, v_scales, src_dtype, at[j], d, bits[0]);
+        const uint16_t *odd = j + 1 < keys ? source_row_bf16(v, v_scales, src_dtype, at[j + 1], d, bits[1]) : NULL;
+        for (int64_t t = 0; t < d; t++) vw[j / 2 * d + t] = (uint32_t)even[t] | (odd ? (uint32_t)odd[t] << 16 : 0u);
+    }
+#endif
+    for (int64_t j0 = 0; !dot && j0 < n_pad; j0 += FW) {  /* FW keys at a time, so that kt is written by vectors */
+        for (int64_t j = j0; j < j0 + FW; j++) {
+            if (j < keys) source_row(k, k_scales, src_dtype, io, at[j], d, block[j - j0]);
+            else memset(block[j - j0], 0, (size_t)d * sizeof(float));
+        }
+        for (int64_t t = 0; t < d; t++)
+            for (int j = 0; j < FW; j++) b->kt[t * n_pad + j0 + j] = block[j][t];
+    }
+    for (int64_t j = 0; !dot && j < keys; j++) source_row(v, v_scales, src_dtype, io, at[j], d, b->vrows + j * d);
+}
+
+/* Query rows first..last (elements q_base + row * q_row_stride of q) over the task's packed keys, MR at a time: their
+ * scores, the keys a row does not see set to -inf (with `sees` >= 0, row i sees the packed keys up to sees + i, and
+ * with `window` > 0 only the last `window` of those), the softmax, the weighted values into out (row i at element
+ * out_base + i * out_row_stride). */
+static void attend_rows(const void *q, int dtype, int64_t q_base, int64_t q_row_stride, int64_t first_row,
+                        int64_t last_row, float scale, int dot, int64_t keys, int64_t d, int64_t sees, int64_t window,
+                        task_buffers *b, void *out, int64_t out_base, int64_t out_row_stride) {
+    const int64_t n_pad = (keys + NR - 1) / NR * NR;
+    float row[256], *s = b->s;
+    for (int64_t first = first_row; first <= last_row; first += MR) {
+        const int64_t rows = MIN(MR, last_row + 1 - first);
+#ifdef __AVX512BF16__
+        if (dot) {
+            uint32_t *qw = (uint32_t *)b->qp;
+            for (int64_t r = 0; r < MR; r++) {  /* rows past the last repeat it; their results are dropped */
+                const uint16_t *query = (const uint16_t *)q + q_base + MIN(first + r, last_row) * q_row_stride;
+                for (int64_t t = 0; t < d / 2; t++) qw[t * MR + r] = word_at(query, t);
+            }
+            scores_dot(qw, (const uint32_t *)b->kt, d / 2, n_pad, scale, s);
+        }
+#endif
+        for (int64_t r = 0; !dot && r < MR; r++) {  /* as above */
+            load_floats(q, dtype, q_base + MIN(first + r, last_row) * q_row_stride, d, row);
+            for (int64_t t = 0; t < d; t++) b->qp[t * MR + r] = row[t] * scale;
+        }
+        if (!dot) scores(b->qp, b->kt, d, n_pad, s);
+        for (int64_t r = 0; sees >= 0 && r < rows; r++) {  /* row first + r sees packed keys [from, to] */
+            const int64_t to = sees + first + r, from = window > 0 && to + 1 - window > 0 ? to + 1 - window : 0;
+            float *scored = s + r * n_pad;
+            for (int64_t j = 0; j < from; j++) scored[j] = -INFINITY;
+            for (int64_t j = to + 1; j < keys; j++) scored[j] = -INFINITY;
+        }
+        softmax_rows(s, rows, keys, n_pad, b->total);
+#ifdef __AVX512BF16__
+        for (int64_t r0 = 0; dot && r0 < rows; r0 += RO)
+            weighted_values_dot(s + r0 * n_pad, MIN(RO, rows - r0), keys, n_pad, (const uint32_t *)b->vrows, d,
+                                b->total + r0, out, dtype, out_base + (first + r0) * out_row_stride, out_row_stride);
+#endif
+        for (int64_t r0 = 0; !dot && r0 < rows; r0 += RO)
+            weighted_values(s + r0 * n_pad, MIN(RO, rows - r0), keys, n_pad, b->vrows, d, b->total + r0, out, dtype,
+                            out_base + (first + r0) * out_row_stride, out_row_stride);
+    }
+}
+
+/* Whether `dtype` and `mode` take the dot products (bfloat16 with the build's vdpbf16ps, not asked to widen). */
+static int dot_products(int dtype, int mode) {
+#ifdef __AVX512BF16__
+    return dtype == BF16 && !(mode & PRODUCTS_WIDEN);
+#else
+    (void)dtype, (void)mode;
+    return 0;
+#endif
+}
+
+/* Returns 0; 1 where d is not a multiple of the vector width (or above 256); 2 where memory runs out. */
+int full_attention(const void *q, const void *k, const void *v, int dtype, int64_t batch, int64_t heads, int64_t n,
+                   int64_t d, int64_t batch_stride, int64_t head_stride, int64_t row_stride, float scale, void *out,
+                   int mode, int num_threads) {
+    if (d % FW || d > 256 || n < 1) return 1;
+    const int dot = dot_products(dtype, mode);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        task_buffers b;
+        const int ready = task_scratch(d, n, &b, &failed);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < batch * heads; task++) {
+            if (!ready) continue;
+            const int64_t i = task / heads, h = task % heads, base = i * batch_stride + h * head_stride;
+            for (int64_t j = 0; j < n; j++) b.at[j] = base + j * row_stride;
+            pack_task(k, v, NULL, NULL, dtype, dtype, b.at, n, d, dot, &b);
+            attend_rows(q, dtype, base, row_stride, 0, n - 1, scale, dot, n, d, -1, 0, &b, out, (i * n * heads + h) * d,
+                        heads * d);
+        }
+    }
+    return failed;
 }
 
 /* A causal prefill chunk's attention over the paged KV cache, read in place (engine/attention.py's CPU path calls
@@ -300,15 +344,15 @@ static inline int64_t cache_offset(const int64_t *table, int64_t block_size, int
  *
  * The chunk's n queries are rows query_start.. of q ([heads][tokens][d]: heads `q_head_stride` elements apart,
  * rows `q_row_stride`), at positions start..start + n - 1 of their sequence, whose keys and values lie in the
- * [slots][kv_heads][d] caches at the blocks `block_table` names; query heads h share KV head h / groups. Query i
- * sees keys 0..start + i (in a sliding-window layer, `window` > 0: only the last `window` of them); its output
- * goes to out row query_start + i ([tokens][heads][d], contiguous). q, the caches and out are all `dtype`. The
- * arithmetic is `full_attention`'s, a task being one query head and BLOCK_ROWS queries: the keys those queries
- * see packed once (as float32, or as bfloat16 words for the dot products), each tile of MR queries' scores at
- * once, the keys a query does not see set to -inf before the softmax. An int8 cache (I8, with its key and value
- * scales [slots][kv_heads]) is read as paged_decode.c reads it: each row dequantized and rounded to `dtype`, so the
- * results are those over a cache of `dtype` holding those values. Returns 0; 1 where d is not a multiple of the
- * vector width (or above 256) or the cache is neither `dtype` nor I8; 2 where memory runs out. */
+ * [slots][kv_heads][d] caches (position p in block block_table[p / block_size], at p % block_size); query heads h
+ * share KV head h / groups. Query i sees keys 0..start + i (in a sliding-window layer, `window` > 0: only the last
+ * `window` of them); its output goes to out row query_start + i ([tokens][heads][d], contiguous). q and out are
+ * `dtype`. The arithmetic is `full_attention`'s, a task being one query head and BLOCK_ROWS queries: the keys those
+ * queries see packed once, each tile of MR queries' scores at once, the keys a query does not see set to -inf
+ * before the softmax. An int8 cache (I8, with its key and value scales [slots][kv_heads]) is read as paged_decode.c
+ * reads it: each row dequantized and rounded to `dtype`, so the results are those over a cache of `dtype` holding
+ * those values. Returns 0; 1 where d is not a multiple of the vector width (or above 256) or the cache is neither
+ * `dtype` nor I8; 2 where memory runs out. */
 #define BLOCK_ROWS (4 * MR)
 int chunk_attention(const void *q, int dtype, int64_t q_head_stride, int64_t q_row_stride, int64_t query_start,
                     int64_t n, int64_t start, const void *key_cache, const void *value_cache, const float *key_scales,
@@ -316,100 +360,27 @@ int chunk_attention(const void *q, int dtype, int64_t q_head_stride, int64_t q_r
                     int64_t kv_heads, int64_t groups, int64_t d, float scale, int64_t window, void *out, int mode,
                     int num_threads) {
     if (d % FW || d > 256 || n < 1 || (cache_dtype != dtype && cache_dtype != I8)) return 1;
-#ifdef __AVX512BF16__
-    const int dot = dtype == BF16 && !(mode & PRODUCTS_WIDEN);
-#else
-    const int dot = 0;
-    (void)mode;
-#endif
+    const int dot = dot_products(dtype, mode);
     const int64_t heads = kv_heads * groups, blocks = (n + BLOCK_ROWS - 1) / BLOCK_ROWS;
-    const int64_t most = start + n, most_pad = (most + NR - 1) / NR * NR;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        /* a task's keys [d][n_pad], values [keys][d], a tile's queries [d][MR] and scores [MR][n_pad] */
-        float *kt = thread_scratch((size_t)(d * most_pad + most * d + d * MR + MR * most_pad + MR) * sizeof(float));
-        float *vrows = kt ? kt + d * most_pad : NULL, *qp = vrows ? vrows + most * d : NULL;
-        float *s = qp ? qp + d * MR : NULL, *total = s ? s + MR * most_pad : NULL, row[256], block[FW][256];
-        if (!kt) {
-#pragma omp atomic write
-            failed = 2;
-        }
+        task_buffers b;
+        const int ready = task_scratch(d, start + n, &b, &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < heads * blocks; task++) {
-            if (!kt) continue;
-            const int64_t h = task % heads, g = h / groups, first_row = task / heads * BLOCK_ROWS;
-            const int64_t last_row = MIN(first_row + BLOCK_ROWS, n) - 1;
-            /* the keys the task's queries see: [lo, hi) */
-            const int64_t lo = window > 0 ? (start + first_row + 1 - window > 0 ? start + first_row + 1 - window : 0)
-                                          : 0;
-            const int64_t hi = start + last_row + 1, keys = hi - lo, n_pad = (keys + NR - 1) / NR * NR;
-#ifdef __AVX512BF16__
-            uint32_t *kw = (uint32_t *)kt, *qw = (uint32_t *)qp;
-            uint16_t bits[2][256];
-            for (int64_t j = 0; dot && j < n_pad; j++) {  /* keys past `keys`: zeros */
-                const uint16_t *key = cache_row_bf16(key_cache, key_scales, cache_dtype, cache_offset(
-                    block_table, block_size, kv_heads, d, lo + MIN(j, keys - 1), g), d, bits[0]);
-                for (int64_t t = 0; t < d / 2; t++) kw[t * n_pad + j] = j < keys ? word_at(key, t) : 0u;
-            }
-            uint32_t *vw = (uint32_t *)vrows;  /* [(keys + 1) / 2][d] words of two keys' values */
-            for (int64_t j = 0; dot && j < keys; j += 2) {
-                const uint16_t *even = cache_row_bf16(value_cache, value_scales, cache_dtype, cache_offset(
-                    block_table, block_size, kv_heads, d, lo + j, g), d, bits[0]);
-                const uint16_t *odd = j + 1 < keys ? cache_row_bf16(value_cache, value_scales, cache_dtype, cache_offset(
-                    block_table, block_size, kv_heads, d, lo + j + 1, g), d, bits[1]) : NULL;
-                for (int64_t t = 0; t < d; t++)
-                    vw[j / 2 * d + t] = (uint32_t)even[t] | (odd ? (uint32_t)odd[t] << 16 : 0u);
-            }
-#endif
-            for (int64_t j0 = 0; !dot && j0 < n_pad; j0 += FW) {
-                for (int64_t j = j0; j < j0 + FW; j++) {
-                    if (j < keys)
-                        cache_row(key_cache, key_scales, cache_dtype, dtype,
-                                  cache_offset(block_table, block_size, kv_heads, d, lo + j, g), d, block[j - j0]);
-                    else memset(block[j - j0], 0, (size_t)d * sizeof(float));
-                }
-                for (int64_t t = 0; t < d; t++)
-                    for (int j = 0; j < FW; j++) kt[t * n_pad + j0 + j] = block[j][t];
-            }
-            for (int64_t j = 0; !dot && j < keys; j++)
-                cache_row(value_cache, value_scales, cache_dtype, dtype,
-                          cache_offset(block_table, block_size, kv_heads, d, lo + j, g), d, vrows + j * d);
-            for (int64_t first = first_row; first <= last_row; first += MR) {
-                const int64_t rows = MIN(MR, last_row + 1 - first);
-#ifdef __AVX512BF16__
-                if (dot) {
-                    for (int64_t r = 0; r < MR; r++) {  /* rows past the task's repeat its last; dropped */
-                        const uint16_t *query = (const uint16_t *)q + h * q_head_stride +
-                                                (query_start + MIN(first + r, last_row)) * q_row_stride;
-                        for (int64_t t = 0; t < d / 2; t++) qw[t * MR + r] = word_at(query, t);
-                    }
-                    scores_dot(qw, kw, d / 2, n_pad, scale, s);
-                }
-#endif
-                for (int64_t r = 0; !dot && r < MR; r++) {
-                    load_floats(q, dtype, h * q_head_stride + (query_start + MIN(first + r, last_row)) * q_row_stride,
-                                d, row);
-                    for (int64_t t = 0; t < d; t++) qp[t * MR + r] = row[t] * scale;
-                }
-                if (!dot) scores(qp, kt, d, n_pad, s);
-                for (int64_t r = 0; r < rows; r++) {  /* query first + r sees keys [from, to] */
-                    const int64_t at = start + first + r, to = at - lo;
-                    const int64_t from = window > 0 && at + 1 - window > lo ? at + 1 - window - lo : 0;
-                    float *scored = s + r * n_pad;
-                    for (int64_t j = 0; j < from; j++) scored[j] = -INFINITY;
-                    for (int64_t j = to + 1; j < keys; j++) scored[j] = -INFINITY;
-                }
-                softmax_rows(s, rows, keys, n_pad, total);
-#ifdef __AVX512BF16__
-                for (int64_t r0 = 0; dot && r0 < rows; r0 += RO)
-                    weighted_values_dot(s + r0 * n_pad, MIN(RO, rows - r0), keys, n_pad, vw, d, total + r0, out,
-                                        dtype, ((query_start + first + r0) * heads + h) * d, heads * d);
-#endif
-                for (int64_t r0 = 0; !dot && r0 < rows; r0 += RO)
-                    weighted_values(s + r0 * n_pad, MIN(RO, rows - r0), keys, n_pad, vrows, d, total + r0, out, dtype,
-                                    ((query_start + first + r0) * heads + h) * d, heads * d);
-            }
+            if (!ready) continue;
+            const int64_t h = task % heads, g = h / groups, first = task / heads * BLOCK_ROWS;
+            const int64_t last = MIN(first + BLOCK_ROWS, n) - 1;
+            /* the keys the task's queries see: positions [lo, hi) */
+            const int64_t lo = window > 0 && start + first + 1 - window > 0 ? start + first + 1 - window : 0;
+            const int64_t hi = start + last + 1;
+            for (int64_t p = lo; p < hi; p++)
+                b.at[p - lo] = ((block_table[p / block_size] * block_size + p % block_size) * kv_heads + g) * d;
+            pack_task(key_cache, value_cache, key_scales, value_scales, cache_dtype, dtype, b.at, hi - lo, d, dot, &b);
+            attend_rows(q, dtype, h * q_head_stride + (query_start + first) * q_row_stride, q_row_stride, 0,
+                        last - first, scale, dot, hi - lo, d, start + first - lo, window, &b, out,
+                        ((query_start + first) * heads + h) * d, heads * d);
         }
     }
     return failed;

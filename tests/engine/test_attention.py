@@ -28,6 +28,17 @@ def _groups(runner, decodes):
     return built
 
 
+def random_cache(dtype: torch.dtype, block_size: int, kv_heads: int, d: int):
+    """A one-layer KV cache of 48 blocks holding random keys and values (seed 0), in `dtype`."""
+    from engine.kv_cache import KVCache
+
+    torch.manual_seed(0)
+    cache = KVCache(1, 48, block_size, kv_heads, d, dtype, torch.device("cpu"))
+    cache.keys[0].copy_(torch.randn_like(cache.keys[0], dtype=torch.float32))
+    cache.values[0].copy_(torch.randn_like(cache.values[0], dtype=torch.float32))
+    return cache
+
+
 def test_a_long_context_among_short_ones_is_attended_in_its_own_batch(make_engine):
     runner = make_engine(block_size=16, attention_backend="reference").runner
     # (packed query index, context length, cache blocks)
@@ -219,16 +230,12 @@ def test_prefill_chunks_read_the_cache_in_place_as_the_reference_gathers_it(dtyp
     reference's gather and mask, grouped-query heads, chunks that start inside a block and at a block's start."""
     from engine.attention import MAX_PREFIX_RUNS
     from engine.attention_backends import CpuBackend, IntPacker, ReferenceBackend, slot_runs
-    from engine.kv_cache import KVCache
     from engine.model_runner import cache_slots
     from engine.request import Request
 
     block_size, heads, kv_heads, d = 16, 6, 2, 32
     end = len(blocks) * block_size - 5
-    torch.manual_seed(0)
-    cache = KVCache(1, 48, block_size, kv_heads, d, dtype, torch.device("cpu"))
-    cache.keys[0].copy_(torch.randn_like(cache.keys[0], dtype=torch.float32))
-    cache.values[0].copy_(torch.randn_like(cache.values[0], dtype=torch.float32))
+    cache = random_cache(dtype, block_size, kv_heads, d)
     request = Request("r", list(range(end)), SamplingParams(), 0, 0, end + 1)
     layout = ChunkLayout(0, ScheduledChunk.of(request, start, end - start, block_size), blocks)
     slots = torch.tensor(cache_slots(blocks, start, end, block_size))
@@ -263,17 +270,13 @@ def test_short_chunks_are_attended_as_decodes_as_the_reference_masks_them(dtype,
     position, its chunk's keys written before attention) and give what the reference's masked chunk gives; a
     longer chunk keeps the prefill path."""
     from engine.attention_backends import DECODE_ROWS_CHUNK, CpuBackend, IntPacker, ReferenceBackend
-    from engine.kv_cache import KVCache
     from engine.model_runner import cache_slots
     from engine.request import Request
 
     block_size, heads, kv_heads, d = 16, 6, 2, 32
     blocks = [9, 10, 3, 4, 30, 31, 32]
     end = start + tokens
-    torch.manual_seed(0)
-    cache = KVCache(1, 48, block_size, kv_heads, d, dtype, torch.device("cpu"))
-    cache.keys[0].copy_(torch.randn_like(cache.keys[0], dtype=torch.float32))
-    cache.values[0].copy_(torch.randn_like(cache.values[0], dtype=torch.float32))
+    cache = random_cache(dtype, block_size, kv_heads, d)
     request = Request("r", list(range(end + 40)), SamplingParams(), 0, 0, end + 41)
     decode = Request("d", list(range(50)), SamplingParams(), 0, 0, 51)
     layouts = [ChunkLayout(0, ScheduledChunk.of(decode, 49, 1, block_size), [20, 21, 22, 23]),
@@ -306,7 +309,6 @@ def test_a_longer_chunk_within_the_measured_context_is_attended_as_decodes(dtype
     here once per shape) and gives what the reference's masked chunk gives; one ending past it keeps the prefill
     path."""
     from engine.attention_backends import ROWS_CONTEXTS, CpuBackend, IntPacker, ReferenceBackend, rows_context
-    from engine.kv_cache import KVCache
     from engine.model_runner import cache_slots
     from engine.request import Request
 
@@ -314,10 +316,7 @@ def test_a_longer_chunk_within_the_measured_context_is_attended_as_decodes(dtype
     start, tokens = 37, 90
     end = start + tokens
     blocks = [40, 41, 3, 4, 30, 31, 32, 33, 12]
-    torch.manual_seed(0)
-    cache = KVCache(1, 48, block_size, kv_heads, d, dtype, torch.device("cpu"))
-    cache.keys[0].copy_(torch.randn_like(cache.keys[0], dtype=torch.float32))
-    cache.values[0].copy_(torch.randn_like(cache.values[0], dtype=torch.float32))
+    cache = random_cache(dtype, block_size, kv_heads, d)
     request = Request("r", list(range(end + 10)), SamplingParams(), 0, 0, end + 11)
     layouts = [ChunkLayout(0, ScheduledChunk.of(request, start, tokens, block_size), blocks[: -(-end // block_size)])]
     slots = torch.tensor(cache_slots(blocks, start, end, block_size))
@@ -368,10 +367,7 @@ def test_the_chunk_kernel_attends_a_causal_chunk_as_the_reference_masks_it(monke
     block_size, heads, kv_heads, d = 16, 6, 2, 32
     blocks = [40, 2, 38, 4, 36, 6, 34, 8, 32, 10]
     end = start + tokens
-    torch.manual_seed(0)
-    cache = KVCache(1, 48, block_size, kv_heads, d, dtype, torch.device("cpu"))
-    cache.keys[0].copy_(torch.randn_like(cache.keys[0], dtype=torch.float32))
-    cache.values[0].copy_(torch.randn_like(cache.values[0], dtype=torch.float32))
+    cache = random_cache(dtype, block_size, kv_heads, d)
     request = Request("r", list(range(end + 5)), SamplingParams(), 0, 0, end + 6)
     layout = ChunkLayout(0, ScheduledChunk.of(request, start, tokens, block_size), blocks[: -(-end // block_size)])
     slots = torch.tensor(cache_slots(blocks, start, end, block_size))
