@@ -40,6 +40,9 @@ device value back to the host.
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,8 +50,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from engine.cpu import build
 from engine.cpu.ops import chunk_attention, paged_decode_attention
 from engine.kv_cache import KVCache, dequantize_kv
+
+log = logging.getLogger(__name__)
 
 # An int8 cache's key and value scales of one layer ([slots, kv_heads] float32 each); None: a cache of the model's
 # dtype.
@@ -57,6 +63,10 @@ Scales = tuple[torch.Tensor, torch.Tensor] | None
 ATTN_IMPLEMENTATION = "vlmcap_paged"
 # A prefix cached in more runs of consecutive blocks than this is gathered instead (one attention call a run).
 MAX_PREFIX_RUNS = 8
+# The chunk `chunk_kernel_wins` times: its queries and the position it ends at.
+CHECK_CHUNK, CHECK_END = 128, 1024
+# Bytes written before each call `cold_seconds` times (more than the CPU's caches hold).
+COLD_BYTES = 64 << 20
 
 
 @dataclass
@@ -166,27 +176,81 @@ def cpu_attention(
     scaling: float | None, out: torch.Tensor | None = None, scales: Scales = None,
 ) -> torch.Tensor:
     """As `reference_attention`, reading the cache in place: each decode group (its `context_lens`) through the
-    CPU's decode kernel, straight from q into out; each causal chunk by the CPU's chunk kernel where it takes it (a
-    cache of q's dtype or int8, a head size of its vectors), else, with `prefix_runs`, by `_prefill_in_place` (the
-    others, and every chunk of a sliding-window layer, gathered)."""
+    CPU's decode kernel, straight from q into out; each prefill chunk by `cpu_prefill`."""
     out = _output(q, out)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     for group in batch.decodes:
         paged_decode_attention(q, group.query_index, key_cache, value_cache, group.block_tables, group.context_lens,
                                batch.kv_cache.block_size, scale, window, out, scales)
     for span in batch.prefills:
-        n = span.query_end - span.query_start
-        if span.own_mask is None and chunk_attention(q, span.query_start, n, span.context_len - n, key_cache,
-                                                     value_cache, span.block_table, batch.kv_cache.block_size, scale,
-                                                     window, out, scales):
-            continue
-        if span.prefix_runs is not None and window is None and batch.kv_cache.model_dtype == q.dtype:
-            out[span.query_start : span.query_end] = _prefill_in_place(q, key_cache, value_cache, span, scaling,
-                                                                       scales)
-        else:
-            out[span.query_start : span.query_end] = _gathered_prefill(q, key_cache, value_cache, batch, span,
-                                                                       window, scaling, scales)
+        cpu_prefill(q, key_cache, value_cache, span, batch.kv_cache.block_size, window, scaling, out, scales, batch)
     return out
+
+
+def cpu_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, span: PrefillSpan,
+                block_size: int, window: int | None, scaling: float | None, out: torch.Tensor, scales: Scales = None,
+                batch: AttentionBatch | None = None) -> None:
+    """One causal chunk of the CPU path into its rows of out: by the chunk kernel where it takes the chunk (a cache of
+    q's dtype or int8, a head size of its vectors) and was the faster here (`chunk_kernel_wins`), else, with
+    `prefix_runs` (and a cache of the model's dtype, or int8: `batch` says), by `_prefill_in_place`, else gathered
+    (which needs `batch`)."""
+    n = span.query_end - span.query_start
+    heads, _, d = q.shape
+    scale = scaling if scaling is not None else d ** -0.5
+    if (span.own_mask is None and chunk_kernel_wins(build.variant(), q.dtype, heads, key_cache.shape[1], d, block_size)
+            and chunk_attention(q, span.query_start, n, span.context_len - n, key_cache, value_cache,
+                                span.block_table, block_size, scale, window, out, scales)):
+        return
+    rows = slice(span.query_start, span.query_end)
+    if span.prefix_runs is not None and window is None and (batch is None or batch.kv_cache.model_dtype == q.dtype):
+        out[rows] = _prefill_in_place(q, key_cache, value_cache, span, scaling, scales)
+    else:
+        assert batch is not None, "a gathered chunk needs its batch"
+        out[rows] = _gathered_prefill(q, key_cache, value_cache, batch, span, window, scaling, scales)
+
+
+def cold_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
+    """The median of `repeats` timed calls of `fn` (after one untimed), each after `COLD_BYTES` are written, so
+    that it reads its inputs from memory as a step's layer does (the other layers' weights and keys in between),
+    not from the CPU's caches."""
+    flush = torch.zeros(COLD_BYTES // 4)
+    fn()
+    times = []
+    for _ in range(repeats):
+        flush.add_(1.0)
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return sorted(times)[len(times) // 2]
+
+
+@functools.cache
+@torch.inference_mode()
+def chunk_kernel_wins(variant: str | None, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                      block_size: int) -> bool:
+    """Whether the chunk kernel of CPU kernel build `variant` (engine/cpu/build.py) takes a chunk of these shapes
+    and attended `CHECK_CHUNK` queries ending at `CHECK_END` positions faster than torch's flash kernel by pieces
+    (`_prefill_in_place`, one run of prefix), here, on a cache read from memory (`cold_seconds`). Timed once per
+    build and shape, with the caller's threads (the step thread's, at the first chunk), and logged: where the build's
+    vectors are narrow, torch's own kernels can be the faster."""
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(CHECK_END + block_size, kv_heads, head_dim, generator=generator).to(dtype)
+                    for _ in range(2))
+    q = torch.randn(heads, CHECK_CHUNK, head_dim, generator=generator).to(dtype)
+    out = torch.empty(CHECK_CHUNK, heads, head_dim, dtype=dtype)
+    start, scale = CHECK_END - CHECK_CHUNK, head_dim ** -0.5
+    table = torch.arange(-(-CHECK_END // block_size))
+    span = PrefillSpan(0, CHECK_CHUNK, table, CHECK_END, None, prefix_runs=[(0, start)],
+                       own_slots=torch.arange(start, CHECK_END))
+    if not chunk_attention(q, 0, CHECK_CHUNK, start, keys, values, table, block_size, scale, None, out):
+        return False
+    kernel = cold_seconds(lambda: chunk_attention(q, 0, CHECK_CHUNK, start, keys, values, table, block_size, scale,
+                                                  None, out))
+    pieces = cold_seconds(lambda: _prefill_in_place(q, keys, values, span, scale))
+    log.info("prefill attention (%d queries at %d positions, %d heads over %d KV heads of %d, %s, %s build): the CPU "
+             "kernel %.2f ms, torch's flash kernel by pieces %.2f ms: %s", CHECK_CHUNK, CHECK_END, heads, kv_heads,
+             head_dim, dtype, variant, kernel * 1e3, pieces * 1e3, "the kernel" if kernel < pieces else "torch's")
+    return kernel < pieces
 
 
 def triton_attention(

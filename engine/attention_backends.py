@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -59,9 +58,6 @@ DECODE_ROWS_CHUNK = 32
 # these; against torch's flash kernel up to 512-1,536). The contexts measured, and the chunk.
 ROWS_CONTEXTS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 ROWS_CHUNK = 128
-# Each timed call of that measurement comes after this many bytes are written, so that it reads the cache from memory
-# as a step's layer does (the other layers' weights and keys in between), not from the CPU's caches.
-COLD_BYTES = 64 << 20
 # A decode batch's padded keys may be at most this many times its real ones (see `decode_batches`).
 PADDED_KEYS_LIMIT = 1.5
 
@@ -342,25 +338,13 @@ class CpuBackend(ReferenceBackend):
 @torch.inference_mode()
 def rows_context(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int) -> int:
     """The longest of `ROWS_CONTEXTS` at whose end a chunk of `ROWS_CHUNK` queries took no longer attended as decodes
-    (the CPU's decode kernel, each query over its context) than by the prefill path (the chunk kernel where it takes
-    the chunk, else the pieces of its own keys and one run of prefix, engine/attention.py), here, on a cache of
-    these shapes read from memory (`COLD_BYTES`), and at each shorter one too; 0 where the decodes lost at the
+    (the CPU's decode kernel, each query over its context) than by the prefill path (`cpu_prefill`: the chunk kernel
+    where it takes the chunk and wins here, else the pieces of its own keys and one run of prefix), here, on a cache
+    of these shapes read from memory (`cold_seconds`), and at each shorter one too; 0 where the decodes lost at the
     first. Measured once per shape (under a second), with the threads of the caller (the step thread's, at the
     first long chunk)."""
-    from engine.attention import PrefillSpan, _prefill_in_place
-    from engine.cpu.ops import chunk_attention, paged_decode_attention
-
-    flush = torch.zeros(COLD_BYTES // 4)
-
-    def cold_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            flush.add_(1.0)
-            began = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - began)
-        return sorted(times)[len(times) // 2]
+    from engine.attention import PrefillSpan, cold_seconds, cpu_prefill
+    from engine.cpu.ops import paged_decode_attention
 
     generator = torch.Generator().manual_seed(0)
     longest = ROWS_CONTEXTS[-1]
@@ -379,9 +363,7 @@ def rows_context(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, b
                            own_slots=torch.arange(start, end))
         as_rows = cold_seconds(lambda t=tables, n=lengths: paged_decode_attention(
             q, query_index, keys, values, t, n, block_size, scale, None, out))
-        pieces = cold_seconds(lambda s=span, t=tables: chunk_attention(
-            q, 0, ROWS_CHUNK, s.context_len - ROWS_CHUNK, keys, values, t[0], block_size, scale, None, out)
-            or _prefill_in_place(q, keys, values, s, scale))
+        pieces = cold_seconds(lambda s=span: cpu_prefill(q, keys, values, s, block_size, None, scale, out))
         if as_rows > pieces:
             break
         won = end

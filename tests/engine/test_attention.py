@@ -393,6 +393,44 @@ def test_the_chunk_kernel_attends_a_causal_chunk_as_the_reference_masks_it(monke
 
 
 @CPU_ONLY
+def test_a_chunk_goes_to_the_chunk_kernel_only_where_it_won_here(monkeypatch):
+    """`cpu_prefill` takes the chunk kernel where `chunk_kernel_wins` found it the faster on this machine (timed once
+    per build and shape), torch's flash kernel by pieces where not: the same attention either way."""
+    import engine.attention as attention
+    from engine.attention_backends import CpuBackend, IntPacker
+    from engine.cpu import build
+    from engine.model_runner import cache_slots
+    from engine.request import Request
+
+    block_size, heads, kv_heads, d = 16, 6, 2, 32
+    start, tokens, blocks = 37, 60, [9, 10, 3, 4, 30, 31, 32]
+    cache = random_cache(torch.float32, block_size, kv_heads, d)
+    request = Request("r", list(range(start + tokens + 1)), SamplingParams(), 0, 0, start + tokens + 2)
+    layout = ChunkLayout(0, ScheduledChunk.of(request, start, tokens, block_size), blocks)
+    backend = CpuBackend(cache, block_size, torch.device("cpu"), None, heads)
+    backend.rows_context = 0
+    packer = IntPacker()
+    reserved = backend.reserve([layout], tokens, packer)
+    batch = backend.build(reserved, torch.tensor(packer.values),
+                          torch.tensor(cache_slots(blocks, start, start + tokens, block_size)))
+    q = torch.randn(heads, tokens, d)
+    kernel_calls: list[int] = []
+    real_kernel = attention.chunk_attention
+    monkeypatch.setattr(attention, "chunk_attention", lambda *a, **k: kernel_calls.append(1) or real_kernel(*a, **k))
+    results = []
+    for wins in (True, False):
+        monkeypatch.setattr(attention, "chunk_kernel_wins", lambda *shape, wins=wins: wins)
+        kernel_calls.clear()
+        results.append(batch.attend(q, cache.keys[0], cache.values[0], batch, None, 0.3))
+        assert bool(kernel_calls) == wins
+    torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
+    monkeypatch.undo()
+    measured = attention.chunk_kernel_wins(build.variant(), torch.float32, heads, kv_heads, d, block_size)
+    assert isinstance(measured, bool)
+    assert attention.chunk_kernel_wins(build.variant(), torch.float32, heads, kv_heads, d, block_size) is measured
+
+
+@CPU_ONLY
 def test_the_backend_is_chosen_once_and_every_step_s_batch_runs_its_path(make_engine, monkeypatch):
     """`auto` on this CPU (with a compiler) takes the cpu backend; the runner holds that one backend, and the
     batch a step builds carries its path (`attend`), which is what every layer calls."""
