@@ -224,6 +224,23 @@ def cold_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def timing_chunk(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int, queries: int,
+                 end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PrefillSpan]:
+    """What the start-up timings of the CPU path run (`chunk_kernel_wins`, engine/attention_backends.py's
+    `rows_context`): random queries [heads, queries, d] of a chunk ending at position `end`, a cache of `end`
+    positions in consecutive blocks (keys, values [slots, kv_heads, d]), an output [queries, heads, d], and the
+    chunk's span (its block table; its prefix as one run)."""
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(end + block_size, kv_heads, head_dim, generator=generator).to(dtype)
+                    for _ in range(2))
+    q = torch.randn(heads, queries, head_dim, generator=generator).to(dtype)
+    out = torch.empty(queries, heads, head_dim, dtype=dtype)
+    start = end - queries
+    span = PrefillSpan(0, queries, torch.arange(-(-end // block_size)), end, None, prefix_runs=[(0, start)],
+                       own_slots=torch.arange(start, end))
+    return q, keys, values, out, span
+
+
 @functools.cache
 @torch.inference_mode()
 def chunk_kernel_wins(variant: str | None, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
@@ -233,15 +250,8 @@ def chunk_kernel_wins(variant: str | None, dtype: torch.dtype, heads: int, kv_he
     (`_prefill_in_place`, one run of prefix), here, on a cache read from memory (`cold_seconds`). Timed once per
     build and shape, with the caller's threads (the step thread's, at the first chunk), and logged: where the build's
     vectors are narrow, torch's own kernels can be the faster."""
-    generator = torch.Generator().manual_seed(0)
-    keys, values = (torch.randn(CHECK_END + block_size, kv_heads, head_dim, generator=generator).to(dtype)
-                    for _ in range(2))
-    q = torch.randn(heads, CHECK_CHUNK, head_dim, generator=generator).to(dtype)
-    out = torch.empty(CHECK_CHUNK, heads, head_dim, dtype=dtype)
-    start, scale = CHECK_END - CHECK_CHUNK, head_dim ** -0.5
-    table = torch.arange(-(-CHECK_END // block_size))
-    span = PrefillSpan(0, CHECK_CHUNK, table, CHECK_END, None, prefix_runs=[(0, start)],
-                       own_slots=torch.arange(start, CHECK_END))
+    q, keys, values, out, span = timing_chunk(dtype, heads, kv_heads, head_dim, block_size, CHECK_CHUNK, CHECK_END)
+    start, scale, table = CHECK_END - CHECK_CHUNK, head_dim ** -0.5, span.block_table
     if not chunk_attention(q, 0, CHECK_CHUNK, start, keys, values, table, block_size, scale, None, out):
         return False
     kernel = cold_seconds(lambda: chunk_attention(q, 0, CHECK_CHUNK, start, keys, values, table, block_size, scale,

@@ -343,28 +343,23 @@ def rows_context(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, b
     of these shapes read from memory (`cold_seconds`), and at each shorter one too; 0 where the decodes lost at the
     first. Measured once per shape (under a second), with the threads of the caller (the step thread's, at the
     first long chunk)."""
-    from engine.attention import PrefillSpan, cold_seconds, cpu_prefill
+    from engine.attention import cold_seconds, cpu_prefill, timing_chunk
     from engine.cpu.ops import paged_decode_attention
 
-    generator = torch.Generator().manual_seed(0)
-    longest = ROWS_CONTEXTS[-1]
-    keys, values = (torch.randn(longest + block_size, kv_heads, head_dim, generator=generator).to(dtype)
-                    for _ in range(2))
-    q = torch.randn(heads, ROWS_CHUNK, head_dim, generator=generator).to(dtype)
-    out = torch.empty(ROWS_CHUNK, heads, head_dim, dtype=dtype)
     query_index = torch.arange(ROWS_CHUNK)
     scale = head_dim ** -0.5
+
+    def decodes_win(end: int) -> bool:
+        q, keys, values, out, span = timing_chunk(dtype, heads, kv_heads, head_dim, block_size, ROWS_CHUNK, end)
+        tables = span.block_table.expand(ROWS_CHUNK, -1).contiguous()
+        lengths = torch.arange(end - ROWS_CHUNK + 1, end + 1)
+        as_rows = cold_seconds(lambda: paged_decode_attention(q, query_index, keys, values, tables, lengths,
+                                                              block_size, scale, None, out))
+        return as_rows <= cold_seconds(lambda: cpu_prefill(q, keys, values, span, block_size, None, scale, out))
+
     won = 0
     for end in ROWS_CONTEXTS:
-        start = end - ROWS_CHUNK
-        tables = torch.arange(-(-end // block_size)).expand(ROWS_CHUNK, -1).contiguous()
-        lengths = torch.arange(start + 1, end + 1)
-        span = PrefillSpan(0, ROWS_CHUNK, tables[0], end, None, prefix_runs=[(0, start)],
-                           own_slots=torch.arange(start, end))
-        as_rows = cold_seconds(lambda t=tables, n=lengths: paged_decode_attention(
-            q, query_index, keys, values, t, n, block_size, scale, None, out))
-        pieces = cold_seconds(lambda s=span: cpu_prefill(q, keys, values, s, block_size, None, scale, out))
-        if as_rows > pieces:
+        if not decodes_win(end):
             break
         won = end
     log.info("CPU attention: chunks of over %d tokens are attended as decodes while they end within %d positions "
