@@ -7,7 +7,8 @@
  * L1 cache; RX is six with AVX-512's 32 registers, two with AVX2's 16), 4 RX float32 sums kept in named vector
  * registers: each weight is loaded once per RX rows of x, each chunk of x once per four weight rows. The
  * reduction runs along k, so every sum is a vector that is reduced once, at the end of the row. With a few rows of x the loop does enough arithmetic per byte that the loads of
- * the weights no longer run ahead of it by themselves: each block prefetches the next block's weight rows.
+ * the weights no longer run ahead of it by themselves: each block prefetches the weight rows of a block some
+ * 32 KB further on (`blocks_ahead`), into the L2 cache.
  * Many rows of x (GEMM_ROWS or more: a prefill chunk, a vision tile) are arithmetic, not reading: they go by tiles
  * of packed panels instead (`gemm`, below).
  * What the build targets decides the inner loop (engine/cpu/ compiles one library per instruction set
@@ -750,34 +751,35 @@ int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int
         xf = converted;
     }
     uint64_t shares[num_threads];
+    const int64_t ahead = blocks_ahead(k * item);
 #pragma omp parallel num_threads(num_threads) if (m * n * k >= 65536)
     for (int64_t i0 = 0; i0 < m; i0 += MC) {
         const int64_t chunk = MIN(MC, m - i0), per_block = rows_per_block(chunk, RX);
-        int64_t rows_of[(NB + 1) * RW];  /* a task's (take_task) */
+        int64_t rows_of[(NB + MAX_AHEAD) * RW];  /* a task's (take_task) */
         deal_team(shares, tasks);
-        for (task_blocks t; take_task(shares, block0, blocks, glu_mode, n, out_cols, rows_of, &t);) {
+        for (task_blocks t; take_task(shares, block0, blocks, glu_mode, n, out_cols, ahead, rows_of, &t);) {
             float sums[MC * NB * RW];
             memset(sums, 0, sizeof(float) * (size_t)(chunk * NB * RW));
             for (int64_t b = 0; b < t.count; b++) {
                 const void *wr[RW], *wn[RW];
                 for (int c = 0; c < RW; c++) {
                     wr[c] = (const char *)w + rows_of[b * RW + c] * w_stride * item;
-                    wn[c] = (const char *)w + rows_of[(b + 1) * RW + c] * w_stride * item;
+                    wn[c] = (const char *)w + rows_of[(b + ahead) * RW + c] * w_stride * item;
                 }
                 for (int64_t i = i0; i < i0 + chunk; i += per_block) {
                     const int rows = (int)MIN(per_block, i0 + chunk - i);
-                    const void *const *ahead = i == i0 ? wn : wr;  /* later passes find the block in the cache */
+                    const void *const *next = i == i0 ? wn : wr;  /* later passes find the block in the cache */
                     float *out = sums + (i - i0) * NB * RW + b * RW;
 #ifdef __AVX512BF16__
                     if (dot) {
-                        DP_FNS[rows - 1]((const uint16_t *)x + i * k, k, wr, ahead, out, NB * RW);
+                        DP_FNS[rows - 1]((const uint16_t *)x + i * k, k, wr, next, out, NB * RW);
                         continue;
                     }
 #endif
 #ifdef VW
-                    BLOCK_FNS[w_dtype][rows - 1](xf + i * k, k, wr, ahead, out, NB * RW);
+                    BLOCK_FNS[w_dtype][rows - 1](xf + i * k, k, wr, next, out, NB * RW);
 #else
-                    (void)ahead;
+                    (void)next;
                     tail(xf + i * k, k, 0, wr, w_dtype, rows, out, NB * RW);
 #endif
                 }

@@ -23,9 +23,25 @@ static inline int team_index(void) { return 0; }
 #define RW 4   /* weight rows per block */
 #define NB 8   /* blocks per task: 32 output columns (16 in glu mode), finished together */
 
-/* The cache line `offset` bytes into each of a block's weight rows, fetched ahead of its use. */
+/* The cache line `offset` bytes into each of a block's weight rows, fetched ahead of its use into the L2 cache
+ * (prefetcht1), not the L1: a block's few rows of x keep the L1 busy, and into the L1 the lines in flight are
+ * bounded by its few miss buffers, so the reading stalled on them (8 rows of x against a 49280 x 576 weight, 2
+ * threads, Zen 4: 3.1 ms into the L1 a block ahead, 1.7 ms into the L2 `blocks_ahead` blocks ahead). */
 static inline __attribute__((always_inline)) void prefetch_rows(const void *const rows[RW], int64_t offset) {
-    for (int r = 0; r < RW; r++) __builtin_prefetch((const char *)rows[r] + offset, 0, 3);
+    for (int r = 0; r < RW; r++) __builtin_prefetch((const char *)rows[r] + offset, 0, 2);
+}
+
+#ifndef AHEAD_BYTES
+#define AHEAD_BYTES 32768  /* how far ahead of its use a block of weight rows is fetched, in bytes of weights */
+#endif
+#define MAX_AHEAD 8  /* blocks */
+
+/* The blocks between a block and the one its reading prefetches (`prefetch_rows`): AHEAD_BYTES of weights
+ * (`row_bytes` a row), at least the next block. Far enough ahead that a line arrives before its block starts
+ * whatever the block's length (a 576-wide row of bfloat16 is 1,152 bytes, a block of them 72 cache lines). */
+static inline int64_t blocks_ahead(int64_t row_bytes) {
+    const int64_t ahead = (AHEAD_BYTES + RW * row_bytes - 1) / (RW * row_bytes);
+    return ahead < 1 ? 1 : ahead > MAX_AHEAD ? MAX_AHEAD : ahead;
 }
 
 enum { GLU_SILU = 1, GLU_GELU = 2 }; /* `glu_mode`: which act, or 0 (no glu) */
@@ -57,17 +73,18 @@ typedef struct {
 } task_blocks;
 
 /* The calling thread's next task (`next_task`) of the blocks from block0 on (`blocks` in all) into *t, and the
- * weight rows of its blocks, and of the block after them (to prefetch), into rows_of; 0 when none is left. */
+ * weight rows of its blocks, and of the `ahead` blocks after them (to prefetch: block b's reading prefetches
+ * block b + ahead's rows), into rows_of; 0 when none is left. */
 static inline __attribute__((always_inline)) int take_task(uint64_t *shares, int64_t block0, int64_t blocks,
-                                                           int glu_mode, int64_t n, int64_t out_cols,
-                                                           int64_t rows_of[(NB + 1) * RW], task_blocks *t) {
+                                                           int glu_mode, int64_t n, int64_t out_cols, int64_t ahead,
+                                                           int64_t rows_of[(NB + MAX_AHEAD) * RW], task_blocks *t) {
     const int64_t task = next_task(shares);
     if (task < 0) return 0;
     const int64_t first_block = block0 + task * NB;
     t->count = MIN(NB, blocks - first_block);
     t->first_col = glu_mode ? 2 * first_block : RW * first_block;
     t->cols = MIN(glu_mode ? 2 * t->count : RW * t->count, out_cols - t->first_col);
-    for (int64_t b = 0; b <= t->count; b++) block_rows(first_block + b, glu_mode, n, out_cols, rows_of + b * RW);
+    for (int64_t b = 0; b < t->count + ahead; b++) block_rows(first_block + b, glu_mode, n, out_cols, rows_of + b * RW);
     return 1;
 }
 

@@ -334,6 +334,7 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
     float *xs = (float *)(xq + x_bytes);
     int failed = 0;
     const int64_t tasks = (blocks - block0 + NB - 1) / NB;
+    const int64_t ahead = blocks_ahead(k);  /* a row is k bytes */
     /* rows of x per pass over the weights: as many as keep a pass's x in the L2 cache (X_BYTES), at most MCI */
     const int64_t chunk_rows = MIN(MCI, MAX(RX, X_BYTES / kp / RX * RX));
     uint64_t shares[num_threads];
@@ -360,11 +361,11 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
         if (tasks > 0 && !__atomic_load_n(&failed, __ATOMIC_RELAXED))
             for (int64_t i0 = 0; i0 < m; i0 += chunk_rows) {
                 const int64_t chunk = MIN(chunk_rows, m - i0), per_block = rows_per_block(chunk, RX);
-                int64_t rows_of[(NB + 1) * RW];  /* a task's (take_task) */
+                int64_t rows_of[(NB + MAX_AHEAD) * RW];  /* a task's (take_task) */
                 deal_team(shares, tasks);
-                for (task_blocks t; take_task(shares, block0, blocks, glu_mode, n, out_cols, rows_of, &t);) {
-                    const int8_t *wr[NB + 1][RW];
-                    for (int64_t b = 0; b <= t.count; b++)
+                for (task_blocks t; take_task(shares, block0, blocks, glu_mode, n, out_cols, ahead, rows_of, &t);) {
+                    const int8_t *wr[NB + MAX_AHEAD][RW];
+                    for (int64_t b = 0; b < t.count + ahead; b++)
                         for (int c = 0; c < RW; c++) wr[b][c] = w + rows_of[b * RW + c] * w_stride;
                     float scale_of[NB * RW];
                     int32_t offset_of[NB * RW];
@@ -373,13 +374,13 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
                     for (int64_t b = 0; b < t.count; b++)
                         for (int64_t i = i0; i < i0 + chunk; i += per_block) {
                             const int rows = (int)MIN(per_block, i0 + chunk - i);
-                            /* later rows find the block in the cache: its first pass prefetches the next */
-                            const void *const *ahead = (const void *const *)(i == i0 ? wr[b + 1] : wr[b]);
+                            /* later rows find the block in the cache: its first pass prefetches one ahead */
+                            const void *const *next = (const void *const *)(i == i0 ? wr[b + ahead] : wr[b]);
                             int32_t *out = sums + (i - i0) * NB * RW + b * RW;
 #ifdef DOT
-                            BLOCK_FNS[rows - 1](xq + i * kp, kp, k, wr[b], ahead, out, NB * RW);
+                            BLOCK_FNS[rows - 1](xq + i * kp, kp, k, wr[b], next, out, NB * RW);
 #else
-                            (void)ahead;
+                            (void)next;
                             block_plain(xq + i * kp, kp, k, wr[b], rows, out, NB * RW);
 #endif
                         }
