@@ -68,13 +68,15 @@ def cache_code(key_cache: torch.Tensor, value_cache: torch.Tensor,
 def paged_decode_attention(
     q: torch.Tensor, query_index: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float, window: int | None,
-    out: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None, products: str | None = None,
 ) -> None:
     """Sequence i's query is q[:, query_index[i]] ([heads, tokens, d], any strides); it attends to its first
     `context_lens[i]` positions (the last `window` of them in a sliding-window layer), which lie in the cache
     blocks `block_tables[i]` of the [slots, kv_heads, d] caches, and its output goes to out[query_index[i]]
     ([tokens, heads, d], contiguous, q's dtype). Integer tensors are int64 and contiguous. An int8 cache comes
-    with its key and value `scales` and is read back in q's dtype (engine/kv_cache.py's `dequantize_kv`)."""
+    with its key and value `scales` and is read back in q's dtype (engine/kv_cache.py's `dequantize_kv`).
+    bfloat16 queries over a bfloat16 cache are scored by the products `products` names (None:
+    tuning.bf16_products, as the Linear kernel's)."""
     lib = build.lib()
     if q.dtype not in DTYPE_CODES:
         raise ValueError(f"the CPU decode kernel takes float32, bfloat16 or float16 queries, got {q.dtype}")
@@ -90,7 +92,7 @@ def paged_decode_attention(
         q.data_ptr(), DTYPE_CODES[q.dtype], q.stride(0), q.stride(1), query_index.data_ptr(), key_cache.data_ptr(),
         value_cache.data_ptr(), key_scales, value_scales, code, block_tables.data_ptr(), context_lens.data_ptr(),
         query_index.shape[0], kv_heads, heads // kv_heads, d, block_size, block_tables.shape[1], float(scale),
-        int(window or 0), out.data_ptr(), torch.get_num_threads(),
+        int(window or 0), out.data_ptr(), products_mode(lib, products), torch.get_num_threads(),
     )
     if failed:
         raise ValueError(f"paged decode attention refused its inputs (code {failed}): context lengths "

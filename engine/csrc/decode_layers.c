@@ -39,7 +39,7 @@ int decode_layers(const decode_step *s, const lean_layer *layers, int64_t count)
                                             s->block_tables, s->context_lens,
                                             s->num_seqs, s->kv_heads, s->heads / s->kv_heads, s->head_dim,
                                             s->block_size, s->table_width, L->scaling, L->window, s->attended,
-                                            threads);
+                                            s->mode, threads);
         if (!failed)
             failed = linear(s->attended, dt, t, L->o.k, L->o.weight, L->o.dtype, L->o.stride, L->o.n, L->o.bias,
                             L->o.scale, L->o.row_sums, s->mode, s->o, threads);

@@ -72,7 +72,7 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
                            const float *key_scales, const float *value_scales, int dtype,
                            const int64_t *block_tables, const int64_t *context_lens, int64_t num_seqs,
                            int64_t kv_heads, int64_t groups, int64_t d, int64_t block_size, int64_t table_width,
-                           float scale, int64_t window, void *out, int num_threads);
+                           float scale, int64_t window, void *out, int mode, int num_threads);
 int full_attention(const void *q, const void *k, const void *v, int dtype, int64_t batch, int64_t heads, int64_t n,
                    int64_t d, int64_t batch_stride, int64_t head_stride, int64_t row_stride, float scale, void *out,
                    int mode, int num_threads);

@@ -197,8 +197,21 @@ static inline __attribute__((always_inline)) void attend_vec(
         int64_t i, int64_t h0, int64_t h1, const float *qi, const void *key_cache, const void *value_cache,
         const float *key_scales, const float *value_scales, int dtype, int io, const int64_t *block_tables,
         const int64_t *context_lens, int64_t kv_heads, int64_t groups, const int64_t d, int64_t block_size,
-        int64_t table_width, float scale, int64_t window, float *oi) {
+        int64_t table_width, float scale, int64_t window, const int dot, float *oi) {
     enum { MAXV = 256 / VW };
+#ifdef __AVX512BF16__
+    /* `dot` (bfloat16 queries and cache, d a multiple of 32): the keys are scored by vdpbf16ps straight from the
+     * cache, 32 products an instruction, against the queries as bfloat16 (exactly: they came from bfloat16), no
+     * widening; the products are exact in float32 either way, only their order of summing differs. */
+    __m512bh qb[dot ? (h1 - h0) * groups * (d / 32) : 1];
+    if (dot)
+        for (int64_t x = 0; x < (h1 - h0) * groups; x++)
+            for (int64_t v = 0; v < d / 32; v++)
+                qb[x * (d / 32) + v] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qi + x * d + v * 32 + 16),
+                                                           _mm512_loadu_ps(qi + x * d + v * 32));
+#else
+    (void)dot;
+#endif
     const int64_t n = context_lens[i];
     const int64_t first = (window > 0 && n > window) ? n - window : 0;
     const int64_t rows = (h1 - h0) * groups, width = kv_heads * d, vectors = d / VW;
@@ -235,6 +248,22 @@ static inline __attribute__((always_inline)) void attend_vec(
                             __builtin_prefetch(keys + at + 64 * line, 0, 2),
                                 __builtin_prefetch(values + at + 64 * line, 0, 2);
                     }
+#ifdef __AVX512BF16__
+                    if (dot) {
+                        __m512bh words[MAXV / 2];
+                        for (int64_t v = 0; v < d / 32; v++)
+                            words[v] = (__m512bh)_mm512_loadu_si512(keys + (row0 + r * width + v * 32) * 2);
+#pragma GCC unroll 3
+                        for (int g = 0; g < GMAX; g++) {
+                            if (g >= count) break;
+                            const __m512bh *qx = qb + (x0 + g) * (d / 32);
+                            vf sum[2] = {(vf){0}, (vf){0}};
+                            for (int64_t v = 0; v < d / 32; v++) sum[v % 2] = _mm512_dpbf16_ps(sum[v % 2], words[v], qx[v]);
+                            prod[g][r] = sum[0] + sum[1];
+                        }
+                        continue;
+                    }
+#endif
                     vf key[MAXV];
                     const float key_scale = dtype == I8 ? key_scales[(slot + r) * kv_heads + h] : 1.0f;
                     for (int64_t v = 0; v < vectors; v++)
@@ -309,8 +338,13 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
                            const float *key_scales, const float *value_scales, int dtype,
                            const int64_t *block_tables, const int64_t *context_lens, int64_t num_seqs,
                            int64_t kv_heads, int64_t groups, int64_t d, int64_t block_size, int64_t table_width,
-                           float scale, int64_t window, void *out, int num_threads) {
+                           float scale, int64_t window, void *out, int mode, int num_threads) {
     if (dtype == I8 && !(key_scales && value_scales)) return 3;
+#ifdef __AVX512BF16__
+    const int dot = dtype == BF16 && q_dtype == BF16 && !(mode & PRODUCTS_WIDEN) && d % 32 == 0;
+#else
+    (void)mode;
+#endif
     int64_t longest = 1;
     for (int64_t i = 0; i < num_seqs; i++) {
         if (context_lens[i] < 1 || context_lens[i] > table_width * block_size) return 1;
@@ -339,13 +373,25 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
                 load_floats(q, q_dtype, (h0 * groups + x) * q_head_stride + token * q_token_stride, d, qi + x * d);
             switch (d) {
 #ifdef VECTOR
-/* an I8 cache's loop compiled apart (dtype a constant there), so that neither pays the other's branches */
+/* an I8 cache's loop compiled apart (dtype a constant there), so that neither pays the other's branches; and
+ * likewise the dot products' (AVX-512 BF16 builds) */
+#ifdef __AVX512BF16__
+#define DOT_CASE(D) \
+    if ((D) % 32 == 0 && dot) { \
+        attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, BF16, BF16, block_tables, \
+                   context_lens, kv_heads, groups, D, block_size, table_width, scale, window, 1, oi); \
+        break; \
+    }
+#else
+#define DOT_CASE(D)
+#endif
 #define CASE(D) case D: \
+    DOT_CASE(D) \
     if (dtype == I8) attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, I8, q_dtype, \
                                 block_tables, context_lens, kv_heads, groups, D, block_size, table_width, scale, \
-                                window, oi); \
+                                window, 0, oi); \
     else attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, q_dtype, block_tables, \
-                    context_lens, kv_heads, groups, D, block_size, table_width, scale, window, oi); \
+                    context_lens, kv_heads, groups, D, block_size, table_width, scale, window, 0, oi); \
     break;
 #else
 #define CASE(D) case D: attend(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, q_dtype, \

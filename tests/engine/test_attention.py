@@ -109,6 +109,39 @@ def test_cpu_decode_kernel_refuses_a_context_beyond_its_block_table():
                                torch.tensor([40]), 16, 0.25, None, torch.empty(1, 4, 16))
 
 
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+@pytest.mark.parametrize("window", [None, 20])
+def test_the_decode_kernel_attends_as_softmax_over_the_gathered_cache(monkeypatch, dtype, d, window):
+    """The CPU's decode kernel, in each build this machine runs and by either bfloat16 products (bfloat16 queries
+    over a bfloat16 cache scored by vdpbf16ps where the build has it), gives softmax attention over the keys and
+    values gathered from each sequence's blocks: sequences of one position to several blocks (the last partly
+    filled), blocks scattered over the cache, three query heads to a KV head, a sliding window."""
+    from engine.cpu import build, ops
+
+    block_size, kv_heads, groups, lens = 16, 3, 3, [1, 17, 60, 100, 128]
+    cache = random_cache(dtype, block_size, kv_heads, d)
+    generator = torch.Generator().manual_seed(1)
+    tables = torch.randperm(48, generator=generator)[:40].view(5, 8).contiguous()
+    q = torch.randn(kv_heads * groups, len(lens), d, generator=generator).to(dtype)
+    expected = torch.empty(len(lens), kv_heads * groups, d)
+    for i, n in enumerate(lens):
+        positions = torch.arange(max(0, n - window) if window else 0, n)
+        slots = tables[i][positions // block_size] * block_size + positions % block_size
+        keys, values = (c[slots].float().repeat_interleave(groups, 1) for c in (cache.keys[0], cache.values[0]))
+        weights = (torch.einsum("hd,nhd->hn", q[:, i].float(), keys) * 0.125).softmax(-1)
+        expected[i] = torch.einsum("hn,nhd->hd", weights, values)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for name in build.runnable_variants():
+        monkeypatch.setattr(build, "variant", lambda name=name: name)
+        for products in ("dot", "widen"):
+            got = torch.full((len(lens), kv_heads * groups, d), float("nan"), dtype=dtype)
+            ops.paged_decode_attention(q, torch.arange(len(lens)), cache.keys[0], cache.values[0], tables,
+                                       torch.tensor(lens), block_size, 0.125, window, got, products=products)
+            torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance, msg=f"{name} {products}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 3, 16, 40])
 def test_the_linear_kernel_takes_inputs_of_any_rank(dtype, rows):
