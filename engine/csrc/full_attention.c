@@ -139,20 +139,38 @@ static void weighted_values(const float *p, int64_t rows, int64_t n, int64_t n_p
 }
 
 #ifdef __AVX512BF16__
-/* weighted_values by vdpbf16ps: the rows of p (in place in s: their first n values rounded to bfloat16 and paired,
- * two keys' weights a word, a zero weight past n) against the values as words of two keys' values (vw:
- * [pairs][d]), the sums float32. */
+/* e^x of the softmax's shifted scores (x <= 0), 16 at a time, 0 where x is below -87 (a key the row does not see:
+ * -inf), where exp16 stops at e^-87. */
+static inline __m512 weight16(__m512 x) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), exp16(x));
+}
+
+/* softmax_rows for the dot products, in one pass after the maximum: each row's first n values exponentiated less
+ * the row's largest (float32, their sum in `total`), rounded to bfloat16 and paired in place, two keys' weights a
+ * word, a zero weight past n (each 32 weights read before their 16 words are written over them). */
+static void softmax_rows_dot(float *s, int64_t rows, int64_t n, int64_t n_pad, float *total) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = s + r * n_pad;
+        for (int64_t j = n; j < n_pad; j++) row[j] = -INFINITY;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < n_pad; j += FW) top = _mm512_max_ps(top, _mm512_loadu_ps(row + j));
+        const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n_pad; j += 2 * FW) {
+            const __m512 low = weight16(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
+            const __m512 high = weight16(_mm512_sub_ps(_mm512_loadu_ps(row + j + FW), shift));
+            sum = _mm512_add_ps(sum, _mm512_add_ps(low, high));
+            _mm512_storeu_si512((uint32_t *)row + j / 2, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+        }
+        total[r] = _mm512_reduce_add_ps(sum);
+    }
+}
+
+/* weighted_values by vdpbf16ps: the rows of p (in place in s, as softmax_rows_dot leaves them: words of two keys'
+ * weights in bfloat16) against the values as words of two keys' values (vw: [pairs][d]), the sums float32. */
 static void weighted_values_dot(float *p, int64_t rows, int64_t n, int64_t n_pad, const uint32_t *vw, int64_t d,
                                 const float *total, void *out, int dtype, int64_t out_offset, int64_t out_stride) {
     const int64_t pairs = (n + 1) / 2;
-    for (int64_t r = 0; r < rows; r++) {  /* each 32 weights read before their 16 words are written over them */
-        float *row = p + r * n_pad;
-        for (int64_t j = n; j < n_pad; j++) row[j] = 0.0f;
-        for (int64_t j = 0; j < n_pad; j += 2 * FW) {
-            const __m512 low = _mm512_loadu_ps(row + j), high = _mm512_loadu_ps(row + j + FW);
-            _mm512_storeu_si512((uint32_t *)row + j / 2, (__m512i)_mm512_cvtne2ps_pbh(high, low));
-        }
-    }
     float done[RO][256] __attribute__((aligned(64)));
     for (int64_t c = 0; c < d; c += 4 * FW) {
         const int span = (int)MIN(4, (d - c) / FW);
@@ -293,12 +311,13 @@ static void attend_rows(const void *q, int dtype, int64_t q_base, int64_t q_row_
             for (int64_t j = 0; j < from; j++) scored[j] = -INFINITY;
             for (int64_t j = to + 1; j < keys; j++) scored[j] = -INFINITY;
         }
-        softmax_rows(s, rows, keys, n_pad, b->total);
 #ifdef __AVX512BF16__
+        if (dot) softmax_rows_dot(s, rows, keys, n_pad, b->total);
         for (int64_t r0 = 0; dot && r0 < rows; r0 += RO)
             weighted_values_dot(s + r0 * n_pad, MIN(RO, rows - r0), keys, n_pad, (const uint32_t *)b->vrows, d,
                                 b->total + r0, out, dtype, out_base + (first + r0) * out_row_stride, out_row_stride);
 #endif
+        if (!dot) softmax_rows(s, rows, keys, n_pad, b->total);
         for (int64_t r0 = 0; !dot && r0 < rows; r0 += RO)
             weighted_values(s + r0 * n_pad, MIN(RO, rows - r0), keys, n_pad, b->vrows, d, b->total + r0, out, dtype,
                             out_base + (first + r0) * out_row_stride, out_row_stride);
