@@ -374,7 +374,7 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
                     for (int64_t b = 0; b < t.count; b++)
                         for (int64_t i = i0; i < i0 + chunk; i += per_block) {
                             const int rows = (int)MIN(per_block, i0 + chunk - i);
-                            /* later rows find the block in the cache: its first pass prefetches one ahead */
+                            /* later rows find the block in the cache: its first pass prefetches `ahead` on */
                             const void *const *next = (const void *const *)(i == i0 ? wr[b + ahead] : wr[b]);
                             int32_t *out = sums + (i - i0) * NB * RW + b * RW;
 #ifdef DOT

@@ -258,7 +258,8 @@ static inline __attribute__((always_inline)) void attend_vec(
                             if (g >= count) break;
                             const __m512bh *qx = qb + (x0 + g) * (d / 32);
                             vf sum[2] = {(vf){0}, (vf){0}};
-                            for (int64_t v = 0; v < d / 32; v++) sum[v % 2] = _mm512_dpbf16_ps(sum[v % 2], words[v], qx[v]);
+                            for (int64_t v = 0; v < d / 32; v++)
+                                sum[v % 2] = _mm512_dpbf16_ps(sum[v % 2], words[v], qx[v]);
                             prod[g][r] = sum[0] + sum[1];
                         }
                         continue;
