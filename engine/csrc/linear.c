@@ -396,7 +396,9 @@ void amx_configure(int cols) {
     for (int t = 0; t < 2; t++) config.rows[t] = 16, config.colsb[t] = (uint16_t)(4 * cols);
     for (int t = 2; t < 4; t++) config.rows[t] = 16, config.colsb[t] = 64;
     config.rows[4] = 16, config.colsb[4] = (uint16_t)(4 * cols);
-    _tile_loadconfig(&config);
+    /* ldtilecfg by hand: GCC 12 took `_tile_loadconfig(&config)` for a read of fewer bytes and dropped the
+     * stores of the tiles' shapes (the instruction then faulted); the "m" operand is the whole struct. */
+    __asm__ volatile("ldtilecfg %0" : : "m"(config));
 }
 
 /* bfloat16 of 16 floats (nearest even, as torch rounds), widened back. */

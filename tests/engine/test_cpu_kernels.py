@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -21,6 +24,52 @@ def test_every_build_compiles(name):
     """Builds this CPU cannot run are compiled too, so that an instruction set's code never rots unseen."""
     path = build.compile_variant(name)
     assert path is not None and path.exists(), f"the {name} build did not compile"
+
+
+def _stored_bytes(line: str, base: str) -> tuple[int, int] | None:
+    """(offset, size) of what a store `line` (objdump's AT&T syntax) writes at a displacement from register
+    `base`; None for any other instruction."""
+    match = re.search(r"\s(\w+)\s+(\S+),(-?0x[0-9a-f]+)?\(%" + base + r"\)$", line)
+    if match is None:
+        return None
+    mnemonic, source, displacement = match.groups()
+    if source.startswith("$"):  # an immediate: the suffix says how wide
+        size = {"b": 1, "w": 2, "l": 4, "q": 8}[mnemonic[-1]]
+    elif mnemonic in ("vmovd", "movd", "vmovq", "movq") and "mm" in source:
+        size = 4 if mnemonic.endswith("d") else 8
+    elif source[1:4] in ("zmm", "ymm", "xmm"):
+        size = {"z": 64, "y": 32, "x": 16}[source[1]]
+    elif re.fullmatch(r"%r\d+[dwb]?", source):  # %r8, %r8d, %r8w, %r8b
+        size = {"d": 4, "w": 2, "b": 1}.get(source[-1], 8)
+    else:  # %rax, %eax, %ax, %al, %dil
+        size = {"r": 8, "e": 4}.get(source[1], 1 if source.endswith("l") else 2)
+    return int(displacement or "0", 16), size
+
+
+def test_the_amx_build_loads_a_whole_tile_configuration():
+    """ldtilecfg reads 64 bytes (the palette, the tiles' rows and bytes a row); a compiler that takes the
+    instruction for a shorter read drops the stores of the tiles' shapes, and the instruction faults on every
+    AMX machine (GCC 12's `_tile_loadconfig` did). A machine without AMX cannot run the build, so its code is
+    read: every byte the instruction reads is stored before it in the same function."""
+    objdump = shutil.which("objdump")
+    assert objdump, "objdump (binutils, which the C compiler needs) is missing"
+    listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(build.compile_variant("amx_bf16"))],
+                             capture_output=True, text=True, check=True).stdout
+    functions = [f for f in listing.split("\n\n") if "ldtilecfg" in f]
+    assert functions, "no ldtilecfg in the AMX build"
+    for function in functions:
+        lines = function.splitlines()
+        at = next(i for i, line in enumerate(lines) if "ldtilecfg" in line)
+        operand = re.search(r"ldtilecfg\s+(-?0x[0-9a-f]+)?\(%(\w+)\)", lines[at])
+        assert operand, lines[at]
+        start, base = int(operand.group(1) or "0", 16), operand.group(2)
+        written: set[int] = set()
+        for line in lines[:at]:
+            store = _stored_bytes(line, base)
+            if store:
+                written.update(range(store[0], store[0] + store[1]))
+        missing = sorted(set(range(start, start + 64)) - written)
+        assert not missing, f"{lines[0]} loads tile configuration bytes it never stored: {missing}"
 
 
 def test_the_engine_uses_the_best_build_this_cpu_runs():

@@ -68,9 +68,9 @@ def test_an_engine_gives_back_its_start_up_copies(make_engine, caplog):
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallinfo2 is glibc's")
 def test_the_kernels_scratch_is_given_back_and_grows_again():
-    """A Linear of 512 rows x 12,288 (SmolVLM's connector at the row count start-up times it) packs x into a 25 MB
-    scratch buffer the kernels keep; `release_scratch` frees it, and the next call, given a fresh buffer, computes
-    the same."""
+    """A Linear of 512 rows x 12,288 (SmolVLM's connector at the row count start-up times it) packs x into a
+    scratch buffer the kernels keep (25 MB of float32 panels in the vector builds, 12.6 MB of bfloat16 pairs for
+    AMX tiles); `release_scratch` frees it, and the next call, given a fresh buffer, computes the same."""
     from engine.cpu import ops
 
     generator = torch.Generator().manual_seed(0)
@@ -79,5 +79,5 @@ def test_the_kernels_scratch_is_given_back_and_grows_again():
     first = ops.linear(x, weight)
     before = _in_use_bytes()
     ops.release_scratch()
-    assert before - _in_use_bytes() >= 512 * 12288 * 4
+    assert before - _in_use_bytes() >= 512 * 12288 * 2  # at least x in bfloat16
     assert torch.equal(ops.linear(x, weight), first)
