@@ -340,8 +340,16 @@ static void divide(float *v, const float *d, int64_t count) {
  * [gate j, gate j+1, up j, up j+1]. */
 void finish_row(float *sums, int64_t blocks, int glu_mode, const float *bias, const int64_t *rows_of,
                        int dtype, float *out) {
-    if (!glu_mode) {
-        for (int64_t c = 0; c < blocks * RW; c++) out[c] = sums[c] + (bias ? bias[rows_of[c]] : 0.0f);
+    if (!glu_mode) {  /* loops the compiler vectorises: `out` written as whole vectors, which the store reads */
+        const int64_t count = blocks * RW;
+        if (!bias) {
+            for (int64_t c = 0; c < count; c++) out[c] = sums[c];
+        } else if (rows_of[count - 1] == rows_of[0] + count - 1) {  /* consecutive columns: all but the last */
+            const float *b = bias + rows_of[0];
+            for (int64_t c = 0; c < count; c++) out[c] = sums[c] + b[c];
+        } else {
+            for (int64_t c = 0; c < count; c++) out[c] = sums[c] + bias[rows_of[c]];
+        }
         return;
     }
     float gate[2 * NB], up[2 * NB];
@@ -388,17 +396,22 @@ int amx_permitted(void) {
     return state == 1;
 }
 
-/* Tiles 0-1: sums (16 weight rows x `cols` rows of x, float32); 2-3: weight rows; 4: x^T pairs. */
-void amx_configure(int cols) {
+/* Tiles 0-7 configured (palette 1): tile t `rows[t]` rows of `colsb[t]` bytes (0: unused). */
+void amx_load_config(const uint8_t rows[8], const uint16_t colsb[8]) {
     tile_config config;
     memset(&config, 0, sizeof(config));
     config.palette = 1;
-    for (int t = 0; t < 2; t++) config.rows[t] = 16, config.colsb[t] = (uint16_t)(4 * cols);
-    for (int t = 2; t < 4; t++) config.rows[t] = 16, config.colsb[t] = 64;
-    config.rows[4] = 16, config.colsb[4] = (uint16_t)(4 * cols);
+    for (int t = 0; t < 8; t++) config.rows[t] = rows[t], config.colsb[t] = colsb[t];
     /* ldtilecfg by hand: GCC 12 took `_tile_loadconfig(&config)` for a read of fewer bytes and dropped the
      * stores of the tiles' shapes (the instruction then faulted); the "m" operand is the whole struct. */
     __asm__ volatile("ldtilecfg %0" : : "m"(config));
+}
+
+/* Tiles 0-1: sums (16 weight rows x `cols` rows of x, float32); 2-3: weight rows; 4: x^T pairs. */
+void amx_configure(int cols) {
+    const uint8_t rows[8] = {16, 16, 16, 16, 16};
+    const uint16_t colsb[8] = {(uint16_t)(4 * cols), (uint16_t)(4 * cols), 64, 64, (uint16_t)(4 * cols)};
+    amx_load_config(rows, colsb);
 }
 
 /* bfloat16 of 16 floats (nearest even, as torch rounds), widened back. */

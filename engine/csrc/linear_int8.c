@@ -16,9 +16,10 @@
  *     the offset's 128 * row_sums[c] taken off the sum at the end;
  *   - AVX-512BW without VNNI, AVX2: `vpmaddubsw` on |x| (unsigned) and the weights with x's sign (signed; pairs
  *     of products at most 2 * 127^2, never saturating 16 bits), `vpmaddwd` by ones into 32-bit sums;
- *   - AMX-INT8 (`tdpbssd`, 4 or more rows of x, k a multiple of 64): the product transposed, C^T = W x^T, as
- *     linear.c's bfloat16 tiles: two 16-row tiles of weights against x^T packed in quads of k; the columns past
- *     the last whole tile pair through the vector blocks;
+ *   - AMX-INT8 (`tdpbusd`, AMX_INT8_MIN_ROWS rows of x or more, k a multiple of 64): a task's 32 weight rows
+ *     packed once into the quads the tiles multiply by, then every 16 rows of x, as they lie, against them (two
+ *     tiles of sums, x's row by row: in the blocks' order after one permutation); the columns past the last whole
+ *     tile pair through the vector blocks;
  *   - anything else: plain C.
  */
 #include <math.h>
@@ -252,58 +253,97 @@ static void finish_sums(const int32_t *acc, const float *scale_of, const int32_t
 }
 
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
-#define AMX_INT8_MIN_ROWS 4  /* as the bfloat16 tiles' (not measured for int8: no AMX machine at hand) */
+#define AMX_INT8_MIN_ROWS 32  /* fewer rows go through the vector blocks, faster there (packing a task per call costs) */
 
-/* Row block `rb` of x (quantized, qx + OFFSET) packed as the tiles read x^T: [row blocks][k / 4][16 rows] words
- * of four signed bytes (rows past m: zeros). */
-static void amx_pack(const uint8_t *xq, int64_t m, int64_t kp, int64_t k, int64_t rb, uint32_t *packed) {
-    const int64_t quads = k / 4;
-    for (int64_t q = 0; q < quads; q++)
-        for (int64_t r = 0; r < AMX_ROWS; r++) {
-            const int64_t row = rb * AMX_ROWS + r;
-            uint32_t word = 0;
-            if (row < m) {
-                memcpy(&word, xq + row * kp + 4 * q, sizeof(word));
-                word ^= OFFSET ? 0x80808080u : 0u;
-            }
-            packed[(rb * quads + q) * AMX_ROWS + r] = word;
+/* Tiles 0-1: sums (`rows` rows of x x 16 weight rows, int32); 2-3: weight quads; 4: x's rows (64 bytes of k). */
+#if OFFSET
+#define AMX_DP _tile_dpbusd  /* x's bytes unsigned (qx + 128), the weights signed */
+#else
+#define AMX_DP _tile_dpbssd
+#endif
+
+static void amx_configure_rows(int rows) {
+    const uint8_t tile_rows[8] = {(uint8_t)rows, (uint8_t)rows, 16, 16, (uint8_t)rows};
+    const uint16_t colsb[8] = {64, 64, 64, 64, 64};
+    amx_load_config(tile_rows, colsb);
+}
+
+/* r[16] (16 rows of 16 words) transposed in place: four 4x4 transposes inside the 128-bit lanes, then the lanes. */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2)
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    __m512i s[4][4];  /* s[g][j], lane L: column 4L + j of rows 4g..4g+3 */
+    for (int g = 0; g < 4; g++) {
+        s[g][0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        s[g][1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        s[g][2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        s[g][3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i a = _mm512_shuffle_i32x4(s[0][j], s[1][j], 0x44), b = _mm512_shuffle_i32x4(s[0][j], s[1][j], 0xee);
+        const __m512i c = _mm512_shuffle_i32x4(s[2][j], s[3][j], 0x44), d = _mm512_shuffle_i32x4(s[2][j], s[3][j], 0xee);
+        r[j] = _mm512_shuffle_i32x4(a, c, 0x88), r[4 + j] = _mm512_shuffle_i32x4(a, c, 0xdd);
+        r[8 + j] = _mm512_shuffle_i32x4(b, d, 0x88), r[12 + j] = _mm512_shuffle_i32x4(b, d, 0xdd);
+    }
+}
+
+/* Weight rows [first, first + 16) and [second, second + 16) as the tiles' second operand: for each 64 bytes of k
+ * and each of the two, 16 rows of quads (row q: the 16 weight rows' bytes 4q..4q+3), [k / 64][2][16][16] words. */
+static void amx_pack_weights(const int8_t *w, int64_t w_stride, int64_t k, int64_t first, int64_t second,
+                             uint32_t *packed) {
+    for (int64_t step = 0; step < k / 64; step++)
+        for (int t = 0; t < 2; t++) {
+            const int8_t *rows = w + (t ? second : first) * w_stride + step * 64;
+            __m512i r[16];
+            for (int n = 0; n < 16; n++) r[n] = _mm512_loadu_si512(rows + n * w_stride);
+            transpose16(r);
+            for (int q = 0; q < 16; q++) _mm512_storeu_si512(packed + (step * 2 + t) * 256 + q * 16, r[q]);
         }
 }
 
-/* Task `task` through the tiles: weight rows [first, first + 16) and [second, second + 16) (32 columns, or 16
- * gate and their 16 up rows) against every row block of x, each row's sums finished as the blocks' are. */
-static void amx_task(const uint32_t *packed, int64_t m, int64_t k, const int8_t *w, int64_t w_stride, int64_t n,
-                     const float *scale, const float *xs, int glu_mode, int64_t task, const float *bias, void *y,
-                     int dtype, int64_t *configured) {
-    const int64_t out_cols = glu_mode ? n / 2 : n, quads = k / 4, row_blocks = (m + AMX_ROWS - 1) / AMX_ROWS;
+/* Task `task` through the tiles: 32 weight columns (or 16 gate and their 16 up rows), packed once
+ * (`amx_pack_weights`, into `packed`), against every 16 rows of x read as they lie (x's bytes are qx + OFFSET,
+ * multiplied as unsigned where OFFSET is 128), each row's sums put in the blocks' order and finished as theirs. */
+static void amx_task(const uint8_t *xq, int64_t m, int64_t k, const int8_t *w, int64_t w_stride, int64_t n,
+                     const float *scale, const int32_t *row_sums, const float *xs, int glu_mode, int64_t task,
+                     const float *bias, void *y, int dtype, uint32_t *packed, int64_t *configured) {
+    const int64_t out_cols = glu_mode ? n / 2 : n, row_blocks = (m + AMX_ROWS - 1) / AMX_ROWS;
     const int64_t first = glu_mode ? 16 * task : 32 * task, second = glu_mode ? out_cols + first : first + 16;
     const int64_t first_block = glu_mode ? first / 2 : first / RW;
     int64_t rows_of[NB * RW];
     for (int b = 0; b < NB; b++) block_rows(first_block + b, glu_mode, n, out_cols, rows_of + b * RW);
     float scale_of[NB * RW];
     int32_t offset_of[NB * RW];
-    task_scales(rows_of, NB, scale, NULL, 0, scale_of, offset_of);
-    int32_t sums[2][16][16] __attribute__((aligned(64)));  /* [tile][weight row][row of x] */
-    for (int64_t rb = 0; rb < row_blocks; rb++) {  /* the task's weights stay in the cache meanwhile */
+    task_scales(rows_of, NB, scale, row_sums, OFFSET, scale_of, offset_of);
+    amx_pack_weights(w, w_stride, k, first, second, packed);
+    /* glu: block b's columns are gate rows 2b, 2b + 1 (the first tile's) and the same two up rows (the second's) */
+    const __m512i glu_low = _mm512_setr_epi32(0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23);
+    const __m512i glu_high = _mm512_add_epi32(glu_low, _mm512_set1_epi32(8));
+    int32_t sums[2][16][16] __attribute__((aligned(64)));  /* [tile][row of x][weight row] */
+    for (int64_t rb = 0; rb < row_blocks; rb++) {  /* the task's packed weights stay in the cache meanwhile */
         const int64_t rows = MIN(AMX_ROWS, m - rb * AMX_ROWS);
-        if (rows != *configured) amx_configure((int)rows), *configured = rows;
+        if (rows != *configured) amx_configure_rows((int)rows), *configured = rows;
+        /* the next 16 rows' outputs fetched for writing meanwhile: y's lines, written once each, are not in the
+         * cache (a vision tile's outputs are megabytes), and a store waiting for its line stalls the loop */
+        for (int64_t r = (rb + 1) * AMX_ROWS; r < MIN((rb + 2) * AMX_ROWS, m); r++)
+            __builtin_prefetch((char *)y + (r * out_cols + first) * (dtype == F32 ? 4 : 2), 1, 3);
         _tile_zero(0);
         _tile_zero(1);
-        for (int64_t c = 0; c < k; c += 64) {
-            _tile_loadd(2, w + first * w_stride + c, w_stride);
-            _tile_loadd(3, w + second * w_stride + c, w_stride);
-            _tile_loadd(4, packed + (rb * quads + c / 4) * AMX_ROWS, 4 * AMX_ROWS);
-            _tile_dpbssd(0, 2, 4);
-            _tile_dpbssd(1, 3, 4);
+        for (int64_t step = 0; step < k / 64; step++) {
+            _tile_loadd(4, xq + rb * AMX_ROWS * k + step * 64, k);
+            _tile_loadd(2, packed + step * 512, 64);
+            _tile_loadd(3, packed + step * 512 + 256, 64);
+            AMX_DP(0, 4, 2);
+            AMX_DP(1, 4, 3);
         }
         _tile_stored(0, sums[0], 64);
         _tile_stored(1, sums[1], 64);
         for (int64_t r = 0; r < rows; r++) {
-            int32_t acc[NB * RW];
-            for (int c = 0; c < NB * RW; c++) {
-                const int tile = rows_of[c] >= second;
-                acc[c] = sums[tile][rows_of[c] - (tile ? second : first)][r];
-            }
+            int32_t acc[NB * RW] __attribute__((aligned(64)));
+            const __m512i a = _mm512_load_si512(sums[0][r]), b = _mm512_load_si512(sums[1][r]);
+            _mm512_store_si512(acc, glu_mode ? _mm512_permutex2var_epi32(a, glu_low, b) : a);
+            _mm512_store_si512(acc + 16, glu_mode ? _mm512_permutex2var_epi32(a, glu_high, b) : b);
             finish_sums(acc, scale_of, offset_of, NB, rows_of, xs[rb * AMX_ROWS + r], glu_mode, bias, dtype, y,
                         rb * AMX_ROWS + r, out_cols, first, glu_mode ? 16 : 32);
         }
@@ -319,17 +359,17 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
     const int64_t blocks = glu_mode ? (out_cols + 1) / 2 : (n + RW - 1) / RW;
     const size_t x_bytes = ((size_t)(m * kp) + 63) / 64 * 64, scale_bytes = ((size_t)m * sizeof(float) + 63) / 64 * 64;
     int64_t block0 = 0;  /* the first block the vector path computes (past what the tiles did) */
-    size_t packed_bytes = 0;
+    size_t row_bytes = (size_t)k * sizeof(float);  /* each thread's: a row of x in floats, or a task's packing */
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
     int64_t amx_tasks = 0;
     if (k % 64 == 0 && m >= AMX_INT8_MIN_ROWS && amx_permitted()) {
         const int64_t amx_cols = glu_mode ? out_cols / 16 * 16 : n / 32 * 32;
         amx_tasks = glu_mode ? amx_cols / 16 : amx_cols / 32;
         block0 = glu_mode ? amx_cols / 2 : amx_cols / RW;
-        packed_bytes = (size_t)((m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS * k);
+        row_bytes = (size_t)k * 32;  /* amx_pack_weights' */
     }
 #endif
-    uint8_t *xq = thread_scratch(x_bytes + scale_bytes + packed_bytes);
+    uint8_t *xq = thread_scratch(x_bytes + scale_bytes);
     if (!xq) return 2;
     float *xs = (float *)(xq + x_bytes);
     int failed = 0;
@@ -340,20 +380,18 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
     uint64_t shares[num_threads];
 #pragma omp parallel num_threads(num_threads) if (m * n * k >= 65536)
     {
-        float *row = thread_scratch_at(1, (size_t)k * sizeof(float));
+        float *row = thread_scratch_at(1, row_bytes);
         if (!row) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; i++)
             if (row) xs[i] = quantize_x(x, io_dtype, i, k, kp, row, xq + i * kp);
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
         if (amx_tasks && !__atomic_load_n(&failed, __ATOMIC_RELAXED)) {
-            uint32_t *packed = (uint32_t *)(xq + x_bytes + scale_bytes);
             int64_t configured = -1;  /* rows of x the tiles are configured for (other code may reconfigure them) */
-#pragma omp for schedule(static)
-            for (int64_t rb = 0; rb < (m + AMX_ROWS - 1) / AMX_ROWS; rb++) amx_pack(xq, m, kp, k, rb, packed);
             deal_team(shares, amx_tasks);
             for (int64_t task; (task = next_task(shares)) >= 0;)
-                amx_task(packed, m, k, w, w_stride, n, scale, xs, glu_mode, task, bias, y, io_dtype, &configured);
+                amx_task(xq, m, k, w, w_stride, n, scale, row_sums, xs, glu_mode, task, bias, y, io_dtype,
+                         (uint32_t *)row, &configured);
             _tile_release();
 #pragma omp barrier
         }
