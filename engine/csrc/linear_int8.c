@@ -253,15 +253,15 @@ static void finish_sums(const int32_t *acc, const float *scale_of, const int32_t
 }
 
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
-#define AMX_INT8_MIN_ROWS 32  /* fewer rows go through the vector blocks, faster there (packing a task per call costs) */
+#define AMX_INT8_MIN_ROWS 32  /* fewer rows go through the vector blocks: faster, packing a task's weights costs */
 
-/* Tiles 0-1: sums (`rows` rows of x x 16 weight rows, int32); 2-3: weight quads; 4: x's rows (64 bytes of k). */
 #if OFFSET
 #define AMX_DP _tile_dpbusd  /* x's bytes unsigned (qx + 128), the weights signed */
 #else
 #define AMX_DP _tile_dpbssd
 #endif
 
+/* Tiles 0-1: sums (`rows` rows of x x 16 weight rows, int32); 2-3: weight quads; 4: x's rows (64 bytes of k). */
 static void amx_configure_rows(int rows) {
     const uint8_t tile_rows[8] = {(uint8_t)rows, (uint8_t)rows, 16, 16, (uint8_t)rows};
     const uint16_t colsb[8] = {64, 64, 64, 64, 64};
@@ -281,8 +281,10 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
         s[g][3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
     }
     for (int j = 0; j < 4; j++) {
-        const __m512i a = _mm512_shuffle_i32x4(s[0][j], s[1][j], 0x44), b = _mm512_shuffle_i32x4(s[0][j], s[1][j], 0xee);
-        const __m512i c = _mm512_shuffle_i32x4(s[2][j], s[3][j], 0x44), d = _mm512_shuffle_i32x4(s[2][j], s[3][j], 0xee);
+        const __m512i a = _mm512_shuffle_i32x4(s[0][j], s[1][j], 0x44);  /* lanes 0-1 of rows 0-3, of 4-7 */
+        const __m512i b = _mm512_shuffle_i32x4(s[0][j], s[1][j], 0xee);  /* lanes 2-3 */
+        const __m512i c = _mm512_shuffle_i32x4(s[2][j], s[3][j], 0x44);  /* the same of rows 8-15 */
+        const __m512i d = _mm512_shuffle_i32x4(s[2][j], s[3][j], 0xee);
         r[j] = _mm512_shuffle_i32x4(a, c, 0x88), r[4 + j] = _mm512_shuffle_i32x4(a, c, 0xdd);
         r[8 + j] = _mm512_shuffle_i32x4(b, d, 0x88), r[12 + j] = _mm512_shuffle_i32x4(b, d, 0xdd);
     }
@@ -330,7 +332,7 @@ static void amx_task(const uint8_t *xq, int64_t m, int64_t k, const int8_t *w, i
             __builtin_prefetch((char *)y + (r * out_cols + first) * (dtype == F32 ? 4 : 2), 1, 3);
         _tile_zero(0);
         _tile_zero(1);
-        for (int64_t step = 0; step < k / 64; step++) {
+        for (int64_t step = 0; step < k / 64; step++) {  /* x's rows lie k bytes apart (k a multiple of 64) */
             _tile_loadd(4, xq + rb * AMX_ROWS * k + step * 64, k);
             _tile_loadd(2, packed + step * 512, 64);
             _tile_loadd(3, packed + step * 512 + 256, 64);
