@@ -8,7 +8,8 @@
 # Needs vLLM-CPU built once: PEER=$HOME/vllm-peer ../shared/peers/vllm-cpu/setup.sh (see its README); for llama.cpp,
 # LLAMA_PEER=$HOME/llama-peer: its setup.sh, then convert.sh of MODEL_DIR into $LLAMA_PEER/gguf (OUTTYPE=$LLAMA_TYPE,
 # bf16 by default; q8_0 for its 8-bit weights). llama-server runs 32 slots of 2,048 tokens (serve.sh's NP and
-# CTX_PER_SLOT), so that no workload's request waits for a slot. vlmcap's name in the results is $VLMCAP_NAME
+# CTX_PER_SLOT), so that no workload's request waits for a slot; LLAMA_FLAGS adds llama-server flags (e.g.
+# --no-repack: its repacked Q8_0 weights crash at start-up on the AMX machine). vlmcap's name in the results is $VLMCAP_NAME
 # (default vlmcap; e.g. vlmcap-int8 with SETTINGS="--quantization int8").
 # Writes JSON, PNG and text per workload and server to $OUT (default bench/results/side-by-side) and prints a
 # summary. Workloads:
@@ -76,7 +77,7 @@ start_llama() {
   [ -f "$gguf/text-$LLAMA_TYPE.gguf" ] || { echo "no $gguf/text-$LLAMA_TYPE.gguf: run convert.sh" >&2; return 1; }
   NP=${NP:-32} CTX_PER_SLOT=${CTX_PER_SLOT:-2048} THREADS=$THREADS PEER=$LLAMA_PEER \
     "$(dirname "$PEERS_DIR")/llama-cpp/serve.sh" "$gguf/text-$LLAMA_TYPE.gguf" "$gguf/mmproj-$LLAMA_TYPE.gguf" "$PORT" \
-    > "$OUT/llama-server.log" 2>&1 &
+    ${LLAMA_FLAGS:-} > "$OUT/llama-$LLAMA_TYPE-server.log" 2>&1 &
   SERVER_PID=$!
   wait_ready /health
   warm_up llama
