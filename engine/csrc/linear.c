@@ -344,7 +344,7 @@ void finish_row(float *sums, int64_t blocks, int glu_mode, const float *bias, co
         const int64_t count = blocks * RW;
         if (!bias) {
             for (int64_t c = 0; c < count; c++) out[c] = sums[c];
-        } else if (rows_of[count - 1] == rows_of[0] + count - 1) {  /* consecutive columns: all but the last */
+        } else if (rows_of[count - 1] == rows_of[0] + count - 1) {  /* consecutive: all but a last partial task */
             const float *b = bias + rows_of[0];
             for (int64_t c = 0; c < count; c++) out[c] = sums[c] + b[c];
         } else {
@@ -408,7 +408,7 @@ void amx_load_config(const uint8_t rows[8], const uint16_t colsb[8]) {
 }
 
 /* Tiles 0-1: sums (16 weight rows x `cols` rows of x, float32); 2-3: weight rows; 4: x^T pairs. */
-void amx_configure(int cols) {
+static void amx_configure(int cols) {
     const uint8_t rows[8] = {16, 16, 16, 16, 16};
     const uint16_t colsb[8] = {(uint16_t)(4 * cols), (uint16_t)(4 * cols), 64, 64, (uint16_t)(4 * cols)};
     amx_load_config(rows, colsb);

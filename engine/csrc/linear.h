@@ -97,7 +97,6 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
 #define AMX_ROWS 16
 int amx_permitted(void);
 void amx_load_config(const uint8_t rows[8], const uint16_t colsb[8]);
-void amx_configure(int cols);
 #endif
 
 #endif
