@@ -140,6 +140,7 @@ class PeersConfig:
         workload also runs through OpenVINO GenAI's continuous batching (bench/openvino_peer.py).
     openvino_model: the same checkpoint exported to OpenVINO IR (bench/openvino_setup.sh: its int8 or fp16 folder).
     openvino_precision: OpenVINO's inference precision (bf16 or f32).
+    quantization: this engine's weight quantization (int8: quantized at load; against OpenVINO's int8 folder).
     """
 
     model: str = "dummy:smolvlm-256m"
@@ -157,6 +158,7 @@ class PeersConfig:
     openvino_python: str | None = None
     openvino_model: str | None = None
     openvino_precision: str = "bf16"
+    quantization: str | None = None
 
 
 @dataclass

@@ -67,7 +67,7 @@ def run_once(engine: Engine, work: Workload, grammar: GrammarSpec | None, jump_f
 def run_grammar_bench(cfg: GrammarBenchConfig) -> dict[str, Any]:
     engine = Engine(EngineConfig(model=cfg.model, device=cfg.device, dtype=cfg.dtype,
                                  max_num_batched_tokens=cfg.budget, max_num_seqs=max(cfg.requests, 1),
-                                 num_threads=cfg.threads))
+                                 num_threads=cfg.threads, quantization=cfg.quantization))
     work = make_workload(cfg, engine.tokenizer)
     spec = GrammarSpec.from_schema(long_caption_schema(max(work.output_lens)))
     structured = GrammarSpec.from_schema(structured_schema(max(work.output_lens)))

@@ -240,11 +240,11 @@ def decode_step_ms(engine: Engine, batch: int, steps: int = 16) -> float:
 
 
 def roofline(engine: Engine, batch: int) -> dict[str, Any]:
-    """Each decode step reads every weight of the text model and the output head once."""
-    text = engine.adapter.text_model
-    weights = sum(p.numel() * p.element_size() for p in text.parameters())
-    weights -= engine.adapter.embed_tokens.weight.numel() * engine.adapter.embed_tokens.weight.element_size()
-    weights += sum(p.numel() * p.element_size() for p in engine.adapter.lm_head.parameters())
+    """Each decode step reads every weight of the text model and the output head once (bench host's count: int8
+    layers' values, scales and row sums where the weights are quantized)."""
+    from bench.host import step_read_bytes
+
+    weights = step_read_bytes(engine, 0, 0.0)["weights"]
     bandwidth = memory_bandwidth_gb_s(engine.device)
     floor = weights / (bandwidth * 1e9) * 1000.0
     at_one = decode_step_ms(engine, 1)
@@ -275,7 +275,7 @@ def run_peers(cfg: PeersConfig) -> dict[str, Any]:
         EngineConfig(
             model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_batched_tokens=cfg.budget,
             max_num_seqs=max(cfg.requests, STALL["chats"] + 1 if cfg.openvino_model else 1), num_threads=cfg.threads,
-            **prefix_caching_option(cfg.prefix_caching),
+            quantization=cfg.quantization, **prefix_caching_option(cfg.prefix_caching),
         )
     )
     model, tokenizer = engine.adapter.model, engine.tokenizer

@@ -374,9 +374,11 @@ void finish_row(float *sums, int64_t blocks, int glu_mode, const float *bias, co
 
 /* AMX tiles (bfloat16 x and weights, k a multiple of 32): the product is computed transposed, C^T = W x^T, so
  * that the weight's rows load into tiles straight from where the model holds them: two 16-row tiles of W
- * (A, 64 bytes of k each) against one tile of x^T (B: x packed once per call in pairs of k, as TDPBF16PS reads
- * them) into two 16 x (up to 16 rows of x) sums; in glu mode the two weight tiles are 16 gate rows and the same
- * 16 up rows. Columns past the last whole tile pair go through the vector blocks. */
+ * (A, 64 bytes of k each) against two tiles of x^T (B: two blocks of 16 rows of x, packed once per call in pairs
+ * of k, as TDPBF16PS reads them) into four 16 x (up to 16 rows of x) sums, so that each tile loaded is multiplied
+ * twice (against one block of x a pass, 10-35% slower from 17 rows up: the loads, not the products, bound the
+ * loop); in glu mode the two weight tiles are 16 gate rows and the same 16 up rows. Columns past the last whole
+ * tile pair go through the vector blocks. */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define AMX_MIN_ROWS 4  /* fewer rows of x go through the dot-product blocks, faster there */
@@ -407,10 +409,13 @@ void amx_load_config(const uint8_t rows[8], const uint16_t colsb[8]) {
     __asm__ volatile("ldtilecfg %0" : : "m"(config));
 }
 
-/* Tiles 0-1: sums (16 weight rows x `cols` rows of x, float32); 2-3: weight rows; 4: x^T pairs. */
-static void amx_configure(int cols) {
-    const uint8_t rows[8] = {16, 16, 16, 16, 16};
-    const uint16_t colsb[8] = {(uint16_t)(4 * cols), (uint16_t)(4 * cols), 64, 64, (uint16_t)(4 * cols)};
+/* Tiles 0-1: sums (16 weight rows x `cols` rows of x, float32) of the first block of x rows, 2-3 of the second
+ * (`cols2` rows; 0: none); 4-5: weight rows; 6-7: the two blocks' x^T pairs. */
+static void amx_configure(int cols, int cols2) {
+    const uint8_t r2 = cols2 ? 16 : 0;
+    const uint16_t c = (uint16_t)(4 * cols), c2 = (uint16_t)(4 * cols2);
+    const uint8_t rows[8] = {16, 16, r2, r2, 16, 16, 16, r2};
+    const uint16_t colsb[8] = {c, c, c2, c2, 64, 64, c, c2};
     amx_load_config(rows, colsb);
 }
 
@@ -424,15 +429,16 @@ static inline __m512 bf16_round16(__m512 v) {
  * operator rounded as torch rounds it (`activation_denominator`, 16 at a time). */
 static void amx_finish(float sums[2][16][16], int64_t rows, int64_t first, int64_t second, int glu_mode,
                        const float *bias, void *y, int64_t out_cols, int64_t row0) {
-    float across[2][16][16] __attribute__((aligned(64)));  /* [tile][row of x][weight row] */
-    for (int t = 0; t < 2; t++)
-        for (int n = 0; n < 16; n++)
-            for (int64_t r = 0; r < rows; r++) across[t][r][n] = sums[t][n][r];
+    __m512i across[2][16];  /* [tile][row of x]: the 16 weight rows' sums */
+    for (int t = 0; t < 2; t++) {
+        for (int n = 0; n < 16; n++) across[t][n] = _mm512_load_si512(sums[t][n]);
+        transpose16(across[t]);
+    }
     const __m512 bias_a = bias ? _mm512_loadu_ps(bias + first) : _mm512_setzero_ps();
     const __m512 bias_b = bias ? _mm512_loadu_ps(bias + second) : _mm512_setzero_ps();
     for (int64_t r = 0; r < rows; r++) {
-        const __m512 a = _mm512_add_ps(_mm512_load_ps(across[0][r]), bias_a);
-        const __m512 b = _mm512_add_ps(_mm512_load_ps(across[1][r]), bias_b);
+        const __m512 a = _mm512_add_ps(_mm512_castsi512_ps(across[0][r]), bias_a);
+        const __m512 b = _mm512_add_ps(_mm512_castsi512_ps(across[1][r]), bias_b);
         uint16_t *out = (uint16_t *)y + (row0 + r) * out_cols + first;
         if (glu_mode) {
             const __m512 gate = bf16_round16(a);
@@ -471,26 +477,49 @@ static void amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
 #pragma omp parallel num_threads(num_threads)
     {
         float sums[2][16][16] __attribute__((aligned(64)));
-        int64_t configured = -1;  /* rows of x the tiles are configured for (other code may reconfigure them) */
+        int64_t configured = -1;  /* the row counts the tiles are configured for (other code may reconfigure them) */
         deal_team(shares, tasks);
         for (int64_t task; (task = next_task(shares)) >= 0;) {
             const int64_t first = glu_mode ? 16 * task : 32 * task;  /* first weight row of each tile */
             const int64_t second = glu_mode ? out_cols + first : first + 16;
-            for (int64_t rb = 0; rb < row_blocks; rb++) {  /* the task's weights stay in the cache meanwhile */
+            const uint16_t *w1 = w + first * w_stride, *w2 = w + second * w_stride;
+            for (int64_t rb = 0; rb < row_blocks; rb += 2) {  /* two blocks of x a pass: each weight tile twice */
                 const int64_t rows = MIN(AMX_ROWS, m - rb * AMX_ROWS);
-                if (rows != configured || task == 0) amx_configure((int)rows), configured = rows;
+                const int64_t rows2 = rb + 1 < row_blocks ? MIN(AMX_ROWS, m - (rb + 1) * AMX_ROWS) : 0;
+                if (rows * 32 + rows2 != configured) amx_configure((int)rows, (int)rows2), configured = rows * 32 + rows2;
+                const uint32_t *x1 = packed + rb * pairs * AMX_ROWS, *x2 = x1 + pairs * AMX_ROWS;
                 _tile_zero(0);
                 _tile_zero(1);
-                for (int64_t c = 0; c < k; c += 32) {
-                    _tile_loadd(2, w + first * w_stride + c, w_stride * 2);
-                    _tile_loadd(3, w + second * w_stride + c, w_stride * 2);
-                    _tile_loadd(4, packed + (rb * pairs + c / 2) * AMX_ROWS, 4 * AMX_ROWS);
-                    _tile_dpbf16ps(0, 2, 4);
-                    _tile_dpbf16ps(1, 3, 4);
+                if (rows2) {
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t c = 0; c < k; c += 32) {
+                        _tile_loadd(4, w1 + c, w_stride * 2);
+                        _tile_loadd(5, w2 + c, w_stride * 2);
+                        _tile_loadd(6, x1 + c / 2 * AMX_ROWS, 4 * AMX_ROWS);
+                        _tile_loadd(7, x2 + c / 2 * AMX_ROWS, 4 * AMX_ROWS);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 5, 6);
+                        _tile_dpbf16ps(2, 4, 7);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                } else {
+                    for (int64_t c = 0; c < k; c += 32) {
+                        _tile_loadd(4, w1 + c, w_stride * 2);
+                        _tile_loadd(5, w2 + c, w_stride * 2);
+                        _tile_loadd(6, x1 + c / 2 * AMX_ROWS, 4 * AMX_ROWS);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 5, 6);
+                    }
                 }
                 _tile_stored(0, sums[0], 64);
                 _tile_stored(1, sums[1], 64);
                 amx_finish(sums, rows, first, second, glu_mode, bias, y, out_cols, rb * AMX_ROWS);
+                if (rows2) {
+                    _tile_stored(2, sums[0], 64);
+                    _tile_stored(3, sums[1], 64);
+                    amx_finish(sums, rows2, first, second, glu_mode, bias, y, out_cols, (rb + 1) * AMX_ROWS);
+                }
             }
         }
         _tile_release();

@@ -44,6 +44,30 @@ static inline int64_t blocks_ahead(int64_t row_bytes) {
     return ahead < 1 ? 1 : ahead > MAX_AHEAD ? MAX_AHEAD : ahead;
 }
 
+#ifdef __AVX512F__
+/* r[16] (16 rows of 16 words) transposed in place: four 4x4 transposes inside the 128-bit lanes, then the lanes. */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2)
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    __m512i s[4][4];  /* s[g][j], lane L: column 4L + j of rows 4g..4g+3 */
+    for (int g = 0; g < 4; g++) {
+        s[g][0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        s[g][1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        s[g][2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        s[g][3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i a = _mm512_shuffle_i32x4(s[0][j], s[1][j], 0x44);  /* lanes 0-1 of rows 0-3, of 4-7 */
+        const __m512i b = _mm512_shuffle_i32x4(s[0][j], s[1][j], 0xee);  /* lanes 2-3 */
+        const __m512i c = _mm512_shuffle_i32x4(s[2][j], s[3][j], 0x44);  /* the same of rows 8-15 */
+        const __m512i d = _mm512_shuffle_i32x4(s[2][j], s[3][j], 0xee);
+        r[j] = _mm512_shuffle_i32x4(a, c, 0x88), r[4 + j] = _mm512_shuffle_i32x4(a, c, 0xdd);
+        r[8 + j] = _mm512_shuffle_i32x4(b, d, 0x88), r[12 + j] = _mm512_shuffle_i32x4(b, d, 0xdd);
+    }
+}
+#endif
+
 enum { GLU_SILU = 1, GLU_GELU = 2 }; /* `glu_mode`: which act, or 0 (no glu) */
 
 void deal(uint64_t *shares, int count_of_shares, int64_t count);
