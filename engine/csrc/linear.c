@@ -376,9 +376,9 @@ void finish_row(float *sums, int64_t blocks, int glu_mode, const float *bias, co
  * that the weight's rows load into tiles straight from where the model holds them: two 16-row tiles of W
  * (A, 64 bytes of k each) against two tiles of x^T (B: two blocks of 16 rows of x, packed once per call in pairs
  * of k, as TDPBF16PS reads them) into four 16 x (up to 16 rows of x) sums, so that each tile loaded is multiplied
- * twice (against one block of x a pass, 10-35% slower from 17 rows up: the loads, not the products, bound the
- * loop); in glu mode the two weight tiles are 16 gate rows and the same 16 up rows. Columns past the last whole
- * tile pair go through the vector blocks. */
+ * twice (one block of x a pass took mostly 1.1-1.3x as long from 17 rows up, `python -m bench.linear_ab`: the
+ * loads, not the products, bound the loop); in glu mode the two weight tiles are 16 gate rows and the same 16 up
+ * rows. Columns past the last whole tile pair go through the vector blocks. */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define AMX_MIN_ROWS 4  /* fewer rows of x go through the dot-product blocks, faster there */
@@ -486,7 +486,8 @@ static void amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
             for (int64_t rb = 0; rb < row_blocks; rb += 2) {  /* two blocks of x a pass: each weight tile twice */
                 const int64_t rows = MIN(AMX_ROWS, m - rb * AMX_ROWS);
                 const int64_t rows2 = rb + 1 < row_blocks ? MIN(AMX_ROWS, m - (rb + 1) * AMX_ROWS) : 0;
-                if (rows * 32 + rows2 != configured) amx_configure((int)rows, (int)rows2), configured = rows * 32 + rows2;
+                if (rows * 32 + rows2 != configured)
+                    amx_configure((int)rows, (int)rows2), configured = rows * 32 + rows2;
                 const uint32_t *x1 = packed + rb * pairs * AMX_ROWS, *x2 = x1 + pairs * AMX_ROWS;
                 _tile_zero(0);
                 _tile_zero(1);

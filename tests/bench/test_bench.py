@@ -229,3 +229,17 @@ def test_bench_linear_int8_times_the_products_from_memory_and_from_the_cache():
     for key in ("layers_ms", "layers_in_cache_ms"):
         assert set(result[key]) == {"bf16", "int8"} and all(ms > 0 for ms in result[key].values())
     assert result["int8_gmac_s_in_cache"] > 0 and 0 < result["layers_int8_floor_ms"] < result["int8_floor_ms"]
+
+
+def test_bench_linear_ab_times_this_trees_kernel_against_another_library():
+    """`python -m bench.linear_ab OTHER.so`: here OTHER is this tree's own build (the same library), so each shape
+    and row count has both times and their ratio; a shape that is not NxK is refused, naming it."""
+    from bench import linear_ab
+    from engine.cpu import build
+
+    other = build.compile_variant(build.variant())
+    results = linear_ab.main([str(other), "--shapes", "64x32,96x64", "--rows", "1,17", "--threads", "1"])
+    assert [(r["n"], r["k"], r["rows"]) for r in results] == [(64, 32, 1), (64, 32, 17), (96, 64, 1), (96, 64, 17)]
+    assert all(r["other_ms"] > 0 and r["this_ms"] > 0 and r["ratio"] == r["this_ms"] / r["other_ms"] for r in results)
+    with pytest.raises(ValueError, match="'64by32'"):
+        linear_ab.parse_shapes("64by32")

@@ -1,0 +1,78 @@
+"""The Linear kernel of this tree against another build's, interleaved in one process, so that a change to
+engine/csrc/ is timed against the code before it under the same machine phase (`python -m bench.linear_ab OTHER.so
+[--shapes 2048x1536,...] [--rows 17,48,128] [--threads N]`). OTHER.so: a library the other tree built
+(`<tmp>/vlmcap-kernels/vlmcap-cpu-<variant>-<hash>.so`, the same variant as this CPU's). For each weight shape
+(n x k, bfloat16, `copies` copies so that most passes read them from memory as a step does) and row count of x:
+each library's time a call, the median of `repeats` passes over the copies, taken twice in turn, the lower kept.
+Prints one JSON object: per shape and rows the two times and this tree's over the other's."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import time
+
+import torch
+
+from bench.report import machine
+from engine.cpu import abi, build, ops
+
+
+def call_ms(lib: ctypes.CDLL, x: torch.Tensor, weights: list[torch.Tensor], repeats: int) -> float:
+    """The median over `repeats` passes of one call's time (ms), a pass calling `lib` once on each weight."""
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        for weight in weights:
+            ops.run_linear(lib, x, weight, None, None)
+        times.append(time.perf_counter() - began)
+    return sorted(times)[len(times) // 2] * 1e3 / len(weights)
+
+
+def compare(other: ctypes.CDLL, shapes: list[tuple[int, int]], rows: list[int], copies: int = 8,
+            repeats: int = 5) -> list[dict[str, float]]:
+    ours = build.lib()
+    generator = torch.Generator().manual_seed(0)
+    results = []
+    for n, k in shapes:
+        weights = [torch.randn(n, k, generator=generator).bfloat16() for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k, generator=generator).bfloat16()
+            for lib in (other, ours):  # one untimed pass each
+                call_ms(lib, x, weights, 1)
+            theirs = min(call_ms(other, x, weights, repeats) for _ in range(2))
+            mine = min(call_ms(ours, x, weights, repeats) for _ in range(2))
+            results.append({"n": n, "k": k, "rows": m, "other_ms": theirs, "this_ms": mine, "ratio": mine / theirs})
+    return results
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for item in text.split(","):
+        n, sep, k = item.partition("x")
+        if not sep or not n.isdigit() or not k.isdigit():
+            raise ValueError(f"a shape is NxK (e.g. 2048x1536), got {item!r}")
+        shapes.append((int(n), int(k)))
+    return shapes
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, float]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("other", help="the other tree's kernel library (.so)")
+    parser.add_argument("--shapes", default="2048x1536,1536x1536,17920x1536,1536x8960,3072x768,768x3072",
+                        help="weight shapes n x k (default: Qwen2-VL-2B's text layers and a SigLIP tower's)")
+    parser.add_argument("--rows", default="17,48,128,512", help="rows of x")
+    parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    other = abi.declare(ctypes.CDLL(args.other))
+    results = compare(other, parse_shapes(args.shapes), [int(r) for r in args.rows.split(",")])
+    print(json.dumps({"machine": machine(), "this": build.variant(), "other": args.other,
+                      "threads": torch.get_num_threads(), "results": results}, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
