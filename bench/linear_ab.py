@@ -1,9 +1,10 @@
 """The Linear kernel of this tree against another build's, interleaved in one process, so that a change to
 engine/csrc/ is timed against the code before it under the same machine phase (`python -m bench.linear_ab OTHER.so
-[--shapes 2048x1536,...] [--rows 17,48,128] [--threads N]`). OTHER.so: a library the other tree built
+[--shapes 2048x1536,...] [--rows 17,48,128] [--threads N] [--int8]`). OTHER.so: a library the other tree built
 (`<tmp>/vlmcap-kernels/vlmcap-cpu-<variant>-<hash>.so`, the same variant as this CPU's). For each weight shape
-(n x k, bfloat16, `copies` copies so that most passes read them from memory as a step does) and row count of x:
-each library's time a call, the median of `repeats` passes over the copies, taken twice in turn, the lower kept.
+(n x k, bfloat16, or quantized to int8 with `--int8`; `copies` copies, so that most passes read them from memory as
+a step does) and row count of x: each library's time a call, the median of `repeats` passes over the copies, taken
+twice in turn, the lower kept.
 Prints one JSON object: per shape and rows the two times and this tree's over the other's."""
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import torch
 
 from bench.report import machine
 from engine.cpu import abi, build, ops
+from engine.quantization import quantize_weight
 
 
-def call_ms(lib: ctypes.CDLL, x: torch.Tensor, weights: list[torch.Tensor], repeats: int) -> float:
+def call_ms(lib: ctypes.CDLL, x: torch.Tensor, weights: list, repeats: int) -> float:
     """The median over `repeats` passes of one call's time (ms), a pass calling `lib` once on each weight."""
     times = []
     for _ in range(repeats):
@@ -31,12 +33,14 @@ def call_ms(lib: ctypes.CDLL, x: torch.Tensor, weights: list[torch.Tensor], repe
 
 
 def compare(other: ctypes.CDLL, shapes: list[tuple[int, int]], rows: list[int], copies: int = 8,
-            repeats: int = 5) -> list[dict[str, float]]:
+            repeats: int = 5, int8: bool = False) -> list[dict[str, float]]:
     ours = build.lib()
     generator = torch.Generator().manual_seed(0)
     results = []
     for n, k in shapes:
         weights = [torch.randn(n, k, generator=generator).bfloat16() for _ in range(copies)]
+        if int8:
+            weights = [quantize_weight(weight) for weight in weights]
         for m in rows:
             x = torch.randn(m, k, generator=generator).bfloat16()
             for lib in (other, ours):  # one untimed pass each
@@ -64,12 +68,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
                         help="weight shapes n x k (default: Qwen2-VL-2B's text layers and a SigLIP tower's)")
     parser.add_argument("--rows", default="17,48,128,512", help="rows of x")
     parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own)")
+    parser.add_argument("--int8", action="store_true", help="the weights quantized to int8 (engine/quantization.py)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     other = abi.declare(ctypes.CDLL(args.other))
-    results = compare(other, parse_shapes(args.shapes), [int(r) for r in args.rows.split(",")])
-    print(json.dumps({"machine": machine(), "this": build.variant(), "other": args.other,
+    results = compare(other, parse_shapes(args.shapes), [int(r) for r in args.rows.split(",")], int8=args.int8)
+    print(json.dumps({"machine": machine(), "this": build.variant(), "other": args.other, "int8": args.int8,
                       "threads": torch.get_num_threads(), "results": results}, indent=1))
     return results
 
