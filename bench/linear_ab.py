@@ -12,24 +12,19 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import time
 
 import torch
 
 from bench.report import machine
 from engine.cpu import abi, build, ops
+from engine.cpu.tuning import median_seconds
 from engine.quantization import quantize_weight
 
 
 def call_ms(lib: ctypes.CDLL, x: torch.Tensor, weights: list, repeats: int) -> float:
-    """The median over `repeats` passes of one call's time (ms), a pass calling `lib` once on each weight."""
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        for weight in weights:
-            ops.run_linear(lib, x, weight, None, None)
-        times.append(time.perf_counter() - began)
-    return sorted(times)[len(times) // 2] * 1e3 / len(weights)
+    """One call's time (ms): the median of `repeats` passes calling `lib` once on each weight (after one untimed)."""
+    seconds = median_seconds(lambda: [ops.run_linear(lib, x, weight, None, None) for weight in weights], repeats)
+    return seconds * 1e3 / len(weights)
 
 
 def compare(other: ctypes.CDLL, shapes: list[tuple[int, int]], rows: list[int], copies: int = 8,
@@ -43,8 +38,6 @@ def compare(other: ctypes.CDLL, shapes: list[tuple[int, int]], rows: list[int], 
             weights = [quantize_weight(weight) for weight in weights]
         for m in rows:
             x = torch.randn(m, k, generator=generator).bfloat16()
-            for lib in (other, ours):  # one untimed pass each
-                call_ms(lib, x, weights, 1)
             theirs = min(call_ms(other, x, weights, repeats) for _ in range(2))
             mine = min(call_ms(ours, x, weights, repeats) for _ in range(2))
             results.append({"n": n, "k": k, "rows": m, "other_ms": theirs, "this_ms": mine, "ratio": mine / theirs})

@@ -241,5 +241,7 @@ def test_bench_linear_ab_times_this_trees_kernel_against_another_library():
     results = linear_ab.main([str(other), "--shapes", "64x32,96x64", "--rows", "1,17", "--threads", "1"])
     assert [(r["n"], r["k"], r["rows"]) for r in results] == [(64, 32, 1), (64, 32, 17), (96, 64, 1), (96, 64, 17)]
     assert all(r["other_ms"] > 0 and r["this_ms"] > 0 and r["ratio"] == r["this_ms"] / r["other_ms"] for r in results)
+    quantized = linear_ab.main([str(other), "--shapes", "64x64", "--rows", "2", "--threads", "1", "--int8"])
+    assert len(quantized) == 1 and quantized[0]["this_ms"] > 0 and quantized[0]["other_ms"] > 0
     with pytest.raises(ValueError, match="'64by32'"):
         linear_ab.parse_shapes("64by32")
