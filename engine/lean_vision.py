@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu import build, ops, routing
-from engine.cpu.tuning import median_seconds
+from engine.cpu.tuning import fastest_seconds
 from engine.lean_layers import Projection, fuse, measure_projections, uniform_linears
 from engine.quantization import compute_dtype
 
@@ -86,8 +86,9 @@ def fused_products(dtype: torch.dtype) -> bool:
     x, residual = (torch.randn(1024, 768, generator=generator).to(dtype) for _ in range(2))
     weight, bias = (torch.randn(768, 768, generator=generator) * 0.03).to(dtype), torch.zeros(768, dtype=dtype)
     with torch.inference_mode():
-        fused = median_seconds(lambda: torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add"))
-        plain_seconds = median_seconds(lambda: residual + F.linear(x, weight, bias))
+        fused, plain_seconds = fastest_seconds(
+            lambda: torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add"),
+            lambda: residual + F.linear(x, weight, bias))
     if fused > 1.1 * plain_seconds:
         log.info("oneDNN's fused Linear takes %.1f ms against F.linear's %.1f for %s here: the vision tower uses "
                  "F.linear", fused * 1e3, plain_seconds * 1e3, dtype)
@@ -119,8 +120,8 @@ def _own_attention(build: str | None, dtype: torch.dtype, heads: int, head_dim: 
         if not torch.allclose(got.float(), expected.float(), atol=1e-4 if dtype == torch.float32 else 2e-2):
             log.warning("the CPU kernel's attention differs from SDPA's for %s: the vision tower uses SDPA", dtype)
             return False
-        own = median_seconds(lambda: ops.full_attention(queries, keys, values, scale))
-        sdpa = median_seconds(lambda: F.scaled_dot_product_attention(queries, keys, values, scale=scale))
+        own, sdpa = fastest_seconds(lambda: ops.full_attention(queries, keys, values, scale),
+                                    lambda: F.scaled_dot_product_attention(queries, keys, values, scale=scale))
     log.info("vision attention (%d heads of %d, %d patches, %s, %s build): the CPU kernel %.1f ms, SDPA %.1f ms: %s",
              heads, head_dim, patches, dtype, build, own * 1e3, sdpa * 1e3, "the kernel" if own < sdpa else "SDPA")
     return own < sdpa

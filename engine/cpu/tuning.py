@@ -35,7 +35,7 @@ def bf16_products(lib: ctypes.CDLL) -> str:
     def calls(products: str) -> list[torch.Tensor]:
         return [ops.run_linear(lib, x, weight, None, None, products=products) for _ in range(20)]
 
-    seconds = {products: median_seconds(lambda p=products: calls(p), repeats=5) for products in ops.PRODUCTS}
+    seconds = dict(zip(ops.PRODUCTS, fastest_seconds(*(lambda p=p: calls(p) for p in ops.PRODUCTS), rounds=5)))
     chosen = min(ops.PRODUCTS, key=seconds.__getitem__)
     log.info("CPU kernels (%s): bfloat16 products by %s (dot %.0f us, widen %.0f us a call)",
              lib.linear_isa().decode(), chosen, seconds["dot"] * 5e4, seconds["widen"] * 5e4)
@@ -43,9 +43,13 @@ def bf16_products(lib: ctypes.CDLL) -> str:
 
 
 # Row buckets `measure_row_range` times each Linear shape at, and the work past which a bucket is not timed
-# (multiply-adds: a 256M model's lm head at 512 rows, 1.45e10, is just under it; vision towers run 1,024 rows).
-ROW_BUCKETS = (1, 8, 16, 32, 128, 512)
+# (multiply-adds: a 256M model's lm head at 512 rows, 1.45e10, is just under it). Vision towers run 1,024 rows a
+# tile (SigLIP) or a whole image's patches at once (Qwen2-VL's, thousands): the buckets reach them, because on AMX
+# oneDNN's tiles overtake the kernel past a few hundred rows (2 cores: a 1280 x 5120 product at 512 rows 7.2
+# against 5.0 ms, at 4,608 rows 76 against 48 ms), so what won at 512 rows must not decide a tower's calls.
+ROW_BUCKETS = (1, 8, 16, 32, 128, 512, 1024, 4096)
 MEASURE_MACS = 1.6e10
+ROUNDS = 3  # timed calls of each side, alternating
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
@@ -57,6 +61,21 @@ def median_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
         fn()
         times.append(time.perf_counter() - began)
     return sorted(times)[len(times) // 2]
+
+
+def fastest_seconds(*fns: Callable[[], object], rounds: int = ROUNDS) -> list[float]:
+    """Each of `fns`' fastest call (seconds): each called once untimed, then `rounds` times each in turn. What the
+    start-up choices compare: a busy machine only ever adds time, and taken in turn no side gets a quiet phase the
+    others missed (timing one side's calls, then the other's, let noise pick the winner of close pairs)."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for side, fn in enumerate(fns):
+            began = time.perf_counter()
+            fn()
+            best[side] = min(best[side], time.perf_counter() - began)
+    return best
 
 
 @torch.inference_mode()
@@ -71,8 +90,8 @@ def measure_row_range(weight: torch.Tensor) -> tuple[int, int]:
         if rows * n * k > MEASURE_MACS and won:
             break
         x = torch.randn(rows, k).to(weight.dtype)
-        own = median_seconds(lambda x=x: ops.run_linear(lib, x, weight, None, None))
-        theirs = median_seconds(lambda x=x: F.linear(x, weight))
+        own, theirs = fastest_seconds(lambda x=x: ops.run_linear(lib, x, weight, None, None),
+                                      lambda x=x: F.linear(x, weight))
         won.append(own <= theirs)
     if True not in won:
         return (0, 0)

@@ -8,6 +8,7 @@ import functools
 import re
 import shutil
 import subprocess
+import time
 
 import pytest
 import torch
@@ -333,6 +334,17 @@ def test_row_ranges_are_measured_per_weight_shape():
     ends = {0, routing.ALL_ROWS} | set(tuning.ROW_BUCKETS)
     assert all(low in starts and high in ends and low <= max(high, 1) for low, high in ranges.values())
     assert model[0].rows == model[2].rows == ranges["32x64 float32"]
+
+
+def test_start_up_timings_take_the_sides_in_turn():
+    """The start-up choices time each side once untimed, then the sides in turn, and keep each side's fastest call:
+    a side that always takes longer reads longer, whatever the order."""
+    calls: list[str] = []
+    slow = lambda: calls.append("slow") or time.sleep(0.002)  # noqa: E731
+    quick = lambda: calls.append("quick")  # noqa: E731
+    seconds = tuning.fastest_seconds(slow, quick, rounds=3)
+    assert calls == ["slow", "quick"] * 4
+    assert len(seconds) == 2 and seconds[0] >= 0.002 > seconds[1] >= 0.0
 
 
 def test_a_layer_takes_the_kernel_only_inside_its_row_range(monkeypatch):
