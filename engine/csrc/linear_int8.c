@@ -261,12 +261,20 @@ static void finish_sums(const int32_t *acc, const float *scale_of, const int32_t
 #define AMX_DP _tile_dpbssd
 #endif
 
-/* Tiles 0-1: sums (`rows` rows of x x 16 weight rows, int32); 2-3: weight quads; 4: x's rows (64 bytes of k). */
-static void amx_configure_rows(int rows) {
-    const uint8_t tile_rows[8] = {(uint8_t)rows, (uint8_t)rows, 16, 16, (uint8_t)rows};
-    const uint16_t colsb[8] = {64, 64, 64, 64, 64};
+/* Tiles 0-1: sums of x's first block (`rows` rows x 16 weight rows, int32); 2-3: of its second block (`rows2`
+ * rows, none where 0); 4-5: the two blocks of x (64 bytes of k); 6-7: weight quads. */
+static void amx_configure_rows(int rows, int rows2) {
+    const uint8_t r2 = (uint8_t)rows2, c2 = rows2 ? 64 : 0;
+    const uint8_t tile_rows[8] = {(uint8_t)rows, (uint8_t)rows, r2, r2, (uint8_t)rows, r2, 16, 16};
+    const uint16_t colsb[8] = {64, 64, c2, c2, 64, c2, 64, 64};
     amx_load_config(tile_rows, colsb);
 }
+
+/* A task's packed weights larger than this go two blocks of x a pass (four sums, each weight tile loaded
+ * multiplied twice): from the L2 cache, three tiles loaded for two products bound the loop (a scratch loop, 1,024
+ * rows, k = 3,072: 0.64-0.72 TMAC/s a core one block a pass, 0.88-0.95 two); from the L1 (k = 768) one block a
+ * pass is the faster (1.95-2.3 against 1.4-1.95). */
+#define AMX_PAIR_BYTES (48 << 10)
 
 /* Weight rows [first, first + 16) and [second, second + 16) as the tiles' second operand: for each 64 bytes of k
  * and each of the two, 16 rows of quads (row q: the 16 weight rows' bytes 4q..4q+3), [k / 64][2][16][16] words. */
@@ -282,51 +290,132 @@ static void amx_pack_weights(const int8_t *w, int64_t w_stride, int64_t k, int64
         }
 }
 
+/* 16 float32 sums as `dtype` (bfloat16 or float32) into `out`: store_floats' rounding (nearest even, NaN kept a
+ * NaN), in a vector. */
+static inline void store16(__m512 v, int dtype, void *out) {
+    if (dtype == F32) {
+        _mm512_storeu_ps(out, v);
+        return;
+    }
+    const __m512i bits = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)),
+                                             _mm512_and_si512(_mm512_srli_epi32(bits, 16), one));
+    const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000));
+    _mm256_storeu_si256(out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_mask_mov_epi32(rounded, nan, quiet), 16)));
+}
+
+/* A tile pair's rows of sums (`rows` rows of x from `row0`, 32 consecutive columns from `first`, no glu) finished
+ * as finish_sums finishes them, bit for bit, in vectors: float(acc - offset) * (s * scale) (the factor first; an
+ * asm statement keeps the product from fusing with the bias's add), + bias, rounded to y's bfloat16 or float32.
+ * finish_sums' per-row loops over arrays took 40% of a 1,024 x 768 x 3,072 product's time. */
+static void amx_finish_pair(const int32_t sums[2][16][16], int64_t rows, int64_t row0, const float *xs,
+                            const float *scale, const int32_t *row_sums, const float *bias, int dtype, void *y,
+                            int64_t out_cols, int64_t first) {
+    __m512 scale_of[2], bias_of[2];
+    __m512i offset_of[2];
+    for (int t = 0; t < 2; t++) {
+        scale_of[t] = _mm512_loadu_ps(scale + first + 16 * t);
+        bias_of[t] = bias ? _mm512_loadu_ps(bias + first + 16 * t) : _mm512_setzero_ps();
+        offset_of[t] = _mm512_mullo_epi32(_mm512_loadu_si512(row_sums + first + 16 * t), _mm512_set1_epi32(OFFSET));
+    }
+    const int64_t item = dtype == F32 ? 4 : 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 s = _mm512_set1_ps(xs[row0 + r]);
+        for (int t = 0; t < 2; t++) {
+            __m512 factor = _mm512_mul_ps(s, scale_of[t]);
+            __asm__("" : "+v"(factor));
+            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums[t][r]), offset_of[t])),
+                                     factor);
+            __asm__("" : "+v"(v));
+            if (bias) v = _mm512_add_ps(v, bias_of[t]);
+            store16(v, dtype, (char *)y + ((row0 + r) * out_cols + first + 16 * t) * item);
+        }
+    }
+}
+
+/* A block's sums (`rows` rows of x from `row0`: tiles `sums[0]`, `sums[1]`) finished: in vectors where they
+ * allow (no glu, y bfloat16 or float32), else each row put in the blocks' order and finished as theirs. */
+static void amx_finish_block(int32_t sums[2][16][16], int64_t rows, int64_t row0, const float *xs, int glu_mode,
+                             const int64_t *rows_of, const float *scale_of, const int32_t *offset_of,
+                             const float *scale, const int32_t *row_sums, const float *bias, int dtype, void *y,
+                             int64_t out_cols, int64_t first) {
+    if (!glu_mode && dtype != F16) {
+        amx_finish_pair((const int32_t(*)[16][16])sums, rows, row0, xs, scale, row_sums, bias, dtype, y, out_cols,
+                        first);
+        return;
+    }
+    /* glu: block b's columns are gate rows 2b, 2b + 1 (the first tile's) and the same two up rows (the second's) */
+    const __m512i glu_low = _mm512_setr_epi32(0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23);
+    const __m512i glu_high = _mm512_add_epi32(glu_low, _mm512_set1_epi32(8));
+    for (int64_t r = 0; r < rows; r++) {
+        int32_t acc[NB * RW] __attribute__((aligned(64)));
+        const __m512i a = _mm512_load_si512(sums[0][r]), b = _mm512_load_si512(sums[1][r]);
+        _mm512_store_si512(acc, glu_mode ? _mm512_permutex2var_epi32(a, glu_low, b) : a);
+        _mm512_store_si512(acc + 16, glu_mode ? _mm512_permutex2var_epi32(a, glu_high, b) : b);
+        finish_sums(acc, scale_of, offset_of, NB, rows_of, xs[row0 + r], glu_mode, bias, dtype, y, row0 + r,
+                    out_cols, first, glu_mode ? 16 : 32);
+    }
+}
+
 /* Task `task` through the tiles: 32 weight columns (or 16 gate and their 16 up rows), packed once
  * (`amx_pack_weights`, into `packed`), against every 16 rows of x read as they lie (x's bytes are qx + OFFSET,
- * multiplied as unsigned where OFFSET is 128), each row's sums put in the blocks' order and finished as theirs. */
+ * multiplied as unsigned where OFFSET is 128), one block of 16 rows a pass, or two where the packed weights
+ * exceed AMX_PAIR_BYTES; each block's sums finished by `amx_finish_block`. */
 static void amx_task(const uint8_t *xq, int64_t m, int64_t k, const int8_t *w, int64_t w_stride, int64_t n,
                      const float *scale, const int32_t *row_sums, const float *xs, int glu_mode, int64_t task,
                      const float *bias, void *y, int dtype, uint32_t *packed, int64_t *configured) {
     const int64_t out_cols = glu_mode ? n / 2 : n, row_blocks = (m + AMX_ROWS - 1) / AMX_ROWS;
     const int64_t first = glu_mode ? 16 * task : 32 * task, second = glu_mode ? out_cols + first : first + 16;
-    const int64_t first_block = glu_mode ? first / 2 : first / RW;
+    const int64_t first_block = glu_mode ? first / 2 : first / RW, per_pass = k * 32 > AMX_PAIR_BYTES ? 2 : 1;
     int64_t rows_of[NB * RW];
     for (int b = 0; b < NB; b++) block_rows(first_block + b, glu_mode, n, out_cols, rows_of + b * RW);
     float scale_of[NB * RW];
     int32_t offset_of[NB * RW];
     task_scales(rows_of, NB, scale, row_sums, OFFSET, scale_of, offset_of);
     amx_pack_weights(w, w_stride, k, first, second, packed);
-    /* glu: block b's columns are gate rows 2b, 2b + 1 (the first tile's) and the same two up rows (the second's) */
-    const __m512i glu_low = _mm512_setr_epi32(0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23);
-    const __m512i glu_high = _mm512_add_epi32(glu_low, _mm512_set1_epi32(8));
-    int32_t sums[2][16][16] __attribute__((aligned(64)));  /* [tile][row of x][weight row] */
-    for (int64_t rb = 0; rb < row_blocks; rb++) {  /* the task's packed weights stay in the cache meanwhile */
+    int32_t sums[2][2][16][16] __attribute__((aligned(64)));  /* [block][tile][row of x][weight row] */
+    for (int64_t rb = 0; rb < row_blocks; rb += per_pass) {  /* the task's packed weights stay in the cache */
         const int64_t rows = MIN(AMX_ROWS, m - rb * AMX_ROWS);
-        if (rows != *configured) amx_configure_rows((int)rows), *configured = rows;
-        /* the next 16 rows' outputs fetched for writing meanwhile: y's lines, written once each, are not in the
+        const int64_t rows2 = per_pass == 2 && rb + 1 < row_blocks ? MIN(AMX_ROWS, m - (rb + 1) * AMX_ROWS) : 0;
+        if (rows * 32 + rows2 != *configured) amx_configure_rows((int)rows, (int)rows2), *configured = rows * 32 + rows2;
+        /* the next pass's outputs fetched for writing meanwhile: y's lines, written once each, are not in the
          * cache (a vision tile's outputs are megabytes), and a store waiting for its line stalls the loop */
-        for (int64_t r = (rb + 1) * AMX_ROWS; r < MIN((rb + 2) * AMX_ROWS, m); r++)
+        for (int64_t r = (rb + per_pass) * AMX_ROWS; r < MIN((rb + 2 * per_pass) * AMX_ROWS, m); r++)
             __builtin_prefetch((char *)y + (r * out_cols + first) * (dtype == F32 ? 4 : 2), 1, 3);
+        const uint8_t *x0 = xq + rb * AMX_ROWS * k, *x1 = x0 + AMX_ROWS * k;  /* rows k bytes apart (k % 64 == 0) */
         _tile_zero(0);
         _tile_zero(1);
-        for (int64_t step = 0; step < k / 64; step++) {  /* x's rows lie k bytes apart (k a multiple of 64) */
-            _tile_loadd(4, xq + rb * AMX_ROWS * k + step * 64, k);
-            _tile_loadd(2, packed + step * 512, 64);
-            _tile_loadd(3, packed + step * 512 + 256, 64);
-            AMX_DP(0, 4, 2);
-            AMX_DP(1, 4, 3);
+        if (rows2) {
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t step = 0; step < k / 64; step++) {
+                _tile_loadd(6, packed + step * 512, 64);
+                _tile_loadd(7, packed + step * 512 + 256, 64);
+                _tile_loadd(4, x0 + step * 64, k);
+                AMX_DP(0, 4, 6);
+                AMX_DP(1, 4, 7);
+                _tile_loadd(5, x1 + step * 64, k);
+                AMX_DP(2, 5, 6);
+                AMX_DP(3, 5, 7);
+            }
+            _tile_stored(2, sums[1][0], 64);
+            _tile_stored(3, sums[1][1], 64);
+        } else {
+            for (int64_t step = 0; step < k / 64; step++) {
+                _tile_loadd(4, x0 + step * 64, k);
+                _tile_loadd(6, packed + step * 512, 64);
+                _tile_loadd(7, packed + step * 512 + 256, 64);
+                AMX_DP(0, 4, 6);
+                AMX_DP(1, 4, 7);
+            }
         }
-        _tile_stored(0, sums[0], 64);
-        _tile_stored(1, sums[1], 64);
-        for (int64_t r = 0; r < rows; r++) {
-            int32_t acc[NB * RW] __attribute__((aligned(64)));
-            const __m512i a = _mm512_load_si512(sums[0][r]), b = _mm512_load_si512(sums[1][r]);
-            _mm512_store_si512(acc, glu_mode ? _mm512_permutex2var_epi32(a, glu_low, b) : a);
-            _mm512_store_si512(acc + 16, glu_mode ? _mm512_permutex2var_epi32(a, glu_high, b) : b);
-            finish_sums(acc, scale_of, offset_of, NB, rows_of, xs[rb * AMX_ROWS + r], glu_mode, bias, dtype, y,
-                        rb * AMX_ROWS + r, out_cols, first, glu_mode ? 16 : 32);
-        }
+        _tile_stored(0, sums[0][0], 64);
+        _tile_stored(1, sums[0][1], 64);
+        for (int b = 0; b < (rows2 ? 2 : 1); b++)
+            amx_finish_block(sums[b], b ? rows2 : rows, (rb + b) * AMX_ROWS, xs, glu_mode, rows_of, scale_of,
+                             offset_of, scale, row_sums, bias, dtype, y, out_cols, first);
     }
 }
 #endif

@@ -60,6 +60,25 @@ def test_int8_linear_gives_the_reference_s_bits(name):
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
+def test_long_rows_of_k(name):
+    """k = 1,600 (a multiple of 64 whose packed task exceeds AMX_PAIR_BYTES: the AMX tiles take two blocks of x a
+    pass): 40 rows (a pair, then a block of 8 alone), 50 (a pair, then a pair whose second block has 2 rows), 257
+    (eight pairs and a block of one row); float16 x too (the epilogue's other path)."""
+    lib = build.load_variant(name)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for m in (40, 50, 257):
+            for dtype in (torch.bfloat16, torch.float32, torch.float16):
+                x, weight, bias = _case(m, 70, 1600, dtype, seed=m)
+                for glu in (None, "silu"):
+                    for b in (None, bias):
+                        _check(lib, x, weight, b, glu)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
 def test_zero_rows_and_the_largest_values(name):
     """An all-zero row of x (scale 1, every product 0: y is the bias) and of W; x and W all +-127 after
     quantization over a long k (4,100: no step's 16-bit pairs saturate, the int32 sums reach 6.6e7); float16 x."""
