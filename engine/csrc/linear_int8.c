@@ -276,6 +276,15 @@ static void amx_configure_rows(int rows, int rows2) {
  * pass is the faster (1.95-2.3 against 1.4-1.95). */
 #define AMX_PAIR_BYTES (48 << 10)
 
+/* Quantized x larger than this goes through the tiles in passes of rows of about this size, every task's weights
+ * packed once beforehand into one buffer (the weight's size) and read again each pass: a task that streams all of
+ * x reads it from the L3 cache (SigLIP's products at 4,096 rows, 4 tiles at once: 1.3-1.5x the time a row of 1,024
+ * rows). */
+#define AMX_PASS_BYTES (1 << 20)
+#ifndef AMX_PASS_ROWS
+#define AMX_PASS_ROWS 256
+#endif
+
 /* Weight rows [first, first + 16) and [second, second + 16) as the tiles' second operand: for each 64 bytes of k
  * and each of the two, 16 rows of quads (row q: the 16 weight rows' bytes 4q..4q+3), [k / 64][2][16][16] words. */
 static void amx_pack_weights(const int8_t *w, int64_t w_stride, int64_t k, int64_t first, int64_t second,
@@ -359,13 +368,14 @@ static void amx_finish_block(int32_t sums[2][16][16], int64_t rows, int64_t row0
     }
 }
 
-/* Task `task` through the tiles: 32 weight columns (or 16 gate and their 16 up rows), packed once
- * (`amx_pack_weights`, into `packed`), against every 16 rows of x read as they lie (x's bytes are qx + OFFSET,
- * multiplied as unsigned where OFFSET is 128), one block of 16 rows a pass, or two where the packed weights
- * exceed AMX_PAIR_BYTES; each block's sums finished by `amx_finish_block`. */
-static void amx_task(const uint8_t *xq, int64_t m, int64_t k, const int8_t *w, int64_t w_stride, int64_t n,
-                     const float *scale, const int32_t *row_sums, const float *xs, int glu_mode, int64_t task,
-                     const float *bias, void *y, int dtype, uint32_t *packed, int64_t *configured) {
+/* Task `task` through the tiles: 32 weight columns (or 16 gate and their 16 up rows), packed (`amx_pack_weights`,
+ * into `packed`, where `pack`; else packed there before), against rows r0..m-1 of x (r0 a multiple of 32) read as
+ * they lie (x's bytes are qx + OFFSET, multiplied as unsigned where OFFSET is 128), one block of 16 rows a pass, or
+ * two where the packed weights exceed AMX_PAIR_BYTES; each block's sums finished by `amx_finish_block`. */
+static void amx_task(const uint8_t *xq, int64_t r0, int64_t m, int64_t k, const int8_t *w, int64_t w_stride,
+                     int64_t n, const float *scale, const int32_t *row_sums, const float *xs, int glu_mode,
+                     int64_t task, const float *bias, void *y, int dtype, uint32_t *packed, int pack,
+                     int64_t *configured) {
     const int64_t out_cols = glu_mode ? n / 2 : n, row_blocks = (m + AMX_ROWS - 1) / AMX_ROWS;
     const int64_t first = glu_mode ? 16 * task : 32 * task, second = glu_mode ? out_cols + first : first + 16;
     const int64_t first_block = glu_mode ? first / 2 : first / RW, per_pass = k * 32 > AMX_PAIR_BYTES ? 2 : 1;
@@ -374,9 +384,9 @@ static void amx_task(const uint8_t *xq, int64_t m, int64_t k, const int8_t *w, i
     float scale_of[NB * RW];
     int32_t offset_of[NB * RW];
     task_scales(rows_of, NB, scale, row_sums, OFFSET, scale_of, offset_of);
-    amx_pack_weights(w, w_stride, k, first, second, packed);
+    if (pack) amx_pack_weights(w, w_stride, k, first, second, packed);
     int32_t sums[2][2][16][16] __attribute__((aligned(64)));  /* [block][tile][row of x][weight row] */
-    for (int64_t rb = 0; rb < row_blocks; rb += per_pass) {  /* the task's packed weights stay in the cache */
+    for (int64_t rb = r0 / AMX_ROWS; rb < row_blocks; rb += per_pass) {  /* the packed weights stay in the cache */
         const int64_t rows = MIN(AMX_ROWS, m - rb * AMX_ROWS);
         const int64_t rows2 = per_pass == 2 && rb + 1 < row_blocks ? MIN(AMX_ROWS, m - (rb + 1) * AMX_ROWS) : 0;
         if (rows * 32 + rows2 != *configured) amx_configure_rows((int)rows, (int)rows2), *configured = rows * 32 + rows2;
@@ -429,16 +439,22 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
     const size_t x_bytes = ((size_t)(m * kp) + 63) / 64 * 64, scale_bytes = ((size_t)m * sizeof(float) + 63) / 64 * 64;
     int64_t block0 = 0;  /* the first block the vector path computes (past what the tiles did) */
     size_t row_bytes = (size_t)k * sizeof(float);  /* each thread's: a row of x in floats, or a task's packing */
+    size_t packed_bytes = 0;  /* every AMX task's packed weights, where x goes in passes */
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
-    int64_t amx_tasks = 0;
+    int64_t amx_tasks = 0, pass_rows = m;
     if (k % 64 == 0 && m >= AMX_INT8_MIN_ROWS && amx_permitted()) {
         const int64_t amx_cols = glu_mode ? out_cols / 16 * 16 : n / 32 * 32;
         amx_tasks = glu_mode ? amx_cols / 16 : amx_cols / 32;
         block0 = glu_mode ? amx_cols / 2 : amx_cols / RW;
         row_bytes = (size_t)k * 32;  /* amx_pack_weights' */
+        const int64_t passes = (m * k + AMX_PASS_BYTES - 1) / AMX_PASS_BYTES;
+        if (passes > 1) {  /* passes of equal rows, a multiple of two blocks */
+            pass_rows = MAX(AMX_PASS_ROWS, ((m + passes - 1) / passes + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS) * (2 * AMX_ROWS));
+            packed_bytes = (size_t)amx_tasks * row_bytes;
+        }
     }
 #endif
-    uint8_t *xq = thread_scratch(x_bytes + scale_bytes);
+    uint8_t *xq = thread_scratch(x_bytes + scale_bytes + packed_bytes);
     if (!xq) return 2;
     float *xs = (float *)(xq + x_bytes);
     int failed = 0;
@@ -457,10 +473,24 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
         if (amx_tasks && !__atomic_load_n(&failed, __ATOMIC_RELAXED)) {
             int64_t configured = -1;  /* rows of x the tiles are configured for (other code may reconfigure them) */
-            deal_team(shares, amx_tasks);
-            for (int64_t task; (task = next_task(shares)) >= 0;)
-                amx_task(xq, m, k, w, w_stride, n, scale, row_sums, xs, glu_mode, task, bias, y, io_dtype,
-                         (uint32_t *)row, &configured);
+            uint32_t *packed = (uint32_t *)(xq + x_bytes + scale_bytes);
+            const int64_t task_words = (int64_t)row_bytes / 4;
+            if (packed_bytes) {  /* every task's weights packed once, then each pass of rows against them all */
+                deal_team(shares, amx_tasks);
+                for (int64_t task; (task = next_task(shares)) >= 0;) {
+                    const int64_t first = glu_mode ? 16 * task : 32 * task;
+                    amx_pack_weights(w, w_stride, k, first, glu_mode ? out_cols + first : first + 16,
+                                     packed + task * task_words);
+                }
+            }
+            for (int64_t r0 = 0; r0 < m; r0 += pass_rows) {
+#pragma omp barrier
+                deal_team(shares, amx_tasks);
+                for (int64_t task; (task = next_task(shares)) >= 0;)
+                    amx_task(xq, r0, MIN(m, r0 + pass_rows), k, w, w_stride, n, scale, row_sums, xs, glu_mode, task,
+                             bias, y, io_dtype, packed_bytes ? packed + task * task_words : (uint32_t *)row,
+                             !packed_bytes, &configured);
+            }
             _tile_release();
 #pragma omp barrier
         }

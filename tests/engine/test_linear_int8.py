@@ -63,12 +63,13 @@ def test_int8_linear_gives_the_reference_s_bits(name):
 def test_long_rows_of_k(name):
     """k = 1,600 (a multiple of 64 whose packed task exceeds AMX_PAIR_BYTES: the AMX tiles take two blocks of x a
     pass): 40 rows (a pair, then a block of 8 alone), 50 (a pair, then a pair whose second block has 2 rows), 257
-    (eight pairs and a block of one row); float16 x too (the epilogue's other path)."""
+    (eight pairs and a block of one row), 700 (past AMX_PASS_BYTES of x: two passes of rows against weights packed
+    once); float16 x too (the epilogue's other path)."""
     lib = build.load_variant(name)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        for m in (40, 50, 257):
+        for m in (40, 50, 257, 700):
             for dtype in (torch.bfloat16, torch.float32, torch.float16):
                 x, weight, bias = _case(m, 70, 1600, dtype, seed=m)
                 for glu in (None, "silu"):
