@@ -252,6 +252,62 @@ static void finish_sums(const int32_t *acc, const float *scale_of, const int32_t
     store_floats(done, cols, y, dtype, row * out_cols + first_col);
 }
 
+#ifdef __AVX512F__
+/* 16 float32 sums as `dtype` (bfloat16 or float32) into `out`: store_floats' rounding (nearest even, NaN kept a
+ * NaN), in a vector. */
+static inline void store16(__m512 v, int dtype, void *out) {
+    if (dtype == F32) {
+        _mm512_storeu_ps(out, v);
+        return;
+    }
+    const __m512i bits = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)),
+                                             _mm512_and_si512(_mm512_srli_epi32(bits, 16), one));
+    const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000));
+    _mm256_storeu_si256(out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_mask_mov_epi32(rounded, nan, quiet), 16)));
+}
+
+/* 32 consecutive output columns from `first` (no glu) as a row's sums are finished: their scales, x's offset
+ * times their row sums, their bias (0 without). */
+typedef struct {
+    __m512 scale[2], bias[2];
+    __m512i offset[2];
+    int has_bias;
+} columns32;
+
+static inline columns32 columns32_of(const float *scale, const int32_t *row_sums, const float *bias, int64_t first) {
+    columns32 c;
+    c.has_bias = bias != NULL;
+    for (int t = 0; t < 2; t++) {
+        c.scale[t] = _mm512_loadu_ps(scale + first + 16 * t);
+        c.bias[t] = bias ? _mm512_loadu_ps(bias + first + 16 * t) : _mm512_setzero_ps();
+        c.offset[t] = _mm512_mullo_epi32(_mm512_loadu_si512(row_sums + first + 16 * t), _mm512_set1_epi32(OFFSET));
+    }
+    return c;
+}
+
+/* One row's sums of those 32 columns (`lo`: the first 16, `hi`: the next 16; s: the row's scale) finished as
+ * finish_sums finishes them, bit for bit, in vectors, into `out` (the row's first of the columns, bfloat16 or
+ * float32): float(acc - offset) * (s * scale) (the factor first; asm statements keep the product from fusing with
+ * the bias's add), + bias, rounded. finish_sums' loops over arrays took 40% of a 1,024 x 768 x 3,072 product. */
+static inline void finish32(const columns32 *c, const int32_t *lo, const int32_t *hi, float s, int dtype,
+                            void *out) {
+    const __m512 sv = _mm512_set1_ps(s);
+    const int64_t item = dtype == F32 ? 4 : 2;
+    for (int t = 0; t < 2; t++) {
+        __m512 factor = _mm512_mul_ps(sv, c->scale[t]);
+        __asm__("" : "+v"(factor));
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(t ? hi : lo), c->offset[t])),
+                                 factor);
+        __asm__("" : "+v"(v));
+        if (c->has_bias) v = _mm512_add_ps(v, c->bias[t]);
+        store16(v, dtype, (char *)out + 16 * t * item);
+    }
+}
+#endif
+
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
 #define AMX_INT8_MIN_ROWS 32  /* fewer rows go through the vector blocks: faster, packing a task's weights costs */
 
@@ -299,51 +355,6 @@ static void amx_pack_weights(const int8_t *w, int64_t w_stride, int64_t k, int64
         }
 }
 
-/* 16 float32 sums as `dtype` (bfloat16 or float32) into `out`: store_floats' rounding (nearest even, NaN kept a
- * NaN), in a vector. */
-static inline void store16(__m512 v, int dtype, void *out) {
-    if (dtype == F32) {
-        _mm512_storeu_ps(out, v);
-        return;
-    }
-    const __m512i bits = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)),
-                                             _mm512_and_si512(_mm512_srli_epi32(bits, 16), one));
-    const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000));
-    _mm256_storeu_si256(out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_mask_mov_epi32(rounded, nan, quiet), 16)));
-}
-
-/* A tile pair's rows of sums (`rows` rows of x from `row0`, 32 consecutive columns from `first`, no glu) finished
- * as finish_sums finishes them, bit for bit, in vectors: float(acc - offset) * (s * scale) (the factor first; an
- * asm statement keeps the product from fusing with the bias's add), + bias, rounded to y's bfloat16 or float32.
- * finish_sums' per-row loops over arrays took 40% of a 1,024 x 768 x 3,072 product's time. */
-static void amx_finish_pair(const int32_t sums[2][16][16], int64_t rows, int64_t row0, const float *xs,
-                            const float *scale, const int32_t *row_sums, const float *bias, int dtype, void *y,
-                            int64_t out_cols, int64_t first) {
-    __m512 scale_of[2], bias_of[2];
-    __m512i offset_of[2];
-    for (int t = 0; t < 2; t++) {
-        scale_of[t] = _mm512_loadu_ps(scale + first + 16 * t);
-        bias_of[t] = bias ? _mm512_loadu_ps(bias + first + 16 * t) : _mm512_setzero_ps();
-        offset_of[t] = _mm512_mullo_epi32(_mm512_loadu_si512(row_sums + first + 16 * t), _mm512_set1_epi32(OFFSET));
-    }
-    const int64_t item = dtype == F32 ? 4 : 2;
-    for (int64_t r = 0; r < rows; r++) {
-        const __m512 s = _mm512_set1_ps(xs[row0 + r]);
-        for (int t = 0; t < 2; t++) {
-            __m512 factor = _mm512_mul_ps(s, scale_of[t]);
-            __asm__("" : "+v"(factor));
-            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums[t][r]), offset_of[t])),
-                                     factor);
-            __asm__("" : "+v"(v));
-            if (bias) v = _mm512_add_ps(v, bias_of[t]);
-            store16(v, dtype, (char *)y + ((row0 + r) * out_cols + first + 16 * t) * item);
-        }
-    }
-}
-
 /* A block's sums (`rows` rows of x from `row0`: tiles `sums[0]`, `sums[1]`) finished: in vectors where they
  * allow (no glu, y bfloat16 or float32), else each row put in the blocks' order and finished as theirs. */
 static void amx_finish_block(int32_t sums[2][16][16], int64_t rows, int64_t row0, const float *xs, int glu_mode,
@@ -351,8 +362,10 @@ static void amx_finish_block(int32_t sums[2][16][16], int64_t rows, int64_t row0
                              const float *scale, const int32_t *row_sums, const float *bias, int dtype, void *y,
                              int64_t out_cols, int64_t first) {
     if (!glu_mode && dtype != F16) {
-        amx_finish_pair((const int32_t(*)[16][16])sums, rows, row0, xs, scale, row_sums, bias, dtype, y, out_cols,
-                        first);
+        const columns32 c = columns32_of(scale, row_sums, bias, first);
+        const int64_t item = dtype == F32 ? 4 : 2;
+        for (int64_t r = 0; r < rows; r++)
+            finish32(&c, sums[0][r], sums[1][r], xs[row0 + r], dtype, (char *)y + ((row0 + r) * out_cols + first) * item);
         return;
     }
     /* glu: block b's columns are gate rows 2b, 2b + 1 (the first tile's) and the same two up rows (the second's) */
@@ -521,6 +534,16 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
                             block_plain(xq + i * kp, kp, k, wr[b], rows, out, NB * RW);
 #endif
                         }
+#ifdef __AVX512F__
+                    if (!glu_mode && io_dtype != F16 && t.cols == NB * RW) {  /* 32 consecutive columns */
+                        const columns32 c = columns32_of(scale, row_sums, bias, t.first_col);
+                        const int64_t item = io_dtype == F32 ? 4 : 2;
+                        for (int64_t s = 0; s < chunk; s++)
+                            finish32(&c, sums + s * NB * RW, sums + s * NB * RW + 16, xs[i0 + s], io_dtype,
+                                     (char *)y + ((i0 + s) * out_cols + t.first_col) * item);
+                        continue;
+                    }
+#endif
                     for (int64_t s = 0; s < chunk; s++)
                         finish_sums(sums + s * NB * RW, scale_of, offset_of, t.count, rows_of, xs[i0 + s], glu_mode,
                                     bias, io_dtype, y, i0 + s, out_cols, t.first_col, t.cols);
