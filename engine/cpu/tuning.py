@@ -82,12 +82,14 @@ def fastest_seconds(*fns: Callable[[], object], rounds: int = ROUNDS) -> list[fl
 def measure_row_range(weight: torch.Tensor) -> tuple[int, int]:
     """The rows of x [first, last] for which the kernel was faster than torch's F.linear with this weight here:
     the first run of buckets in which it won, from the row after the bucket before it (beyond the last bucket
-    timed, the kernel keeps what it won there). (0, 0): torch at every row count."""
+    timed, the kernel keeps what it won there). (0, 0): torch at every row count. Buckets past that run are not
+    timed: each of torch's timings leaves a oneDNN primitive in its cache (at 1,024 and 4,096 rows for a 256M
+    model's shapes some 20 MB, which start-up would then hold)."""
     lib = build.lib()
     n, k = weight.shape
     won: list[bool] = []
     for rows in ROW_BUCKETS:
-        if rows * n * k > MEASURE_MACS and won:
+        if (rows * n * k > MEASURE_MACS and won) or (True in won and not won[-1]):  # past the first run of wins
             break
         x = torch.randn(rows, k).to(weight.dtype)
         own, theirs = fastest_seconds(lambda x=x: ops.run_linear(lib, x, weight, None, None),

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from engine.cpu import abi, build, ops, routing, tuning
 
 RUNNABLE = build.runnable_variants()
+MEASURE_ROW_RANGE = tuning.measure_row_range  # itself, before tests/conftest.py wraps it in a per-process cache
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
@@ -334,6 +335,28 @@ def test_row_ranges_are_measured_per_weight_shape():
     ends = {0, routing.ALL_ROWS} | set(tuning.ROW_BUCKETS)
     assert all(low in starts and high in ends and low <= max(high, 1) for low, high in ranges.values())
     assert model[0].rows == model[2].rows == ranges["32x64 float32"]
+
+
+@pytest.mark.parametrize(("wins", "expected", "timed"), [
+    ({1: False, 32: False}, (2, 16), [1, 8, 16, 32]),  # the first run of wins; nothing timed past it
+    ({}, (1, routing.ALL_ROWS), list(tuning.ROW_BUCKETS)),  # won everywhere: every bucket up to 4,096 rows
+    ({512: False}, (1, 128), [1, 8, 16, 32, 128, 512]),
+])
+def test_row_ranges_time_no_bucket_past_the_first_run_of_wins(monkeypatch, wins, expected, timed):
+    """A scripted outcome per bucket (the kernel wins where not said otherwise): the range is the first run of
+    wins, and no bucket after it is timed (torch's timings would leave oneDNN primitives in its cache)."""
+    seen: list[int] = []
+
+    def scripted(own, theirs, rounds=tuning.ROUNDS):
+        rows: list[int] = []
+        monkeypatch.setattr(ops, "run_linear", lambda lib, x, *args, **kwargs: rows.append(x.shape[0]))
+        own()
+        seen.append(rows[0])
+        return [0.0, 1.0] if wins.get(rows[0], True) else [1.0, 0.0]
+
+    monkeypatch.setattr(tuning, "fastest_seconds", scripted)
+    assert MEASURE_ROW_RANGE(torch.zeros(4, 8)) == expected
+    assert seen == timed
 
 
 def test_start_up_timings_take_the_sides_in_turn():
