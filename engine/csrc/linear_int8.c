@@ -17,10 +17,13 @@
  *   - AVX-512BW without VNNI, AVX2: `vpmaddubsw` on |x| (unsigned) and the weights with x's sign (signed; pairs
  *     of products at most 2 * 127^2, never saturating 16 bits), `vpmaddwd` by ones into 32-bit sums;
  *   - AMX-INT8 (`tdpbusd`, AMX_INT8_MIN_ROWS rows of x or more, k a multiple of 64): a task's 32 weight rows
- *     packed once into the quads the tiles multiply by, then every 16 rows of x, as they lie, against them (two
- *     tiles of sums, x's row by row: in the blocks' order after one permutation); the columns past the last whole
- *     tile pair through the vector blocks;
+ *     packed once into the quads the tiles multiply by, then every 16 rows of x (two blocks of 16 where the packed
+ *     rows outgrow the L1), as they lie, against them (two tiles of sums a block); x past AMX_PASS_BYTES in passes
+ *     of rows against every task's weights packed beforehand; the columns past the last whole tile pair through
+ *     the vector blocks;
  *   - anything else: plain C.
+ * Sums of 32 consecutive columns without glu are finished in vectors on AVX-512 (`finish32`), the rest by
+ * `finish_sums`.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -332,14 +335,12 @@ static void amx_configure_rows(int rows, int rows2) {
  * pass is the faster (1.95-2.3 against 1.4-1.95). */
 #define AMX_PAIR_BYTES (48 << 10)
 
-/* Quantized x larger than this goes through the tiles in passes of rows of about this size, every task's weights
- * packed once beforehand into one buffer (the weight's size) and read again each pass: a task that streams all of
- * x reads it from the L3 cache (SigLIP's products at 4,096 rows, 4 tiles at once: 1.3-1.5x the time a row of 1,024
- * rows). */
+/* Quantized x larger than this goes through the tiles in passes of rows of about this size (at least
+ * AMX_PASS_ROWS, so that a long k's passes are not a few rows each), every task's weights packed once beforehand
+ * into one buffer (the weight's size) and read again each pass: a task that streams all of x reads it from the L3
+ * cache (SigLIP's products for 4 tiles at once, 4,096 rows, took 1.3-1.5x the time a row that 1,024 rows take). */
 #define AMX_PASS_BYTES (1 << 20)
-#ifndef AMX_PASS_ROWS
 #define AMX_PASS_ROWS 256
-#endif
 
 /* Weight rows [first, first + 16) and [second, second + 16) as the tiles' second operand: for each 64 bytes of k
  * and each of the two, 16 rows of quads (row q: the 16 weight rows' bytes 4q..4q+3), [k / 64][2][16][16] words. */
@@ -365,7 +366,8 @@ static void amx_finish_block(int32_t sums[2][16][16], int64_t rows, int64_t row0
         const columns32 c = columns32_of(scale, row_sums, bias, first);
         const int64_t item = dtype == F32 ? 4 : 2;
         for (int64_t r = 0; r < rows; r++)
-            finish32(&c, sums[0][r], sums[1][r], xs[row0 + r], dtype, (char *)y + ((row0 + r) * out_cols + first) * item);
+            finish32(&c, sums[0][r], sums[1][r], xs[row0 + r], dtype,
+                     (char *)y + ((row0 + r) * out_cols + first) * item);
         return;
     }
     /* glu: block b's columns are gate rows 2b, 2b + 1 (the first tile's) and the same two up rows (the second's) */
@@ -402,7 +404,8 @@ static void amx_task(const uint8_t *xq, int64_t r0, int64_t m, int64_t k, const 
     for (int64_t rb = r0 / AMX_ROWS; rb < row_blocks; rb += per_pass) {  /* the packed weights stay in the cache */
         const int64_t rows = MIN(AMX_ROWS, m - rb * AMX_ROWS);
         const int64_t rows2 = per_pass == 2 && rb + 1 < row_blocks ? MIN(AMX_ROWS, m - (rb + 1) * AMX_ROWS) : 0;
-        if (rows * 32 + rows2 != *configured) amx_configure_rows((int)rows, (int)rows2), *configured = rows * 32 + rows2;
+        if (rows * 32 + rows2 != *configured)  /* the configuration's key: both blocks' rows */
+            amx_configure_rows((int)rows, (int)rows2), *configured = rows * 32 + rows2;
         /* the next pass's outputs fetched for writing meanwhile: y's lines, written once each, are not in the
          * cache (a vision tile's outputs are megabytes), and a store waiting for its line stalls the loop */
         for (int64_t r = (rb + per_pass) * AMX_ROWS; r < MIN((rb + 2 * per_pass) * AMX_ROWS, m); r++)
@@ -462,7 +465,8 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
         row_bytes = (size_t)k * 32;  /* amx_pack_weights' */
         const int64_t passes = (m * k + AMX_PASS_BYTES - 1) / AMX_PASS_BYTES;
         if (passes > 1) {  /* passes of equal rows, a multiple of two blocks */
-            pass_rows = MAX(AMX_PASS_ROWS, ((m + passes - 1) / passes + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS) * (2 * AMX_ROWS));
+            const int64_t pair = 2 * AMX_ROWS;
+            pass_rows = MAX(AMX_PASS_ROWS, ((m + passes - 1) / passes + pair - 1) / pair * pair);
             packed_bytes = (size_t)amx_tasks * row_bytes;
         }
     }
@@ -485,7 +489,7 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
             if (row) xs[i] = quantize_x(x, io_dtype, i, k, kp, row, xq + i * kp);
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
         if (amx_tasks && !__atomic_load_n(&failed, __ATOMIC_RELAXED)) {
-            int64_t configured = -1;  /* rows of x the tiles are configured for (other code may reconfigure them) */
+            int64_t configured = -1;  /* the tiles' configuration (amx_task's key; other code may reconfigure them) */
             uint32_t *packed = (uint32_t *)(xq + x_bytes + scale_bytes);
             const int64_t task_words = (int64_t)row_bytes / 4;
             if (packed_bytes) {  /* every task's weights packed once, then each pass of rows against them all */
