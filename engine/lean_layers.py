@@ -123,24 +123,31 @@ class Projection:
         self.weight_t = self.weight.t()  # torch's path multiplies by this view, made once
         self.bias = None if self.bias32 is None else self.bias32.to(self.weight.dtype)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor, glu: str | None = None) -> None:
-        """out = x W^T (+ b); with `glu` (an activation), act(x W_g^T) * (x W_u^T)."""
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, glu: str | None = None,
+                 residual: torch.Tensor | None = None) -> None:
+        """out = x W^T (+ b) (+ residual, out's shape: added as torch's `residual + linear(x)` adds it, in the
+        kernel's epilogue where it can); with `glu` (an activation), act(x W_g^T) * (x W_u^T)."""
         if self.int8:
-            ops.linear(x, self.weight, self.bias32, glu, out)
+            ops.linear(x, self.weight, self.bias32, glu, out, residual)
             return
         if self.rows[0] <= x.shape[0] <= self.rows[1]:
-            ops.run_linear(build.load_variant(build.variant()), x, self.weight, self.bias32, glu, out)
+            ops.run_linear(build.load_variant(build.variant()), x, self.weight, self.bias32, glu, out,
+                           residual=residual)
             return
         if glu is None:
             if self.bias is None:
                 torch.mm(x, self.weight_t, out=out)
             else:
                 torch.addmm(self.bias, x, self.weight_t, out=out)
+            if residual is not None:
+                out.add_(residual)
             return
         both = F.linear(x, self.weight, self.bias)
         half = both.shape[-1] // 2
         gate = F.silu(both[:, :half]) if glu == "silu" else F.gelu(both[:, :half], approximate="tanh")
         torch.mul(gate, both[:, half:], out=out)
+        if residual is not None:
+            out.add_(residual)
 
 
 def fuse(modules: list[torch.nn.Module]) -> Projection:

@@ -153,8 +153,9 @@ class LeanVisionLayer:
                 return torch.ops.mkldnn._linear_pointwise(x, projection.weight, projection.bias, "none", [], "")
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, projection.weight, projection.bias, "add")
         out = x.new_empty(*x.shape[:-1], projection.weight.shape[0])
-        projection(x.reshape(rows, x.shape[-1]), out.view(rows, -1))
-        return out if residual is None else out.add_(residual)
+        projection(x.reshape(rows, x.shape[-1]), out.view(rows, -1),
+                   residual=None if residual is None else residual.reshape(rows, -1).contiguous())
+        return out
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[batch, patches, dim] -> queries, keys, values [batch, heads, patches, head_dim], views of one product."""

@@ -56,7 +56,7 @@ class DecodeStepArgs(ctypes.Structure):
 SIGNATURES = {  # function -> argument types (every one returns an int: 0, or why it refused)
     "paged_decode_attention": [_P, _INT, _I64, _I64, _P, _P, _P, _P, _P, _INT, _P, _P, _I64, _I64, _I64, _I64, _I64,
                                _I64, _F, _I64, _P, _INT, _INT],
-    "linear": [_P, _INT, _I64, _I64, _P, _INT, _I64, _I64, _P, _P, _P, _INT, _P, _INT],
+    "linear": [_P, _INT, _I64, _I64, _P, _INT, _I64, _I64, _P, _P, _P, _INT, _P, _P, _INT],
     "rms_norm": [_P, _INT, _I64, _I64, _P, _INT, _F, _P, _INT],
     "add_rms_norm": [_P, _P, ctypes.POINTER(NormArgs), _INT, _I64, _I64, ctypes.POINTER(NormArgs), _P, _INT],
     "rope_store": [_P, _INT, _I64, _I64, _I64, _I64, _I64, ctypes.POINTER(NormArgs), ctypes.POINTER(NormArgs), _P,

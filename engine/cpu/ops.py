@@ -112,12 +112,14 @@ def check_weight(weight: torch.Tensor | Int8Weight) -> None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None,
-           glu: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+           glu: str | None = None, out: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., k] @ weight [n, k]^T (+ bias, float32), summed in float32 and returned in x's dtype
     (engine/csrc/linear.c). With `glu` (an activation of `GLU_ACTIVATIONS`), weight is [gate; up] and the result
     act(x gate^T) * (x up^T), [..., n/2]. `out`, when given, receives the result (contiguous, x's dtype). An
     `Int8Weight`: x quantized per row at the call and the products summed in int32 (engine/csrc/linear_int8.c,
-    engine/quantization.py's rule)."""
+    engine/quantization.py's rule). `residual` (the result's shape and dtype, contiguous) is added as torch's
+    `residual + linear(x)` adds it: in the int8 kernel's epilogue, after the float kernels' products."""
     check_weight(weight)
     if x.dtype not in DTYPE_CODES or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"input {x.dtype} {tuple(x.shape)} does not fit a [{weight.shape[0]}, {weight.shape[1]}] "
@@ -128,14 +130,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tenso
         raise ValueError(f"glu is one of {list(GLU_ACTIVATIONS)} (the gate's activation), got {glu!r}")
     if glu and weight.shape[0] % 2:
         raise ValueError(f"a glu weight stacks gate and up rows: an even count, got {weight.shape[0]}")
-    return run_linear(build.lib(), x, weight, bias, glu, out)
+    width = weight.shape[0] // 2 if glu else weight.shape[0]
+    if residual is not None and (residual.dtype != x.dtype or residual.shape != (*x.shape[:-1], width)
+                                 or not residual.is_contiguous()):
+        raise ValueError(f"a residual is the result's shape {(*x.shape[:-1], width)} and dtype {x.dtype}, "
+                         f"contiguous, got {residual.dtype} {tuple(residual.shape)} "
+                         f"(contiguous: {residual.is_contiguous()})")
+    return run_linear(build.lib(), x, weight, bias, glu, out, residual=residual)
 
 
 PRODUCTS = ("dot", "widen")  # bfloat16 products: vdpbf16ps, or float32 FMAs on widened weights
 
 
 def run_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None,
-               glu: str | None, out: torch.Tensor | None = None, products: str | None = None) -> torch.Tensor:
+               glu: str | None, out: torch.Tensor | None = None, products: str | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` on inputs already checked (a layer's own weight: checked once, at routing); bfloat16 products
     as `products` says (None: tuning.bf16_products(lib))."""
     n, k = weight.shape
@@ -153,7 +162,7 @@ def run_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor | Int8Wei
         mode |= products_mode(lib, products)
     if lib.linear(rows.data_ptr(), DTYPE_CODES[x.dtype], rows.shape[0], k, w, code, stride, n,
                   None if bias is None else bias.data_ptr(), scale, sums, mode, out.data_ptr(),
-                  torch.get_num_threads()):
+                  None if residual is None else residual.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"the Linear kernel could not allocate its buffer ({rows.shape[0]} x {k} floats)")
     return out
 

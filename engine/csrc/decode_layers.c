@@ -28,7 +28,7 @@ int decode_layers(const decode_step *s, const lean_layer *layers, int64_t count)
         int failed = add_rms_norm(s->h, pending, pending_norm, dt, t, s->hidden, &L->input_norm, s->normed, threads);
         if (!failed)
             failed = linear(s->normed, dt, t, L->qkv.k, L->qkv.weight, L->qkv.dtype, L->qkv.stride, L->qkv.n,
-                            L->qkv.bias, L->qkv.scale, L->qkv.row_sums, s->mode, s->qkv, threads);
+                            L->qkv.bias, L->qkv.scale, L->qkv.row_sums, s->mode, s->qkv, NULL, threads);
         if (!failed)
             failed = rope_store(s->qkv, dt, t, width, s->heads, s->kv_heads, s->head_dim, &L->q_norm, &L->k_norm,
                                 cos, sin, s->slots, L->key_cache, L->value_cache, L->key_scales, L->value_scales,
@@ -42,16 +42,17 @@ int decode_layers(const decode_step *s, const lean_layer *layers, int64_t count)
                                             s->mode, threads);
         if (!failed)
             failed = linear(s->attended, dt, t, L->o.k, L->o.weight, L->o.dtype, L->o.stride, L->o.n, L->o.bias,
-                            L->o.scale, L->o.row_sums, s->mode, s->o, threads);
+                            L->o.scale, L->o.row_sums, s->mode, s->o, NULL, threads);
         if (!failed)
             failed = add_rms_norm(s->h, s->o, &L->attn_out_norm, dt, t, s->hidden, &L->mlp_norm, s->normed, threads);
         if (!failed)
             failed = linear(s->normed, dt, t, L->gate_up.k, L->gate_up.weight, L->gate_up.dtype, L->gate_up.stride,
                             L->gate_up.n, L->gate_up.bias, L->gate_up.scale, L->gate_up.row_sums, s->mode | L->act,
-                            s->gate_up, threads);
+                            s->gate_up, NULL, threads);
         if (!failed)
             failed = linear(s->gate_up, dt, t, L->down.k, L->down.weight, L->down.dtype, L->down.stride,
-                            L->down.n, L->down.bias, L->down.scale, L->down.row_sums, s->mode, s->down, threads);
+                            L->down.n, L->down.bias, L->down.scale, L->down.row_sums, s->mode, s->down, NULL,
+                            threads);
         if (failed) return (int)(10 * (l + 1)) + failed;
         pending = s->down;
         pending_norm = &L->mlp_out_norm;

@@ -55,9 +55,11 @@ typedef struct {
     int io_dtype, cache_dtype, mode, num_threads;  /* an I8 cache is read back in io_dtype */
 } decode_step;
 
+/* y = x W^T (+ bias) [+ residual]: `residual` (NULL: none) is y's shape and dtype, added to the product rounded
+ * to that dtype and the sum rounded again, as torch's `residual + linear(x)` rounds. */
 int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int w_dtype, int64_t w_stride,
            int64_t n, const float *bias, const float *scale, const int32_t *row_sums, int mode, void *y,
-           int num_threads);
+           const void *residual, int num_threads);
 /* out = norm(h += delta_norm(delta)); delta and delta_norm may be NULL. */
 int add_rms_norm(void *h, const void *delta, const norm_weights *delta_norm, int io_dtype, int64_t rows,
                  int64_t dim, const norm_weights *norm, void *out, int num_threads);

@@ -740,12 +740,41 @@ static void gemm(const void *x, int64_t m, int64_t k, const void *w, int w_dtype
  * (or [m, n / 2] with MODE_GLU) in io_dtype; `mode`: MODE_GLU | MODE_GELU | PRODUCTS_WIDEN bits. An I8 weight
  * comes with its float32 scales and int32 row sums [n] (linear_int8.c; NULL for float weights). Returns 2 where
  * memory runs out. */
+void add_residual(void *y, const void *residual, int dtype, int64_t offset, int64_t count) {
+    float sum[256], other[256];
+    for (int64_t at = offset; at < offset + count; at += 256) {
+        const int64_t part = MIN(256, offset + count - at);
+        load_floats(y, dtype, at, part, sum);
+        load_floats(residual, dtype, at, part, other);
+        for (int64_t i = 0; i < part; i++) sum[i] += other[i];
+        store_floats(sum, part, y, dtype, at);
+    }
+}
+
+static int float_linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int w_dtype,
+                        int64_t w_stride, int64_t n, const float *bias, int mode, int glu_mode, void *y,
+                        int num_threads);
+
 int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int w_dtype, int64_t w_stride,
            int64_t n, const float *bias, const float *scale, const int32_t *row_sums, int mode, void *y,
-           int num_threads) {
+           const void *residual, int num_threads) {
     const int glu_mode = !(mode & MODE_GLU) ? 0 : (mode & MODE_GELU) ? GLU_GELU : GLU_SILU;
-    if (w_dtype == I8)
-        return linear_int8(x, io_dtype, m, k, w, w_stride, n, scale, row_sums, bias, glu_mode, y, num_threads);
+    if (w_dtype == I8)  /* the residual added in its epilogue */
+        return linear_int8(x, io_dtype, m, k, w, w_stride, n, scale, row_sums, bias, glu_mode, y, residual,
+                           num_threads);
+    const int failed = float_linear(x, io_dtype, m, k, w, w_dtype, w_stride, n, bias, mode, glu_mode, y,
+                                    num_threads);
+    if (failed || !residual) return failed;
+    const int64_t out_cols = glu_mode ? n / 2 : n;  /* a pass over y after the products */
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m * out_cols >= 65536)
+    for (int64_t i = 0; i < m; i++) add_residual(y, residual, io_dtype, i * out_cols, out_cols);
+    return 0;
+}
+
+/* The float weights' products (bfloat16, float16, float32): `linear` less the residual. */
+static int float_linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int w_dtype,
+                        int64_t w_stride, int64_t n, const float *bias, int mode, int glu_mode, void *y,
+                        int num_threads) {
     const int64_t item = w_dtype == F32 ? 4 : 2, out_cols = glu_mode ? n / 2 : n;
     const int64_t blocks = glu_mode ? (out_cols + 1) / 2 : (n + RW - 1) / RW;
     int64_t block0 = 0;  /* the first block the vector path computes (past what the tiles did) */

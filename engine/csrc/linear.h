@@ -115,7 +115,9 @@ static inline __attribute__((always_inline)) int take_task(uint64_t *shares, int
 /* y = x W^T for int8 weights (linear_int8.c; linear() passes it every I8 weight). */
 int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t *w, int64_t w_stride, int64_t n,
                 const float *scale, const int32_t *row_sums, const float *bias, int glu_mode, void *y,
-                int num_threads);
+                const void *residual, int num_threads);
+/* y[offset + i] = round(y[offset + i] + residual[offset + i]) for `count` values of `dtype` (linear()'s residual). */
+void add_residual(void *y, const void *residual, int dtype, int64_t offset, int64_t count);
 
 #ifdef __AMX_BF16__
 #define AMX_ROWS 16

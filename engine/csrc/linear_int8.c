@@ -246,30 +246,41 @@ static void task_scales(const int64_t *rows_of, int64_t blocks, const float *sca
  * asm statement sees the array): the reference's order. */
 static void finish_sums(const int32_t *acc, const float *scale_of, const int32_t *offset_of, int64_t blocks,
                         const int64_t *rows_of, float s, int glu_mode, const float *bias, int dtype, void *y,
-                        int64_t row, int64_t out_cols, int64_t first_col, int64_t cols) {
+                        const void *residual, int64_t row, int64_t out_cols, int64_t first_col, int64_t cols) {
     float factor[NB * RW], sums[NB * RW], done[NB * RW];
     for (int64_t c = 0; c < blocks * RW; c++) factor[c] = s * scale_of[c];
     __asm__ volatile("" : : "r"(factor) : "memory");
     for (int64_t c = 0; c < blocks * RW; c++) sums[c] = (float)(acc[c] - offset_of[c]) * factor[c];
     finish_row(sums, blocks, glu_mode, bias, rows_of, dtype, done);
     store_floats(done, cols, y, dtype, row * out_cols + first_col);
+    if (residual) add_residual(y, residual, dtype, row * out_cols + first_col, cols);
 }
 
 #ifdef __AVX512F__
 /* 16 float32 sums as `dtype` (bfloat16 or float32) into `out`: store_floats' rounding (nearest even, NaN kept a
  * NaN), in a vector. */
-static inline void store16(__m512 v, int dtype, void *out) {
-    if (dtype == F32) {
-        _mm512_storeu_ps(out, v);
-        return;
-    }
+static inline __m512i bf16_bits16(__m512 v) {  /* each lane's bfloat16 in its high 16 bits */
     const __m512i bits = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
                                                   _mm512_set1_epi32(0x7f800000));
     const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)),
                                              _mm512_and_si512(_mm512_srli_epi32(bits, 16), one));
     const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000));
-    _mm256_storeu_si256(out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_mask_mov_epi32(rounded, nan, quiet), 16)));
+    return _mm512_and_si512(_mm512_mask_mov_epi32(rounded, nan, quiet), _mm512_set1_epi32((int)0xffff0000u));
+}
+
+static inline void store16(__m512 v, int dtype, void *out) {
+    if (dtype == F32) {
+        _mm512_storeu_ps(out, v);
+        return;
+    }
+    _mm256_storeu_si256(out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits16(v), 16)));
+}
+
+/* 16 values of `dtype` (bfloat16 or float32) from `in` as float32. */
+static inline __m512 load16(const void *in, int dtype) {
+    if (dtype == F32) return _mm512_loadu_ps(in);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(in)), 16));
 }
 
 /* 32 consecutive output columns from `first` (no glu) as a row's sums are finished: their scales, x's offset
@@ -294,9 +305,10 @@ static inline columns32 columns32_of(const float *scale, const int32_t *row_sums
 /* One row's sums of those 32 columns (`lo`: the first 16, `hi`: the next 16; s: the row's scale) finished as
  * finish_sums finishes them, bit for bit, in vectors, into `out` (the row's first of the columns, bfloat16 or
  * float32): float(acc - offset) * (s * scale) (the factor first; asm statements keep the product from fusing with
- * the bias's add), + bias, rounded. finish_sums' loops over arrays took 40% of a 1,024 x 768 x 3,072 product. */
+ * the bias's add), + bias, rounded; then + `res` (the residual's same columns; NULL: none), rounded again.
+ * finish_sums' loops over arrays took 40% of a 1,024 x 768 x 3,072 product. */
 static inline void finish32(const columns32 *c, const int32_t *lo, const int32_t *hi, float s, int dtype,
-                            void *out) {
+                            void *out, const void *res) {
     const __m512 sv = _mm512_set1_ps(s);
     const int64_t item = dtype == F32 ? 4 : 2;
     for (int t = 0; t < 2; t++) {
@@ -306,6 +318,11 @@ static inline void finish32(const columns32 *c, const int32_t *lo, const int32_t
                                  factor);
         __asm__("" : "+v"(v));
         if (c->has_bias) v = _mm512_add_ps(v, c->bias[t]);
+        if (res) {
+            if (dtype != F32) v = _mm512_castsi512_ps(bf16_bits16(v));
+            __asm__("" : "+v"(v));
+            v = _mm512_add_ps(v, load16((const char *)res + 16 * t * item, dtype));
+        }
         store16(v, dtype, (char *)out + 16 * t * item);
     }
 }
@@ -361,13 +378,15 @@ static void amx_pack_weights(const int8_t *w, int64_t w_stride, int64_t k, int64
 static void amx_finish_block(int32_t sums[2][16][16], int64_t rows, int64_t row0, const float *xs, int glu_mode,
                              const int64_t *rows_of, const float *scale_of, const int32_t *offset_of,
                              const float *scale, const int32_t *row_sums, const float *bias, int dtype, void *y,
-                             int64_t out_cols, int64_t first) {
+                             const void *residual, int64_t out_cols, int64_t first) {
     if (!glu_mode && dtype != F16) {
         const columns32 c = columns32_of(scale, row_sums, bias, first);
         const int64_t item = dtype == F32 ? 4 : 2;
-        for (int64_t r = 0; r < rows; r++)
-            finish32(&c, sums[0][r], sums[1][r], xs[row0 + r], dtype,
-                     (char *)y + ((row0 + r) * out_cols + first) * item);
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t at = ((row0 + r) * out_cols + first) * item;
+            finish32(&c, sums[0][r], sums[1][r], xs[row0 + r], dtype, (char *)y + at,
+                     residual ? (const char *)residual + at : NULL);
+        }
         return;
     }
     /* glu: block b's columns are gate rows 2b, 2b + 1 (the first tile's) and the same two up rows (the second's) */
@@ -378,8 +397,8 @@ static void amx_finish_block(int32_t sums[2][16][16], int64_t rows, int64_t row0
         const __m512i a = _mm512_load_si512(sums[0][r]), b = _mm512_load_si512(sums[1][r]);
         _mm512_store_si512(acc, glu_mode ? _mm512_permutex2var_epi32(a, glu_low, b) : a);
         _mm512_store_si512(acc + 16, glu_mode ? _mm512_permutex2var_epi32(a, glu_high, b) : b);
-        finish_sums(acc, scale_of, offset_of, NB, rows_of, xs[row0 + r], glu_mode, bias, dtype, y, row0 + r,
-                    out_cols, first, glu_mode ? 16 : 32);
+        finish_sums(acc, scale_of, offset_of, NB, rows_of, xs[row0 + r], glu_mode, bias, dtype, y, residual,
+                    row0 + r, out_cols, first, glu_mode ? 16 : 32);
     }
 }
 
@@ -389,8 +408,8 @@ static void amx_finish_block(int32_t sums[2][16][16], int64_t rows, int64_t row0
  * two where the packed weights exceed AMX_PAIR_BYTES; each block's sums finished by `amx_finish_block`. */
 static void amx_task(const uint8_t *xq, int64_t r0, int64_t m, int64_t k, const int8_t *w, int64_t w_stride,
                      int64_t n, const float *scale, const int32_t *row_sums, const float *xs, int glu_mode,
-                     int64_t task, const float *bias, void *y, int dtype, uint32_t *packed, int pack,
-                     int64_t *configured) {
+                     int64_t task, const float *bias, void *y, const void *residual, int dtype, uint32_t *packed,
+                     int pack, int64_t *configured) {
     const int64_t out_cols = glu_mode ? n / 2 : n, row_blocks = (m + AMX_ROWS - 1) / AMX_ROWS;
     const int64_t first = glu_mode ? 16 * task : 32 * task, second = glu_mode ? out_cols + first : first + 16;
     const int64_t first_block = glu_mode ? first / 2 : first / RW, per_pass = k * 32 > AMX_PAIR_BYTES ? 2 : 1;
@@ -441,14 +460,14 @@ static void amx_task(const uint8_t *xq, int64_t r0, int64_t m, int64_t k, const 
         _tile_stored(1, sums[0][1], 64);
         for (int b = 0; b < (rows2 ? 2 : 1); b++)
             amx_finish_block(sums[b], b ? rows2 : rows, (rb + b) * AMX_ROWS, xs, glu_mode, rows_of, scale_of,
-                             offset_of, scale, row_sums, bias, dtype, y, out_cols, first);
+                             offset_of, scale, row_sums, bias, dtype, y, residual, out_cols, first);
     }
 }
 #endif
 
 int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t *w, int64_t w_stride, int64_t n,
                 const float *scale, const int32_t *row_sums, const float *bias, int glu_mode, void *y,
-                int num_threads) {
+                const void *residual, int num_threads) {
     if (m <= 0) return 0;
     const int64_t out_cols = glu_mode ? n / 2 : n, kp = (k + KB - 1) / KB * KB;
     const int64_t blocks = glu_mode ? (out_cols + 1) / 2 : (n + RW - 1) / RW;
@@ -505,7 +524,7 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
                 deal_team(shares, amx_tasks);
                 for (int64_t task; (task = next_task(shares)) >= 0;)
                     amx_task(xq, r0, MIN(m, r0 + pass_rows), k, w, w_stride, n, scale, row_sums, xs, glu_mode, task,
-                             bias, y, io_dtype, packed_bytes ? packed + task * task_words : (uint32_t *)row,
+                             bias, y, residual, io_dtype, packed_bytes ? packed + task * task_words : (uint32_t *)row,
                              !packed_bytes, &configured);
             }
             _tile_release();
@@ -542,15 +561,17 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
                     if (!glu_mode && io_dtype != F16 && t.cols == NB * RW) {  /* 32 consecutive columns */
                         const columns32 c = columns32_of(scale, row_sums, bias, t.first_col);
                         const int64_t item = io_dtype == F32 ? 4 : 2;
-                        for (int64_t s = 0; s < chunk; s++)
+                        for (int64_t s = 0; s < chunk; s++) {
+                            const int64_t at = ((i0 + s) * out_cols + t.first_col) * item;
                             finish32(&c, sums + s * NB * RW, sums + s * NB * RW + 16, xs[i0 + s], io_dtype,
-                                     (char *)y + ((i0 + s) * out_cols + t.first_col) * item);
+                                     (char *)y + at, residual ? (const char *)residual + at : NULL);
+                        }
                         continue;
                     }
 #endif
                     for (int64_t s = 0; s < chunk; s++)
                         finish_sums(sums + s * NB * RW, scale_of, offset_of, t.count, rows_of, xs[i0 + s], glu_mode,
-                                    bias, io_dtype, y, i0 + s, out_cols, t.first_col, t.cols);
+                                    bias, io_dtype, y, residual, i0 + s, out_cols, t.first_col, t.cols);
                 }
 #pragma omp barrier
             }

@@ -80,6 +80,35 @@ def test_long_rows_of_k(name):
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
+def test_a_residual_is_added_as_torch_adds_it(name):
+    """linear(..., residual) = residual + linear(...), as torch rounds it (the product rounded to x's dtype, the
+    sum rounded again): in the vector epilogue (32 consecutive columns), in finish_sums (the columns past them,
+    float16, glu), and after a float weight's products; 8 rows (the vector blocks) and 40 (the AMX tiles where the
+    CPU has them). A residual of another shape or dtype is refused by name."""
+    lib = build.load_variant(name)
+    generator = torch.Generator().manual_seed(11)
+    for m in (8, 40):
+        for dtype in (torch.bfloat16, torch.float32, torch.float16):
+            x, weight, bias = _case(m, 70, 576, dtype, seed=m + 1)
+            float_weight = (torch.randn(70, 576, generator=generator) * 0.05).to(dtype)
+            for glu in (None, "silu"):
+                residual = torch.randn(m, 35 if glu else 70, generator=generator).to(dtype)
+                got = ops.run_linear(lib, x, weight, bias, glu, residual=residual)
+                expected = reference_linear_int8(x, weight, bias, glu) + residual
+                if glu and dtype == torch.float32:  # e^x: libm's against torch's (see _check)
+                    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+                else:
+                    assert torch.equal(got, expected), (m, dtype, glu)
+                got = ops.run_linear(lib, x, float_weight, bias, glu, residual=residual)
+                assert torch.equal(got, ops.run_linear(lib, x, float_weight, bias, glu) + residual), (m, dtype, glu)
+    x, weight, bias = _case(4, 38, 100, torch.bfloat16, seed=3)
+    with pytest.raises(ValueError, match=r"a residual is the result's shape \(4, 38\)"):
+        ops.linear(x, weight, bias, residual=torch.zeros(4, 37, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="torch.bfloat16, contiguous, got torch.float32"):
+        ops.linear(x, weight, bias, residual=torch.zeros(4, 38))
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
 def test_zero_rows_and_the_largest_values(name):
     """An all-zero row of x (scale 1, every product 0: y is the bias) and of W; x and W all +-127 after
     quantization over a long k (4,100: no step's 16-bit pairs saturate, the int32 sums reach 6.6e7); float16 x."""
