@@ -39,24 +39,30 @@ def _check(lib, x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None, 
         assert torch.equal(got, expected), (x.dtype, tuple(x.shape), weight.shape, bias is not None, glu)
 
 
-@pytest.mark.parametrize("name", RUNNABLE)
-def test_int8_linear_gives_the_reference_s_bits(name):
-    """m = 1, 3, 8 (decode), 40 and 257 (a prefill chunk, past a 192-row pass), bfloat16 and float32 x, with and
-    without bias, plain and glu, on one thread and on two."""
-    lib = build.load_variant(name)
+def _check_all(lib, threads: tuple[int, ...], rows: tuple[int, ...], shapes: tuple[tuple[int, int], ...],
+               dtypes: tuple[torch.dtype, ...], glus: tuple[str | None, ...]) -> None:
+    """`_check` for every combination, with and without bias, on each thread count (the process's restored)."""
     previous = torch.get_num_threads()
     try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            for m in (1, 3, 8, 40, 257):
-                for n, k in SHAPES:
-                    for dtype in (torch.bfloat16, torch.float32):
+        for count in threads:
+            torch.set_num_threads(count)
+            for m in rows:
+                for n, k in shapes:
+                    for dtype in dtypes:
                         x, weight, bias = _case(m, n, k, dtype, seed=m * n + k)
-                        for glu in (None, "silu", "gelu_tanh"):
+                        for glu in glus:
                             for b in (None, bias):
                                 _check(lib, x, weight, b, glu)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_int8_linear_gives_the_reference_s_bits(name):
+    """m = 1, 3, 8 (decode), 40 and 257 (a prefill chunk, past a 192-row pass), bfloat16 and float32 x, with and
+    without bias, plain and glu, on one thread and on two."""
+    _check_all(build.load_variant(name), (1, 2), (1, 3, 8, 40, 257), SHAPES, (torch.bfloat16, torch.float32),
+               (None, "silu", "gelu_tanh"))
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
@@ -65,18 +71,8 @@ def test_long_rows_of_k(name):
     pass): 40 rows (a pair, then a block of 8 alone), 50 (a pair, then a pair whose second block has 2 rows), 257
     (eight pairs and a block of one row), 700 (past AMX_PASS_BYTES of x: two passes of rows against weights packed
     once); float16 x too (the epilogue's other path)."""
-    lib = build.load_variant(name)
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        for m in (40, 50, 257, 700):
-            for dtype in (torch.bfloat16, torch.float32, torch.float16):
-                x, weight, bias = _case(m, 70, 1600, dtype, seed=m)
-                for glu in (None, "silu"):
-                    for b in (None, bias):
-                        _check(lib, x, weight, b, glu)
-    finally:
-        torch.set_num_threads(previous)
+    _check_all(build.load_variant(name), (2,), (40, 50, 257, 700), ((70, 1600),),
+               (torch.bfloat16, torch.float32, torch.float16), (None, "silu"))
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
