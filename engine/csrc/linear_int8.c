@@ -373,6 +373,7 @@ static void amx_configure_rows(int rows, int rows2) {
  * cache (SigLIP's products for 4 tiles at once, 4,096 rows, took 1.3-1.5x the time a row that 1,024 rows take). */
 #define AMX_PASS_BYTES (1 << 20)
 #define AMX_PASS_ROWS 256
+#define AMX_PACKED_MAX (32 << 20)  /* a larger weight (a 7B model's gate/up: 136 MB) keeps each task's own packing */
 
 /* Weight rows [first, first + 16) and [second, second + 16) as the tiles' second operand: for each 64 bytes of k
  * and each of the two, 16 rows of quads (row q: the 16 weight rows' bytes 4q..4q+3), [k / 64][2][16][16] words. */
@@ -498,7 +499,7 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
         block0 = glu_mode ? amx_cols / 2 : amx_cols / RW;
         row_bytes = (size_t)k * 32;  /* amx_pack_weights' */
         const int64_t passes = (m * k + AMX_PASS_BYTES - 1) / AMX_PASS_BYTES;
-        if (passes > 1) {  /* passes of equal rows, a multiple of two blocks */
+        if (passes > 1 && (size_t)amx_tasks * row_bytes <= AMX_PACKED_MAX) {  /* passes of equal rows, whole pairs */
             const int64_t pair = 2 * AMX_ROWS;
             pass_rows = MAX(AMX_PASS_ROWS, ((m + passes - 1) / passes + pair - 1) / pair * pair);
             packed_bytes = (size_t)amx_tasks * row_bytes;
