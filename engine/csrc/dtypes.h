@@ -117,6 +117,18 @@ static inline __attribute__((always_inline)) __m512 widen16(const void *p, int d
     if (dtype == F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at)));
     return _mm512_loadu_ps((const float *)p + at);
 }
+
+/* 16 floats rounded to bfloat16 as store_floats rounds them (nearest even, NaN kept a NaN), widened back. */
+static inline __attribute__((always_inline)) __m512 rounded_bf16_16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_mask_mov_epi32(rounded, nan, quiet),
+                                                _mm512_set1_epi32((int)0xffff0000u)));
+}
 #endif
 
 #ifdef VECTOR
@@ -195,10 +207,7 @@ static inline __attribute__((always_inline)) __m512 dequantize16(const void *p, 
 #ifdef __AVX512BF16__  /* vcvtneps2bf16 rounds to nearest even as torch does (q * s is never NaN nor subnormal) */
         v = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v));
 #else
-        const __m512i bits = _mm512_castps_si512(v);
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        v = _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))),
-                                                 _mm512_set1_epi32((int)0xffff0000u)));
+        v = rounded_bf16_16(v);
 #endif
     } else if (dtype == F16) {
         v = _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

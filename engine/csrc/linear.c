@@ -736,10 +736,6 @@ static void gemm(const void *x, int64_t m, int64_t k, const void *w, int w_dtype
 }
 #endif
 
-/* x [m, k] in io_dtype, w [n, k] in w_dtype (rows `w_stride` elements apart), bias n floats or NULL; y [m, n]
- * (or [m, n / 2] with MODE_GLU) in io_dtype; `mode`: MODE_GLU | MODE_GELU | PRODUCTS_WIDEN bits. An I8 weight
- * comes with its float32 scales and int32 row sums [n] (linear_int8.c; NULL for float weights). Returns 2 where
- * memory runs out. */
 void add_residual(void *y, const void *residual, int dtype, int64_t offset, int64_t count) {
     float sum[256], other[256];
     for (int64_t at = offset; at < offset + count; at += 256) {
@@ -755,6 +751,10 @@ static int float_linear(const void *x, int io_dtype, int64_t m, int64_t k, const
                         int64_t w_stride, int64_t n, const float *bias, int mode, int glu_mode, void *y,
                         int num_threads);
 
+/* x [m, k] in io_dtype, w [n, k] in w_dtype (rows `w_stride` elements apart), bias n floats or NULL; y [m, n]
+ * (or [m, n / 2] with MODE_GLU) in io_dtype; `mode`: MODE_GLU | MODE_GELU | PRODUCTS_WIDEN bits. An I8 weight
+ * comes with its float32 scales and int32 row sums [n] (linear_int8.c; NULL for float weights); `residual` (y's
+ * shape and dtype, or NULL) is added as kernels.h says. Returns 2 where memory runs out. */
 int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int w_dtype, int64_t w_stride,
            int64_t n, const float *bias, const float *scale, const int32_t *row_sums, int mode, void *y,
            const void *residual, int num_threads) {

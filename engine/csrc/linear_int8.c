@@ -119,14 +119,6 @@ static inline __m128i reduce4(vi a, vi b, vi c, vi d) {
 #endif
 #endif
 
-#ifdef __AVX512F__
-/* 16 values of `dtype` (bfloat16 or float32) from `in` as float32. */
-static inline __m512 load16(const void *in, int dtype) {
-    if (dtype == F32) return _mm512_loadu_ps(in);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(in)), 16));
-}
-#endif
-
 /* Row `i` of x (k values of `dtype`) quantized into `out` (kp bytes: the k values, then qx = 0 up to kp), as
  * qx + OFFSET; returns its scale s. `row` is k floats of room. dtypes.h's quantize_row (the int8 KV cache's),
  * vectorised (IEEE divisions: div16, div8). */
@@ -134,11 +126,10 @@ static float quantize_x(const void *x, int dtype, int64_t i, int64_t k, int64_t 
     float amax = 0.0f;
     int64_t w = 0;
 #ifdef __AVX512F__
-    if (dtype != F16) {  /* widened and its largest magnitude taken in one pass */
+    {  /* widened and its largest magnitude taken in one pass */
         __m512 top = _mm512_setzero_ps();
-        const int64_t item = dtype == F32 ? 4 : 2;
         for (; w + 16 <= k; w += 16) {
-            const __m512 v = load16((const char *)x + (i * k + w) * item, dtype);
+            const __m512 v = widen16(x, dtype, i * k + w);
             _mm512_storeu_ps(row + w, v);
             top = _mm512_max_ps(top, _mm512_abs_ps(v));
         }
@@ -278,24 +269,13 @@ static void finish_sums(const int32_t *acc, const float *scale_of, const int32_t
 }
 
 #ifdef __AVX512F__
-/* 16 float32 sums as `dtype` (bfloat16 or float32) into `out`: store_floats' rounding (nearest even, NaN kept a
- * NaN), in a vector. */
-static inline __m512i bf16_bits16(__m512 v) {  /* each lane's bfloat16 in its high 16 bits */
-    const __m512i bits = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)),
-                                             _mm512_and_si512(_mm512_srli_epi32(bits, 16), one));
-    const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000));
-    return _mm512_and_si512(_mm512_mask_mov_epi32(rounded, nan, quiet), _mm512_set1_epi32((int)0xffff0000u));
-}
-
+/* 16 float32 sums as `dtype` (bfloat16 or float32) into `out`, rounded as store_floats rounds them. */
 static inline void store16(__m512 v, int dtype, void *out) {
     if (dtype == F32) {
         _mm512_storeu_ps(out, v);
         return;
     }
-    _mm256_storeu_si256(out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits16(v), 16)));
+    _mm256_storeu_si256(out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded_bf16_16(v)), 16)));
 }
 
 /* 32 consecutive output columns from `first` (no glu) as a row's sums are finished: their scales, x's offset
@@ -334,9 +314,9 @@ static inline void finish32(const columns32 *c, const int32_t *lo, const int32_t
         __asm__("" : "+v"(v));
         if (c->has_bias) v = _mm512_add_ps(v, c->bias[t]);
         if (res) {
-            if (dtype != F32) v = _mm512_castsi512_ps(bf16_bits16(v));
+            if (dtype != F32) v = rounded_bf16_16(v);
             __asm__("" : "+v"(v));
-            v = _mm512_add_ps(v, load16((const char *)res + 16 * t * item, dtype));
+            v = _mm512_add_ps(v, widen16(res, dtype, 16 * t));
         }
         store16(v, dtype, (char *)out + 16 * t * item);
     }
@@ -389,18 +369,18 @@ static void amx_pack_weights(const int8_t *w, int64_t w_stride, int64_t k, int64
         }
 }
 
-/* A block's sums (`rows` rows of x from `row0`: tiles `sums[0]`, `sums[1]`) finished: in vectors where they
- * allow (no glu, y bfloat16 or float32), else each row put in the blocks' order and finished as theirs. */
+/* A block's sums (`rows` rows of x from `row0`: tiles `sums[0]`, `sums[1]`) finished: in vectors where the task
+ * has its `columns` (no glu, y bfloat16 or float32), else each row put in the blocks' order and finished as
+ * theirs. */
 static void amx_finish_block(int32_t sums[2][16][16], int64_t rows, int64_t row0, const float *xs, int glu_mode,
                              const int64_t *rows_of, const float *scale_of, const int32_t *offset_of,
-                             const float *scale, const int32_t *row_sums, const float *bias, int dtype, void *y,
-                             const void *residual, int64_t out_cols, int64_t first) {
-    if (!glu_mode && dtype != F16) {
-        const columns32 c = columns32_of(scale, row_sums, bias, first);
+                             const columns32 *columns, const float *bias, int dtype, void *y, const void *residual,
+                             int64_t out_cols, int64_t first) {
+    if (columns) {
         const int64_t item = dtype == F32 ? 4 : 2;
         for (int64_t r = 0; r < rows; r++) {
             const int64_t at = ((row0 + r) * out_cols + first) * item;
-            finish32(&c, sums[0][r], sums[1][r], xs[row0 + r], dtype, (char *)y + at,
+            finish32(columns, sums[0][r], sums[1][r], xs[row0 + r], dtype, (char *)y + at,
                      residual ? (const char *)residual + at : NULL);
         }
         return;
@@ -435,6 +415,10 @@ static void amx_task(const uint8_t *xq, int64_t r0, int64_t m, int64_t k, const 
     int32_t offset_of[NB * RW];
     task_scales(rows_of, NB, scale, row_sums, OFFSET, scale_of, offset_of);
     if (pack) amx_pack_weights(w, w_stride, k, first, second, packed);
+    columns32 vector_columns;  /* what finish32 reads, once a task */
+    const columns32 *columns = NULL;
+    if (!glu_mode && dtype != F16)
+        vector_columns = columns32_of(scale, row_sums, bias, first), columns = &vector_columns;
     int32_t sums[2][2][16][16] __attribute__((aligned(64)));  /* [block][tile][row of x][weight row] */
     for (int64_t rb = r0 / AMX_ROWS; rb < row_blocks; rb += per_pass) {  /* the packed weights stay in the cache */
         const int64_t rows = MIN(AMX_ROWS, m - rb * AMX_ROWS);
@@ -476,7 +460,7 @@ static void amx_task(const uint8_t *xq, int64_t r0, int64_t m, int64_t k, const 
         _tile_stored(1, sums[0][1], 64);
         for (int b = 0; b < (rows2 ? 2 : 1); b++)
             amx_finish_block(sums[b], b ? rows2 : rows, (rb + b) * AMX_ROWS, xs, glu_mode, rows_of, scale_of,
-                             offset_of, scale, row_sums, bias, dtype, y, residual, out_cols, first);
+                             offset_of, columns, bias, dtype, y, residual, out_cols, first);
     }
 }
 #endif
