@@ -359,6 +359,13 @@ void finish_row(float *sums, int64_t blocks, int glu_mode, const float *bias, co
             gate[2 * b + c] = sums[b * RW + c] + (bias ? bias[rows_of[b * RW + c]] : 0.0f);
             up[2 * b + c] = sums[b * RW + 2 + c] + (bias ? bias[rows_of[b * RW + 2 + c]] : 0.0f);
         }
+    glu_tail(gate, up, count, glu_mode, dtype, out);
+}
+
+/* act(gate) * up for `count` outputs (gate and up with their bias; count at most 2 * NB), each operator's result
+ * rounded to `dtype` as torch's `act(gate) * up` rounds it, into `out`: finish_row's, and the int8 kernel's
+ * vector epilogue's, so that a task's outputs are finished by the same code either way. */
+void glu_tail(float *gate, float *up, int64_t count, int glu_mode, int dtype, float *out) {
     round_to(gate, count, dtype);
     round_to(up, count, dtype);
     float denominator[2 * NB];

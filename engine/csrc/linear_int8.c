@@ -278,48 +278,73 @@ static inline void store16(__m512 v, int dtype, void *out) {
     _mm256_storeu_si256(out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded_bf16_16(v)), 16)));
 }
 
-/* 32 consecutive output columns from `first` (no glu) as a row's sums are finished: their scales, x's offset
- * times their row sums, their bias (0 without). */
+/* 32 output columns as a row's sums are finished: 16 consecutive from `first` and 16 from `second` (no glu: first
+ * + 16; glu: a task's 16 gate rows and the same 16 up rows), their scales, x's offset times their row sums, their
+ * bias (0 without). */
 typedef struct {
     __m512 scale[2], bias[2];
     __m512i offset[2];
     int has_bias;
 } columns32;
 
-static inline columns32 columns32_of(const float *scale, const int32_t *row_sums, const float *bias, int64_t first) {
+static inline columns32 columns32_of(const float *scale, const int32_t *row_sums, const float *bias, int64_t first,
+                                     int64_t second) {
     columns32 c;
     c.has_bias = bias != NULL;
     for (int t = 0; t < 2; t++) {
-        c.scale[t] = _mm512_loadu_ps(scale + first + 16 * t);
-        c.bias[t] = bias ? _mm512_loadu_ps(bias + first + 16 * t) : _mm512_setzero_ps();
-        c.offset[t] = _mm512_mullo_epi32(_mm512_loadu_si512(row_sums + first + 16 * t), _mm512_set1_epi32(OFFSET));
+        const int64_t at = t ? second : first;
+        c.scale[t] = _mm512_loadu_ps(scale + at);
+        c.bias[t] = bias ? _mm512_loadu_ps(bias + at) : _mm512_setzero_ps();
+        c.offset[t] = _mm512_mullo_epi32(_mm512_loadu_si512(row_sums + at), _mm512_set1_epi32(OFFSET));
     }
     return c;
 }
 
-/* One row's sums of those 32 columns (`lo`: the first 16, `hi`: the next 16; s: the row's scale) finished as
- * finish_sums finishes them, bit for bit, in vectors, into `out` (the row's first of the columns, bfloat16 or
- * float32): float(acc - offset) * (s * scale) (the factor first; asm statements keep the product from fusing with
- * the bias's add), + bias, rounded; then + `res` (the residual's same columns; NULL: none), rounded again.
- * finish_sums' loops over arrays took 40% of a 1,024 x 768 x 3,072 product. */
+/* Half t of those columns' sums `acc` for a row of scale s, as finish_sums computes them before finish_row's
+ * rounding, bit for bit: float(acc - offset) * (s * scale) (the factor first; asm statements keep the product from
+ * fusing with the bias's add), + bias. */
+static inline __m512 sums16(const columns32 *c, int t, const int32_t *acc, float s) {
+    __m512 factor = _mm512_mul_ps(_mm512_set1_ps(s), c->scale[t]);
+    __asm__("" : "+v"(factor));
+    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(acc), c->offset[t])), factor);
+    __asm__("" : "+v"(v));
+    return c->has_bias ? _mm512_add_ps(v, c->bias[t]) : v;
+}
+
+/* 16 finished values into `out` (bfloat16 or float32), rounded as store_floats rounds them; with a residual `res`
+ * (its same 16 values; NULL: none) first rounded, then the residual added and the sum rounded, as add_residual. */
+static inline void store16_adding(__m512 v, int dtype, void *out, const void *res) {
+    if (res) {
+        if (dtype != F32) v = rounded_bf16_16(v);
+        __asm__("" : "+v"(v));
+        v = _mm512_add_ps(v, widen16(res, dtype, 0));
+    }
+    store16(v, dtype, out);
+}
+
+/* One row's sums of 32 consecutive columns (`lo`: the first 16, `hi`: the next 16; s: the row's scale) finished
+ * as finish_sums finishes them, bit for bit, in vectors, into `out` (the row's first of the columns, bfloat16 or
+ * float32), + `res` (the residual's same columns; NULL: none). finish_sums' loops over arrays took 40% of a
+ * 1,024 x 768 x 3,072 product. */
 static inline void finish32(const columns32 *c, const int32_t *lo, const int32_t *hi, float s, int dtype,
                             void *out, const void *res) {
-    const __m512 sv = _mm512_set1_ps(s);
     const int64_t item = dtype == F32 ? 4 : 2;
-    for (int t = 0; t < 2; t++) {
-        __m512 factor = _mm512_mul_ps(sv, c->scale[t]);
-        __asm__("" : "+v"(factor));
-        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(t ? hi : lo), c->offset[t])),
-                                 factor);
-        __asm__("" : "+v"(v));
-        if (c->has_bias) v = _mm512_add_ps(v, c->bias[t]);
-        if (res) {
-            if (dtype != F32) v = rounded_bf16_16(v);
-            __asm__("" : "+v"(v));
-            v = _mm512_add_ps(v, widen16(res, dtype, 16 * t));
-        }
-        store16(v, dtype, (char *)out + 16 * t * item);
-    }
+    for (int t = 0; t < 2; t++)
+        store16_adding(sums16(c, t, t ? hi : lo, s), dtype, (char *)out + 16 * t * item,
+                       res ? (const char *)res + 16 * t * item : NULL);
+}
+
+/* One row's sums of 16 gate columns (`gate`) and their 16 up columns (`up`) finished as finish_sums finishes them
+ * in glu mode, bit for bit: the sums in vectors (sums16), act(gate) * up by finish_row's own `glu_tail`, into the
+ * row's 16 outputs `out` (+ `res`). finish_sums took a decode step's gate/up product a third longer than its
+ * reading. */
+static inline void finish16_glu(const columns32 *c, const int32_t *gate, const int32_t *up, float s, int glu_mode,
+                                int dtype, void *out, const void *res) {
+    float g[16], u[16], done[16];
+    _mm512_storeu_ps(g, sums16(c, 0, gate, s));
+    _mm512_storeu_ps(u, sums16(c, 1, up, s));
+    glu_tail(g, u, 16, glu_mode, dtype, done);
+    store16_adding(_mm512_loadu_ps(done), dtype, out, res);
 }
 #endif
 
@@ -369,19 +394,51 @@ static void amx_pack_weights(const int8_t *w, int64_t w_stride, int64_t k, int64
         }
 }
 
+/* A task's 32 columns (or 16 gate and their 16 up rows) as its blocks' sums are finished: the first weight row of
+ * each tile; where y is bfloat16 or float32 what the vector epilogue reads (`vector`: finish32, finish16_glu), else
+ * their blocks' rows (block_rows), scales and x's offset (task_scales) for finish_sums. */
+typedef struct {
+    int64_t first, second;
+    int64_t rows_of[NB * RW];
+    float scale_of[NB * RW];
+    int32_t offset_of[NB * RW];
+    columns32 columns;
+    int vector;
+} amx_columns;
+
+static void amx_columns_of(int64_t task, int glu_mode, int64_t n, const float *scale, const int32_t *row_sums,
+                           const float *bias, int dtype, amx_columns *c) {
+    const int64_t out_cols = glu_mode ? n / 2 : n;
+    c->first = glu_mode ? 16 * task : 32 * task;
+    c->second = glu_mode ? out_cols + c->first : c->first + 16;
+    c->vector = dtype != F16;
+    if (c->vector) {
+        c->columns = columns32_of(scale, row_sums, bias, c->first, c->second);
+        return;
+    }
+    const int64_t first_block = glu_mode ? c->first / 2 : c->first / RW;
+    for (int b = 0; b < NB; b++) block_rows(first_block + b, glu_mode, n, out_cols, c->rows_of + b * RW);
+    task_scales(c->rows_of, NB, scale, row_sums, OFFSET, c->scale_of, c->offset_of);
+}
+
 /* A block's sums (`rows` rows of x from `row0`: tiles `sums[0]`, `sums[1]`) finished: in vectors where the task
  * has its `columns` (no glu, y bfloat16 or float32), else each row put in the blocks' order and finished as
  * theirs. */
 static void amx_finish_block(int32_t sums[2][16][16], int64_t rows, int64_t row0, const float *xs, int glu_mode,
-                             const int64_t *rows_of, const float *scale_of, const int32_t *offset_of,
-                             const columns32 *columns, const float *bias, int dtype, void *y, const void *residual,
-                             int64_t out_cols, int64_t first) {
-    if (columns) {
+                             const amx_columns *c, const float *bias, int dtype, void *y, const void *residual,
+                             int64_t out_cols) {
+    const int64_t first = c->first;
+    if (c->vector) {
+        const columns32 *columns = &c->columns;
         const int64_t item = dtype == F32 ? 4 : 2;
         for (int64_t r = 0; r < rows; r++) {
             const int64_t at = ((row0 + r) * out_cols + first) * item;
-            finish32(columns, sums[0][r], sums[1][r], xs[row0 + r], dtype, (char *)y + at,
-                     residual ? (const char *)residual + at : NULL);
+            void *out = (char *)y + at;
+            const void *res = residual ? (const char *)residual + at : NULL;
+            if (glu_mode)
+                finish16_glu(columns, sums[0][r], sums[1][r], xs[row0 + r], glu_mode, dtype, out, res);
+            else
+                finish32(columns, sums[0][r], sums[1][r], xs[row0 + r], dtype, out, res);
         }
         return;
     }
@@ -393,8 +450,8 @@ static void amx_finish_block(int32_t sums[2][16][16], int64_t rows, int64_t row0
         const __m512i a = _mm512_load_si512(sums[0][r]), b = _mm512_load_si512(sums[1][r]);
         _mm512_store_si512(acc, glu_mode ? _mm512_permutex2var_epi32(a, glu_low, b) : a);
         _mm512_store_si512(acc + 16, glu_mode ? _mm512_permutex2var_epi32(a, glu_high, b) : b);
-        finish_sums(acc, scale_of, offset_of, NB, rows_of, xs[row0 + r], glu_mode, bias, dtype, y, residual,
-                    row0 + r, out_cols, first, glu_mode ? 16 : 32);
+        finish_sums(acc, c->scale_of, c->offset_of, NB, c->rows_of, xs[row0 + r], glu_mode, bias, dtype, y,
+                    residual, row0 + r, out_cols, first, glu_mode ? 16 : 32);
     }
 }
 
@@ -407,18 +464,11 @@ static void amx_task(const uint8_t *xq, int64_t r0, int64_t m, int64_t k, const 
                      int64_t task, const float *bias, void *y, const void *residual, int dtype, uint32_t *packed,
                      int pack, int64_t *configured) {
     const int64_t out_cols = glu_mode ? n / 2 : n, row_blocks = (m + AMX_ROWS - 1) / AMX_ROWS;
-    const int64_t first = glu_mode ? 16 * task : 32 * task, second = glu_mode ? out_cols + first : first + 16;
-    const int64_t first_block = glu_mode ? first / 2 : first / RW, per_pass = k * 32 > AMX_PAIR_BYTES ? 2 : 1;
-    int64_t rows_of[NB * RW];
-    for (int b = 0; b < NB; b++) block_rows(first_block + b, glu_mode, n, out_cols, rows_of + b * RW);
-    float scale_of[NB * RW];
-    int32_t offset_of[NB * RW];
-    task_scales(rows_of, NB, scale, row_sums, OFFSET, scale_of, offset_of);
+    const int64_t per_pass = k * 32 > AMX_PAIR_BYTES ? 2 : 1;
+    amx_columns c;
+    amx_columns_of(task, glu_mode, n, scale, row_sums, bias, dtype, &c);
+    const int64_t first = c.first, second = c.second;
     if (pack) amx_pack_weights(w, w_stride, k, first, second, packed);
-    columns32 vector_columns;  /* what finish32 reads, once a task */
-    const columns32 *columns = NULL;
-    if (!glu_mode && dtype != F16)
-        vector_columns = columns32_of(scale, row_sums, bias, first), columns = &vector_columns;
     int32_t sums[2][2][16][16] __attribute__((aligned(64)));  /* [block][tile][row of x][weight row] */
     for (int64_t rb = r0 / AMX_ROWS; rb < row_blocks; rb += per_pass) {  /* the packed weights stay in the cache */
         const int64_t rows = MIN(AMX_ROWS, m - rb * AMX_ROWS);
@@ -459,8 +509,8 @@ static void amx_task(const uint8_t *xq, int64_t r0, int64_t m, int64_t k, const 
         _tile_stored(0, sums[0][0], 64);
         _tile_stored(1, sums[0][1], 64);
         for (int b = 0; b < (rows2 ? 2 : 1); b++)
-            amx_finish_block(sums[b], b ? rows2 : rows, (rb + b) * AMX_ROWS, xs, glu_mode, rows_of, scale_of,
-                             offset_of, columns, bias, dtype, y, residual, out_cols, first);
+            amx_finish_block(sums[b], b ? rows2 : rows, (rb + b) * AMX_ROWS, xs, glu_mode, &c, bias, dtype, y,
+                             residual, out_cols);
     }
 }
 #endif
@@ -558,13 +608,29 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
 #endif
                         }
 #ifdef __AVX512F__
-                    if (!glu_mode && io_dtype != F16 && t.cols == NB * RW) {  /* 32 consecutive columns */
-                        const columns32 c = columns32_of(scale, row_sums, bias, t.first_col);
+                    /* a whole task: 32 consecutive columns, or 16 gate columns and their 16 up, in vectors */
+                    if (io_dtype != F16 && t.cols == (glu_mode ? 2 : RW) * NB) {
+                        const columns32 c = columns32_of(scale, row_sums, bias, t.first_col,
+                                                         glu_mode ? out_cols + t.first_col : t.first_col + 16);
                         const int64_t item = io_dtype == F32 ? 4 : 2;
+                        /* glu: block b's sums are gate 2b, 2b + 1, up 2b, 2b + 1 */
+                        const __m512i gates = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
+                                                                29);
+                        const __m512i ups = _mm512_add_epi32(gates, _mm512_set1_epi32(2));
                         for (int64_t s = 0; s < chunk; s++) {
                             const int64_t at = ((i0 + s) * out_cols + t.first_col) * item;
-                            finish32(&c, sums + s * NB * RW, sums + s * NB * RW + 16, xs[i0 + s], io_dtype,
-                                     (char *)y + at, residual ? (const char *)residual + at : NULL);
+                            const int32_t *row = sums + s * NB * RW;
+                            void *out = (char *)y + at;
+                            const void *res = residual ? (const char *)residual + at : NULL;
+                            if (glu_mode) {
+                                int32_t gate[16], up[16];
+                                const __m512i a = _mm512_loadu_si512(row), b = _mm512_loadu_si512(row + 16);
+                                _mm512_storeu_si512(gate, _mm512_permutex2var_epi32(a, gates, b));
+                                _mm512_storeu_si512(up, _mm512_permutex2var_epi32(a, ups, b));
+                                finish16_glu(&c, gate, up, xs[i0 + s], glu_mode, io_dtype, out, res);
+                            } else {
+                                finish32(&c, row, row + 16, xs[i0 + s], io_dtype, out, res);
+                            }
                         }
                         continue;
                     }

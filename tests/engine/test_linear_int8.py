@@ -105,6 +105,34 @@ def test_a_residual_is_added_as_torch_adds_it(name):
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
+def test_the_vector_epilogue_is_finish_sums_bit_for_bit(name):
+    """A whole task's columns are finished in vectors (finish32; glu: finish16_glu, with finish_row's own glu
+    tail), a task's partial columns by finish_sums: outputs 3-5 of a weight with 19 outputs (a whole first task)
+    against the same three outputs as a weight of their own (a partial task), bit for bit; 8 rows (the vector
+    blocks) and 40 (the AMX tiles where the CPU has them), with and without bias, with a residual. (Float32 glu
+    only where rounding to bfloat16 follows: a whole task's 16 e^x go by the compiler's vector expf, a partial
+    task's by libm's scalar one, a few ulps apart in float32, as they were before the vector epilogue.)"""
+    lib = build.load_variant(name)
+    generator = torch.Generator().manual_seed(12)
+    for m in (8, 40):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(m, 576, generator=generator).to(dtype)
+            for glu in (None, "silu", "gelu_tanh") if dtype == torch.bfloat16 else (None,):
+                outputs = 19
+                rows = 2 * outputs if glu else outputs
+                weight = quantize_weight((torch.randn(rows, 576, generator=generator) * 0.05).bfloat16())
+                bias = torch.randn(rows, generator=generator)
+                picked = torch.tensor([3, 4, 5, outputs + 3, outputs + 4, outputs + 5] if glu else [3, 4, 5])
+                part = Int8Weight.of(weight.qweight[picked], weight.scale[picked])
+                residual = torch.randn(m, outputs, generator=generator).to(dtype)
+                for b in (None, bias):
+                    whole = ops.run_linear(lib, x, weight, b, glu, residual=residual)
+                    alone = ops.run_linear(lib, x, part, None if b is None else b[picked], glu,
+                                           residual=residual[:, 3:6].contiguous())
+                    assert torch.equal(whole[:, 3:6], alone), (m, dtype, glu, b is not None)
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
 def test_zero_rows_and_the_largest_values(name):
     """An all-zero row of x (scale 1, every product 0: y is the bias) and of W; x and W all +-127 after
     quantization over a long k (4,100: no step's 16-bit pairs saturate, the int32 sums reach 6.6e7); float16 x."""
