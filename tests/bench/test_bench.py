@@ -243,5 +243,12 @@ def test_bench_linear_ab_times_this_trees_kernel_against_another_library():
     assert all(r["other_ms"] > 0 and r["this_ms"] > 0 and r["ratio"] == r["this_ms"] / r["other_ms"] for r in results)
     quantized = linear_ab.main([str(other), "--shapes", "64x64", "--rows", "2", "--threads", "1", "--int8"])
     assert len(quantized) == 1 and quantized[0]["this_ms"] > 0 and quantized[0]["other_ms"] > 0
+    gated = linear_ab.main([str(other), "--shapes", "64x64", "--rows", "2", "--threads", "1", "--int8",
+                            "--glu", "silu"])
+    assert len(gated) == 1 and gated[0]["this_ms"] > 0
     with pytest.raises(ValueError, match="'64by32'"):
         linear_ab.parse_shapes("64by32")
+    with pytest.raises(ValueError, match="an even n .* got \\[\\(63, 64\\)\\]"):
+        linear_ab.main([str(other), "--shapes", "63x64", "--rows", "2", "--glu", "silu"])
+    with pytest.raises(ValueError, match="glu is one of .* got 'relu'"):
+        linear_ab.main([str(other), "--shapes", "64x64", "--rows", "2", "--glu", "relu"])
