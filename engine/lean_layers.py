@@ -124,21 +124,24 @@ class Projection:
         self.bias = None if self.bias32 is None else self.bias32.to(self.weight.dtype)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor, glu: str | None = None,
-                 residual: torch.Tensor | None = None) -> None:
+                 residual: torch.Tensor | None = None, act: str | None = None) -> None:
         """out = x W^T (+ b) (+ residual, out's shape: added as torch's `residual + linear(x)` adds it, in the
-        kernel's epilogue where it can); with `glu` (an activation), act(x W_g^T) * (x W_u^T)."""
+        kernel's epilogue where it can); with `glu` (an activation), act(x W_g^T) * (x W_u^T); with `act`
+        ("gelu_tanh", no glu), ops.gelu_tanh of the product before any residual (in the int8 epilogue)."""
         if self.int8:
-            ops.linear(x, self.weight, self.bias32, glu, out, residual)
+            ops.linear(x, self.weight, self.bias32, glu, out, residual, act=act)
             return
         if self.rows[0] <= x.shape[0] <= self.rows[1]:
             ops.run_linear(build.load_variant(build.variant()), x, self.weight, self.bias32, glu, out,
-                           residual=residual)
+                           residual=residual, act=act)
             return
         if glu is None:
             if self.bias is None:
                 torch.mm(x, self.weight_t, out=out)
             else:
                 torch.addmm(self.bias, x, self.weight_t, out=out)
+            if act is not None:
+                ops.gelu_tanh(out)
             if residual is not None:
                 out.add_(residual)
             return

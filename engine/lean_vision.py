@@ -13,7 +13,8 @@ reading transformers' own weights: q/k/v are copied once into one matrix whose r
 weights (`lean_layers.fuse`), so the weights stay held once. Each product goes through the CPU's Linear kernel
 for the row counts where it wins (measured at start-up, as the decoder's), else through oneDNN (torch's own CPU
 library: the bias and the residual add in its epilogue) where it runs for the dtype no slower than F.linear
-(`fused_products`), else through F.linear and an add; GELU is the C kernel (engine/csrc/gelu.c); attention is
+(`fused_products`), else through F.linear and an add; GELU is the C kernel (engine/csrc/gelu.c), in the
+Linear kernel's epilogue where fc1 goes through it (int8 weights always: their output written once); attention is
 the C kernel (engine/csrc/full_attention.c) where it beats SDPA here (`own_attention`), else SDPA. The arithmetic
 is the stock layer's (float32 sums; in bfloat16 a fused residual add rounds once instead of twice): tests compare
 the features with the stock tower's and greedy tokens with transformers' generate. An adapter
@@ -144,17 +145,20 @@ class LeanVisionLayer:
     def projections(self) -> list[Projection]:
         return [self.qkv, self.out, self.fc1, self.fc2]
 
-    def _linear(self, x: torch.Tensor, projection: Projection, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """projection(x [..., k]) (+ residual), a new tensor."""
+    def _linear(self, x: torch.Tensor, projection: Projection, residual: torch.Tensor | None = None,
+                act: str | None = None) -> torch.Tensor:
+        """projection(x [..., k]) (+ residual), a new tensor; with `act` ("gelu_tanh", no residual), its GELU (the
+        C kernel's, in the int8 and kernel epilogues)."""
         rows = x.numel() // x.shape[-1]
         low, high = projection.rows
         if self.fused and not low <= rows <= high:
             if residual is None:
-                return torch.ops.mkldnn._linear_pointwise(x, projection.weight, projection.bias, "none", [], "")
+                out = torch.ops.mkldnn._linear_pointwise(x, projection.weight, projection.bias, "none", [], "")
+                return ops.gelu_tanh(out.contiguous()) if act else out
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, projection.weight, projection.bias, "add")
         out = x.new_empty(*x.shape[:-1], projection.weight.shape[0])
         projection(x.reshape(rows, x.shape[-1]), out.view(rows, -1),
-                   residual=None if residual is None else residual.reshape(rows, -1).contiguous())
+                   residual=None if residual is None else residual.reshape(rows, -1).contiguous(), act=act)
         return out
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -181,7 +185,7 @@ class LeanVisionLayer:
     def mlp_in(self, hidden: torch.Tensor) -> torch.Tensor:
         """GELU(fc1(layer_norm2(hidden)))."""
         normed = F.layer_norm(hidden, self.norm2.normalized_shape, self.norm2.weight, self.norm2.bias, self.norm2.eps)
-        return ops.gelu_tanh(self._linear(normed, self.fc1).contiguous())
+        return self._linear(normed, self.fc1, act="gelu_tanh")
 
     def mlp_out(self, activated: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """hidden + fc2(activated)."""

@@ -14,6 +14,8 @@ MODE_GLU, PRODUCTS_WIDEN, MODE_GELU = 1, 2, 4  # kernels.h's `mode` bits of line
 NORM_LLAMA, NORM_GEMMA = 0, 1  # kernels.h's norm flavors
 # A gated MLP's activations (linear()'s `glu`) -> the `mode` bits for it.
 GLU_ACTIVATIONS = {"silu": MODE_GLU, "gelu_tanh": MODE_GLU | MODE_GELU}
+# An activation of a product's own outputs (linear()'s `act`, no glu) -> the `mode` bits for it.
+OUTPUT_ACTIVATIONS = {"gelu_tanh": MODE_GELU}
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 

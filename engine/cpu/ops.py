@@ -36,6 +36,7 @@ from engine.cpu.abi import (
     DTYPE_CODES,
     GLU_ACTIVATIONS,
     I8,
+    OUTPUT_ACTIVATIONS,
     PRODUCTS_WIDEN,
     DecodeStepArgs,
     ProjectionArgs,
@@ -113,13 +114,15 @@ def check_weight(weight: torch.Tensor | Int8Weight) -> None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None,
            glu: str | None = None, out: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
     """x [..., k] @ weight [n, k]^T (+ bias, float32), summed in float32 and returned in x's dtype
     (engine/csrc/linear.c). With `glu` (an activation of `GLU_ACTIVATIONS`), weight is [gate; up] and the result
     act(x gate^T) * (x up^T), [..., n/2]. `out`, when given, receives the result (contiguous, x's dtype). An
     `Int8Weight`: x quantized per row at the call and the products summed in int32 (engine/csrc/linear_int8.c,
-    engine/quantization.py's rule). `residual` (the result's shape and dtype, contiguous) is added as torch's
-    `residual + linear(x)` adds it: in the int8 kernel's epilogue, after the float kernels' products."""
+    engine/quantization.py's rule). `act` (one of `OUTPUT_ACTIVATIONS`, no glu): the result's activation, the
+    same bits as `gelu_tanh(linear(x))`, in the int8 kernel's epilogue, after the float kernels' products.
+    `residual` (the result's shape and dtype, contiguous) is added as torch's `residual + linear(x)` adds it (after
+    `act`): in the int8 kernel's epilogue, after the float kernels' products."""
     check_weight(weight)
     if x.dtype not in DTYPE_CODES or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"input {x.dtype} {tuple(x.shape)} does not fit a [{weight.shape[0]}, {weight.shape[1]}] "
@@ -130,13 +133,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tenso
         raise ValueError(f"glu is one of {list(GLU_ACTIVATIONS)} (the gate's activation), got {glu!r}")
     if glu and weight.shape[0] % 2:
         raise ValueError(f"a glu weight stacks gate and up rows: an even count, got {weight.shape[0]}")
+    if act is not None and (act not in OUTPUT_ACTIVATIONS or glu is not None):
+        raise ValueError(f"act is one of {list(OUTPUT_ACTIVATIONS)}, without glu, got {act!r} (glu {glu!r})")
     width = weight.shape[0] // 2 if glu else weight.shape[0]
     if residual is not None and (residual.dtype != x.dtype or residual.shape != (*x.shape[:-1], width)
                                  or not residual.is_contiguous()):
         raise ValueError(f"a residual is the result's shape {(*x.shape[:-1], width)} and dtype {x.dtype}, "
                          f"contiguous, got {residual.dtype} {tuple(residual.shape)} "
                          f"(contiguous: {residual.is_contiguous()})")
-    return run_linear(build.lib(), x, weight, bias, glu, out, residual=residual)
+    return run_linear(build.lib(), x, weight, bias, glu, out, residual=residual, act=act)
 
 
 PRODUCTS = ("dot", "widen")  # bfloat16 products: vdpbf16ps, or float32 FMAs on widened weights
@@ -144,7 +149,7 @@ PRODUCTS = ("dot", "widen")  # bfloat16 products: vdpbf16ps, or float32 FMAs on 
 
 def run_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None,
                glu: str | None, out: torch.Tensor | None = None, products: str | None = None,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
+               residual: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
     """`linear` on inputs already checked (a layer's own weight: checked once, at routing); bfloat16 products
     as `products` says (None: tuning.bf16_products(lib))."""
     n, k = weight.shape
@@ -152,7 +157,7 @@ def run_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor | Int8Wei
     width = n // 2 if glu else n
     if out is None:
         out = torch.empty(*x.shape[:-1], width, dtype=x.dtype)
-    mode = GLU_ACTIVATIONS[glu] if glu else 0
+    mode = GLU_ACTIVATIONS[glu] if glu else OUTPUT_ACTIVATIONS[act] if act else 0
     if isinstance(weight, Int8Weight):  # no bfloat16 products to choose
         q = weight.qweight
         w, code, stride = q.data_ptr(), I8, q.stride(0)

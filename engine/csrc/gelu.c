@@ -15,6 +15,8 @@
 #endif
 
 #include "dtypes.h"
+#include "kernels.h"
+#include "linear.h"
 
 #define BLOCK 4096
 #define PARALLEL_VALUES 65536 /* fewer values than this run on the calling thread */
@@ -38,6 +40,32 @@ static inline float exp_poly(float x) {
     return p * scale;
 }
 
+/* values[count], count a multiple of GELU_STEP, replaced by gelu(values): the loop the compiler vectorizes. */
+static inline void gelu_steps(float *values, int64_t count) {
+    for (int64_t i = 0; i < count; i++) {
+        const float v = values[i];
+        const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+        values[i] = v / (1.0f + exp_poly(-2.0f * u));
+    }
+}
+
+#define GELU_STEP 16  /* values a vector step of the loop above takes, at most */
+
+/* values[count] (float32) replaced by gelu(values): gelu_tanh's steps, and linear()'s for a product's GELU
+ * (MODE_GELU without MODE_GLU), one compiled copy. The last count % GELU_STEP values go through the vector loop
+ * too, padded: the fast-math build's scalar loop rounds some values a float32 ulp apart from the vector one, and
+ * a value's GELU would then depend on where it lies in the call. */
+void gelu_floats(float *values, int64_t count) {
+    const int64_t whole = count / GELU_STEP * GELU_STEP;
+    gelu_steps(values, whole);
+    if (whole < count) {
+        float padded[GELU_STEP] = {0};
+        memcpy(padded, values + whole, (size_t)(count - whole) * sizeof(float));
+        gelu_steps(padded, GELU_STEP);
+        memcpy(values + whole, padded, (size_t)(count - whole) * sizeof(float));
+    }
+}
+
 /* x [count] in `dtype`, replaced by gelu(x). Returns 2 where memory runs out. */
 int gelu_tanh(void *x, int dtype, int64_t count, int num_threads) {
     int failed = 0;
@@ -54,11 +82,7 @@ int gelu_tanh(void *x, int dtype, int64_t count, int num_threads) {
             if (!values) continue;
             const int64_t start = b * BLOCK, n = MIN(BLOCK, count - start);
             load_floats(x, dtype, start, n, values);
-            for (int64_t i = 0; i < n; i++) {
-                const float v = values[i];
-                const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
-                values[i] = v / (1.0f + exp_poly(-2.0f * u));
-            }
+            gelu_floats(values, n);
             store_floats(values, n, x, dtype, start);
         }
     }

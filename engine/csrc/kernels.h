@@ -9,7 +9,7 @@
 
 #define MODE_GLU 1        /* `mode` bits of linear(): act(x W_g^T) * (x W_u^T), act SiLU */
 #define PRODUCTS_WIDEN 2  /* bfloat16 products by float32 FMAs even where the build has vdpbf16ps */
-#define MODE_GELU 4       /* with MODE_GLU: act is GELU's tanh approximation (Gemma's MLP) */
+#define MODE_GELU 4       /* with MODE_GLU: act is GELU's tanh approximation (Gemma's MLP); without: y's GELU */
 
 enum { F32 = 0, BF16 = 1, F16 = 2, I8 = 3 }; /* the tensors' dtypes (I8: linear()'s int8 weights, an int8 KV cache) */
 enum { NORM_LLAMA = 0, NORM_GEMMA = 1 }; /* how an RMSNorm applies its weight (rms_norm.c) */
@@ -56,7 +56,8 @@ typedef struct {
 } decode_step;
 
 /* y = x W^T (+ bias) [+ residual]: `residual` (NULL: none) is y's shape and dtype, added to the product rounded
- * to that dtype and the sum rounded again, as torch's `residual + linear(x)` rounds. */
+ * to that dtype and the sum rounded again, as torch's `residual + linear(x)` rounds. MODE_GELU without MODE_GLU:
+ * y = gelu_tanh(x W^T + b) (the product rounded to y's dtype, then gelu_tanh's own steps), before any residual. */
 int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int w_dtype, int64_t w_stride,
            int64_t n, const float *bias, const float *scale, const int32_t *row_sums, int mode, void *y,
            const void *residual, int num_threads);

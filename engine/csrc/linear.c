@@ -766,11 +766,12 @@ int linear(const void *x, int io_dtype, int64_t m, int64_t k, const void *w, int
            int64_t n, const float *bias, const float *scale, const int32_t *row_sums, int mode, void *y,
            const void *residual, int num_threads) {
     const int glu_mode = !(mode & MODE_GLU) ? 0 : (mode & MODE_GELU) ? GLU_GELU : GLU_SILU;
-    if (w_dtype == I8)  /* the residual added in its epilogue */
-        return linear_int8(x, io_dtype, m, k, w, w_stride, n, scale, row_sums, bias, glu_mode, y, residual,
+    const int gelu = !glu_mode && (mode & MODE_GELU);  /* y's own GELU */
+    if (w_dtype == I8)  /* the GELU and the residual in its epilogue */
+        return linear_int8(x, io_dtype, m, k, w, w_stride, n, scale, row_sums, bias, glu_mode, gelu, y, residual,
                            num_threads);
-    const int failed = float_linear(x, io_dtype, m, k, w, w_dtype, w_stride, n, bias, mode, glu_mode, y,
-                                    num_threads);
+    int failed = float_linear(x, io_dtype, m, k, w, w_dtype, w_stride, n, bias, mode, glu_mode, y, num_threads);
+    if (!failed && gelu) failed = gelu_tanh(y, io_dtype, m * n, num_threads);  /* a pass over y after the products */
     if (failed || !residual) return failed;
     const int64_t out_cols = glu_mode ? n / 2 : n;  /* a pass over y after the products */
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (m * out_cols >= 65536)

@@ -76,6 +76,7 @@ void block_rows(int64_t block, int glu_mode, int64_t n, int64_t out_cols, int64_
 void finish_row(float *sums, int64_t blocks, int glu_mode, const float *bias, const int64_t *rows_of, int dtype,
                 float *out);
 void glu_tail(float *gate, float *up, int64_t count, int glu_mode, int dtype, float *out);
+void gelu_floats(float *values, int64_t count);  /* gelu.c: gelu_tanh's steps on float32 values, in place */
 
 /* `deal` of `count` tasks to the calling team: one thread deals while the others wait (omp single), so every
  * thread of the team calls it, before any `next_task`. */
@@ -115,7 +116,7 @@ static inline __attribute__((always_inline)) int take_task(uint64_t *shares, int
 
 /* y = x W^T for int8 weights (linear_int8.c; linear() passes it every I8 weight). */
 int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t *w, int64_t w_stride, int64_t n,
-                const float *scale, const int32_t *row_sums, const float *bias, int glu_mode, void *y,
+                const float *scale, const int32_t *row_sums, const float *bias, int glu_mode, int gelu, void *y,
                 const void *residual, int num_threads);
 /* y[offset + i] = round(y[offset + i] + residual[offset + i]) for `count` values of `dtype` (linear()'s residual). */
 void add_residual(void *y, const void *residual, int dtype, int64_t offset, int64_t count);

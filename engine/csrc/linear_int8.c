@@ -2,7 +2,8 @@
  * the numeric rule, which its PyTorch reference reproduces bit for bit): W [n, k] int8 quantized per output
  * channel (float32 `scale` [n], int32 `row_sums` [n] = each row's sum), x [m, k] quantized per row at every call
  * (s = max|x| / 127, qx = round(x / s), into a reusable buffer), the products summed exactly in int32, then
- * y = float(acc) * (s * scale) and linear.c's epilogue (bias, glu, rounding: finish_row).
+ * y = float(acc) * (s * scale) and linear.c's epilogue (bias, glu, rounding: finish_row; without glu, y's GELU where
+ * linear() asks for it: gelu.c's gelu_floats on the rounded values).
  *
  * The products go as linear.c's float ones: a block of four weight rows streams through registers against up to
  * RX rows of x, the sums vectors along k reduced once at the end of the row; each block prefetches the next
@@ -253,18 +254,25 @@ static void task_scales(const int64_t *rows_of, int64_t blocks, const float *sca
 }
 
 /* One row of x's sums for `blocks` blocks (acc[c] for the weight rows rows_of[c]) scaled (task_scales; s: the
- * row's scale), finished (linear.c's finish_row) and stored as y's `cols` columns from `first_col` of row `row`.
- * s * scale[c] is computed first, and kept from being reassociated into the product by the fast-math build (an
- * asm statement sees the array): the reference's order. */
+ * row's scale), finished (linear.c's finish_row) and stored as y's `cols` columns from `first_col` of row `row`;
+ * with `gelu` (no glu), the stored values' GELU as gelu_tanh takes it. s * scale[c] is computed first, and kept
+ * from being reassociated into the product by the fast-math build (an asm statement sees the array): the
+ * reference's order. */
 static void finish_sums(const int32_t *acc, const float *scale_of, const int32_t *offset_of, int64_t blocks,
-                        const int64_t *rows_of, float s, int glu_mode, const float *bias, int dtype, void *y,
-                        const void *residual, int64_t row, int64_t out_cols, int64_t first_col, int64_t cols) {
+                        const int64_t *rows_of, float s, int glu_mode, int gelu, const float *bias, int dtype,
+                        void *y, const void *residual, int64_t row, int64_t out_cols, int64_t first_col,
+                        int64_t cols) {
     float factor[NB * RW], sums[NB * RW], done[NB * RW];
     for (int64_t c = 0; c < blocks * RW; c++) factor[c] = s * scale_of[c];
     __asm__ volatile("" : : "r"(factor) : "memory");
     for (int64_t c = 0; c < blocks * RW; c++) sums[c] = (float)(acc[c] - offset_of[c]) * factor[c];
     finish_row(sums, blocks, glu_mode, bias, rows_of, dtype, done);
     store_floats(done, cols, y, dtype, row * out_cols + first_col);
+    if (gelu) {  /* read back rounded, as gelu_tanh reads them */
+        load_floats(y, dtype, row * out_cols + first_col, cols, done);
+        gelu_floats(done, cols);
+        store_floats(done, cols, y, dtype, row * out_cols + first_col);
+    }
     if (residual) add_residual(y, residual, dtype, row * out_cols + first_col, cols);
 }
 
@@ -284,13 +292,14 @@ static inline void store16(__m512 v, int dtype, void *out) {
 typedef struct {
     __m512 scale[2], bias[2];
     __m512i offset[2];
-    int has_bias;
+    int has_bias, gelu;  /* gelu: the outputs' GELU (no glu) */
 } columns32;
 
 static inline columns32 columns32_of(const float *scale, const int32_t *row_sums, const float *bias, int64_t first,
-                                     int64_t second) {
+                                     int64_t second, int gelu) {
     columns32 c;
     c.has_bias = bias != NULL;
+    c.gelu = gelu;
     for (int t = 0; t < 2; t++) {
         const int64_t at = t ? second : first;
         c.scale[t] = _mm512_loadu_ps(scale + at);
@@ -324,14 +333,21 @@ static inline void store16_adding(__m512 v, int dtype, void *out, const void *re
 
 /* One row's sums of 32 consecutive columns (`lo`: the first 16, `hi`: the next 16; s: the row's scale) finished
  * as finish_sums finishes them, bit for bit, in vectors, into `out` (the row's first of the columns, bfloat16 or
- * float32), + `res` (the residual's same columns; NULL: none). finish_sums' loops over arrays took 40% of a
- * 1,024 x 768 x 3,072 product. */
+ * float32), + `res` (the residual's same columns; NULL: none); with the columns' `gelu`, the values rounded to
+ * `dtype`, then gelu_tanh's own steps (gelu_floats). finish_sums' loops over arrays took 40% of a 1,024 x 768 x
+ * 3,072 product. */
 static inline void finish32(const columns32 *c, const int32_t *lo, const int32_t *hi, float s, int dtype,
                             void *out, const void *res) {
     const int64_t item = dtype == F32 ? 4 : 2;
+    __m512 v[2] = {sums16(c, 0, lo, s), sums16(c, 1, hi, s)};
+    if (c->gelu) {
+        float values[32];
+        for (int t = 0; t < 2; t++) _mm512_storeu_ps(values + 16 * t, dtype == F32 ? v[t] : rounded_bf16_16(v[t]));
+        gelu_floats(values, 32);
+        for (int t = 0; t < 2; t++) v[t] = _mm512_loadu_ps(values + 16 * t);
+    }
     for (int t = 0; t < 2; t++)
-        store16_adding(sums16(c, t, t ? hi : lo, s), dtype, (char *)out + 16 * t * item,
-                       res ? (const char *)res + 16 * t * item : NULL);
+        store16_adding(v[t], dtype, (char *)out + 16 * t * item, res ? (const char *)res + 16 * t * item : NULL);
 }
 
 /* One row's sums of 16 gate columns (`gate`) and their 16 up columns (`up`) finished as finish_sums finishes them
@@ -403,17 +419,18 @@ typedef struct {
     float scale_of[NB * RW];
     int32_t offset_of[NB * RW];
     columns32 columns;
-    int vector;
+    int vector, gelu;
 } amx_columns;
 
-static void amx_columns_of(int64_t task, int glu_mode, int64_t n, const float *scale, const int32_t *row_sums,
-                           const float *bias, int dtype, amx_columns *c) {
+static void amx_columns_of(int64_t task, int glu_mode, int gelu, int64_t n, const float *scale,
+                           const int32_t *row_sums, const float *bias, int dtype, amx_columns *c) {
     const int64_t out_cols = glu_mode ? n / 2 : n;
     c->first = glu_mode ? 16 * task : 32 * task;
     c->second = glu_mode ? out_cols + c->first : c->first + 16;
     c->vector = dtype != F16;
+    c->gelu = gelu;
     if (c->vector) {
-        c->columns = columns32_of(scale, row_sums, bias, c->first, c->second);
+        c->columns = columns32_of(scale, row_sums, bias, c->first, c->second, gelu);
         return;
     }
     const int64_t first_block = glu_mode ? c->first / 2 : c->first / RW;
@@ -450,8 +467,8 @@ static void amx_finish_block(int32_t sums[2][16][16], int64_t rows, int64_t row0
         const __m512i a = _mm512_load_si512(sums[0][r]), b = _mm512_load_si512(sums[1][r]);
         _mm512_store_si512(acc, glu_mode ? _mm512_permutex2var_epi32(a, glu_low, b) : a);
         _mm512_store_si512(acc + 16, glu_mode ? _mm512_permutex2var_epi32(a, glu_high, b) : b);
-        finish_sums(acc, c->scale_of, c->offset_of, NB, c->rows_of, xs[row0 + r], glu_mode, bias, dtype, y,
-                    residual, row0 + r, out_cols, first, glu_mode ? 16 : 32);
+        finish_sums(acc, c->scale_of, c->offset_of, NB, c->rows_of, xs[row0 + r], glu_mode, c->gelu, bias, dtype,
+                    y, residual, row0 + r, out_cols, first, glu_mode ? 16 : 32);
     }
 }
 
@@ -460,13 +477,13 @@ static void amx_finish_block(int32_t sums[2][16][16], int64_t rows, int64_t row0
  * they lie (x's bytes are qx + OFFSET, multiplied as unsigned where OFFSET is 128), one block of 16 rows a pass, or
  * two where the packed weights exceed AMX_PAIR_BYTES; each block's sums finished by `amx_finish_block`. */
 static void amx_task(const uint8_t *xq, int64_t r0, int64_t m, int64_t k, const int8_t *w, int64_t w_stride,
-                     int64_t n, const float *scale, const int32_t *row_sums, const float *xs, int glu_mode,
+                     int64_t n, const float *scale, const int32_t *row_sums, const float *xs, int glu_mode, int gelu,
                      int64_t task, const float *bias, void *y, const void *residual, int dtype, uint32_t *packed,
                      int pack, int64_t *configured) {
     const int64_t out_cols = glu_mode ? n / 2 : n, row_blocks = (m + AMX_ROWS - 1) / AMX_ROWS;
     const int64_t per_pass = k * 32 > AMX_PAIR_BYTES ? 2 : 1;
     amx_columns c;
-    amx_columns_of(task, glu_mode, n, scale, row_sums, bias, dtype, &c);
+    amx_columns_of(task, glu_mode, gelu, n, scale, row_sums, bias, dtype, &c);
     const int64_t first = c.first, second = c.second;
     if (pack) amx_pack_weights(w, w_stride, k, first, second, packed);
     int32_t sums[2][2][16][16] __attribute__((aligned(64)));  /* [block][tile][row of x][weight row] */
@@ -516,7 +533,7 @@ static void amx_task(const uint8_t *xq, int64_t r0, int64_t m, int64_t k, const 
 #endif
 
 int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t *w, int64_t w_stride, int64_t n,
-                const float *scale, const int32_t *row_sums, const float *bias, int glu_mode, void *y,
+                const float *scale, const int32_t *row_sums, const float *bias, int glu_mode, int gelu, void *y,
                 const void *residual, int num_threads) {
     if (m <= 0) return 0;
     const int64_t out_cols = glu_mode ? n / 2 : n, kp = (k + KB - 1) / KB * KB;
@@ -573,9 +590,9 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
 #pragma omp barrier
                 deal_team(shares, amx_tasks);
                 for (int64_t task; (task = next_task(shares)) >= 0;)
-                    amx_task(xq, r0, MIN(m, r0 + pass_rows), k, w, w_stride, n, scale, row_sums, xs, glu_mode, task,
-                             bias, y, residual, io_dtype, packed_bytes ? packed + task * task_words : (uint32_t *)row,
-                             !packed_bytes, &configured);
+                    amx_task(xq, r0, MIN(m, r0 + pass_rows), k, w, w_stride, n, scale, row_sums, xs, glu_mode, gelu,
+                             task, bias, y, residual, io_dtype,
+                             packed_bytes ? packed + task * task_words : (uint32_t *)row, !packed_bytes, &configured);
             }
             _tile_release();
 #pragma omp barrier
@@ -611,7 +628,7 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
                     /* a whole task: 32 consecutive columns, or 16 gate columns and their 16 up, in vectors */
                     if (io_dtype != F16 && t.cols == (glu_mode ? 2 : RW) * NB) {
                         const columns32 c = columns32_of(scale, row_sums, bias, t.first_col,
-                                                         glu_mode ? out_cols + t.first_col : t.first_col + 16);
+                                                         glu_mode ? out_cols + t.first_col : t.first_col + 16, gelu);
                         const int64_t item = io_dtype == F32 ? 4 : 2;
                         /* glu: block b's sums are gate 2b, 2b + 1, up 2b, 2b + 1 */
                         const __m512i gates = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
@@ -637,7 +654,7 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
 #endif
                     for (int64_t s = 0; s < chunk; s++)
                         finish_sums(sums + s * NB * RW, scale_of, offset_of, t.count, rows_of, xs[i0 + s], glu_mode,
-                                    bias, io_dtype, y, residual, i0 + s, out_cols, t.first_col, t.cols);
+                                    gelu, bias, io_dtype, y, residual, i0 + s, out_cols, t.first_col, t.cols);
                 }
 #pragma omp barrier
             }

@@ -133,6 +133,37 @@ def test_the_vector_epilogue_is_finish_sums_bit_for_bit(name):
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
+def test_a_products_gelu_is_gelu_tanh_of_it(name):
+    """linear(..., act="gelu_tanh") = gelu_tanh(linear(...)) (the same build's), bit for bit: in the int8 epilogue
+    (whole tasks in vectors, the partial task's columns and float16 by finish_sums), 8 rows (the vector blocks), 40
+    and 700 (the AMX tiles, one pass and passes of rows, where the CPU has them), with and without bias, then a
+    residual added; and after a float weight's products. `act` with glu, or another activation, is refused by
+    name."""
+    lib = build.load_variant(name)
+    generator = torch.Generator().manual_seed(13)
+    for m in (8, 40, 700):
+        for dtype in (torch.bfloat16, torch.float32, torch.float16):
+            x, weight, bias = _case(m, 70, 576, dtype, seed=m + 2)
+            x = x * 3  # products spread over GELU's curve, past its tails
+            float_weight = (torch.randn(70, 576, generator=generator) * 0.05).to(dtype)
+            residual = torch.randn(m, 70, generator=generator).to(dtype)
+            for b in (None, bias):
+                for w in (weight, float_weight):
+                    plain = ops.run_linear(lib, x, w, b, None)
+                    expected = plain.clone()  # this build's own gelu_tanh (each build compiles its GELU's vectors)
+                    assert lib.gelu_tanh(expected.data_ptr(), ops.DTYPE_CODES[dtype], expected.numel(), 2) == 0
+                    assert not torch.equal(expected, plain)
+                    assert torch.equal(ops.run_linear(lib, x, w, b, None, act="gelu_tanh"), expected), (m, dtype)
+                    added = ops.run_linear(lib, x, w, b, None, act="gelu_tanh", residual=residual)
+                    assert torch.equal(added, expected + residual), (m, dtype, "residual")
+    x, weight, bias = _case(4, 38, 100, torch.bfloat16, seed=3)
+    with pytest.raises(ValueError, match=r"act is one of \['gelu_tanh'\], without glu, got 'gelu_tanh' \(glu 'silu'\)"):
+        ops.linear(x, weight, bias, glu="silu", act="gelu_tanh")
+    with pytest.raises(ValueError, match="got 'relu'"):
+        ops.linear(x, weight, bias, act="relu")
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
 def test_zero_rows_and_the_largest_values(name):
     """An all-zero row of x (scale 1, every product 0: y is the bias) and of W; x and W all +-127 after
     quantization over a long k (4,100: no step's 16-bit pairs saturate, the int32 sums reach 6.6e7); float16 x."""
