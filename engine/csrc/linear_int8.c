@@ -23,8 +23,8 @@
  *     of rows against every task's weights packed beforehand; the columns past the last whole tile pair through
  *     the vector blocks;
  *   - anything else: plain C.
- * Sums of 32 consecutive columns without glu are finished in vectors on AVX-512 (`finish32`), the rest by
- * `finish_sums`.
+ * A whole task's sums are finished in vectors on AVX-512 (32 consecutive columns: `finish32`; glu, 16 gate and
+ * their 16 up outputs: `finish16_glu`), a partial task's and float16's by `finish_sums`.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -439,8 +439,7 @@ static void amx_columns_of(int64_t task, int glu_mode, int gelu, int64_t n, cons
 }
 
 /* A block's sums (`rows` rows of x from `row0`: tiles `sums[0]`, `sums[1]`) finished: in vectors where the task
- * has its `columns` (no glu, y bfloat16 or float32), else each row put in the blocks' order and finished as
- * theirs. */
+ * has its `columns` (y bfloat16 or float32), else each row put in the blocks' order and finished as theirs. */
 static void amx_finish_block(int32_t sums[2][16][16], int64_t rows, int64_t row0, const float *xs, int glu_mode,
                              const amx_columns *c, const float *bias, int dtype, void *y, const void *residual,
                              int64_t out_cols) {
@@ -607,9 +606,6 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
                     const int8_t *wr[NB + MAX_AHEAD][RW];
                     for (int64_t b = 0; b < t.count + ahead; b++)
                         for (int c = 0; c < RW; c++) wr[b][c] = w + rows_of[b * RW + c] * w_stride;
-                    float scale_of[NB * RW];
-                    int32_t offset_of[NB * RW];
-                    task_scales(rows_of, t.count, scale, row_sums, OFFSET, scale_of, offset_of);
                     int32_t sums[MCI * NB * RW];
                     for (int64_t b = 0; b < t.count; b++)
                         for (int64_t i = i0; i < i0 + chunk; i += per_block) {
@@ -652,6 +648,9 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
                         continue;
                     }
 #endif
+                    float scale_of[NB * RW];  /* finish_sums' (the vector epilogue loads its columns' own) */
+                    int32_t offset_of[NB * RW];
+                    task_scales(rows_of, t.count, scale, row_sums, OFFSET, scale_of, offset_of);
                     for (int64_t s = 0; s < chunk; s++)
                         finish_sums(sums + s * NB * RW, scale_of, offset_of, t.count, rows_of, xs[i0 + s], glu_mode,
                                     gelu, bias, io_dtype, y, residual, i0 + s, out_cols, t.first_col, t.cols);
