@@ -84,9 +84,10 @@ class EngineConfig:
         "the share of free device memory the KV cache takes when `num_kv_blocks` is None.")})
     kv_cache_dtype: str = field(default="auto", metadata={"help": (
         "what the KV cache stores: auto or int8. `auto` stores the model's dtype; `int8` stores each token's keys "
-        "and values per KV head as int8 with a float32 scale (symmetric, max |x| / 127; engine/kv_cache.py), about "
-        "half a bfloat16 cache's bytes, so about twice the blocks in the same memory. Attention reads them back "
-        "rounded to the model's dtype, in place (the CPU's decode kernel and the fused decode step).")})
+        "and values per KV head as int8 with a float32 scale (symmetric, the least power of two >= max |x| / 127; "
+        "engine/kv_cache.py), about half a bfloat16 cache's bytes, so about twice the blocks in the same memory. "
+        "Attention reads them back in place, exactly values of the model's dtype (the CPU's decode kernel and the "
+        "fused decode step).")})
     max_model_len: int | None = field(default=None, metadata={"help": (
         "prompt plus output tokens of one request (`None`: the model's own limit).")})
     watermark: float = field(default=0.01, metadata={"help": (

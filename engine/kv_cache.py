@@ -24,24 +24,38 @@ import torch
 from engine.config import KV_CACHE_DTYPES
 
 INT8_LIMIT = 127  # an int8 cache's values lie in [-127, 127] (symmetric)
+# An int8 cache's scales are powers of two, 2^SCALE_EXPONENTS[0] to 2^SCALE_EXPONENTS[1] (float16 models: up to
+# 2^FLOAT16_TOP_EXPONENT): within them q * s is exact in float32 and in the model's dtype (7 significant bits; at
+# least 2^-24, a float16 subnormal's step; at most 127 * 2^120 < float32's and bfloat16's largest, 127 * 2^9 = 65,024
+# under float16's 65,504).
+SCALE_EXPONENTS = (-24, 120)
+FLOAT16_TOP_EXPONENT = 9
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys or values [..., kv_heads, head_dim] in the model's dtype (normed and rotated, as the model gives them)
-    -> (int8 [..., kv_heads, head_dim], float32 scales [..., kv_heads]). Per token and KV head, symmetric: in
-    float32, s = max|x| / 127 over the head's head_dim values (s = 1 where that max is 0), q = x / s rounded half
-    to even and clamped to [-127, 127] (both divisions IEEE float32 ones, as engine/csrc/dtypes.h's
-    `quantize_row` does them)."""
+    -> (int8 [..., kv_heads, head_dim], float32 scales [..., kv_heads]). Per token and KV head, symmetric, the scale
+    a power of two (a shared exponent, as OCP's MXINT8): in float32, t = max|x| / 127 over the head's head_dim
+    values (an IEEE division), s = the least power of two >= t, kept within 2^-24..2^120 (2^9 for a float16
+    model), s = 1 where that max is 0; q = x / s (exact) rounded half to even and clamped to [-127, 127], as
+    engine/csrc/dtypes.h's `quantize_row` does it. So q * s is exact in float32 and in the model's dtype: a reader
+    may multiply by s wherever it likes (scores by the keys' s after the dot product, the values' s into the
+    softmax weights) and get the same bits as over the dequantized values. Against s = t, the step is up to 2x
+    coarser (about half a bit)."""
     x32 = x.float()
     top = x32.abs().amax(-1)
-    scales = torch.where(top == 0, 1.0, top / INT8_LIMIT)
+    mantissa, exponent = torch.frexp(top / INT8_LIMIT)  # t = mantissa * 2^exponent, mantissa in [0.5, 1)
+    exponent = exponent - (mantissa == 0.5).int()  # t a power of two already: s = t
+    highest = FLOAT16_TOP_EXPONENT if x.dtype == torch.float16 else SCALE_EXPONENTS[1]
+    exponent = exponent.clamp(SCALE_EXPONENTS[0], highest)
+    scales = torch.where(top == 0, 1.0, ((exponent + 127) << 23).view(torch.float32))
     q = (x32 / scales[..., None]).round_().clamp_(-INT8_LIMIT, INT8_LIMIT).to(torch.int8)
     return q, scales
 
 
 def dequantize_kv(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """int8 rows [..., kv_heads, d] and their scales [..., kv_heads] -> the values they stand for, (float)q * s in
-    float32 rounded to the model's `dtype`: what every attention path reads."""
+    float32 rounded to the model's `dtype` (exact under `quantize_kv`'s scales): what every attention path reads."""
     return (q.float() * scales[..., None]).to(dtype)
 
 

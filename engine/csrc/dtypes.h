@@ -109,8 +109,10 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* 16 consecutive values from element `at` of `p` (in `dtype`) as float32. */
+/* 16 consecutive values from element `at` of `p` (in `dtype`) as float32 (I8: the integers, unscaled). */
 static inline __attribute__((always_inline)) __m512 widen16(const void *p, int dtype, int64_t at) {
+    if (dtype == I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + at))));
     if (dtype == BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at))), 16));
@@ -149,8 +151,10 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
-/* 8 consecutive values from element `at` of `p` (in `dtype`) as float32. */
+/* 8 consecutive values from element `at` of `p` (in `dtype`) as float32 (I8: the integers, unscaled). */
 static inline __attribute__((always_inline)) __m256 widen8(const void *p, int dtype, int64_t at) {
+    if (dtype == I8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + at))));
     if (dtype == BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + at))), 16));
@@ -159,11 +163,13 @@ static inline __attribute__((always_inline)) __m256 widen8(const void *p, int dt
 }
 #endif
 
-/* An int8 KV cache (engine/kv_cache.py's `quantize_kv` states the rule): per token and KV head, s = max|x| / 127
- * (1 where the max is 0), q = x / s rounded half to even and clamped to [-127, 127]; read back as (float)q * s
- * rounded to the model's dtype. Both divisions are IEEE ones, as torch divides: OPAQUE hides the divisor from
- * -ffast-math, which would otherwise multiply by its rounded reciprocal (another rounding). OPAQUE also keeps a
- * float32 model's dequantized value from being reassociated into the product that uses it. */
+/* An int8 KV cache (engine/kv_cache.py's `quantize_kv` states the rule): per token and KV head, t = max|x| / 127,
+ * s = the least power of two >= t within 2^-24..2^120 (2^9 for a float16 model; 1 where the max is 0 or t is not
+ * finite), q = x / s rounded half to even and clamped to [-127, 127]; read back as (float)q * s rounded to the
+ * model's dtype, which that scale makes exact: a reader may apply s after a dot product or fold it into a weight
+ * and get the same bits. t's division is an IEEE one, as torch divides (which power of two follows depends on its
+ * last bit): OPAQUE hides the divisor from -ffast-math, which would otherwise multiply by its rounded reciprocal;
+ * x / s is exact, a product by 1 / s. */
 #if defined(__x86_64__) || defined(__i386__)
 #define OPAQUE(v) __asm__ volatile("" : "+x"(v))
 #else
@@ -171,69 +177,43 @@ static inline __attribute__((always_inline)) __m256 widen8(const void *p, int dt
 #endif
 #define INT8_LIMIT 127.0f
 
-/* x [count] (float32 values of the model's dtype) into q; returns its scale. */
-static inline float quantize_row(const float *x, int64_t count, int8_t *q) {
-    float top = 0.0f;
-    for (int64_t j = 0; j < count; j++) top = fabsf(x[j]) > top ? fabsf(x[j]) : top;
+/* The power of two `quantize_row` scales by, for the largest magnitude `top` of a row of a `dtype` model. */
+static inline float kv_scale(float top, int dtype) {
+    if (top == 0.0f) return 1.0f;
     float limit = INT8_LIMIT;
     OPAQUE(limit);
-    const float scale = top == 0.0f ? 1.0f : top / limit;
+    const float t = top / limit;
+    uint32_t bits;
+    memcpy(&bits, &t, sizeof bits);
+    const int32_t field = (int32_t)(bits >> 23) & 0xff;
+    if (field == 0xff) return 1.0f;  /* t infinite or NaN (torch's frexp: exponent 0) */
+    int32_t exponent = field == 0 ? -126 : field - 127 + ((bits & 0x7fffff) != 0);  /* 2^exponent >= t, least */
+    const int32_t highest = dtype == F16 ? 9 : 120;
+    exponent = exponent < -24 ? -24 : exponent > highest ? highest : exponent;
+    const uint32_t power = (uint32_t)(exponent + 127) << 23;
+    float scale;
+    memcpy(&scale, &power, sizeof scale);
+    return scale;
+}
+
+/* x [count] (float32 values of the `dtype` model's) into q; returns its scale. */
+static inline float quantize_row(const float *x, int64_t count, int8_t *q, int dtype) {
+    float top = 0.0f;
+    for (int64_t j = 0; j < count; j++) top = fabsf(x[j]) > top ? fabsf(x[j]) : top;
+    const float scale = kv_scale(top, dtype), inverse = 1.0f / scale;  /* both powers of two: exact */
     for (int64_t j = 0; j < count; j++) {
-        float s = scale;
-        OPAQUE(s);
-        const float r = rintf(x[j] / s);
+        const float r = rintf(x[j] * inverse);
         q[j] = (int8_t)(r > INT8_LIMIT ? INT8_LIMIT : r < -INT8_LIMIT ? -INT8_LIMIT : r);
     }
     return scale;
 }
 
-/* `count` int8 values from element `offset` of `src`, times `scale`, rounded to `dtype`, into dst. */
-static inline void load_dequantized(const void *src, int64_t offset, int64_t count, float scale, int dtype,
-                                    float *dst) {
+/* `count` int8 values from element `offset` of `src` times their row's `scale`, into dst: the values they stand for,
+ * exact in float32 and in the model's dtype (kv_scale's powers of two). */
+static inline void load_dequantized(const void *src, int64_t offset, int64_t count, float scale, float *dst) {
     const int8_t *from = (const int8_t *)src + offset;
-    for (int64_t t = 0; t < count; t++) {
-        float v = (float)from[t] * scale;
-        OPAQUE(v);
-        dst[t] = rounded(v, dtype);
-    }
+    for (int64_t t = 0; t < count; t++) dst[t] = (float)from[t] * scale;
 }
-
-#ifdef __AVX512F__
-/* 16 int8 values from element `at` of p, times `scale`, rounded to `dtype` (load_dequantized, 16 at a time). */
-static inline __attribute__((always_inline)) __m512 dequantize16(const void *p, int64_t at, float scale, int dtype) {
-    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                   (const __m128i *)((const int8_t *)p + at)))), _mm512_set1_ps(scale));
-    if (dtype == BF16) {
-#ifdef __AVX512BF16__  /* vcvtneps2bf16 rounds to nearest even as torch does (q * s is never NaN nor subnormal) */
-        v = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v));
-#else
-        v = rounded_bf16_16(v);
-#endif
-    } else if (dtype == F16) {
-        v = _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    }
-    __asm__("" : "+v"(v));
-    return v;
-}
-#endif
-
-#if defined(VECTOR) && !defined(__AVX512F__)
-/* 8 int8 values from element `at` of p, times `scale`, rounded to `dtype` (load_dequantized, 8 at a time). */
-static inline __attribute__((always_inline)) __m256 dequantize8(const void *p, int64_t at, float scale, int dtype) {
-    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                   (const __m128i *)((const int8_t *)p + at)))), _mm256_set1_ps(scale));
-    if (dtype == BF16) {
-        const __m256i bits = _mm256_castps_si256(v);
-        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-        v = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))),
-                                                 _mm256_set1_epi32((int)0xffff0000u)));
-    } else if (dtype == F16) {
-        v = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    }
-    __asm__("" : "+x"(v));
-    return v;
-}
-#endif
 
 /* Growable buffers of the calling thread (SCRATCH_SLOTS of them, one set per source file), kept across calls: no
  * allocation per call. release_scratch (scratch.c) frees the calling thread's in every file: the engine calls it

@@ -201,21 +201,21 @@ static void weighted_values_dot(float *p, int64_t rows, int64_t n, int64_t n_pad
 #endif
 
 /* A row of d values of k or v at element `offset` as float32 into dst: `load_floats`, or where the source is an
- * int8 cache (src_dtype I8) dequantized with its row's scale (scales[offset / d]) and rounded to `io` (the queries'
- * dtype), as paged_decode.c reads one. */
-static inline void source_row(const void *src, const float *scales, int src_dtype, int io, int64_t offset, int64_t d,
+ * int8 cache (src_dtype I8) dequantized with its row's scale (scales[offset / d]): values of the queries' dtype,
+ * exactly (dtypes.h's kv_scale). */
+static inline void source_row(const void *src, const float *scales, int src_dtype, int64_t offset, int64_t d,
                               float *dst) {
-    if (src_dtype == I8) load_dequantized(src, offset, d, scales[offset / d], io, dst);
+    if (src_dtype == I8) load_dequantized(src, offset, d, scales[offset / d], dst);
     else load_floats(src, src_dtype, offset, d, dst);
 }
 
 #ifdef __AVX512BF16__
-/* The same row as bfloat16 bits (a bfloat16 source's in place; an int8 cache's dequantized, rounded to bfloat16). */
+/* The same row as bfloat16 bits (a bfloat16 source's in place; an int8 cache's dequantized, bfloat16 values). */
 static inline const uint16_t *source_row_bf16(const void *src, const float *scales, int src_dtype, int64_t offset,
                                               int64_t d, uint16_t *dst) {
     if (src_dtype != I8) return (const uint16_t *)src + offset;
     float row[256];
-    load_dequantized(src, offset, d, scales[offset / d], BF16, row);
+    load_dequantized(src, offset, d, scales[offset / d], row);
     for (int64_t t = 0; t < d; t++) {
         uint32_t bits;
         memcpy(&bits, row + t, sizeof(bits));
@@ -252,7 +252,7 @@ static int task_scratch(int64_t d, int64_t keys, task_buffers *b, int *failed) {
  * and the values as float32 rows, or, for the dot products, the keys as words of two bfloat16 of d ([d / 2][n_pad])
  * and the values as words of two keys' ([(keys + 1) / 2][d]). */
 static void pack_task(const void *k, const void *v, const float *k_scales, const float *v_scales, int src_dtype,
-                      int io, const int64_t *at, int64_t keys, int64_t d, int dot, task_buffers *b) {
+                      const int64_t *at, int64_t keys, int64_t d, int dot, task_buffers *b) {
     const int64_t n_pad = (keys + NR - 1) / NR * NR;
     float block[FW][256];
 #ifdef __AVX512BF16__
@@ -270,13 +270,13 @@ static void pack_task(const void *k, const void *v, const float *k_scales, const
 #endif
     for (int64_t j0 = 0; !dot && j0 < n_pad; j0 += FW) {  /* FW keys at a time, so that kt is written by vectors */
         for (int64_t j = j0; j < j0 + FW; j++) {
-            if (j < keys) source_row(k, k_scales, src_dtype, io, at[j], d, block[j - j0]);
+            if (j < keys) source_row(k, k_scales, src_dtype, at[j], d, block[j - j0]);
             else memset(block[j - j0], 0, (size_t)d * sizeof(float));
         }
         for (int64_t t = 0; t < d; t++)
             for (int j = 0; j < FW; j++) b->kt[t * n_pad + j0 + j] = block[j][t];
     }
-    for (int64_t j = 0; !dot && j < keys; j++) source_row(v, v_scales, src_dtype, io, at[j], d, b->vrows + j * d);
+    for (int64_t j = 0; !dot && j < keys; j++) source_row(v, v_scales, src_dtype, at[j], d, b->vrows + j * d);
 }
 
 /* Query rows first..last (elements q_base + row * q_row_stride of q) over the task's packed keys, MR at a time: their
@@ -350,7 +350,7 @@ int full_attention(const void *q, const void *k, const void *v, int dtype, int64
             if (!ready) continue;
             const int64_t i = task / heads, h = task % heads, base = i * batch_stride + h * head_stride;
             for (int64_t j = 0; j < n; j++) b.at[j] = base + j * row_stride;
-            pack_task(k, v, NULL, NULL, dtype, dtype, b.at, n, d, dot, &b);
+            pack_task(k, v, NULL, NULL, dtype, b.at, n, d, dot, &b);
             attend_rows(q, dtype, base, row_stride, 0, n - 1, scale, dot, n, d, -1, 0, &b, out, (i * n * heads + h) * d,
                         heads * d);
         }
@@ -396,7 +396,7 @@ int chunk_attention(const void *q, int dtype, int64_t q_head_stride, int64_t q_r
             const int64_t hi = start + last + 1;
             for (int64_t p = lo; p < hi; p++)
                 b.at[p - lo] = ((block_table[p / block_size] * block_size + p % block_size) * kv_heads + g) * d;
-            pack_task(key_cache, value_cache, key_scales, value_scales, cache_dtype, dtype, b.at, hi - lo, d, dot, &b);
+            pack_task(key_cache, value_cache, key_scales, value_scales, cache_dtype, b.at, hi - lo, d, dot, &b);
             attend_rows(q, dtype, h * q_head_stride + (query_start + first) * q_row_stride, q_row_stride, 0,
                         last - first, scale, dot, hi - lo, d, start + first - lo, window, &b, out,
                         ((query_start + first) * heads + h) * d, heads * d);

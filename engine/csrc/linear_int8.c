@@ -121,8 +121,8 @@ static inline __m128i reduce4(vi a, vi b, vi c, vi d) {
 #endif
 
 /* Row `i` of x (k values of `dtype`) quantized into `out` (kp bytes: the k values, then qx = 0 up to kp), as
- * qx + OFFSET; returns its scale s. `row` is k floats of room. dtypes.h's quantize_row (the int8 KV cache's),
- * vectorised (IEEE divisions: div16, div8). */
+ * qx + OFFSET; returns its scale s. `row` is k floats of room. engine/quantization.py's rule for activations:
+ * s = max|x| / 127, q = x / s rounded half to even (IEEE divisions: div16, div8; OPAQUE as dtypes.h's). */
 static float quantize_x(const void *x, int dtype, int64_t i, int64_t k, int64_t kp, float *row, uint8_t *out) {
     float amax = 0.0f;
     int64_t w = 0;

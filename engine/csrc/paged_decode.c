@@ -9,10 +9,12 @@
  * build keeps the scores of the whole context (a thread's scratch), then softmaxes them in float32 and sums the
  * values: two passes, one over the keys, one over the values, with no copy of either.
  *
- * An int8 cache (dtype I8, engine/kv_cache.py) is read in place too: each key and value row widened as
- * (float)q * its scale (key_scales / value_scales [slots, kv_heads]), rounded to the queries' dtype (the model's),
- * where another cache's row is widened from its dtype; the rest is the same code, so the results are those over a
- * cache of the model's dtype holding the dequantized values.
+ * An int8 cache (dtype I8, engine/kv_cache.py) is read in place too: its scales (key_scales / value_scales
+ * [slots, kv_heads]) are powers of two (dtypes.h's kv_scale), so (float)q * s is exact, in float32 and in the
+ * queries' dtype (the model's). The vector path widens the integers as they are (as cheaply as a bfloat16 row)
+ * and applies s where it costs one product a position: a key's to its products with the queries, a value's to
+ * its softmax weight. Multiplying by a power of two commutes with every rounding, so the results are, bit for bit,
+ * those over a cache of the model's dtype holding the dequantized values; only half the bytes are read.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -31,14 +33,14 @@ static inline const float *row_as_float(const void *cache, int dtype, int64_t of
 static inline int64_t item_bytes(int dtype) { return dtype == F32 ? 4 : dtype == I8 ? 1 : 2; }
 
 /* Heads h0..h0+heads-1 of cache row `slot` (`width` elements a row) as float32: `row_as_float`, an I8 cache's
- * dequantized with its `scales` and rounded to `io` (the queries' dtype). */
-static inline const float *heads_as_float(const void *cache, const float *scales, int dtype, int io, int64_t slot,
+ * dequantized with its `scales`. */
+static inline const float *heads_as_float(const void *cache, const float *scales, int dtype, int64_t slot,
                                           int64_t width, int64_t kv_heads, int64_t h0, int64_t heads, int64_t d,
                                           float *dst) {
     const int64_t offset = slot * width + h0 * d;
     if (dtype != I8) return row_as_float(cache, dtype, offset, heads * d, dst);
     for (int64_t h = 0; h < heads; h++)
-        load_dequantized(cache, offset + h * d, d, scales[slot * kv_heads + h0 + h], io, dst + h * d);
+        load_dequantized(cache, offset + h * d, d, scales[slot * kv_heads + h0 + h], dst + h * d);
     return dst;
 }
 
@@ -64,7 +66,7 @@ static inline void prefetch_block(const void *cache, int64_t block, int64_t bloc
  * kv_heads * d. */
 static inline __attribute__((always_inline)) void attend(
         int64_t i, int64_t h0, int64_t h1, const float *qi, const void *key_cache, const void *value_cache,
-        const float *key_scales, const float *value_scales, int dtype, int io, const int64_t *block_tables,
+        const float *key_scales, const float *value_scales, int dtype, const int64_t *block_tables,
         const int64_t *context_lens, int64_t kv_heads, int64_t groups, const int64_t d, int64_t block_size,
         int64_t table_width, float scale, int64_t window, float *oi, float *scores, float *row) {
     const int64_t n = context_lens[i];
@@ -76,7 +78,7 @@ static inline __attribute__((always_inline)) void attend(
         const int64_t slot = table[p / block_size] * block_size + offset;
         if (p + run < n) prefetch_block(key_cache, table[(p + run) / block_size], block_size, width, dtype, h0, heads, d);
         for (int64_t r = 0; r < run; r++) {
-            const float *keys = heads_as_float(key_cache, key_scales, dtype, io, slot + r, width, kv_heads, h0, heads,
+            const float *keys = heads_as_float(key_cache, key_scales, dtype, slot + r, width, kv_heads, h0, heads,
                                                d, row);
             for (int64_t x = 0; x < rows; x++) {
                 const float *qx = qi + x * d, *key = keys + (x / groups) * d;
@@ -105,7 +107,7 @@ static inline __attribute__((always_inline)) void attend(
         const int64_t slot = table[p / block_size] * block_size + offset;
         if (p + run < n) prefetch_block(value_cache, table[(p + run) / block_size], block_size, width, dtype, h0, heads, d);
         for (int64_t r = 0; r < run; r++) {
-            const float *values = heads_as_float(value_cache, value_scales, dtype, io, slot + r, width, kv_heads, h0,
+            const float *values = heads_as_float(value_cache, value_scales, dtype, slot + r, width, kv_heads, h0,
                                                  heads, d, row);
             for (int64_t x = 0; x < rows; x++) {
                 const float weight = scores[x * len + (p + r - first)], *value = values + (x / groups) * d;
@@ -123,7 +125,6 @@ static inline __attribute__((always_inline)) void attend(
 typedef __m512 vf;
 #define VW 16
 #define vwiden widen16
-#define vdequantize dequantize16
 #define vexp exp16
 #define vmax_of _mm512_reduce_max_ps
 #define vsum_of _mm512_reduce_add_ps
@@ -150,7 +151,6 @@ static inline vf first_lanes(vf v, int64_t run, float fill) {
 typedef __m256 vf;
 #define VW 8
 #define vwiden widen8
-#define vdequantize dequantize8
 #define vexp exp8
 #define vloadu _mm256_loadu_ps
 #define vstoreu _mm256_storeu_ps
@@ -176,12 +176,6 @@ static inline vf first_lanes(vf v, int64_t run, float fill) {
 }
 #endif
 
-/* VW values of a cache from element `at` as float32: widened from `dtype`, or an I8 cache's dequantized with
- * `scale` and rounded to `io`. */
-static inline __attribute__((always_inline)) vf vload_kv(const void *cache, int dtype, int64_t at, float scale, int io) {
-    return dtype == I8 ? vdequantize(cache, at, scale, io) : vwiden(cache, dtype, at);
-}
-
 enum { GMAX = 3 };  /* query heads (of one KV head) scored and summed together: each key and value widened once */
 enum { OB = VW == 16 ? 4 : 3 };  /* output vectors of a head that its values are summed into at a time: GMAX x OB sums,
                                      OB values and a weight in registers (32 with AVX-512, 16 with AVX2) */
@@ -195,7 +189,7 @@ enum { OB = VW == 16 ? 4 : 3 };  /* output vectors of a head that its values are
  * reading from memory (a scratch timing of SmolVLM-256M's step, 8 sequences x 300 positions x 30 layers). */
 static inline __attribute__((always_inline)) void attend_vec(
         int64_t i, int64_t h0, int64_t h1, const float *qi, const void *key_cache, const void *value_cache,
-        const float *key_scales, const float *value_scales, int dtype, int io, const int64_t *block_tables,
+        const float *key_scales, const float *value_scales, int dtype, const int64_t *block_tables,
         const int64_t *context_lens, int64_t kv_heads, int64_t groups, const int64_t d, int64_t block_size,
         int64_t table_width, float scale, int64_t window, const int dot, float *oi) {
     enum { MAXV = 256 / VW };
@@ -266,16 +260,15 @@ static inline __attribute__((always_inline)) void attend_vec(
                     }
 #endif
                     vf key[MAXV];
+                    for (int64_t v = 0; v < vectors; v++) key[v] = vwiden(key_cache, dtype, row0 + r * width + v * VW);
                     const float key_scale = dtype == I8 ? key_scales[(slot + r) * kv_heads + h] : 1.0f;
-                    for (int64_t v = 0; v < vectors; v++)
-                        key[v] = vload_kv(key_cache, dtype, row0 + r * width + v * VW, key_scale, io);
 #pragma GCC unroll 3
                     for (int g = 0; g < GMAX; g++) {
                         if (g >= count) break;
                         const float *qx = qi + (x0 + g) * d;
                         vf sum[2] = {(vf){0}, (vf){0}};  /* two chains of FMAs, each half as long */
                         for (int64_t v = 0; v < vectors; v++) sum[v % 2] += key[v] * vloadu(qx + v * VW);
-                        prod[g][r] = sum[0] + sum[1];
+                        prod[g][r] = dtype == I8 ? (sum[0] + sum[1]) * key_scale : sum[0] + sum[1];
                     }
                 }
                 float w[GMAX][VW] __attribute__((aligned(64))), c[GMAX];  /* the heads' weights, corrections */
@@ -302,13 +295,11 @@ static inline __attribute__((always_inline)) void attend_vec(
                         const float value_scale = dtype == I8 ? value_scales[(slot + r) * kv_heads + h] : 1.0f;
 #pragma GCC unroll 4
                         for (int b = 0; b < OB; b++)
-                            if (b < span)
-                                value[b] = vload_kv(value_cache, dtype, row0 + r * width + (v0 + b) * VW, value_scale,
-                                                    io);
+                            if (b < span) value[b] = vwiden(value_cache, dtype, row0 + r * width + (v0 + b) * VW);
 #pragma GCC unroll 3
                         for (int g = 0; g < GMAX; g++) {
                             if (g >= count) break;
-                            const float weight = w[g][r];
+                            const float weight = dtype == I8 ? w[g][r] * value_scale : w[g][r];
 #pragma GCC unroll 4
                             for (int b = 0; b < OB; b++)
                                 if (b < span) o[g][b] += weight * value[b];
@@ -379,7 +370,7 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
 #ifdef __AVX512BF16__
 #define DOT_CASE(D) \
     if ((D) % 32 == 0 && dot) { \
-        attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, BF16, BF16, block_tables, \
+        attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, BF16, block_tables, \
                    context_lens, kv_heads, groups, D, block_size, table_width, scale, window, 1, oi); \
         break; \
     }
@@ -388,22 +379,22 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
 #endif
 #define CASE(D) case D: \
     DOT_CASE(D) \
-    if (dtype == I8) attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, I8, q_dtype, \
+    if (dtype == I8) attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, I8, \
                                 block_tables, context_lens, kv_heads, groups, D, block_size, table_width, scale, \
                                 window, 0, oi); \
-    else attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, q_dtype, block_tables, \
+    else attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, block_tables, \
                     context_lens, kv_heads, groups, D, block_size, table_width, scale, window, 0, oi); \
     break;
 #else
-#define CASE(D) case D: attend(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, q_dtype, \
+#define CASE(D) case D: attend(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, \
                                block_tables, context_lens, kv_heads, groups, D, block_size, table_width, scale, \
                                window, oi, scores, row); break;
 #endif
                 CASE(16) CASE(32) CASE(64) CASE(80) CASE(96) CASE(128) CASE(256)
 #undef CASE
-                default: attend(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, q_dtype,
-                                block_tables, context_lens, kv_heads, groups, d, block_size, table_width, scale,
-                                window, oi, scores, row);
+                default: attend(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, block_tables,
+                                context_lens, kv_heads, groups, d, block_size, table_width, scale, window, oi, scores,
+                                row);
             }
             store_floats(oi, rows * d, out, q_dtype, (token * kv_heads * groups + h0 * groups) * d);
         }

@@ -76,8 +76,8 @@ int rope_store(void *qkv, int dtype, int64_t tokens, int64_t width, int64_t nq, 
                 load_floats(qkv, dtype, row + (nq + nkv + h) * d, d, x);
                 if (cache_dtype == I8) {
                     const int64_t at = slots[t] * nkv + h;
-                    key_scales[at] = quantize_row(y, d, (int8_t *)key_cache + slot + h * d);
-                    value_scales[at] = quantize_row(x, d, (int8_t *)value_cache + slot + h * d);
+                    key_scales[at] = quantize_row(y, d, (int8_t *)key_cache + slot + h * d, dtype);
+                    value_scales[at] = quantize_row(x, d, (int8_t *)value_cache + slot + h * d, dtype);
                 } else {
                     store_floats(y, d, key_cache, cache_dtype, slot + h * d);
                     store_floats(x, d, value_cache, cache_dtype, slot + h * d);

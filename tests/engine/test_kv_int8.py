@@ -37,28 +37,67 @@ def _caches(dtype: torch.dtype, blocks: int, block_size: int, kv_heads: int, d: 
 
 
 def test_the_rule_per_token_and_head():
-    """s = max|x| / 127 in float32 (1 for a zero row), q = x / s rounded half to even, clamped; read back rounded
-    to the model's dtype."""
+    """t = max|x| / 127, s = the least power of two >= t (1 for a zero row), q = x / s rounded half to even,
+    clamped; read back exactly in the model's dtype."""
     x = torch.tensor([[[0.0, 0.0], [1.27, -2.54]], [[0.5, -0.25], [3.0, 1.5]]], dtype=torch.float32)
     q, s = quantize_kv(x)
     assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (2, 2)
-    assert s[0, 0] == 1 and s[0, 1] == torch.tensor(2.54) / 127 and torch.equal(q[0, 0], torch.zeros(2))
-    assert q[0, 1].tolist() == [64, -127]  # 1.27 / (2.54 / 127) = 63.5: half to even
-    assert q[1, 0].tolist() == [127, -64] and q[1, 1].tolist() == [127, 64]  # -63.5 and 63.5, half to even
+    assert s[0, 0] == 1 and torch.equal(q[0, 0], torch.zeros(2))
+    assert s[0, 1] == 2**-5 and q[0, 1].tolist() == [41, -81]  # t = 0.02: 2^-5; 40.64 and -81.28 rounded
+    assert s[1, 0] == 2**-7 and q[1, 0].tolist() == [64, -32]
+    assert s[1, 1] == 2**-5 and q[1, 1].tolist() == [96, 48]
+    q, s = quantize_kv(torch.tensor([[127.0, 0.5, 1.5, -2.5]]))  # t = 1 exactly: s = t; halves to even
+    assert s.tolist() == [1.0] and q[0].tolist() == [127, 0, 2, -2]
     back = dequantize_kv(q, s, torch.bfloat16)
-    assert back.dtype == torch.bfloat16 and torch.equal(back, (q.float() * s[..., None]).to(torch.bfloat16))
+    assert back.dtype == torch.bfloat16 and torch.equal(back.float(), q.float() * s[..., None])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_scales_keep_every_value_exact_in_the_model_s_dtype(dtype):
+    """Rows from 1e-30 to the dtype's largest: s is the least power of two >= max|x| / 127 (so the row's largest
+    lands in 64..127) within 2^-24..2^120 (2^9 for float16), and q * s is exact in float32 and in `dtype`, so a
+    reader may apply s anywhere; the largest finite values saturate rather than overflow."""
+    torch.manual_seed(0)
+    top = torch.finfo(dtype).max
+    sizes = torch.logspace(-30, 38, 400)
+    rows = (torch.randn(400, 2, 64) * sizes[:, None, None]).clamp(-top, top).to(dtype)
+    rows[0, 0, 0] = top  # the largest finite value
+    rows[1, 0, 0] = -top
+    rows[2, 0] = 0
+    q, s = quantize_kv(rows)
+    exact = q.float() * s[..., None]
+    assert torch.equal(dequantize_kv(q, s, dtype).float(), exact)  # no rounding: exact in dtype
+    assert torch.isfinite(exact).all()
+    assert torch.equal(s, 2.0 ** torch.log2(s).round())  # powers of two
+    highest = 2.0**9 if dtype == torch.float16 else 2.0**120
+    assert s.min() >= 2.0**-24 and s.max() <= highest
+    largest = rows.float().abs().amax(-1)
+    live = (largest > 127 * 2.0**-24) & (largest < 127 * highest)
+    assert live.sum() > 100
+    ratio = largest[live] / s[live]
+    assert (ratio > 63.5).all() and (ratio <= 127).all()  # the least such power
+    assert s[2, 0] == 1 and not q[2, 0].any()
+    assert q[0, 0, 0] == 127 and q[1, 0, 0] == -127
+    error = (exact - rows.float()).abs()
+    assert (error[live] <= s[live][:, None] / 2).all()
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rope_store_writes_the_quantized_rows_and_their_scales(monkeypatch, name, dtype):
     """The fused rotary and cache write of each build, into an int8 cache: `quantize_kv` of what it writes into a
-    cache of the model's dtype, bit for bit; the queries rotated alike."""
+    cache of the model's dtype, bit for bit, the scale's edges too (a zero head, t a power of two and just above
+    one, tiny and subnormal heads, the dtype's largest); the queries rotated alike."""
     monkeypatch.setattr(build, "variant", lambda: name)
     torch.manual_seed(3)
     tokens, q_heads, kv_heads, d = 7, 4, 2, 64
     qkv, cos, sin, _ = _rope_inputs(tokens, q_heads, kv_heads, d, dtype, 3.0)
-    qkv[2, (q_heads + kv_heads) * d : (q_heads + kv_heads + 1) * d] = 0  # a value head of zeros
+    values = qkv[:, (q_heads + kv_heads) * d :].view(tokens, kv_heads, d)  # copied to the cache as they are
+    values[2, 0] = 0  # a value head of zeros
+    info = torch.finfo(dtype)
+    edges = [127 / 8, 127 / 8 + 2 * info.eps * 127 / 8, 1e-30, info.smallest_normal / 4, info.max]
+    for row, largest in enumerate(edges):  # t = 2^-3 exactly, t just above it, tiny, subnormal, the largest
+        values[row, 1] = (torch.linspace(-1, 1, d, dtype=torch.float64) * largest).to(dtype)
     slots = torch.tensor([9, 2, 14, 0, 5, 7, 11])
     plain = KVCache(1, 1, 16, kv_heads, d, dtype, CPU)
     int8 = KVCache(1, 1, 16, kv_heads, d, dtype, CPU, "int8")
