@@ -217,6 +217,13 @@ def suppress_before_min_tokens(logits: torch.Tensor, params: list[SamplingParams
         logits[torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)] = float("-inf")
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax along the last dimension, by `max`'s indices: the same rule (the first of equal maxima, a
+    NaN the largest), and on the CPU a third of `argmax`'s time (8 rows of a 49,152-token vocabulary: 0.10 against
+    0.33 ms on 2 cores)."""
+    return x.max(dim=-1).indices
+
+
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
     histories: list[tuple[list[int], list[int]]] | None = None,
@@ -236,7 +243,7 @@ def sample(
     if histories is not None:
         apply_penalties(logits, params, histories)
         suppress_before_min_tokens(logits, params, histories)
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax(logits)
     failed = torch.zeros_like(tokens)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -342,7 +349,7 @@ def _exponential_race(weights: torch.Tensor, generators: list[torch.Generator | 
     for row, (generator, count) in enumerate(zip(generators, counts)):
         race[row, :count].uniform_(generator=generator)
     race.log_().neg_()
-    return (weights / race).argmax(dim=-1)
+    return argmax(weights / race)
 
 
 def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor,
