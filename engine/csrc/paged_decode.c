@@ -194,9 +194,10 @@ static inline __attribute__((always_inline)) void attend_vec(
         int64_t table_width, float scale, int64_t window, const int dot, float *oi) {
     enum { MAXV = 256 / VW };
 #ifdef __AVX512BF16__
-    /* `dot` (bfloat16 queries and cache, d a multiple of 32): the keys are scored by vdpbf16ps straight from the
-     * cache, 32 products an instruction, against the queries as bfloat16 (exactly: they came from bfloat16), no
-     * widening; the products are exact in float32 either way, only their order of summing differs. */
+    /* `dot` (bfloat16 queries, a bfloat16 or I8 cache, d a multiple of 32): the keys are scored by vdpbf16ps, 32
+     * products an instruction, against the queries as bfloat16 (exactly: they came from bfloat16), straight from a
+     * bfloat16 cache, an I8 cache's integers converted to bfloat16 (exactly: 7 bits) and their products scaled as
+     * the widened ones are; the products are exact in float32 either way, only their order of summing differs. */
     __m512bh qb[dot ? (h1 - h0) * groups * (d / 32) : 1];
     if (dot)
         for (int64_t x = 0; x < (h1 - h0) * groups; x++)
@@ -245,8 +246,13 @@ static inline __attribute__((always_inline)) void attend_vec(
 #ifdef __AVX512BF16__
                     if (dot) {
                         __m512bh words[MAXV / 2];
-                        for (int64_t v = 0; v < d / 32; v++)
-                            words[v] = (__m512bh)_mm512_loadu_si512(keys + (row0 + r * width + v * 32) * 2);
+                        for (int64_t v = 0; v < d / 32; v++) {
+                            const int64_t at = row0 + r * width + v * 32;
+                            words[v] = dtype == I8
+                                ? _mm512_cvtne2ps_pbh(widen16(keys, I8, at + 16), widen16(keys, I8, at))
+                                : (__m512bh)_mm512_loadu_si512(keys + at * 2);
+                        }
+                        const float key_scale = dtype == I8 ? key_scales[(slot + r) * kv_heads + h] : 1.0f;
 #pragma GCC unroll 3
                         for (int g = 0; g < GMAX; g++) {
                             if (g >= count) break;
@@ -254,7 +260,7 @@ static inline __attribute__((always_inline)) void attend_vec(
                             vf sum[2] = {(vf){0}, (vf){0}};
                             for (int64_t v = 0; v < d / 32; v++)
                                 sum[v % 2] = _mm512_dpbf16_ps(sum[v % 2], words[v], qx[v]);
-                            prod[g][r] = sum[0] + sum[1];
+                            prod[g][r] = dtype == I8 ? (sum[0] + sum[1]) * key_scale : sum[0] + sum[1];
                         }
                         continue;
                     }
@@ -333,7 +339,7 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
                            float scale, int64_t window, void *out, int mode, int num_threads) {
     if (dtype == I8 && !(key_scales && value_scales)) return 3;
 #ifdef __AVX512BF16__
-    const int dot = dtype == BF16 && q_dtype == BF16 && !(mode & PRODUCTS_WIDEN) && d % 32 == 0;
+    const int dot = (dtype == BF16 || dtype == I8) && q_dtype == BF16 && !(mode & PRODUCTS_WIDEN) && d % 32 == 0;
 #else
     (void)mode;
 #endif
@@ -370,8 +376,11 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
 #ifdef __AVX512BF16__
 #define DOT_CASE(D) \
     if ((D) % 32 == 0 && dot) { \
-        attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, BF16, block_tables, \
-                   context_lens, kv_heads, groups, D, block_size, table_width, scale, window, 1, oi); \
+        if (dtype == I8) attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, I8, \
+                                    block_tables, context_lens, kv_heads, groups, D, block_size, table_width, scale, \
+                                    window, 1, oi); \
+        else attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, BF16, block_tables, \
+                        context_lens, kv_heads, groups, D, block_size, table_width, scale, window, 1, oi); \
         break; \
     }
 #else

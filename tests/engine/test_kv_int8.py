@@ -154,6 +154,29 @@ def test_decode_attention_over_int8_is_the_kernel_over_the_dequantized_values(mo
         assert (got[0].float() - got[1].float()).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
 
 
+@pytest.mark.parametrize("name", [n for n in RUNNABLE if n in build.DOT_BUILDS])
+@pytest.mark.parametrize("products", ["dot", "widen"])
+def test_the_decode_kernel_s_dot_products_read_int8_as_the_dequantized_values(monkeypatch, name, products):
+    """bfloat16 queries over an int8 cache scored by either products (the dot products: the integers converted to
+    bfloat16, vdpbf16ps, the key's scale after) give, bit for bit, what the same products give over a bfloat16
+    cache of the dequantized values: keys of any scale, contexts within and across blocks, grouped heads."""
+    monkeypatch.setattr(build, "variant", lambda: name)
+    torch.manual_seed(5)
+    block_size, kv_heads, groups, d = 16, 3, 3, 64
+    int8, plain = _caches(torch.bfloat16, 12, block_size, kv_heads, d, seed=11)
+    lens = torch.tensor([1, 16, 33, 100, 150])
+    tables = torch.stack([torch.randperm(11) + 1 for _ in lens])
+    q = torch.randn(kv_heads * groups, len(lens), d).bfloat16()
+    outs = []
+    for cache in (int8, plain):
+        out = torch.empty(len(lens), kv_heads * groups, d, dtype=torch.bfloat16)
+        ops.paged_decode_attention(q, torch.arange(len(lens)), cache.keys[0], cache.values[0], tables, lens,
+                                   block_size, d**-0.5, None, out, scales=cache.scales(0), products=products)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert outs[0].float().abs().sum() > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("blocks", "start"), [([9, 10, 11], 0), ([9, 10, 3, 4, 30, 31], 37)])
 def test_prefill_over_int8_is_the_prefill_over_the_dequantized_values(dtype, blocks, start):
