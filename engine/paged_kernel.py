@@ -9,7 +9,7 @@ are read a cache block at a time through the block table, with an online softmax
 the context is made. Shapes depend only on the number of sequences and the block table's width, so a
 decode-only batch of a fixed padded size is the same launch every step (CUDA graphs). An int8 cache
 (engine/kv_cache.py) is read in place as well: each key and value row times its scale, rounded to the queries'
-dtype, what a cache of that dtype holding the dequantized values would give.
+dtype (exact: the scales are powers of two), what a cache of that dtype holding the dequantized values would give.
 
 Runs on CUDA; `TRITON_INTERPRET=1` runs it on the CPU (slowly) for tests.
 """
