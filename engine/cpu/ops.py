@@ -76,7 +76,7 @@ def paged_decode_attention(
     blocks `block_tables[i]` of the [slots, kv_heads, d] caches, and its output goes to out[query_index[i]]
     ([tokens, heads, d], contiguous, q's dtype). Integer tensors are int64 and contiguous. An int8 cache comes
     with its key and value `scales` and is read back in q's dtype (engine/kv_cache.py's `dequantize_kv`).
-    bfloat16 queries over a bfloat16 cache are scored by the products `products` names (None:
+    bfloat16 queries over a bfloat16 or int8 cache are scored by the products `products` names (None:
     tuning.bf16_products, as the Linear kernel's)."""
     lib = build.lib()
     if q.dtype not in DTYPE_CODES:
