@@ -243,16 +243,19 @@ def sample(
     if histories is not None:
         apply_penalties(logits, params, histories)
         suppress_before_min_tokens(logits, params, histories)
-    tokens = argmax(logits)
-    failed = torch.zeros_like(tokens)
     rows = [i for i, p in enumerate(params) if not p.greedy]
+    # each pass over the logits costs about as much as a small kernel on the CPU: none for rows nobody reads
+    tokens = argmax(logits) if len(rows) < len(params) else torch.zeros(len(params), dtype=torch.long,
+                                                                          device=logits.device)
+    failed = torch.zeros_like(tokens)
     if rows:
         index = torch.tensor(rows, device=logits.device)
         temperature = torch.tensor([[params[i].temperature] for i in rows], dtype=torch.float32, device=logits.device)
-        x = logits[index]
-        x = (x - x.max(dim=-1, keepdim=True).values) / temperature  # log-weights, at most 0 (NaN: a bad row)
+        chosen = _rows(logits, rows)
+        top = chosen.max(dim=-1, keepdim=True).values  # NaN where a logit is NaN
+        x = (chosen - top).div_(temperature)  # log-weights, at most 0 (NaN: a bad row)
         picked = _race(x, [params[i] for i in rows], [generators[i] for i in rows])
-        bad = ~torch.isfinite(x.amax(dim=-1))  # NaN somewhere, or no finite logit at all
+        bad = ~torch.isfinite(top[:, 0])  # NaN somewhere, no finite logit at all, or +inf (x then has NaN)
         tokens = tokens.index_copy(0, index, picked)
         failed = failed.index_copy(0, index, bad.to(failed.dtype))
     both = torch.stack([tokens, failed]).tolist()  # the one read-back
@@ -276,6 +279,11 @@ def candidates(params: SamplingParams, vocab: int, device: torch.device) -> int:
     return vocab
 
 
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x's rows `rows` (ascending): x itself where they are all of them, else a copy."""
+    return x if len(rows) == x.shape[0] else x[torch.tensor(rows, device=x.device)]
+
+
 def _race(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
     """The sampled token of each row of log-weights `x` [rows, vocab] (`sample`'s rule). A row without top_k or
     top_p races over its whole vocabulary in token order, with no sort; the others over their candidates, best
@@ -286,13 +294,13 @@ def _race(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.
     whole = [r for r, p in enumerate(params) if p.top_k == 0 and p.top_p >= 1.0]
     if whole:
         at = torch.tensor(whole, device=x.device)
-        picked[at] = _exponential_race(torch.exp(x[at]), [generators[r] for r in whole],
+        picked[at] = _exponential_race(torch.exp(_rows(x, whole)), [generators[r] for r in whole],
                                        [candidates(params[r], vocab, x.device) for r in whole])
     top_k = [r for r, p in enumerate(params) if p.top_k > 0]
     top_p = [r for r, p in enumerate(params) if p.top_k == 0 and p.top_p < 1.0]
     if top_k:
         at = torch.tensor(top_k, device=x.device)
-        values, order = torch.topk(x[at], min(max(params[r].top_k for r in top_k), vocab), dim=-1)
+        values, order = torch.topk(_rows(x, top_k), min(max(params[r].top_k for r in top_k), vocab), dim=-1)
         k = torch.tensor([[params[r].top_k] for r in top_k], device=x.device)
         values = values.masked_fill(torch.arange(values.shape[-1], device=x.device) >= k, float("-inf"))
         # Renormalized over its top_k tokens, as `torch.softmax` over the vocabulary with the rest masked.
@@ -301,7 +309,7 @@ def _race(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.
                                      [candidates(params[r], vocab, x.device) for r in top_k])
     if top_p:
         at = torch.tensor(top_p, device=x.device)
-        rows = x[at]
+        rows = _rows(x, top_p)
         total = torch.logsumexp(rows, dim=-1, keepdim=True)
         count = candidates(params[top_p[0]], vocab, x.device)  # the same for every top_p row
         values, order = torch.topk(rows, count, dim=-1)  # best first (the whole vocabulary sorted, at its size)
