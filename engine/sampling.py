@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.grammar import GrammarSpec
@@ -262,21 +263,31 @@ def sample(
     return both[0], [bool(f) for f in both[1]], token_logprobs(logits, params, tokens, both[0])
 
 
-# Top-p rows without top_k look for their prefix among their likeliest tokens first (a partial sort); a row whose
-# prefix is longer (a flat distribution) sorts its whole vocabulary.
-TOP_P_CANDIDATES = 256
+# On the CPU, top-p rows without top_k look for their prefix among their likeliest tokens, in growing sets (partial
+# sorts: torch.topk of 8 rows of 49,152 logits, 0.3 ms for 32, 0.7 ms for 256), and sort the whole vocabulary only
+# where none holds it (a flat distribution; 8 such rows: torch.sort 13 ms on 2 cores, numpy's argsort 6 ms).
+TOP_P_CANDIDATES = (32, 512, 8192)
 
 
 def candidates(params: SamplingParams, vocab: int, device: torch.device) -> int:
     """The tokens a sampled row races among first, as many E as it draws: its whole vocabulary without top_k or
-    top_p; its top_k; for top_p alone its `TOP_P_CANDIDATES` likeliest on the CPU (a row whose prefix is longer
-    then sorts and draws for its whole vocabulary), the whole vocabulary elsewhere (a GPU sorts it at little cost,
-    and choosing rows would read back from the device)."""
+    top_p; its top_k; for top_p alone its first `TOP_P_CANDIDATES` set on the CPU (a row whose prefix is longer
+    then races among the next set that holds it, or its whole vocabulary, drawing for those), the whole vocabulary
+    elsewhere (a GPU sorts it at little cost, and choosing rows would read back from the device)."""
     if params.top_k > 0:
         return min(params.top_k, vocab)
     if params.top_p < 1.0 and device.type == "cpu":
-        return min(TOP_P_CANDIDATES, vocab)
+        return min(TOP_P_CANDIDATES[0], vocab)
     return vocab
+
+
+def _sorted_descending(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's values, largest first, and their columns: numpy's argsort on the CPU (vectorised, half
+    torch.sort's time there), torch.sort elsewhere."""
+    if rows.device.type != "cpu":
+        return torch.sort(rows, dim=-1, descending=True)
+    order = torch.from_numpy(np.argsort(np.negative(rows.numpy()), axis=-1))
+    return rows.gather(-1, order), order
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -311,20 +322,29 @@ def _race(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.
         at = torch.tensor(top_p, device=x.device)
         rows = _rows(x, top_p)
         total = torch.logsumexp(rows, dim=-1, keepdim=True)
-        count = candidates(params[top_p[0]], vocab, x.device)  # the same for every top_p row
-        values, order = torch.topk(rows, count, dim=-1)  # best first (the whole vocabulary sorted, at its size)
-        groups = [(list(range(len(top_p))), values, order, count)]
-        if count < vocab:  # on the CPU: which rows' prefix their likeliest tokens hold (no device read-back)
-            mass = torch.exp(values - total).sum(dim=-1)
-            held = (mass >= torch.tensor([params[r].top_p for r in top_p], device=x.device)).tolist()
-            inside, longer = [j for j, h in enumerate(held) if h], [j for j, h in enumerate(held) if not h]
-            groups = [(inside, values[inside], order[inside], count)]
-            if longer:
-                groups.append((longer, *torch.sort(rows[longer], dim=-1, descending=True), vocab))
-        for group, values_g, order_g, n in groups:
-            if group:
-                picked[at[group]] = _truncated_race(values_g, order_g, total[group], [params[top_p[j]] for j in group],
-                                                    [generators[top_p[j]] for j in group], [n] * len(group))
+        limits = torch.tensor([params[r].top_p for r in top_p], device=x.device)
+        first = candidates(params[top_p[0]], vocab, x.device)  # the same for every top_p row
+        counts = [first, *(min(c, vocab) for c in TOP_P_CANDIDATES if first < c < vocab)] if first < vocab else []
+        pending = list(range(len(top_p)))  # rows (of top_p) whose prefix no set so far held
+        for count in counts:  # on the CPU: which rows' prefix their likeliest tokens hold (no device read-back)
+            values, order = torch.topk(_rows(rows, pending), count, dim=-1)  # best first
+            held = (torch.exp(values - total[pending]).sum(dim=-1) >= limits[pending]).tolist()
+            inside = [j for j, h in enumerate(held) if h]
+            if inside:
+                group = [pending[j] for j in inside]
+                picked[at[group]] = _truncated_race(
+                    values[inside], order[inside], total[group], [params[top_p[j]] for j in group],
+                    [generators[top_p[j]] for j in group], [count] * len(group))
+            pending = [pending[j] for j, h in enumerate(held) if not h]
+            if not pending:
+                break
+        if pending and not counts:  # elsewhere than the CPU: every row, the whole vocabulary at its size
+            values, order = torch.topk(rows, vocab, dim=-1)
+        elif pending:
+            values, order = _sorted_descending(_rows(rows, pending))
+        if pending:
+            picked[at[pending]] = _truncated_race(values, order, total[pending], [params[top_p[j]] for j in pending],
+                                                  [generators[top_p[j]] for j in pending], [vocab] * len(pending))
     return picked
 
 

@@ -25,9 +25,10 @@ def reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(warpers(torch.zeros(1, 1, dtype=torch.long), logits[None].clone())[0], dim=-1)
 
 
-# TOP_P_CANDIDATES is over VOCAB: top_p rows sort the whole vocabulary (as on a GPU); 8: within their 8 likeliest
-# where those hold the prefix, else sorted.
-@pytest.mark.parametrize("candidates", [engine.sampling.TOP_P_CANDIDATES, 8])
+# TOP_P_CANDIDATES's first set is within VOCAB, its others over it: top_p rows race among their 32 likeliest where
+# those hold the prefix, else sort the whole vocabulary; (8,) likewise with 8 (the flat row's prefix sorted);
+# (2, 12, 30): sets of 2, 12 and 30 in turn (the peaked row's prefix held by 2, the flat row's by 30).
+@pytest.mark.parametrize("candidates", [engine.sampling.TOP_P_CANDIDATES, (8,), (2, 12, 30)])
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.7, top_k=5),
