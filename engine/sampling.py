@@ -177,33 +177,48 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
     """Penalize, in place, the rows of requests with penalties. histories[i] is row i's (prompt, output) tokens.
     Repetition (transformers' RepetitionPenaltyLogitsProcessor): a token in the prompt or the output has its logit
     divided by the penalty when positive, multiplied when negative. Presence and frequency (OpenAI's): the logit of
-    a token generated c times loses frequency_penalty * c + presence_penalty * (c > 0). Tensor ops over the rows;
-    the host only lists the rows' token ids."""
+    a token generated c times loses frequency_penalty * c + presence_penalty * (c > 0). Only the logits of those
+    tokens change, so only they are gathered, penalized and written back (every other logit would lose 0, and the
+    penalties are finite): a few hundred cells a row, where the whole rows' passes took 7 ms for 8 rows of 49,152
+    with Ollama's default repeat_penalty. The host only lists the rows' token ids."""
     rows = [i for i, p in enumerate(params) if p.penalized]
     if not rows:
         return
-    device = logits.device
-    index = torch.tensor(rows, device=device)
-    x = logits[index]
-
-    def occurrences(tokens_of: list[list[int]]) -> torch.Tensor:
-        row_ids = [row for row, tokens in enumerate(tokens_of) for _ in tokens]
-        flat = [token for tokens in tokens_of for token in tokens]
-        counts = torch.zeros_like(x)
-        if flat:
-            counts.index_put_((torch.tensor(row_ids, device=device), torch.tensor(flat, device=device)),
-                              torch.ones(len(flat), device=device), accumulate=True)
-        return counts
-
-    settings = torch.tensor([[params[i].repetition_penalty, params[i].frequency_penalty, params[i].presence_penalty]
-                             for i in rows], dtype=x.dtype, device=device)
-    generated = occurrences([histories[i][1] for i in rows])
-    if any(params[i].repetition_penalty != 1.0 for i in rows):
-        seen = occurrences([histories[i][0] + histories[i][1] for i in rows]) > 0
-        penalty = settings[:, :1]
+    device, vocab = logits.device, logits.shape[-1]
+    row_of, tokens, seen_count = [], [], 0  # the repetition penalty's tokens (prompt and output) first, then outputs
+    for repeated in (True, False):
+        for i in rows:
+            prompt, output = histories[i]
+            if repeated and params[i].repetition_penalty != 1.0:
+                row_of.append((i, len(prompt) + len(output)))
+                tokens += prompt
+                tokens += output
+            elif not repeated:
+                row_of.append((i, len(output)))
+                tokens += output
+        if repeated:
+            seen_count = len(tokens)
+    if not tokens:
+        return
+    ids = np.array(tokens, dtype=np.int64)  # numpy reads a list of ints a few times faster than torch.tensor
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"a penalized row's history holds token ids outside the logits' {vocab} columns: "
+                         f"{int(ids.min())}..{int(ids.max())}")
+    ids += np.repeat(np.array([i for i, _ in row_of], dtype=np.int64) * vocab, [n for _, n in row_of])
+    cells, inverse = torch.unique(torch.from_numpy(ids).to(device), return_inverse=True)  # row * vocab + token
+    seen = torch.zeros(len(cells), dtype=torch.bool, device=device)
+    seen[inverse[:seen_count]] = True
+    generated = torch.zeros(len(cells), dtype=logits.dtype, device=device)
+    generated.index_add_(0, inverse[seen_count:], torch.ones(len(tokens) - seen_count, dtype=logits.dtype,
+                                                             device=device))
+    settings = torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
+                            dtype=logits.dtype, device=device)[cells // vocab]
+    flat = logits.view(-1)
+    x = flat[cells]
+    if seen_count:
+        penalty = settings[:, 0]
         x = torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
-    x = x - settings[:, 1:2] * generated - settings[:, 2:3] * (generated > 0).to(x.dtype)
-    logits[index] = x
+    flat[cells] = x - settings[:, 1] * generated - settings[:, 2] * (generated > 0).to(x.dtype)
 
 
 def suppress_before_min_tokens(logits: torch.Tensor, params: list[SamplingParams],

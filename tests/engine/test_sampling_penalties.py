@@ -110,3 +110,43 @@ def test_top_k_over_the_vocabulary_is_refused_by_the_engine(make_engine):
     with pytest.raises(ValueError, match="top_k is 100000, over the model's vocabulary"):
         engine.add_request(prompt=PROMPTS[0], sampling=SamplingParams(top_k=100_000, temperature=1.0))
     assert SamplingParams(top_k=-1).top_k == 0
+
+
+def _dense_penalties(logits: torch.Tensor, params: list[SamplingParams], histories) -> torch.Tensor:
+    """The penalties' formula over whole rows (what `apply_penalties` computes on the cells it touches)."""
+    out = logits.clone()
+    for row, (p, (prompt, output)) in enumerate(zip(params, histories)):
+        x = out[row]
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros_like(x, dtype=torch.bool)
+            seen[torch.tensor(prompt + output, dtype=torch.long)] = True
+            x = torch.where(seen, torch.where(x < 0, x * p.repetition_penalty, x / p.repetition_penalty), x)
+        counts = torch.zeros_like(x)
+        counts.index_put_((torch.tensor(output, dtype=torch.long),), torch.ones(len(output)), accumulate=True)
+        out[row] = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(x.dtype)
+    return out
+
+
+def test_penalties_touch_only_their_tokens_bit_for_bit_as_the_whole_rows_formula():
+    """`apply_penalties` gathers the (row, token) cells of the rows' histories: the same bits as the formula over
+    whole rows, for rows with each penalty, none, repeats in the prompt and output, negative and zero logits; a
+    history token outside the logits' columns is refused by name."""
+    from engine.sampling import apply_penalties
+
+    torch.manual_seed(4)
+    vocab = 1000
+    logits = torch.randn(6, vocab) * 3
+    logits[:, :4] = torch.tensor([0.0, -0.0, -2.5, 2.5])
+    params = [SamplingParams(repetition_penalty=1.1), SamplingParams(), SamplingParams(frequency_penalty=0.7),
+              SamplingParams(presence_penalty=-1.3, repetition_penalty=0.8),
+              SamplingParams(frequency_penalty=-0.4, presence_penalty=1.9, repetition_penalty=3.0),
+              SamplingParams(repetition_penalty=1.1)]
+    histories = [(list(range(4)) + [7, 7, 999], [3, 3, 500]), ([1, 2], [3]), ([5], [6, 6, 6, 0]),
+                 ([], [9, 9, 1]), (list(range(0, 1000, 7)), list(range(0, 1000, 11)) * 2), ([], [])]
+    want = _dense_penalties(logits, params, histories)
+    got = logits.clone()
+    apply_penalties(got, params, histories)
+    assert torch.equal(got, want) and not torch.equal(got, logits)
+    assert torch.equal(got[1], logits[1]) and torch.equal(got[5], logits[5])  # no penalty; no history
+    with pytest.raises(ValueError, match="outside the logits' 1000 columns"):
+        apply_penalties(logits.clone(), [SamplingParams(repetition_penalty=1.2)], [([3, 1000], [])])
