@@ -124,7 +124,7 @@ class ModelRunner:
                 from engine.grammar import apply_token_masks
 
                 apply_token_masks(logits, [s.matcher for s in inputs])
-            histories = [(s.prompt_token_ids, s.output_token_ids) for s in inputs]
+            histories = [(s.prompt_ids, s.output_token_ids) for s in inputs]
             tokens, failed, logprobs = sample(logits, [s.sampling for s in inputs], [s.generator for s in inputs],
                                               histories)
             for row, token_logprobs in logprobs.items():

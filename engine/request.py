@@ -6,6 +6,7 @@ import bisect
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -106,6 +107,15 @@ class Request:
     num_forced: int = 0
     # The scores of prompt tokens 1, 2, ... so far (`SamplingParams.prompt_logprobs`); kept across preemption.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)
+    # The prompt's distinct token ids, made once (`distinct_prompt_ids`).
+    _distinct_prompt_ids: np.ndarray | None = field(default=None, init=False, repr=False)
+
+    def distinct_prompt_ids(self) -> np.ndarray:
+        """The prompt's distinct token ids (int64, sorted), made at the first call and kept: the penalties ask only
+        whether a token occurs in the prompt, every step (engine/sampling.py's `apply_penalties`)."""
+        if self._distinct_prompt_ids is None:
+            self._distinct_prompt_ids = np.unique(np.asarray(self.prompt_token_ids, dtype=np.int64))
+        return self._distinct_prompt_ids
 
     @property
     def prompt_positions_to_score(self) -> int:

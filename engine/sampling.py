@@ -173,43 +173,37 @@ def prompt_token_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, target
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
-                    histories: list[tuple[list[int], list[int]]]) -> None:
+                    histories: list[tuple[list[int] | np.ndarray, list[int]]]) -> None:
     """Penalize, in place, the rows of requests with penalties. histories[i] is row i's (prompt, output) tokens.
     Repetition (transformers' RepetitionPenaltyLogitsProcessor): a token in the prompt or the output has its logit
     divided by the penalty when positive, multiplied when negative. Presence and frequency (OpenAI's): the logit of
     a token generated c times loses frequency_penalty * c + presence_penalty * (c > 0). Only the logits of those
     tokens change, so only they are gathered, penalized and written back (every other logit would lose 0, and the
     penalties are finite): a few hundred cells a row, where the whole rows' passes took 7 ms for 8 rows of 49,152
-    with Ollama's default repeat_penalty. The host only lists the rows' token ids."""
+    with Ollama's default repeat_penalty. A prompt may come as its distinct ids in an array (only whether a token
+    occurs there counts), which a request computes once (`Request.distinct_prompt_ids`), not every step."""
     rows = [i for i, p in enumerate(params) if p.penalized]
     if not rows:
         return
     device, vocab = logits.device, logits.shape[-1]
-    row_of, tokens, seen_count = [], [], 0  # the repetition penalty's tokens (prompt and output) first, then outputs
-    for repeated in (True, False):
-        for i in rows:
-            prompt, output = histories[i]
-            if repeated and params[i].repetition_penalty != 1.0:
-                row_of.append((i, len(prompt) + len(output)))
-                tokens += prompt
-                tokens += output
-            elif not repeated:
-                row_of.append((i, len(output)))
-                tokens += output
-        if repeated:
-            seen_count = len(tokens)
-    if not tokens:
+    outputs = {i: np.asarray(histories[i][1], dtype=np.int64) for i in rows}  # numpy reads lists faster than torch
+    repeated = [(i, np.asarray(histories[i][0], dtype=np.int64)) for i in rows if params[i].repetition_penalty != 1.0]
+    # the repetition penalty's tokens (prompt and output) first, then the outputs (for their counts)
+    parts = [part for i, prompt in repeated for part in (prompt, outputs[i])] + list(outputs.values())
+    row_of = [i for i, _ in repeated for _ in (0, 1)] + list(outputs)
+    ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    seen_count = sum(len(prompt) + len(outputs[i]) for i, prompt in repeated)
+    if len(ids) == 0:
         return
-    ids = np.array(tokens, dtype=np.int64)  # numpy reads a list of ints a few times faster than torch.tensor
     if ids.min() < 0 or ids.max() >= vocab:
         raise ValueError(f"a penalized row's history holds token ids outside the logits' {vocab} columns: "
                          f"{int(ids.min())}..{int(ids.max())}")
-    ids += np.repeat(np.array([i for i, _ in row_of], dtype=np.int64) * vocab, [n for _, n in row_of])
+    ids = ids + np.repeat(np.array(row_of, dtype=np.int64) * vocab, [len(part) for part in parts])
     cells, inverse = torch.unique(torch.from_numpy(ids).to(device), return_inverse=True)  # row * vocab + token
     seen = torch.zeros(len(cells), dtype=torch.bool, device=device)
     seen[inverse[:seen_count]] = True
     generated = torch.zeros(len(cells), dtype=logits.dtype, device=device)
-    generated.index_add_(0, inverse[seen_count:], torch.ones(len(tokens) - seen_count, dtype=logits.dtype,
+    generated.index_add_(0, inverse[seen_count:], torch.ones(len(ids) - seen_count, dtype=logits.dtype,
                                                              device=device))
     settings = torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
                             dtype=logits.dtype, device=device)[cells // vocab]
@@ -222,7 +216,7 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def suppress_before_min_tokens(logits: torch.Tensor, params: list[SamplingParams],
-                               histories: list[tuple[list[int], list[int]]]) -> None:
+                               histories: list[tuple[list[int] | np.ndarray, list[int]]]) -> None:
     """Set to -inf, in place, the logits of the tokens `min_tokens` holds back in the rows that have generated fewer
     than `min_tokens` tokens (transformers' MinNewTokensLengthLogitsProcessor)."""
     cells = [(row, token) for row, p in enumerate(params)
@@ -242,7 +236,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-    histories: list[tuple[list[int], list[int]]] | None = None,
+    histories: list[tuple[list[int] | np.ndarray, list[int]]] | None = None,
 ) -> tuple[list[int], list[bool], dict[int, TokenLogprobs]]:
     """One token for each row of float32 logits [rows, vocab], whether that row failed (its distribution had no
     finite mass: the model's logits for it were not finite), and the log-probabilities of the rows whose request

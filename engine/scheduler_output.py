@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.grammar import Matcher
@@ -19,12 +20,12 @@ from engine.step_costs import StepShape, chunk_keys
 @dataclass
 class SamplingInputs:
     """What sampling a request's next token reads: its parameters, its random stream, where its output stands in
-    its grammar, and its tokens so far (penalties)."""
+    its grammar, and its tokens so far (penalties: the prompt's distinct ids, the output's in order)."""
 
     sampling: SamplingParams
     generator: torch.Generator | None
     matcher: Matcher | None
-    prompt_token_ids: list[int]
+    prompt_ids: np.ndarray
     output_token_ids: list[int]
 
 
@@ -61,8 +62,8 @@ class ScheduledChunk:
         end = start + num_tokens
         sample = None
         if end == request.num_tokens:
-            sample = SamplingInputs(request.sampling, request.generator, request.matcher, request.prompt_token_ids,
-                                    request.output_token_ids)
+            sample = SamplingInputs(request.sampling, request.generator, request.matcher,
+                                    request.distinct_prompt_ids(), request.output_token_ids)
         scoring = None
         first, last = max(start, request.prompt_positions_to_score), min(end, request.num_prompt_tokens - 1)
         if first < last:

@@ -4,6 +4,7 @@ penalties equal OpenAI's formula run as a logits processor; a request beside the
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,5 +149,9 @@ def test_penalties_touch_only_their_tokens_bit_for_bit_as_the_whole_rows_formula
     apply_penalties(got, params, histories)
     assert torch.equal(got, want) and not torch.equal(got, logits)
     assert torch.equal(got[1], logits[1]) and torch.equal(got[5], logits[5])  # no penalty; no history
+    distinct = logits.clone()  # prompts as the distinct ids a request keeps (Request.distinct_prompt_ids)
+    apply_penalties(distinct, params, [(np.unique(np.array(prompt, dtype=np.int64)), output)
+                                       for prompt, output in histories])
+    assert torch.equal(distinct, want)
     with pytest.raises(ValueError, match="outside the logits' 1000 columns"):
         apply_penalties(logits.clone(), [SamplingParams(repetition_penalty=1.2)], [([3, 1000], [])])
