@@ -179,9 +179,9 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
     divided by the penalty when positive, multiplied when negative. Presence and frequency (OpenAI's): the logit of
     a token generated c times loses frequency_penalty * c + presence_penalty * (c > 0). Only the logits of those
     tokens change, so only they are gathered, penalized and written back (every other logit would lose 0, and the
-    penalties are finite): a few hundred cells a row, where the whole rows' passes took 7 ms for 8 rows of 49,152
-    with Ollama's default repeat_penalty. A prompt may come as its distinct ids in an array (only whether a token
-    occurs there counts), which a request computes once (`Request.distinct_prompt_ids`), not every step."""
+    penalties are finite): a few hundred cells a row, not passes over whole rows of the vocabulary. A prompt may
+    come as its distinct ids in an array (only whether a token occurs there counts), which a request computes once
+    (`Request.distinct_prompt_ids`), not every step."""
     rows = [i for i, p in enumerate(params) if p.penalized]
     if not rows:
         return
