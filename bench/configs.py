@@ -280,6 +280,24 @@ class OverheadConfig:
     ready_timeout: float = 600.0
 
 
+@dataclass
+class SamplerConfig:
+    """bench sampler.
+
+    rows: rows sampled together (a step's sampling requests).
+    vocab: logits a row (SmolVLM's vocabulary by default).
+    history: tokens of each row's prompt and output so far, for the penalties of Ollama's defaults.
+    calls: timed calls of each case on each path, in blocks taken in turn; the median is reported.
+    """
+
+    rows: int = 8
+    vocab: int = 49152
+    history: int = 400
+    calls: int = 40
+    threads: int | None = None
+    seed: int = 0
+
+
 MAX_DURATION_S = 3600.0
 MAX_CHATS = 64
 MAX_RATE = 50.0

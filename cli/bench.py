@@ -21,6 +21,7 @@ from bench.configs import (
     PeersConfig,
     PipelineBenchConfig,
     PrefixConfig,
+    SamplerConfig,
     ServeConfig,
     SoakConfig,
     StallConfig,
@@ -85,6 +86,9 @@ register("peers", PeersConfig, "peers", "run_peers", "throughput and latency bar
          "Throughput and latency: this engine vs transformers' generate and generate_batch.")
 register("host", HostConfig, "host", "run_host", "the phases of a step",
          "A decode step's host time by phase, aten ops and read-backs per step, against a bare transformers forward.")
+register("sampler", SamplerConfig, "sampler", "run_sampler", "each case's time a call",
+         "What sampling a step's rows costs: greedy, temperature 1, Ollama's defaults and top_p over peaked to flat "
+         "logits, on the CPU kernel's path and on torch's, in turn.")
 register("overhead", OverheadConfig, "overhead", "run_overhead", "tokens/s and ITL",
          "What serving over HTTP costs: the same chats through `vlmcap serve` (its own process) and the engine alone.")
 register("grammar", GrammarBenchConfig, "grammar", "run_grammar_bench", "each run's throughput",

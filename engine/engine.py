@@ -145,8 +145,7 @@ class Engine:
         self._steps = 0
         self._last_step_num_tokens = 0
         self.num_step_failures = 0  # steps whose forward raised (their requests ended with "error")
-        self.output_processor = OutputProcessor(self.scheduler, self.requests, self.eos_token_ids,
-                                                self.vocab_size, self.device)
+        self.output_processor = OutputProcessor(self.scheduler, self.requests, self.eos_token_ids, self.device)
         self.last_step_timings = StepTimings()
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self._grammars_lock = threading.Lock()

@@ -33,11 +33,10 @@ class OutputProcessor:
     and keeps the output counters and the image embeddings requests asked for."""
 
     def __init__(self, scheduler: Scheduler, requests: dict[str, Request], eos_token_ids: set[int],
-                 vocab_size: int, device: torch.device) -> None:
+                 device: torch.device) -> None:
         self.scheduler = scheduler
         self.requests = requests
         self.eos_token_ids = eos_token_ids
-        self.vocab_size = vocab_size  # what a seeded request's sampler draws a token from
         self.device = device
         self.num_generated_tokens = 0
         self.num_request_failures = 0  # requests ended alone because their token could not be sampled
@@ -131,7 +130,7 @@ class OutputProcessor:
                 self.num_generated_tokens += 1
                 self.num_forced_tokens += 1
                 if request.generator is not None:  # the sampler's draws for the token (engine/sampling.py)
-                    draw_as_sampled(params, request.generator, self.vocab_size, self.device)
+                    draw_as_sampled(request.generator, self.device)
                 output = by_id[request.request_id]
                 if not request.matcher.accept(token):  # cannot happen: the grammar allows it
                     by_id[request.request_id] = self.fail(request)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.cpu import build
 from engine.grammar import GrammarSpec
 
 GREEDY_BELOW = 1e-5
@@ -243,150 +244,92 @@ def sample(
     asks for them (by row). All rows in tensor ops, one read-back (two when a row asks for log-probabilities).
 
     Penalties first (`apply_penalties`, in place; `histories` are needed only when a request has one). Greedy rows
-    take the argmax. The others are scaled by their temperature after subtracting the row's maximum (so any
-    temperature the parameters allow stays finite), cut to their top_k tokens and to the smallest prefix of the
-    sorted distribution whose mass reaches top_p (the likeliest token always stays), and sampled by the exponential
-    race (argmax of p / E with E ~ Exp(1), which draws from p) among the tokens that remain (`_race`), each row's E
-    from its request's own generator, as many draws as its own parameters and logits call for, so a seeded request
-    repeats whatever else is batched.
+    take the argmax. The others weigh each token by e^((logit - the row's maximum) / temperature) (finite at any
+    temperature the parameters allow), keep the weights top_k and top_p leave (`choose`'s rule: no sort of the
+    vocabulary on the CPU) and draw one of them with probability its share of their total: by the inverse of their
+    cumulative sum at one uniform draw u from the request's own generator (one draw a sampled token, whatever the
+    parameters, the logits or the other rows: a seeded request repeats whatever else is batched).
     """
     if histories is not None:
         apply_penalties(logits, params, histories)
         suppress_before_min_tokens(logits, params, histories)
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    # each pass over the logits costs about as much as a small kernel on the CPU: none for rows nobody reads
-    tokens = argmax(logits) if len(rows) < len(params) else torch.zeros(len(params), dtype=torch.long,
-                                                                          device=logits.device)
+    top, tokens = logits.max(dim=-1)  # one pass: each row's maximum and the greedy rows' tokens (argmax's rule)
     failed = torch.zeros_like(tokens)
     if rows:
         index = torch.tensor(rows, device=logits.device)
-        temperature = torch.tensor([[params[i].temperature] for i in rows], dtype=torch.float32, device=logits.device)
-        chosen = _rows(logits, rows)
-        top = chosen.max(dim=-1, keepdim=True).values  # NaN where a logit is NaN
-        x = (chosen - top).div_(temperature)  # log-weights, at most 0 (NaN: a bad row)
-        picked = _race(x, [params[i] for i in rows], [generators[i] for i in rows])
-        bad = ~torch.isfinite(top[:, 0])  # NaN somewhere, no finite logit at all, or +inf (x then has NaN)
+        chosen_top = top if len(rows) == len(params) else top[index]
+        picked = choose(logits, index, chosen_top, [params[i] for i in rows], draws([generators[i] for i in rows],
+                                                                                  logits.device))
+        bad = ~torch.isfinite(chosen_top)  # NaN somewhere, no finite logit at all, or +inf
         tokens = tokens.index_copy(0, index, picked)
         failed = failed.index_copy(0, index, bad.to(failed.dtype))
     both = torch.stack([tokens, failed]).tolist()  # the one read-back
     return both[0], [bool(f) for f in both[1]], token_logprobs(logits, params, tokens, both[0])
 
 
-# On the CPU, top-p rows without top_k look for their prefix among their likeliest tokens, in growing sets (partial
-# sorts: torch.topk of 8 rows of 49,152 logits, 0.3 ms for 32, 0.7 ms for 256), and sort the whole vocabulary only
-# where none holds it (a flat distribution; 8 such rows: torch.sort 13 ms on 2 cores, numpy's argsort 6 ms).
-TOP_P_CANDIDATES = (32, 512, 8192)
+def draws(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """One uniform draw in [0, 1) (float64) from each generator (None: torch's global one), in order."""
+    u = torch.empty(len(generators), dtype=torch.float64, device=device)
+    for row, generator in enumerate(generators):
+        u[row : row + 1].uniform_(generator=generator)
+    return u
 
 
-def candidates(params: SamplingParams, vocab: int, device: torch.device) -> int:
-    """The tokens a sampled row races among first, as many E as it draws: its whole vocabulary without top_k or
-    top_p; its top_k; for top_p alone its first `TOP_P_CANDIDATES` set on the CPU (a row whose prefix is longer
-    then races among the next set that holds it, or its whole vocabulary, drawing for those), the whole vocabulary
-    elsewhere (a GPU sorts it at little cost, and choosing rows would read back from the device)."""
-    if params.top_k > 0:
-        return min(params.top_k, vocab)
-    if params.top_p < 1.0 and device.type == "cpu":
-        return min(TOP_P_CANDIDATES[0], vocab)
-    return vocab
+def draw_as_sampled(generator: torch.Generator, device: torch.device) -> None:
+    """Advance `generator` as `sample` does for a row: a token jump-forward appends without sampling draws alike,
+    so that a seeded request's later tokens are those of sampling every token."""
+    draws([generator], device)
 
 
-def _sorted_descending(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's values, largest first, and their columns: numpy's argsort on the CPU (vectorised, half
-    torch.sort's time there), torch.sort elsewhere."""
-    if rows.device.type != "cpu":
-        return torch.sort(rows, dim=-1, descending=True)
-    order = torch.from_numpy(np.argsort(np.negative(rows.numpy()), axis=-1))
-    return rows.gather(-1, order), order
+def _kernel(device: torch.device) -> bool:
+    """Whether `choose` runs the CPU kernel (engine/csrc/sampling.c) on `device`, else torch's operations."""
+    return build.available(device)
 
 
-def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """x's rows `rows` (ascending): x itself where they are all of them, else a copy."""
-    return x if len(rows) == x.shape[0] else x[torch.tensor(rows, device=x.device)]
+def choose(logits: torch.Tensor, index: torch.Tensor, top: torch.Tensor, params: list[SamplingParams],
+           u: torch.Tensor) -> torch.Tensor:
+    """The token of each row `index[r]` of float32 `logits` whose maximum is `top[r]`, for `params[r]` and the draw
+    `u[r]` (float64, in [0, 1)). The rule, the same on every path: weights w = e^((logit - top) / temperature); top_k
+    keeps the weights of which fewer than k are larger (ties with the k-th kept, as transformers' TopKLogitsWarper
+    keeps them); top_p then keeps those the mass of the larger kept ones stays under top_p times the kept total (the
+    smallest prefix, largest first, whose mass reaches top_p; tied weights kept together); the token is the first,
+    in token order, whose running sum of kept weights exceeds u times their total (a weight of 0 is never drawn).
+    On the CPU the kernel finds the least kept weight by a radix selection of the weights' bits, with no sort
+    (engine/csrc/sampling.c); elsewhere torch sorts the cut rows. A row whose maximum is not finite gets some token
+    (the caller fails it)."""
+    vocab = logits.shape[-1]
+    if _kernel(logits.device) and logits.is_contiguous():
+        from engine.cpu import ops
 
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype)
 
-def _race(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
-    """The sampled token of each row of log-weights `x` [rows, vocab] (`sample`'s rule). A row without top_k or
-    top_p races over its whole vocabulary in token order, with no sort; the others over their candidates, best
-    first (`candidates`): their top_k tokens (`torch.topk`), or for top_p alone their likeliest where those hold the
-    prefix, else every token sorted. Each row draws E for its own candidates only."""
-    vocab = x.shape[-1]
-    picked = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
-    whole = [r for r, p in enumerate(params) if p.top_k == 0 and p.top_p >= 1.0]
-    if whole:
-        at = torch.tensor(whole, device=x.device)
-        picked[at] = _exponential_race(torch.exp(_rows(x, whole)), [generators[r] for r in whole],
-                                       [candidates(params[r], vocab, x.device) for r in whole])
-    top_k = [r for r, p in enumerate(params) if p.top_k > 0]
-    top_p = [r for r, p in enumerate(params) if p.top_k == 0 and p.top_p < 1.0]
-    if top_k:
-        at = torch.tensor(top_k, device=x.device)
-        values, order = torch.topk(_rows(x, top_k), min(max(params[r].top_k for r in top_k), vocab), dim=-1)
-        k = torch.tensor([[params[r].top_k] for r in top_k], device=x.device)
-        values = values.masked_fill(torch.arange(values.shape[-1], device=x.device) >= k, float("-inf"))
-        # Renormalized over its top_k tokens, as `torch.softmax` over the vocabulary with the rest masked.
-        picked[at] = _truncated_race(values, order, torch.logsumexp(values, dim=-1, keepdim=True),
-                                     [params[r] for r in top_k], [generators[r] for r in top_k],
-                                     [candidates(params[r], vocab, x.device) for r in top_k])
-    if top_p:
-        at = torch.tensor(top_p, device=x.device)
-        rows = _rows(x, top_p)
-        total = torch.logsumexp(rows, dim=-1, keepdim=True)
-        limits = torch.tensor([params[r].top_p for r in top_p], device=x.device)
-        first = candidates(params[top_p[0]], vocab, x.device)  # the same for every top_p row
-        counts = [first, *(min(c, vocab) for c in TOP_P_CANDIDATES if first < c < vocab)] if first < vocab else []
-        pending = list(range(len(top_p)))  # rows (of top_p) whose prefix no set so far held
-        for count in counts:  # on the CPU: which rows' prefix their likeliest tokens hold (no device read-back)
-            values, order = torch.topk(_rows(rows, pending), count, dim=-1)  # best first
-            held = (torch.exp(values - total[pending]).sum(dim=-1) >= limits[pending]).tolist()
-            inside = [j for j, h in enumerate(held) if h]
-            if inside:
-                group = [pending[j] for j in inside]
-                picked[at[group]] = _truncated_race(
-                    values[inside], order[inside], total[group], [params[top_p[j]] for j in group],
-                    [generators[top_p[j]] for j in group], [count] * len(group))
-            pending = [pending[j] for j, h in enumerate(held) if not h]
-            if not pending:
-                break
-        if pending and not counts:  # elsewhere than the CPU: every row, the whole vocabulary at its size
-            values, order = torch.topk(rows, vocab, dim=-1)
-        elif pending:
-            values, order = _sorted_descending(_rows(rows, pending))
-        if pending:
-            picked[at[pending]] = _truncated_race(values, order, total[pending], [params[top_p[j]] for j in pending],
-                                                  [generators[top_p[j]] for j in pending], [vocab] * len(pending))
-    return picked
-
-
-def draw_as_sampled(params: SamplingParams, generator: torch.Generator, vocab: int, device: torch.device) -> None:
-    """Advance `generator` as `sample` does for a row whose grammar allows one token: a token jump-forward appends
-    without sampling draws alike, so that a seeded request's later tokens are those of sampling every token."""
-    count = candidates(params, vocab, device)  # forced: one token holds all the mass, within the first candidates
-    torch.empty(count, dtype=torch.float32, device=device).uniform_(generator=generator)
-
-
-def _truncated_race(values: torch.Tensor, order: torch.Tensor, total: torch.Tensor, params: list[SamplingParams],
-                    generators: list[torch.Generator | None], counts: list[int]) -> torch.Tensor:
-    """The race among candidates `values` (log-weights, best first; `order`: their token ids), normalized by the
-    log-mass `total`, cut to the smallest prefix whose mass reaches each row's top_p (the first always stays);
-    row i draws `counts[i]` E."""
-    probs = torch.exp(values - total)
-    top_p = torch.tensor([[p.top_p] for p in params], dtype=probs.dtype, device=probs.device)
-    drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-    drop[:, 0] = False
-    probs = probs.masked_fill(drop, 0.0)
-    return order.gather(-1, _exponential_race(probs, generators, counts).unsqueeze(-1)).squeeze(-1)
-
-
-def _exponential_race(weights: torch.Tensor, generators: list[torch.Generator | None], counts: list[int]
-                      ) -> torch.Tensor:
-    """argmax over each row's first `counts[row]` columns of weight / E, E ~ Exp(1) drawn from the row's own
-    generator (-log U, U uniform: a uniform draw costs a seventh of torch's `exponential_`). Which column wins
-    is distributed as the weights: the exponential race."""
-    race = torch.zeros_like(weights)  # a column past its row's count keeps U = 0: E = inf, it never wins
-    for row, (generator, count) in enumerate(zip(generators, counts)):
-        race[row, :count].uniform_(generator=generator)
-    race.log_().neg_()
-    return argmax(weights / race)
+        return ops.sample_rows(logits, index, top.contiguous(), column([1.0 / p.temperature for p in params],
+                               torch.float32), column([p.top_k for p in params], torch.int64),
+                               column([p.top_p for p in params], torch.float32), u)
+    device = logits.device
+    temperature = torch.tensor([[p.temperature] for p in params], dtype=torch.float32, device=device)
+    w = torch.exp((logits[index] - top[:, None]) / temperature)
+    cut = [r for r, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    if cut:
+        at = torch.tensor(cut, device=device)
+        rows = w[at]
+        values = torch.sort(rows, dim=-1, descending=True).values
+        k = torch.tensor([[params[r].top_k if 0 < params[r].top_k < vocab else vocab] for r in cut], device=device)
+        least = values.gather(-1, k - 1)  # the k-th largest weight
+        total = torch.where(rows >= least, rows, 0.0).sum(dim=-1, keepdim=True, dtype=torch.float64)
+        before = values.cumsum(dim=-1, dtype=torch.float64) - values  # the mass of the weights before each
+        bound = torch.tensor([[params[r].top_p if params[r].top_p < 1.0 else math.inf] for r in cut],
+                             dtype=torch.float64, device=device) * total
+        kept = (before < bound).sum(dim=-1, keepdim=True).clamp(min=1)
+        least = torch.maximum(least, values.gather(-1, kept - 1))
+        w[at] = torch.where(rows >= least, rows, 0.0)
+    running = w.cumsum(dim=-1, dtype=torch.float64)
+    token = torch.searchsorted(running, u[:, None] * running[:, -1:], right=True)[:, 0]
+    positions = torch.arange(vocab, device=device)
+    last = torch.where(w > 0, positions, -1).max(dim=-1).values  # where rounding leaves the draw past the end
+    return torch.minimum(token, last).clamp(min=0)
 
 
 def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor,

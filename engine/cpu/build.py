@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 FOLDER = Path(__file__).parent.parent / "csrc"
 SOURCES = [FOLDER / "paged_decode.c", FOLDER / "linear.c", FOLDER / "linear_int8.c", FOLDER / "rms_norm.c",
            FOLDER / "rope_store.c", FOLDER / "gelu.c", FOLDER / "decode_layers.c", FOLDER / "full_attention.c",
-           FOLDER / "scratch.c"]
+           FOLDER / "sampling.c", FOLDER / "scratch.c"]
 HEADERS = [FOLDER / "dtypes.h", FOLDER / "kernels.h", FOLDER / "linear.h"]
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")  # compiling; linking is LINK_FLAGS, without -ffast-math:
 # GCC links crtfastmath.o into what it links with -ffast-math (shared libraries too, before GCC 13), whose constructor

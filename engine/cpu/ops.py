@@ -277,6 +277,33 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def sample_rows(logits: torch.Tensor, index: torch.Tensor, top: torch.Tensor, inv_temperature: torch.Tensor,
+                top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """A token for each row `index[r]` of float32 logits [rows, vocab] (sampling.c: weights by the row's maximum
+    `top[r]` and `inv_temperature[r]`, cut by `top_k[r]` (0: none) and `top_p[r]` (1: none), drawn at `u[r]` in
+    [0, 1)); 0 for a row whose maximum is not finite. Per-row tensors: contiguous, on the CPU, index / top_k int64,
+    top / inv_temperature / top_p float32, u float64."""
+    n = index.shape[0]
+    wanted = ((index, torch.int64), (top, torch.float32), (inv_temperature, torch.float32), (top_k, torch.int64),
+              (top_p, torch.float32), (u, torch.float64))
+    if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous() or logits.device.type != "cpu":
+        raise ValueError(f"sample_rows takes contiguous CPU float32 logits [rows, vocab], got {logits.dtype} "
+                         f"{tuple(logits.shape)} on {logits.device}")
+    for tensor, dtype in wanted:
+        fits = tensor.dtype == dtype and tuple(tensor.shape) == (n,) and tensor.is_contiguous()
+        if not fits or tensor.device.type != "cpu":
+            raise ValueError(f"sample_rows' per-row arguments are contiguous CPU [{n}] tensors, one of {dtype} got "
+                             f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
+    if n and not (0 <= int(index.min()) and int(index.max()) < logits.shape[0]):
+        raise ValueError(f"sample_rows' rows {index.tolist()} are not all within the logits' {logits.shape[0]}")
+    tokens = torch.empty(n, dtype=torch.int64)
+    if build.lib().sample_rows(logits.data_ptr(), logits.shape[1], index.data_ptr(), n, top.data_ptr(),
+                               inv_temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), u.data_ptr(),
+                               tokens.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"sample_rows could not allocate its buffers for a vocabulary of {logits.shape[1]}")
+    return tokens
+
+
 def release_scratch() -> None:
     """The kernels' scratch buffers of the calling thread freed (engine/csrc/scratch.c): start-up's timings grew
     them to shapes that steps may never run; steps grow them again to what they need. Not while a kernel runs on

@@ -131,6 +131,21 @@ def test_bench_serve_rejects_a_malformed_slo():
         parse_slo("latency=5")
 
 
+def test_bench_sampler_times_each_case_on_both_paths(tmp_path):
+    out = tmp_path / "sampler.json"
+    invoke(["bench", "sampler", "--rows", "3", "--vocab", "500", "--history", "20", "--calls", "2", "--threads", "1",
+            "--json", str(out), "--png", str(tmp_path / "sampler.png")])
+    result = json.loads(out.read_text())
+    cases = {case["case"]: case for case in result["cases"]}
+    assert list(cases)[:3] == ["greedy", "temperature 1", "Ollama's defaults"] and len(cases) == 6
+    assert result["kernel_build"] is not None  # this machine compiles the kernels
+    for case in cases.values():
+        assert case["kernel_ms_median"] > 0 and case["torch_ms_median"] > 0 and len(case["kernel_ms"]) == 2
+    nuclei = [cases[name]["nucleus"] for name in ("top_p 0.9, peaked", "top_p 0.9, spread", "top_p 0.9, flat")]
+    assert 1 <= nuclei[0] < nuclei[1] < nuclei[2] <= 500
+    assert (tmp_path / "sampler.png").stat().st_size > 0
+
+
 def test_bench_host_splits_a_step_into_phases_and_counts_ops(tmp_path):
     out, png = tmp_path / "host.json", tmp_path / "host.png"
     invoke(["bench", "host", "--model", "tiny", "--decodes", "3", "--context", "24", "--later", "4", "--steps", "2",

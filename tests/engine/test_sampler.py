@@ -1,19 +1,30 @@
 """The sampler's distribution against transformers' own logits warpers (temperature, top_k, top_p): what it draws
-from each row is what `generate` would sample from, on every path (the whole vocabulary, top_k candidates, top_p
-within the likeliest tokens, top_p over a sorted vocabulary)."""
+from each row is what `generate` would sample from, on both paths (the CPU kernel's radix selection, torch's sort),
+and, draw by draw, the token a float64 reference of `choose`'s rule gives for the same uniform draw."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import engine.sampling
-from engine.sampling import SamplingParams, sample
+from engine.cpu import build, ops
+from engine.sampling import SamplingParams, choose, sample
 
 VOCAB = 50
 ROWS = 2000  # rows a call, each with its own generator
 CALLS = 10
+RUNNABLE = build.runnable_variants()
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    """`choose` by the CPU kernel (engine/csrc/sampling.c), or by torch's operations (a GPU's path)."""
+    if request.param == "torch":
+        monkeypatch.setattr(engine.sampling, "_kernel", lambda device: False)
+    return request.param
 
 
 def reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -25,21 +36,25 @@ def reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(warpers(torch.zeros(1, 1, dtype=torch.long), logits[None].clone())[0], dim=-1)
 
 
-# TOP_P_CANDIDATES's first set is within VOCAB, its others over it: top_p rows race among their 32 likeliest where
-# those hold the prefix, else sort the whole vocabulary; (8,) likewise with 8 (the flat row's prefix sorted);
-# (2, 12, 30): sets of 2, 12 and 30 in turn (the peaked row's prefix held by 2, the flat row's by 30).
-@pytest.mark.parametrize("candidates", [engine.sampling.TOP_P_CANDIDATES, (8,), (2, 12, 30)])
+TIED = torch.tensor([3.0, 1.0, 3.0, 2.0, 2.0, 2.0, 0.5, 3.0, 1.0, 2.0] * 5)  # ties across the top_k / top_p cuts
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.7, top_k=5),
-    SamplingParams(temperature=1.3, top_p=0.8),  # with 8 candidates: a prefix longer than they are, sorted
-    SamplingParams(temperature=0.5, top_p=0.5),  # a prefix within 8
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=0.5, top_p=0.5),
     SamplingParams(temperature=0.9, top_k=20, top_p=0.6),
 ], ids=["whole", "top_k", "top_p", "top_p_peaked", "top_k_top_p"])
-def test_draws_follow_transformers_warped_distribution(params, candidates, monkeypatch):
-    monkeypatch.setattr(engine.sampling, "TOP_P_CANDIDATES", candidates)
-    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(7)) * 2
+@pytest.mark.parametrize("tied", [False, True], ids=["distinct", "tied"])
+def test_draws_follow_transformers_warped_distribution(params, tied, path):
+    """Tied logits too: where top_p's prefix ends inside a group of tied weights, transformers' sort keeps some of
+    them (which ones, its sort's whim) and `choose` all of them: those rows follow `rule`'s kept weights."""
+    logits = TIED.clone() if tied else torch.randn(VOCAB, generator=torch.Generator().manual_seed(7)) * 2
     expected = reference(logits, params)
+    if tied and params.top_p < 1.0:
+        kept = torch.from_numpy(rule(logits.numpy(), params, 0.5)[1]).float()
+        expected = kept / kept.sum()
     counts = torch.zeros(VOCAB)
     for call in range(CALLS):
         generators = [torch.Generator().manual_seed(call * ROWS + row) for row in range(ROWS)]
@@ -51,7 +66,122 @@ def test_draws_follow_transformers_warped_distribution(params, candidates, monke
     assert 0.5 * (drawn - expected).abs().sum() < 0.02  # total variation, 20,000 draws
 
 
-def test_a_row_of_nan_or_without_a_finite_logit_fails_alone():
+def rule(logits: np.ndarray, params: SamplingParams, u: float) -> tuple[int | None, np.ndarray, bool]:
+    """`choose`'s rule in float64: the token drawn at u (None where a cut or the draw falls within 1e-6 of the
+    total of a boundary, where float32 rounding may decide either way), the kept weights, and whether a cut is
+    that close (a token just past it may then be kept)."""
+    x = (logits.astype(np.float64) - logits.max()) / params.temperature
+    w = np.where(x >= -87.0, np.exp(x), 0.0)
+    keep = np.ones_like(w, dtype=bool)
+    values = np.sort(w)[::-1]
+    close = False
+    if 0 < params.top_k < len(w):
+        least = values[params.top_k - 1]
+        keep = w >= least
+        after = values[params.top_k] if params.top_k < len(w) else 0.0
+        close |= after != least and abs(after - least) < 1e-6 * least
+    if params.top_p < 1.0:
+        kept = np.sort(w[keep])[::-1]
+        total = kept.sum()
+        before = np.cumsum(kept) - kept
+        bound = params.top_p * total
+        least = kept[(before < bound).sum() - 1]
+        keep &= w >= least
+        close |= bool(np.any(np.abs(before - bound) < 1e-6 * total))
+    kept = np.where(keep, w, 0.0)
+    running = np.cumsum(kept)
+    target, margin = u * running[-1], 1e-6 * running[-1]
+    last = int(np.flatnonzero(kept)[-1])
+    token = min(int(np.searchsorted(running, target, side="right")), last)
+    before = running[token - 1] if token else 0.0
+    cut_close = close
+    close |= (token != last and running[token] - target < margin) or (before > 0 and target - before < margin)
+    return (None if close else token), kept, cut_close
+
+
+def rows_of_every_kind(vocab: int) -> torch.Tensor:
+    """Peaked, spread and flat rows; rows of many ties; one finite logit among -inf's; mostly masked; all equal;
+    rising logits (each token the likeliest so far: a small top_k's buffer refills at every group)."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = [torch.randn(vocab, generator=g) * scale for scale in (8.0, 3.0, 0.3)]
+    rows.append(torch.sort(torch.randn(vocab, generator=g) * 3).values)
+    rows.append(torch.round(torch.randn(vocab, generator=g) * 2) / 2)
+    one = torch.full((vocab,), float("-inf"))
+    one[vocab // 3] = 1.5
+    masked = torch.randn(vocab, generator=g)
+    masked[torch.rand(vocab, generator=g) < 0.9] = float("-inf")
+    rows += [one, masked, torch.full((vocab,), 0.25)]
+    return torch.stack(rows)
+
+
+PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=40, top_p=0.9),
+          SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.2, top_p=0.999),
+          SamplingParams(temperature=0.5, top_p=0.01), SamplingParams(temperature=1.0, top_k=1),
+          SamplingParams(temperature=2.0, top_k=7, top_p=0.3)]
+
+
+@pytest.mark.parametrize("vocab", [50, 1001, 49_159])
+def test_each_draw_is_the_rule_s_token(vocab, path):
+    """Every kind of row, with each set of parameters (the last one's top_k: its vocabulary less one) and draws
+    from 0 to just below 1, gives the reference's token wherever rounding cannot decide (most of them)."""
+    logits = rows_of_every_kind(vocab)
+    draws = [0.0, 0.3, 0.5, 0.77, 1.0 - 1e-12]
+    params = [*PARAMS, SamplingParams(temperature=1.0, top_k=vocab - 1)]
+    checked = 0
+    for p in params:
+        for u in draws:
+            got = choose(logits, torch.arange(len(logits)), logits.max(dim=-1).values, [p] * len(logits),
+                         torch.full((len(logits),), u, dtype=torch.float64)).tolist()
+            for row, token in zip(logits.numpy(), got):
+                expected, kept, cut_close = rule(row, p, u)
+                assert kept[token] > 0 or (cut_close and row[token] > -np.inf), (p, u, token)  # never a cut one
+                if expected is not None:
+                    assert token == expected, (p, u)
+                    checked += 1
+    assert checked > 0.8 * len(params) * len(draws) * len(logits)
+
+
+@pytest.mark.parametrize("k", [40, 300], ids=["buffered", "by_histograms"])
+def test_top_k_keeps_exactly_k_of_weights_a_few_ulps_apart(k, path):
+    """600 logits 2e-6 apart (weights some 33 float32 ulps apart: 15 in a bin of the selection's first two levels)
+    among low ones: the k largest and no more are kept, whichever way the kernel selects (a buffer for a small
+    top_k, histograms past it). The first kept token in token order is drawn at u = 0, the last at u near 1."""
+    vocab, start = 4099, 1000
+    logits = torch.rand(1, vocab, generator=torch.Generator().manual_seed(k)) * 10 - 20
+    logits[0, start : start + 600] = torch.arange(600) * 2e-6
+    params = [SamplingParams(temperature=1.0, top_k=k)]
+    first, last = (choose(logits, torch.tensor([0]), logits.max(dim=-1).values, params,
+                          torch.tensor([u], dtype=torch.float64)).item() for u in (0.0, 1.0 - 1e-12))
+    assert (first, last) == (start + 600 - k, start + 599)
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_each_build_draws_the_rule_s_token(monkeypatch, name):
+    monkeypatch.setattr(build, "variant", lambda: name)
+    logits = rows_of_every_kind(4099)
+    for p in PARAMS:
+        for u in (0.0, 0.41, 0.9):
+            got = choose(logits, torch.arange(len(logits)), logits.max(dim=-1).values, [p] * len(logits),
+                         torch.full((len(logits),), u, dtype=torch.float64)).tolist()
+            for row, token in zip(logits.numpy(), got):
+                expected, kept, cut_close = rule(row, p, u)
+                assert (kept[token] > 0 or cut_close) and expected in (None, token), (name, p, u)
+
+
+def test_sample_rows_refuses_what_does_not_fit_naming_it():
+    logits = torch.randn(2, 10)
+    one = dict(index=torch.tensor([0]), top=torch.tensor([1.0]), inv_temperature=torch.tensor([1.0]),
+               top_k=torch.tensor([0]), top_p=torch.tensor([1.0]), u=torch.tensor([0.5], dtype=torch.float64))
+    with pytest.raises(ValueError, match="float32"):
+        ops.sample_rows(logits.double(), **one)
+    with pytest.raises(ValueError, match="float64"):
+        ops.sample_rows(logits, **{**one, "u": torch.tensor([0.5])})
+    with pytest.raises(ValueError, match=r"\[5\]"):
+        ops.sample_rows(logits, **{**one, "index": torch.tensor([5])})
+    assert ops.sample_rows(logits, **one).tolist() in ([i] for i in range(10))
+
+
+def test_a_row_of_nan_or_without_a_finite_logit_fails_alone(path):
     logits = torch.randn(3, VOCAB)
     logits[0, 4] = float("nan")
     logits[1] = float("-inf")
@@ -61,7 +191,7 @@ def test_a_row_of_nan_or_without_a_finite_logit_fails_alone():
     assert failed == [True, True, False] and 0 <= tokens[2] < VOCAB
 
 
-def test_a_seeded_row_draws_the_same_token_whatever_the_other_rows_ask():
+def test_a_seeded_row_draws_the_same_token_whatever_the_other_rows_ask(path):
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
     mine = SamplingParams(temperature=1.0, top_p=0.9, seed=5)
     alone, _, _ = sample(logits[:1].clone(), [mine], [torch.Generator().manual_seed(5)])
@@ -76,7 +206,7 @@ def test_a_seeded_row_draws_the_same_token_whatever_the_other_rows_ask():
                                     SamplingParams(temperature=0.8, top_p=0.9, seed=3),
                                     SamplingParams(temperature=0.7, top_k=5, top_p=0.5, seed=3)],
                          ids=["whole", "top_k", "top_p", "top_k_top_p"])
-def test_a_forced_tokens_draws_are_those_of_sampling_it(params):
+def test_a_forced_tokens_draws_are_those_of_sampling_it(params, path):
     """Jump-forward appends a token its grammar forces without sampling (engine/output_processor.py): it draws
     what sampling that token would have, so the request's next sampled token is the same either way."""
     from engine.sampling import draw_as_sampled
@@ -86,7 +216,7 @@ def test_a_forced_tokens_draws_are_those_of_sampling_it(params):
     forced[0, 17] = 3.0  # the grammar's mask leaves one token
     sampled, skipped = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     assert sample(forced, [params], [sampled])[0] == [17]
-    draw_as_sampled(params, skipped, vocab, torch.device("cpu"))
+    draw_as_sampled(skipped, torch.device("cpu"))
     assert torch.equal(torch.rand(4, generator=sampled), torch.rand(4, generator=skipped))
 
 
