@@ -11,6 +11,7 @@ import torch
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # kernels.h's F32, BF16, F16
 I8 = 3  # kernels.h's I8: linear()'s int8 weights (engine/quantization.py's Int8Weight), an int8 KV cache's code
 MODE_GLU, PRODUCTS_WIDEN, MODE_GELU = 1, 2, 4  # kernels.h's `mode` bits of linear()
+PRODUCTS_TILES = 8  # kernels.h's: attention's bfloat16 products by AMX tiles (full_attention.c)
 NORM_LLAMA, NORM_GEMMA = 0, 1  # kernels.h's norm flavors
 # A gated MLP's activations (linear()'s `glu`) -> the `mode` bits for it.
 GLU_ACTIVATIONS = {"silu": MODE_GLU, "gelu_tanh": MODE_GLU | MODE_GELU}

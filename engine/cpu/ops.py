@@ -37,6 +37,7 @@ from engine.cpu.abi import (
     GLU_ACTIVATIONS,
     I8,
     OUTPUT_ACTIVATIONS,
+    PRODUCTS_TILES,
     PRODUCTS_WIDEN,
     DecodeStepArgs,
     ProjectionArgs,
@@ -186,6 +187,17 @@ def products_mode(lib: ctypes.CDLL, products: str | None = None) -> int:
     return PRODUCTS_WIDEN if products == "widen" else 0
 
 
+ATTENTION_PRODUCTS = (*PRODUCTS, "tiles")  # attention's bfloat16 products: also AMX tiles (the AMX build's)
+
+
+def attention_mode(lib: ctypes.CDLL, products: str | None = None) -> int:
+    """full_attention's and chunk_attention's `mode` bits for bfloat16 products as `products` says: "tiles" (the
+    default, None) takes the AMX tiles where the build has them (full_attention.c), else, as for a head size they
+    do not take, the products tuning.bf16_products chose; "dot" and "widen" those products only."""
+    tiles = products in (None, "tiles")
+    return products_mode(lib, None if tiles else products) | (PRODUCTS_TILES if tiles else 0)
+
+
 def projection_args(weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None) -> ProjectionArgs:
     """A layer's own weight (checked) and float32 bias as decode_layers.c reads them; an `Int8Weight` with its
     scales and row sums."""
@@ -218,11 +230,11 @@ def decode_layers(step: DecodeStepArgs, layers: ctypes.Array) -> None:
 
 def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, products: str | None = None
                    ) -> torch.Tensor | None:
-    """Every position's attention to every position of its input, no mask (a vision tower's layer): q, k, v
-    [batch, heads, n, d] views of one packed projection (the same strides, each row contiguous) ->
-    [batch, n, heads, d], contiguous, q's dtype (engine/csrc/full_attention.c), bfloat16 scores by the products
-    `products` names (None: tuning.bf16_products, as the Linear kernel's). None where the kernel does not take
-    these inputs (a head size it has no loop for, other strides), so that the caller runs SDPA."""
+    """Every position's attention to every position of its input, no mask (a vision tower's layer): q, k, v [batch,
+    heads, n, d] views of one packed projection (the same strides, each row contiguous) -> [batch, n, heads, d],
+    contiguous, q's dtype (engine/csrc/full_attention.c), bfloat16 scores by the products `products` names
+    (`attention_mode`; None: the AMX tiles where the build has them, else the Linear kernel's). None where the kernel
+    does not take these inputs (a head size it has no loop for, other strides), so that the caller runs SDPA."""
     batch, heads, n, d = q.shape
     if (q.dtype not in DTYPE_CODES or not q.dtype == k.dtype == v.dtype or not q.stride() == k.stride() == v.stride()
             or q.stride(3) != 1 or q.device.type != "cpu"):
@@ -231,7 +243,7 @@ def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     lib = build.lib()
     failed = lib.full_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), DTYPE_CODES[q.dtype], batch, heads, n, d,
                                 q.stride(0), q.stride(1), q.stride(2), float(scale), out.data_ptr(),
-                                products_mode(lib, products), torch.get_num_threads())
+                                attention_mode(lib, products), torch.get_num_threads())
     if failed == 2:
         raise MemoryError(f"full attention could not allocate its buffers ({n} positions of {d})")
     return None if failed else out
@@ -247,7 +259,7 @@ def chunk_attention(q: torch.Tensor, query_start: int, n: int, start: int, key_c
     ([tokens, heads, d], contiguous, q's dtype). An int8 cache comes with its key and value `scales` and is read
     back in q's dtype (as `paged_decode_attention` reads it). False, with nothing written, where the kernel does not
     take these inputs (a float cache of another dtype than q's, a head size it has no loop for), so that the caller
-    runs its torch path."""
+    runs its torch path. bfloat16 products as `full_attention`'s."""
     heads, _, d = q.shape
     kv_heads = key_cache.shape[1]
     if (q.dtype not in DTYPE_CODES or q.stride(2) != 1 or q.device.type != "cpu" or heads % kv_heads
@@ -259,7 +271,7 @@ def chunk_attention(q: torch.Tensor, query_start: int, n: int, start: int, key_c
     failed = lib.chunk_attention(q.data_ptr(), DTYPE_CODES[q.dtype], q.stride(0), q.stride(1), query_start, n, start,
                                  key_cache.data_ptr(), value_cache.data_ptr(), key_scales, value_scales, code,
                                  block_table.data_ptr(), block_size, kv_heads, heads // kv_heads, d, float(scale),
-                                 int(window or 0), out.data_ptr(), products_mode(lib, products),
+                                 int(window or 0), out.data_ptr(), attention_mode(lib, products),
                                  torch.get_num_threads())
     if failed == 2:
         raise MemoryError(f"chunk attention could not allocate its buffers ({start + n} positions of {d})")

@@ -13,7 +13,10 @@
  * from the keys packed as words of two values of d ([d / 2][n_pad]) and each query's pair broadcast, scaled after;
  * the sums of values from the softmax's weights rounded to bfloat16 (as torch's flash attention rounds them for
  * bfloat16) two keys a word, against the values packed as words of two keys' ([(n + 1) / 2][d]). The softmax and
- * every sum stay float32. torch's flash attention for bfloat16 on the CPU runs a 512 px
+ * every sum stay float32. In the AMX build, with PRODUCTS_TILES (d a multiple of 32, the kernel permitting), those
+ * same packed keys and values go through the tiles instead (tdpbf16ps): 16 query rows against 64 keys a pass for
+ * the scores, left unscaled (the softmax scales them), and the weights of 32 keys a step against 64 values of d
+ * (scores_amx, weighted_values_amx). torch's flash attention for bfloat16 on the CPU runs a 512 px
  * SigLIP tile's attention (1,024 patches, 12 heads of 64) at about 130 GFLOP/s on 2 AVX-512 cores: half the
  * tower's time. The vectors are GCC's, as wide as the build's instruction set.
  */
@@ -23,8 +26,13 @@
 
 #include "dtypes.h"
 #include "kernels.h"
+#include "linear.h"  /* amx_permitted, amx_load_config */
 
-#if defined(__AVX512F__)
+#if defined(__AMX_BF16__)
+#define FW 16
+#define MR 16  /* query rows per tile: the AMX tiles' rows (2 MR sums where the dot products run instead) */
+#define RO 6
+#elif defined(__AVX512F__)
 #define FW 16
 #define MR 12  /* query rows per score tile: 2 MR sums */
 #define RO 6   /* query rows per pass of the values: RO x 4 sums (d = 64) */
@@ -40,6 +48,15 @@
 #define NR (2 * FW)  /* keys per score tile */
 typedef float fv __attribute__((vector_size(FW * 4), aligned(4)));
 #define SPLAT(x) ((fv){0} + (x))
+
+/* The keys a task's buffers hold for `keys` keys, the row length of its packed keys and of its scores: a whole
+ * number of score tiles (NR), and not a multiple of 1,024 (rows 4 KB apart map a column of a tile's rows to one
+ * set of the L1 cache, more lines than its ways: 1,024 keys took 1.3x the time). The keys past `keys` are zeros,
+ * their scores -inf. */
+static inline int64_t padded_keys(int64_t keys) {
+    const int64_t n_pad = (keys + NR - 1) / NR * NR;
+    return n_pad % 1024 ? n_pad : n_pad + NR;
+}
 
 /* The tile's scores s[MR][n_pad] = qp ([d][MR], scaled) times the keys kt ([d][n_pad]), NR keys at a time. */
 static void scores(const float *qp, const float *kt, int64_t d, int64_t n_pad, float *s) {
@@ -145,24 +162,32 @@ static inline __m512 weight16(__m512 x) {
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), exp16(x));
 }
 
-/* softmax_rows for the dot products, in one pass after the maximum: each row's first n values exponentiated less
- * the row's largest (float32, their sum in `total`), rounded to bfloat16 and paired in place, two keys' weights a
+/* softmax_rows for the dot products, in one pass after the maximum: each row's first n values less the row's
+ * largest, times `scale` (the tiles' scores come unscaled; 1 for the dot products'), exponentiated (float32, their
+ * sum in `total`), rounded to bfloat16 and paired in place, two keys' weights a
  * word, a zero weight past n (each 32 weights read before their 16 words are written over them). */
-static void softmax_rows_dot(float *s, int64_t rows, int64_t n, int64_t n_pad, float *total) {
+static void softmax_rows_dot(float *s, int64_t rows, int64_t n, int64_t n_pad, float scale, float *total) {
+    const __m512 scaled = _mm512_set1_ps(scale);
     for (int64_t r = 0; r < rows; r++) {
         float *row = s + r * n_pad;
         for (int64_t j = n; j < n_pad; j++) row[j] = -INFINITY;
-        __m512 top = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < n_pad; j += FW) top = _mm512_max_ps(top, _mm512_loadu_ps(row + j));
-        const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n_pad; j += 2 * FW) {
-            const __m512 low = weight16(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
-            const __m512 high = weight16(_mm512_sub_ps(_mm512_loadu_ps(row + j + FW), shift));
-            sum = _mm512_add_ps(sum, _mm512_add_ps(low, high));
+        __m512 top[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
+                         _mm512_set1_ps(-INFINITY)};  /* four chains: one waits on each maximum's latency */
+        int64_t j = 0;
+        for (; j + 4 * FW <= n_pad; j += 4 * FW)
+            for (int c = 0; c < 4; c++) top[c] = _mm512_max_ps(top[c], _mm512_loadu_ps(row + j + c * FW));
+        for (; j < n_pad; j += FW) top[0] = _mm512_max_ps(top[0], _mm512_loadu_ps(row + j));
+        const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_max_ps(top[0], top[1]), _mm512_max_ps(top[2], top[3]))));
+        __m512 low_sum = _mm512_setzero_ps(), high_sum = _mm512_setzero_ps();
+        for (j = 0; j < n_pad; j += 2 * FW) {
+            const __m512 low = weight16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift), scaled));
+            const __m512 high = weight16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j + FW), shift), scaled));
+            low_sum = _mm512_add_ps(low_sum, low);
+            high_sum = _mm512_add_ps(high_sum, high);
             _mm512_storeu_si512((uint32_t *)row + j / 2, (__m512i)_mm512_cvtne2ps_pbh(high, low));
         }
-        total[r] = _mm512_reduce_add_ps(sum);
+        total[r] = _mm512_reduce_add_ps(_mm512_add_ps(low_sum, high_sum));
     }
 }
 
@@ -200,6 +225,86 @@ static void weighted_values_dot(float *p, int64_t rows, int64_t n, int64_t n_pad
 }
 #endif
 
+#ifdef __AMX_BF16__
+/* The tiles as the attention uses them: 0-3 sums (MR rows of 16 float32), 4 MR rows of 32 bfloat16 (queries, or
+ * the softmax's weights of 32 keys), 5-7 16 rows of 16 words (pairs of d of 16 keys, or pairs of keys of 16 values
+ * of d), in turn, so that a tile loads while the one before it multiplies. */
+static void amx_attention_configure(void) {
+    const uint8_t rows[8] = {MR, MR, MR, MR, MR, 16, 16, 16};
+    const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_load_config(rows, colsb);
+}
+
+/* scores_dot by the tiles, unscaled (softmax_rows_dot scales them): the tile's queries qb [MR][d] (bfloat16, d a
+ * multiple of 32) against kw ([d / 2][n_pad] words), 64 keys a pass (four sums). */
+static void scores_amx(const uint16_t *qb, const uint32_t *kw, int64_t d, int64_t n_pad, float *s) {
+    const int64_t pitch = n_pad * 4;
+    for (int64_t c = 0; c < n_pad; c += 64) {
+        const int four = n_pad - c >= 64;  /* else 32 keys (n_pad is a multiple of NR = 32) */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t t = 0; t < d; t += 32) {
+            const uint32_t *pairs = kw + t / 2 * n_pad + c;
+            _tile_loadd(4, qb + t, d * 2);
+            _tile_loadd(5, pairs, pitch);
+            _tile_loadd(6, pairs + 16, pitch);
+            _tile_dpbf16ps(0, 4, 5);
+            if (four) _tile_loadd(7, pairs + 32, pitch);
+            _tile_dpbf16ps(1, 4, 6);
+            if (four) {
+                _tile_loadd(5, pairs + 48, pitch);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        _tile_stored(0, s + c, pitch);
+        _tile_stored(1, s + c + 16, pitch);
+        if (four) {
+            _tile_stored(2, s + c + 32, pitch);
+            _tile_stored(3, s + c + 48, pitch);
+        }
+    }
+}
+
+/* weighted_values_dot by the tiles, every row of the tile at once: the weights (in place in s, as
+ * softmax_rows_dot leaves them) of 32 keys a step against vw ([n_pad / 2][d] words, zeros past the keys), 64 values
+ * of d a pass (four sums); the first `rows` rows out. */
+static void weighted_values_amx(const float *p, int64_t rows, int64_t n_pad, const uint32_t *vw, int64_t d,
+                                const float *total, void *out, int dtype, int64_t out_offset, int64_t out_stride) {
+    float done[MR][256] __attribute__((aligned(64)));
+    for (int64_t c = 0; c < d; c += 64) {
+        const int span = (int)MIN(4, (d - c) / 16);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t j = 0; j < n_pad / 2; j += 16) {  /* pairs of keys */
+            const uint32_t *values = vw + j * d + c;
+            _tile_loadd(4, p + j, n_pad * 4);
+            _tile_loadd(5, values, d * 4);
+            if (span > 1) _tile_loadd(6, values + 16, d * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            if (span > 2) _tile_loadd(7, values + 32, d * 4);
+            if (span > 1) _tile_dpbf16ps(1, 4, 6);
+            if (span > 3) _tile_loadd(5, values + 48, d * 4);
+            if (span > 2) _tile_dpbf16ps(2, 4, 7);
+            if (span > 3) _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, done[0] + c, sizeof(done[0]));
+        if (span > 1) _tile_stored(1, done[0] + c + 16, sizeof(done[0]));
+        if (span > 2) _tile_stored(2, done[0] + c + 32, sizeof(done[0]));
+        if (span > 3) _tile_stored(3, done[0] + c + 48, sizeof(done[0]));
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 inverse = _mm512_set1_ps(1.0f / total[r]);
+        for (int64_t t = 0; t < d; t += FW) _mm512_store_ps(done[r] + t, _mm512_mul_ps(_mm512_load_ps(done[r] + t), inverse));
+        store_floats(done[r], d, out, dtype, out_offset + r * out_stride);
+    }
+}
+#endif
+
 /* A row of d values of k or v at element `offset` as float32 into dst: `load_floats`, or where the source is an
  * int8 cache (src_dtype I8) dequantized with its row's scale (scales[offset / d]): values of the queries' dtype,
  * exactly (dtypes.h's kv_scale). */
@@ -226,7 +331,7 @@ static inline const uint16_t *source_row_bf16(const void *src, const float *scal
 #endif
 
 /* A thread's buffers for tasks of up to `keys` keys (one allocation, grown as needed): the keys [d][n_pad] (kt),
- * the values [keys][d], a tile's queries [d][MR], its scores [MR][n_pad] and their sums [MR], and the keys' element
+ * the values [n_pad][d] (the tiles read pairs of keys up to n_pad), a tile's queries [d][MR], its scores [MR][n_pad] and their sums [MR], and the keys' element
  * offsets [keys]. 0, with `failed` set to 2, where memory runs out. */
 typedef struct {
     float *kt, *vrows, *qp, *s, *total;
@@ -234,15 +339,15 @@ typedef struct {
 } task_buffers;
 
 static int task_scratch(int64_t d, int64_t keys, task_buffers *b, int *failed) {
-    const int64_t n_pad = (keys + NR - 1) / NR * NR;
-    const size_t floats = (size_t)(d * n_pad + keys * d + d * MR + MR * n_pad + MR + 1) / 2 * 2;  /* `at` aligned */
+    const int64_t n_pad = padded_keys(keys);
+    const size_t floats = (size_t)(d * n_pad + n_pad * d + d * MR + MR * n_pad + MR + 1) / 2 * 2;  /* `at` aligned */
     b->kt = thread_scratch(floats * sizeof(float) + (size_t)keys * sizeof(int64_t));
     if (!b->kt) {
 #pragma omp atomic write
         *failed = 2;
         return 0;
     }
-    b->vrows = b->kt + d * n_pad, b->qp = b->vrows + keys * d, b->s = b->qp + d * MR, b->total = b->s + MR * n_pad;
+    b->vrows = b->kt + d * n_pad, b->qp = b->vrows + n_pad * d, b->s = b->qp + d * MR, b->total = b->s + MR * n_pad;
     b->at = (int64_t *)(b->kt + floats);
     return 1;
 }
@@ -253,7 +358,7 @@ static int task_scratch(int64_t d, int64_t keys, task_buffers *b, int *failed) {
  * and the values as words of two keys' ([(keys + 1) / 2][d]). */
 static void pack_task(const void *k, const void *v, const float *k_scales, const float *v_scales, int src_dtype,
                       const int64_t *at, int64_t keys, int64_t d, int dot, task_buffers *b) {
-    const int64_t n_pad = (keys + NR - 1) / NR * NR;
+    const int64_t n_pad = padded_keys(keys);
     float block[FW][256];
 #ifdef __AVX512BF16__
     uint16_t bits[2][256];
@@ -267,6 +372,8 @@ static void pack_task(const void *k, const void *v, const float *k_scales, const
         const uint16_t *odd = j + 1 < keys ? source_row_bf16(v, v_scales, src_dtype, at[j + 1], d, bits[1]) : NULL;
         for (int64_t t = 0; t < d; t++) vw[j / 2 * d + t] = (uint32_t)even[t] | (odd ? (uint32_t)odd[t] << 16 : 0u);
     }
+    if (dot)  /* the pairs past the keys, which the tiles read (times a weight of 0: they must not be NaN) */
+        memset(vw + (keys + 1) / 2 * d, 0, (size_t)(n_pad / 2 - (keys + 1) / 2) * (size_t)d * sizeof(uint32_t));
 #endif
     for (int64_t j0 = 0; !dot && j0 < n_pad; j0 += FW) {  /* FW keys at a time, so that kt is written by vectors */
         for (int64_t j = j0; j < j0 + FW; j++) {
@@ -284,14 +391,24 @@ static void pack_task(const void *k, const void *v, const float *k_scales, const
  * with `window` > 0 only the last `window` of those), the softmax, the weighted values into out (row i at element
  * out_base + i * out_row_stride). */
 static void attend_rows(const void *q, int dtype, int64_t q_base, int64_t q_row_stride, int64_t first_row,
-                        int64_t last_row, float scale, int dot, int64_t keys, int64_t d, int64_t sees, int64_t window,
-                        task_buffers *b, void *out, int64_t out_base, int64_t out_row_stride) {
-    const int64_t n_pad = (keys + NR - 1) / NR * NR;
+                        int64_t last_row, float scale, int dot, int tiles, int64_t keys, int64_t d, int64_t sees,
+                        int64_t window, task_buffers *b, void *out, int64_t out_base, int64_t out_row_stride) {
+    const int64_t n_pad = padded_keys(keys);
     float row[256], *s = b->s;
+    (void)tiles;
     for (int64_t first = first_row; first <= last_row; first += MR) {
         const int64_t rows = MIN(MR, last_row + 1 - first);
+#ifdef __AMX_BF16__
+        if (tiles) {
+            uint16_t *qb = (uint16_t *)b->qp;  /* [MR][d] bfloat16; rows past the last repeat it */
+            for (int64_t r = 0; r < MR; r++)
+                memcpy(qb + r * d, (const uint16_t *)q + q_base + MIN(first + r, last_row) * q_row_stride,
+                       (size_t)d * sizeof(uint16_t));
+            scores_amx(qb, (const uint32_t *)b->kt, d, n_pad, s);
+        }
+#endif
 #ifdef __AVX512BF16__
-        if (dot) {
+        if (dot && !tiles) {
             uint32_t *qw = (uint32_t *)b->qp;
             for (int64_t r = 0; r < MR; r++) {  /* rows past the last repeat it; their results are dropped */
                 const uint16_t *query = (const uint16_t *)q + q_base + MIN(first + r, last_row) * q_row_stride;
@@ -312,8 +429,15 @@ static void attend_rows(const void *q, int dtype, int64_t q_base, int64_t q_row_
             for (int64_t j = to + 1; j < keys; j++) scored[j] = -INFINITY;
         }
 #ifdef __AVX512BF16__
-        if (dot) softmax_rows_dot(s, rows, keys, n_pad, b->total);
-        for (int64_t r0 = 0; dot && r0 < rows; r0 += RO)
+        if (dot) softmax_rows_dot(s, rows, keys, n_pad, tiles ? scale : 1.0f, b->total);
+#endif
+#ifdef __AMX_BF16__
+        if (tiles)
+            weighted_values_amx(s, rows, n_pad, (const uint32_t *)b->vrows, d, b->total, out, dtype,
+                                out_base + first * out_row_stride, out_row_stride);
+#endif
+#ifdef __AVX512BF16__
+        for (int64_t r0 = 0; dot && !tiles && r0 < rows; r0 += RO)
             weighted_values_dot(s + r0 * n_pad, MIN(RO, rows - r0), keys, n_pad, (const uint32_t *)b->vrows, d,
                                 b->total + r0, out, dtype, out_base + (first + r0) * out_row_stride, out_row_stride);
 #endif
@@ -324,13 +448,34 @@ static void attend_rows(const void *q, int dtype, int64_t q_base, int64_t q_row_
     }
 }
 
-/* Whether `dtype` and `mode` take the dot products (bfloat16 with the build's vdpbf16ps, not asked to widen). */
-static int dot_products(int dtype, int mode) {
-#ifdef __AVX512BF16__
-    return dtype == BF16 && !(mode & PRODUCTS_WIDEN);
+/* Whether `dtype` and `mode` take the AMX tiles (bfloat16, PRODUCTS_TILES, an AMX build the kernel lets use them, d a
+ * multiple of 32). */
+static int tile_products(int dtype, int mode, int64_t d) {
+#ifdef __AMX_BF16__
+    return dtype == BF16 && (mode & PRODUCTS_TILES) && d % 32 == 0 && amx_permitted();
 #else
-    (void)dtype, (void)mode;
+    (void)dtype, (void)mode, (void)d;
     return 0;
+#endif
+}
+
+/* Whether `dtype` and `mode` take the dot products (bfloat16 with the build's vdpbf16ps, not asked to widen), or
+ * the tiles, which read the keys and values packed as the dot products do. */
+static int dot_products(int dtype, int mode, int64_t d) {
+#ifdef __AVX512BF16__
+    return tile_products(dtype, mode, d) || (dtype == BF16 && !(mode & PRODUCTS_WIDEN));
+#else
+    (void)dtype, (void)mode, (void)d;
+    return 0;
+#endif
+}
+
+/* The tiles configured for the calling thread where it takes them. */
+static void configure_tiles(int tiles) {
+#ifdef __AMX_BF16__
+    if (tiles) amx_attention_configure();
+#else
+    (void)tiles;
 #endif
 }
 
@@ -339,20 +484,21 @@ int full_attention(const void *q, const void *k, const void *v, int dtype, int64
                    int64_t d, int64_t batch_stride, int64_t head_stride, int64_t row_stride, float scale, void *out,
                    int mode, int num_threads) {
     if (d % FW || d > 256 || n < 1) return 1;
-    const int dot = dot_products(dtype, mode);
+    const int dot = dot_products(dtype, mode, d), tiles = tile_products(dtype, mode, d);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
         task_buffers b;
         const int ready = task_scratch(d, n, &b, &failed);
+        configure_tiles(tiles);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < batch * heads; task++) {
             if (!ready) continue;
             const int64_t i = task / heads, h = task % heads, base = i * batch_stride + h * head_stride;
             for (int64_t j = 0; j < n; j++) b.at[j] = base + j * row_stride;
             pack_task(k, v, NULL, NULL, dtype, b.at, n, d, dot, &b);
-            attend_rows(q, dtype, base, row_stride, 0, n - 1, scale, dot, n, d, -1, 0, &b, out, (i * n * heads + h) * d,
-                        heads * d);
+            attend_rows(q, dtype, base, row_stride, 0, n - 1, scale, dot, tiles, n, d, -1, 0, &b, out,
+                        (i * n * heads + h) * d, heads * d);
         }
     }
     return failed;
@@ -379,13 +525,14 @@ int chunk_attention(const void *q, int dtype, int64_t q_head_stride, int64_t q_r
                     int64_t kv_heads, int64_t groups, int64_t d, float scale, int64_t window, void *out, int mode,
                     int num_threads) {
     if (d % FW || d > 256 || n < 1 || (cache_dtype != dtype && cache_dtype != I8)) return 1;
-    const int dot = dot_products(dtype, mode);
+    const int dot = dot_products(dtype, mode, d), tiles = tile_products(dtype, mode, d);
     const int64_t heads = kv_heads * groups, blocks = (n + BLOCK_ROWS - 1) / BLOCK_ROWS;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
         task_buffers b;
         const int ready = task_scratch(d, start + n, &b, &failed);
+        configure_tiles(tiles);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < heads * blocks; task++) {
             if (!ready) continue;
@@ -398,7 +545,7 @@ int chunk_attention(const void *q, int dtype, int64_t q_head_stride, int64_t q_r
                 b.at[p - lo] = ((block_table[p / block_size] * block_size + p % block_size) * kv_heads + g) * d;
             pack_task(key_cache, value_cache, key_scales, value_scales, cache_dtype, b.at, hi - lo, d, dot, &b);
             attend_rows(q, dtype, h * q_head_stride + (query_start + first) * q_row_stride, q_row_stride, 0,
-                        last - first, scale, dot, hi - lo, d, start + first - lo, window, &b, out,
+                        last - first, scale, dot, tiles, hi - lo, d, start + first - lo, window, &b, out,
                         ((query_start + first) * heads + h) * d, heads * d);
         }
     }

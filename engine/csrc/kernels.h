@@ -10,6 +10,7 @@
 #define MODE_GLU 1        /* `mode` bits of linear(): act(x W_g^T) * (x W_u^T), act SiLU */
 #define PRODUCTS_WIDEN 2  /* bfloat16 products by float32 FMAs even where the build has vdpbf16ps */
 #define MODE_GELU 4       /* with MODE_GLU: act is GELU's tanh approximation (Gemma's MLP); without: y's GELU */
+#define PRODUCTS_TILES 8  /* attention's bfloat16 products by AMX tiles, where the build has them (full_attention.c) */
 
 enum { F32 = 0, BF16 = 1, F16 = 2, I8 = 3 }; /* the tensors' dtypes (I8: linear()'s int8 weights, an int8 KV cache) */
 enum { NORM_LLAMA = 0, NORM_GEMMA = 1 }; /* how an RMSNorm applies its weight (rms_norm.c) */

@@ -379,7 +379,7 @@ def test_a_longer_chunk_within_the_measured_context_is_attended_as_decodes(dtype
 
 @CPU_ONLY
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("products", ["dot", "widen"])
+@pytest.mark.parametrize("products", ["tiles", "dot", "widen"])
 @pytest.mark.parametrize(("start", "tokens", "window"), [
     (0, 50, None),  # the sequence's first chunk: its own keys alone
     (37, 90, None),  # starting inside a block, the prefix over blocks that are not consecutive
@@ -389,8 +389,9 @@ def test_a_longer_chunk_within_the_measured_context_is_attended_as_decodes(dtype
 def test_the_chunk_kernel_attends_a_causal_chunk_as_the_reference_masks_it(monkeypatch, dtype, products, start,
                                                                            tokens, window):
     """The CPU's chunk kernel (the vision kernel's tiles over the paged cache read in place, each query's unseen keys
-    hidden), in each build this machine runs, gives the reference's masked attention, by either bfloat16 products;
-    it refuses a head size it has no vectors for (the torch path's), writing nothing."""
+    hidden), in each build this machine runs, gives the reference's masked attention, by any bfloat16 products (the
+    AMX tiles where the build has them, else the products tuning chose; the dot products; widened values); it refuses
+    a head size it has no vectors for (the torch path's), writing nothing."""
     from engine.attention_backends import IntPacker, ReferenceBackend
     from engine.cpu import build, ops
     from engine.kv_cache import KVCache

@@ -67,8 +67,8 @@ def test_codes_and_mode_bits_are_the_header_s():
     defines = {name: int(value) for name, value in re.findall(r"#define (\w+) (\d+)", HEADER)}
     enums = {name: int(value) for body in re.findall(r"enum \{(.*?)\}", _code())
              for name, value in re.findall(r"(\w+) = (\d+)", body)}
-    assert (abi.MODE_GLU, abi.PRODUCTS_WIDEN, abi.MODE_GELU) == (
-        defines["MODE_GLU"], defines["PRODUCTS_WIDEN"], defines["MODE_GELU"])
+    assert (abi.MODE_GLU, abi.PRODUCTS_WIDEN, abi.MODE_GELU, abi.PRODUCTS_TILES) == (
+        defines["MODE_GLU"], defines["PRODUCTS_WIDEN"], defines["MODE_GELU"], defines["PRODUCTS_TILES"])
     assert (abi.NORM_LLAMA, abi.NORM_GEMMA) == (enums["NORM_LLAMA"], enums["NORM_GEMMA"])
     assert abi.DTYPE_CODES == {torch.float32: enums["F32"], torch.bfloat16: enums["BF16"],
                                torch.float16: enums["F16"]}

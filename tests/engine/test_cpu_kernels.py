@@ -423,7 +423,7 @@ def test_decode_attention_of_each_build_equals_the_gathered_reference(monkeypatc
 
 @pytest.mark.parametrize("name", RUNNABLE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("products", ops.PRODUCTS)
+@pytest.mark.parametrize("products", ops.ATTENTION_PRODUCTS)
 def test_full_attention_of_each_build_equals_sdpa(monkeypatch, name, dtype, products):
     """Views of one packed projection as a vision layer makes them ([batch, patches, 3, heads, d] permuted), two
     inputs at once, a subset of the heads (as a slice takes them); one position, fewer than a tile of queries,
@@ -467,6 +467,26 @@ def test_full_attention_s_dot_products_are_as_close_to_float32_as_torch_s_bfloat
     assert not torch.equal(dot, widen)  # the dot products ran
     ours, theirs = (dot - exact).abs(), (torch_bf16 - exact).abs()
     assert ours.max() <= 1.25 * theirs.max() and ours.mean() <= 1.25 * theirs.mean(), (ours.max(), theirs.max())
+
+
+@pytest.mark.skipif("amx_bf16" not in RUNNABLE, reason="this CPU runs no AMX build")
+def test_full_attention_s_tiles_are_as_close_to_float32_as_torch_s_bfloat16_attention(monkeypatch):
+    """The AMX build's tiles (tdpbf16ps: the scores, then the softmax's weights rounded to bfloat16 against the
+    values) on a SigLIP tile's attention and on 1,000 positions (keys padded past a whole tile): other bits than the
+    dot products' and the widened ones', as close to float32 attention as torch's own bfloat16 SDPA."""
+    monkeypatch.setattr(build, "variant", lambda: "amx_bf16")
+    torch.manual_seed(7)
+    for n in (1024, 1000):
+        both = torch.randn(1, n, 3, 12, 64).bfloat16()
+        queries, keys, values = both.permute(2, 0, 3, 1, 4)
+        tiles, dot, widen = (ops.full_attention(queries, keys, values, 0.125, products=p).float()
+                             for p in ("tiles", "dot", "widen"))
+        exact = F.scaled_dot_product_attention(queries.float(), keys.float(), values.float(),
+                                               scale=0.125).transpose(1, 2)
+        torch_bf16 = F.scaled_dot_product_attention(queries, keys, values, scale=0.125).transpose(1, 2).float()
+        assert not torch.equal(tiles, dot) and not torch.equal(tiles, widen)  # the tiles ran
+        ours, theirs = (tiles - exact).abs(), (torch_bf16 - exact).abs()
+        assert ours.max() <= 1.25 * theirs.max() and ours.mean() <= 1.25 * theirs.mean(), (n, ours.max(), theirs.max())
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
