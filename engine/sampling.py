@@ -228,11 +228,12 @@ def suppress_before_min_tokens(logits: torch.Tensor, params: list[SamplingParams
         logits[torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)] = float("-inf")
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax along the last dimension, by `max`'s indices: the same rule (the first of equal maxima, a
-    NaN the largest), and on the CPU a third of `argmax`'s time (8 rows of a 49,152-token vocabulary: 0.10 against
-    0.33 ms on 2 cores)."""
-    return x.max(dim=-1).indices
+def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's maximum along the last dimension and its argmax, by `max` (one pass): argmax's rule (the first of
+    equal maxima, a NaN the largest), and on the CPU a third of `argmax`'s time (8 rows of a 49,152-token
+    vocabulary: 0.10 against 0.33 ms on 2 cores)."""
+    values, indices = x.max(dim=-1)
+    return values, indices
 
 
 def sample(
@@ -254,7 +255,7 @@ def sample(
         apply_penalties(logits, params, histories)
         suppress_before_min_tokens(logits, params, histories)
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    top, tokens = logits.max(dim=-1)  # one pass: each row's maximum and the greedy rows' tokens (argmax's rule)
+    top, tokens = row_max(logits)  # each row's maximum, and the greedy rows' tokens
     failed = torch.zeros_like(tokens)
     if rows:
         index = torch.tensor(rows, device=logits.device)

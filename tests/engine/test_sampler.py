@@ -221,9 +221,9 @@ def test_a_forced_tokens_draws_are_those_of_sampling_it(params, path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_argmax_is_torch_s_argmax_ties_nan_and_infinities_too(dtype):
-    """`engine.sampling.argmax` (max's indices, for speed) picks what torch.argmax picks: the first of equal maxima
-    however far apart in a 49,152-token row, a NaN over any number, +inf, a row of -inf's first."""
+def test_row_max_is_torch_s_amax_and_argmax_ties_nan_and_infinities_too(dtype):
+    """`engine.sampling.row_max` (max, for speed) gives torch.amax's values and what torch.argmax picks: the first of
+    equal maxima however far apart in a 49,152-token row, a NaN over any number, +inf, a row of -inf's first."""
     torch.manual_seed(0)
     rows = torch.randn(9, 49152).to(dtype)
     rows[0, [5, 30000, 49151]] = 50.0  # ties far apart
@@ -234,6 +234,7 @@ def test_argmax_is_torch_s_argmax_ties_nan_and_infinities_too(dtype):
     rows[4, [100, 200]] = float("inf")
     rows[5] = 0.0
     rows[6, 49151] = 50.0  # the last column
-    got = engine.sampling.argmax(rows)
+    values, got = engine.sampling.row_max(rows)
+    torch.testing.assert_close(values, rows.amax(dim=-1), equal_nan=True, rtol=0, atol=0)
     assert torch.equal(got, rows.argmax(dim=-1))
     assert got[:7].tolist() == [5, 40000, 777, 0, 100, 0, 49151]
