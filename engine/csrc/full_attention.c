@@ -162,15 +162,35 @@ static inline __m512 weight16(__m512 x) {
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), exp16(x));
 }
 
-/* softmax_rows for the dot products, in one pass after the maximum: each row's first n values less the row's
- * largest, times `scale` (the tiles' scores come unscaled; 1 for the dot products'), exponentiated (float32, their
- * sum in `total`), rounded to bfloat16 and paired in place, two keys' weights a
- * word, a zero weight past n (each 32 weights read before their 16 words are written over them). */
-static void softmax_rows_dot(float *s, int64_t rows, int64_t n, int64_t n_pad, float scale, float *total) {
+/* One row of softmax_rows_dot after its maximum `shift`: (x - shift) * scaled exponentiated, summed into *total,
+ * rounded to bfloat16 and paired in place. */
+static inline void softmax_row_dot(float *row, int64_t n_pad, __m512 shift, __m512 scaled, float *total) {
+    __m512 low_sum = _mm512_setzero_ps(), high_sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n_pad; j += 2 * FW) {
+        const __m512 low = weight16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift), scaled));
+        const __m512 high = weight16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j + FW), shift), scaled));
+        low_sum = _mm512_add_ps(low_sum, low);
+        high_sum = _mm512_add_ps(high_sum, high);
+        _mm512_storeu_si512((uint32_t *)row + j / 2, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+    *total = _mm512_reduce_add_ps(_mm512_add_ps(low_sum, high_sum));
+}
+
+/* softmax_rows for the dot products, in one pass after the maximum (`tops[r]` where given: the tiles read it as they
+ * stored the scores): each row's first n values less the row's largest, times `scale` (the tiles' scores come
+ * unscaled; 1 for the dot products'), exponentiated (float32, their sum in `total`), rounded to bfloat16 and paired
+ * in place, two keys' weights a word, a zero weight past n (each 32 weights read before their 16 words are written
+ * over them). */
+static void softmax_rows_dot(float *s, int64_t rows, int64_t n, int64_t n_pad, float scale, const float *tops,
+                             float *total) {
     const __m512 scaled = _mm512_set1_ps(scale);
     for (int64_t r = 0; r < rows; r++) {
         float *row = s + r * n_pad;
         for (int64_t j = n; j < n_pad; j++) row[j] = -INFINITY;
+        if (tops) {
+            softmax_row_dot(row, n_pad, _mm512_set1_ps(tops[r]), scaled, total + r);
+            continue;
+        }
         __m512 top[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
                          _mm512_set1_ps(-INFINITY)};  /* four chains: one waits on each maximum's latency */
         int64_t j = 0;
@@ -179,15 +199,7 @@ static void softmax_rows_dot(float *s, int64_t rows, int64_t n, int64_t n_pad, f
         for (; j < n_pad; j += FW) top[0] = _mm512_max_ps(top[0], _mm512_loadu_ps(row + j));
         const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(
             _mm512_max_ps(_mm512_max_ps(top[0], top[1]), _mm512_max_ps(top[2], top[3]))));
-        __m512 low_sum = _mm512_setzero_ps(), high_sum = _mm512_setzero_ps();
-        for (j = 0; j < n_pad; j += 2 * FW) {
-            const __m512 low = weight16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift), scaled));
-            const __m512 high = weight16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j + FW), shift), scaled));
-            low_sum = _mm512_add_ps(low_sum, low);
-            high_sum = _mm512_add_ps(high_sum, high);
-            _mm512_storeu_si512((uint32_t *)row + j / 2, (__m512i)_mm512_cvtne2ps_pbh(high, low));
-        }
-        total[r] = _mm512_reduce_add_ps(_mm512_add_ps(low_sum, high_sum));
+        softmax_row_dot(row, n_pad, shift, scaled, total + r);
     }
 }
 
@@ -236,9 +248,14 @@ static void amx_attention_configure(void) {
 }
 
 /* scores_dot by the tiles, unscaled (softmax_rows_dot scales them): the tile's queries qb [MR][d] (bfloat16, d a
- * multiple of 32) against kw ([d / 2][n_pad] words), 64 keys a pass (four sums). */
-static void scores_amx(const uint16_t *qb, const uint32_t *kw, int64_t d, int64_t n_pad, float *s) {
+ * multiple of 32) against kw ([d / 2][n_pad] words), 64 keys a pass (four sums); where `tops` is given, each row's
+ * largest score over the first `keys` keys into it, read back from the L1 cache as each pass stores them (the
+ * softmax then skips its own pass over the row for it). */
+static void scores_amx(const uint16_t *qb, const uint32_t *kw, int64_t d, int64_t n_pad, int64_t keys, float *s,
+                       float *tops) {
     const int64_t pitch = n_pad * 4;
+    __m512 top[MR];
+    for (int r = 0; r < MR; r++) top[r] = _mm512_set1_ps(-INFINITY);
     for (int64_t c = 0; c < n_pad; c += 64) {
         const int four = n_pad - c >= 64;  /* else 32 keys (n_pad is a multiple of NR = 32) */
         _tile_zero(0);
@@ -265,7 +282,13 @@ static void scores_amx(const uint16_t *qb, const uint32_t *kw, int64_t d, int64_
             _tile_stored(2, s + c + 32, pitch);
             _tile_stored(3, s + c + 48, pitch);
         }
+        for (int64_t col = c; tops && col < MIN(c + (four ? 64 : 32), keys); col += 16) {
+            const __mmask16 lanes = keys - col >= 16 ? 0xffff : (__mmask16)((1u << (keys - col)) - 1);
+            for (int r = 0; r < MR; r++)
+                top[r] = _mm512_mask_max_ps(top[r], lanes, top[r], _mm512_loadu_ps(s + r * n_pad + col));
+        }
     }
+    for (int r = 0; tops && r < MR; r++) tops[r] = _mm512_reduce_max_ps(top[r]);
 }
 
 /* weighted_values_dot by the tiles, every row of the tile at once: the weights (in place in s, as
@@ -299,7 +322,8 @@ static void weighted_values_amx(const float *p, int64_t rows, int64_t n_pad, con
     }
     for (int64_t r = 0; r < rows; r++) {
         const __m512 inverse = _mm512_set1_ps(1.0f / total[r]);
-        for (int64_t t = 0; t < d; t += FW) _mm512_store_ps(done[r] + t, _mm512_mul_ps(_mm512_load_ps(done[r] + t), inverse));
+        for (int64_t t = 0; t < d; t += FW)
+            _mm512_store_ps(done[r] + t, _mm512_mul_ps(_mm512_load_ps(done[r] + t), inverse));
         store_floats(done[r], d, out, dtype, out_offset + r * out_stride);
     }
 }
@@ -330,9 +354,9 @@ static inline const uint16_t *source_row_bf16(const void *src, const float *scal
 }
 #endif
 
-/* A thread's buffers for tasks of up to `keys` keys (one allocation, grown as needed): the keys [d][n_pad] (kt),
- * the values [n_pad][d] (the tiles read pairs of keys up to n_pad), a tile's queries [d][MR], its scores [MR][n_pad] and their sums [MR], and the keys' element
- * offsets [keys]. 0, with `failed` set to 2, where memory runs out. */
+/* A thread's buffers for tasks of up to `keys` keys (one allocation, grown as needed): the keys [d][n_pad] (kt), the
+ * values [n_pad][d] (the tiles read pairs of keys up to n_pad), a tile's queries [d][MR], its scores [MR][n_pad] and
+ * their sums [MR], and the keys' element offsets [keys]. 0, with `failed` set to 2, where memory runs out. */
 typedef struct {
     float *kt, *vrows, *qp, *s, *total;
     int64_t *at;
@@ -394,8 +418,8 @@ static void attend_rows(const void *q, int dtype, int64_t q_base, int64_t q_row_
                         int64_t last_row, float scale, int dot, int tiles, int64_t keys, int64_t d, int64_t sees,
                         int64_t window, task_buffers *b, void *out, int64_t out_base, int64_t out_row_stride) {
     const int64_t n_pad = padded_keys(keys);
-    float row[256], *s = b->s;
-    (void)tiles;
+    float row[256], tops[MR], *s = b->s;  /* tops: the tiles' maxima where no key is hidden (sees < 0) */
+    (void)tiles, (void)tops;
     for (int64_t first = first_row; first <= last_row; first += MR) {
         const int64_t rows = MIN(MR, last_row + 1 - first);
 #ifdef __AMX_BF16__
@@ -404,7 +428,7 @@ static void attend_rows(const void *q, int dtype, int64_t q_base, int64_t q_row_
             for (int64_t r = 0; r < MR; r++)
                 memcpy(qb + r * d, (const uint16_t *)q + q_base + MIN(first + r, last_row) * q_row_stride,
                        (size_t)d * sizeof(uint16_t));
-            scores_amx(qb, (const uint32_t *)b->kt, d, n_pad, s);
+            scores_amx(qb, (const uint32_t *)b->kt, d, n_pad, keys, s, sees < 0 ? tops : NULL);
         }
 #endif
 #ifdef __AVX512BF16__
@@ -429,7 +453,8 @@ static void attend_rows(const void *q, int dtype, int64_t q_base, int64_t q_row_
             for (int64_t j = to + 1; j < keys; j++) scored[j] = -INFINITY;
         }
 #ifdef __AVX512BF16__
-        if (dot) softmax_rows_dot(s, rows, keys, n_pad, tiles ? scale : 1.0f, b->total);
+        if (dot)
+            softmax_rows_dot(s, rows, keys, n_pad, tiles ? scale : 1.0f, tiles && sees < 0 ? tops : NULL, b->total);
 #endif
 #ifdef __AMX_BF16__
         if (tiles)

@@ -86,7 +86,8 @@ static inline uint32_t at_least(const float *w, int64_t i, uint32_t least) {
 #define GROUP 8
 static inline uint32_t at_least(const float *w, int64_t i, uint32_t least) {  /* keys < 2^31: a signed compare */
     const __m256i keys = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(w + i)), _mm256_set1_epi32(0x7fffffff));
-    return (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(keys, _mm256_set1_epi32((int)least - 1))));
+    const __m256i below = _mm256_set1_epi32((int)least - 1);
+    return (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(keys, below)));
 }
 #else
 #define GROUP 1
