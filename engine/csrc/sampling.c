@@ -9,7 +9,10 @@
  * counts and masses walked from the top; only the bin that holds the boundary goes on to the next level. top_k keeps
  * every weight of which fewer than k are larger (ties with the k-th are kept, as transformers' TopKLogitsWarper
  * keeps them); top_p, among those, every weight the mass of the larger ones stays under top_p times their total
- * (the smallest prefix of the weights largest first whose mass reaches top_p, tied weights kept together). */
+ * (the smallest prefix of the weights largest first whose mass reaches top_p, tied weights kept together).
+ * Before the histograms, two shortcuts: a top_k up to SMALL_TOP_K keeps its candidates in a buffer as the row is
+ * read (the tokens at or above the k-th largest weight so far; top_p then walks them sorted), and top_p alone
+ * histograms only the weights above (1 - top_p) / 2 of the mean, which it cannot keep. */
 #include "dtypes.h"
 #include "kernels.h"
 
