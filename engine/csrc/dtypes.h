@@ -219,12 +219,15 @@ static inline void load_dequantized(const void *src, int64_t offset, int64_t cou
  * allocation per call. release_scratch (scratch.c) frees the calling thread's in every file: the engine calls it
  * once start-up's timings, which ran the largest shapes, are done, so that a buffer keeps only what steps need. */
 #define SCRATCH_SLOTS 2
+/* A buffer's start, a page: malloc's 16 bytes would leave every 64-byte row a kernel reads from it (x's quantized
+ * rows, an AMX tile's packed weights) across two cache lines, at a place varying with the heap's state. */
+#define SCRATCH_ALIGN 4096
 static __thread void *scratch_buffer[SCRATCH_SLOTS];
 static __thread size_t scratch_held[SCRATCH_SLOTS];
 static inline void *thread_scratch_at(int slot, size_t bytes) {
     if (bytes > scratch_held[slot]) {
         free(scratch_buffer[slot]);
-        scratch_buffer[slot] = malloc(bytes);
+        if (posix_memalign(&scratch_buffer[slot], SCRATCH_ALIGN, bytes)) scratch_buffer[slot] = NULL;
         scratch_held[slot] = scratch_buffer[slot] ? bytes : 0;
     }
     return scratch_buffer[slot];

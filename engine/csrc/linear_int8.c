@@ -122,7 +122,13 @@ static inline __m128i reduce4(vi a, vi b, vi c, vi d) {
 
 /* Row `i` of x (k values of `dtype`) quantized into `out` (kp bytes: the k values, then qx = 0 up to kp), as
  * qx + OFFSET; returns its scale s. `row` is k floats of room. engine/quantization.py's rule for activations:
- * s = max|x| / 127, q = x / s rounded half to even (IEEE divisions: div16, div8; OPAQUE as dtypes.h's). */
+ * s = max|x| / 127, q = x / s rounded half to even (IEEE divisions: div16, div8; OPAQUE as dtypes.h's).
+ * The vector loops multiply by r = 1 / s instead, a division's fraction of the time (a vector division takes some
+ * 16 cycles): |x r - x / s| < 2^-16 and x / s's float is within 2^-17 of it (|x / s| <= 127), so x r rounds to the
+ * division's integer unless it lies within 2^-15 of a half; a vector with a value within 2^-14 of one (about one
+ * in 500 of random rows' vectors) is divided. r is an IEEE division too (under -ffast-math a reciprocal
+ * estimate would be less exact); where s is outside [2^-100, 2^100] (or not finite) r may not be finite: the row
+ * is divided. */
 static float quantize_x(const void *x, int dtype, int64_t i, int64_t k, int64_t kp, float *row, uint8_t *out) {
     float amax = 0.0f;
     int64_t w = 0;
@@ -142,25 +148,51 @@ static float quantize_x(const void *x, int dtype, int64_t i, int64_t k, int64_t 
     float limit = INT8_LIMIT;
     OPAQUE(limit);
     const float s = amax == 0.0f ? 1.0f : amax / limit;
+    uint32_t s_bits;
+    memcpy(&s_bits, &s, sizeof s_bits);
+    const uint32_t exponent = s_bits >> 23 & 0xff;  /* bits, not comparisons: -ffast-math assumes no NaN */
+    const int by_reciprocal = exponent >= 127 - 100 && exponent <= 127 + 100;
     int64_t t = 0;
 #ifdef __AVX512F__
     const __m512 divisor = _mm512_set1_ps(s), low = _mm512_set1_ps(-INT8_LIMIT), high = _mm512_set1_ps(INT8_LIMIT);
+    const __m512 reciprocal = div16(_mm512_set1_ps(1.0f), divisor), near_half = _mm512_set1_ps(0.5f - 0x1p-14f);
     for (; t + 16 <= k; t += 16) {
-        const __m512 q = _mm512_roundscale_ps(div16(_mm512_loadu_ps(row + t), divisor),
-                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 v = _mm512_loadu_ps(row + t);
+        __m512 q;
+        if (by_reciprocal) {
+            const __m512 y = _mm512_mul_ps(v, reciprocal);
+            q = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            if (_mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(y, q)), near_half, _CMP_GT_OQ))
+                q = _mm512_roundscale_ps(div16(v, divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        } else {
+            q = _mm512_roundscale_ps(div16(v, divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        }
         __m128i bytes = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, low), high)));
         if (OFFSET) bytes = _mm_xor_si128(bytes, _mm_set1_epi8((char)0x80));
         _mm_storeu_si128((__m128i *)(out + t), bytes);
     }
 #elif defined(__AVX2__)
     const __m256 divisor = _mm256_set1_ps(s), low = _mm256_set1_ps(-INT8_LIMIT), high = _mm256_set1_ps(INT8_LIMIT);
+    const __m256 reciprocal = div8(_mm256_set1_ps(1.0f), divisor), near_half = _mm256_set1_ps(0.5f - 0x1p-14f);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (; t + 8 <= k; t += 8) {
-        const __m256 q = _mm256_round_ps(div8(_mm256_loadu_ps(row + t), divisor),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 v = _mm256_loadu_ps(row + t);
+        __m256 q;
+        if (by_reciprocal) {
+            const __m256 y = _mm256_mul_ps(v, reciprocal);
+            q = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m256 off = _mm256_and_ps(_mm256_sub_ps(y, q), magnitude);
+            if (_mm256_movemask_ps(_mm256_cmp_ps(off, near_half, _CMP_GT_OQ)))
+                q = _mm256_round_ps(div8(v, divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        } else {
+            q = _mm256_round_ps(div8(v, divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        }
         int32_t whole[8];
         _mm256_storeu_si256((__m256i *)whole, _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, low), high)));
         for (int l = 0; l < 8; l++) out[t + l] = (uint8_t)(whole[l] + OFFSET);
     }
+#else
+    (void)by_reciprocal;
 #endif
     for (; t < k; t++) {
         float d = s;
@@ -491,10 +523,20 @@ static void amx_task(const uint8_t *xq, int64_t r0, int64_t m, int64_t k, const 
         const int64_t rows2 = per_pass == 2 && rb + 1 < row_blocks ? MIN(AMX_ROWS, m - (rb + 1) * AMX_ROWS) : 0;
         if (rows * 32 + rows2 != *configured)  /* the configuration's key: both blocks' rows */
             amx_configure_rows((int)rows, (int)rows2), *configured = rows * 32 + rows2;
-        /* the next pass's outputs fetched for writing meanwhile: y's lines, written once each, are not in the
-         * cache (a vision tile's outputs are megabytes), and a store waiting for its line stalls the loop */
-        for (int64_t r = (rb + per_pass) * AMX_ROWS; r < MIN((rb + 2 * per_pass) * AMX_ROWS, m); r++)
-            __builtin_prefetch((char *)y + (r * out_cols + first) * (dtype == F32 ? 4 : 2), 1, 3);
+        /* the next pass's outputs fetched for writing, and the residual's lines its epilogue reads, spread over
+         * this pass's steps: y's lines, written once each, are not in the cache (a vision tile's outputs are
+         * megabytes), a store or a residual load waiting for its line stalls the loop, and a burst of them stalls
+         * it on the core's outstanding misses */
+        const int64_t next0 = (rb + per_pass) * AMX_ROWS, next_rows = MAX(0, MIN((rb + 2 * per_pass) * AMX_ROWS, m) - next0);
+        const int64_t item = dtype == F32 ? 4 : 2, lines = residual ? 2 * next_rows : next_rows;
+        const int64_t per_step = (lines + k / 64 - 1) / (k / 64);
+        int64_t line = 0;
+#define PREFETCH_NEXT()                                                                                              \
+    for (int64_t e = 0; e < per_step && line < lines; e++, line++) {                                                 \
+        const int64_t at = ((next0 + line % next_rows) * out_cols + first) * item;                                   \
+        if (line < next_rows) __builtin_prefetch((char *)y + at, 1, 3);                                              \
+        else __builtin_prefetch((const char *)residual + at, 0, 3);                                                  \
+    }
         const uint8_t *x0 = xq + rb * AMX_ROWS * k, *x1 = x0 + AMX_ROWS * k;  /* rows k bytes apart (k % 64 == 0) */
         _tile_zero(0);
         _tile_zero(1);
@@ -510,6 +552,7 @@ static void amx_task(const uint8_t *xq, int64_t r0, int64_t m, int64_t k, const 
                 _tile_loadd(5, x1 + step * 64, k);
                 AMX_DP(2, 5, 6);
                 AMX_DP(3, 5, 7);
+                PREFETCH_NEXT()
             }
             _tile_stored(2, sums[1][0], 64);
             _tile_stored(3, sums[1][1], 64);
@@ -520,8 +563,10 @@ static void amx_task(const uint8_t *xq, int64_t r0, int64_t m, int64_t k, const 
                 _tile_loadd(7, packed + step * 512 + 256, 64);
                 AMX_DP(0, 4, 6);
                 AMX_DP(1, 4, 7);
+                PREFETCH_NEXT()
             }
         }
+#undef PREFETCH_NEXT
         _tile_stored(0, sums[0][0], 64);
         _tile_stored(1, sums[0][1], 64);
         for (int b = 0; b < (rows2 ? 2 : 1); b++)

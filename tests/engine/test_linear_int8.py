@@ -210,3 +210,41 @@ def test_the_python_call_and_its_operator():
         ops.linear(x, Int8Weight.of(weight.qweight[:37], weight.scale[:37]), glu="silu")
     with pytest.raises(ValueError, match="contiguous 2-d int8 tensor, got torch.float32"):
         Int8Weight(weight.qweight.float(), weight.scale, weight.row_sums)
+
+
+def _near_halves(rows: int, k: int, seed: int) -> torch.Tensor:
+    """float32 rows whose values divided by their scale (max|x| / 127) lie at or within a few ulps of a half:
+    k / 2 + 0.5 style ties and the quotients a product by the scale's reciprocal rounds the other way."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.empty(rows, k)
+    for i in range(rows):
+        s = torch.empty(()).uniform_(0.01, 50.0, generator=generator).float()
+        halves = torch.randint(-126, 126, (k,), generator=generator).float() + 0.5
+        x[i] = halves * s  # rounded to float32: x / s within an ulp or two of the half
+        x[i, 0] = 127.0 * s  # the row's largest magnitude: its scale is s (to a rounding)
+    return x
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_quotients_near_a_half_round_as_the_division_rounds(name):
+    """The kernels quantize x by a product with 1 / s where it rounds as x / s does, dividing a vector with a value
+    near a half: x whose quotients are ties (s = 3: x = 3 (j + 1/2) exactly, rounded half to even) or within ulps
+    of a half (where x / s and x (1 / s) round to different integers: the rows hold such values, checked), and
+    rows whose scale is outside [2^-100, 2^100] (divided throughout: 1 / s is not finite or not exact); through
+    an identity weight, so every quantized value shows in y. 40 rows (the AMX tiles where the CPU has them) and 3
+    (the vector blocks)."""
+    k = 64
+    x = _near_halves(40, k, seed=11)
+    x[0] = 3.0 * (torch.arange(-32, 32).float() + 0.5)  # s = 381 / 127 = 3: exact ties
+    x[0, 0] = 381.0
+    x[1] = torch.linspace(-1.0, 1.0, k) * 1e-37  # s = 7.9e-40, subnormal: 1 / s overflows
+    x[2] = torch.linspace(-1.0, 1.0, k) * 3e38  # s = 2.4e36 > 2^100
+    qx, s = quantize_activations(x)
+    by_reciprocal = torch.round(x * (1.0 / s)[:, None]).clamp(-127, 127)
+    assert (by_reciprocal[3:] != qx[3:].float()).sum() >= 5  # the hazard is there to be avoided
+    assert torch.equal(qx[0, 1:].float(), torch.round(torch.arange(-32, 32).float() + 0.5)[1:])  # ties to even
+    identity = quantize_weight(torch.eye(k))
+    lib = build.load_variant(name)
+    for rows in (x, x[:3]):
+        got = ops.run_linear(lib, rows, identity, None, None)
+        assert torch.equal(got, reference_linear_int8(rows, identity)), rows.shape
