@@ -353,15 +353,19 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
     const int64_t heads = num_seqs >= 2 * num_threads ? kv_heads : 1, per_seq = kv_heads / heads;
     const int64_t rows = heads * groups;
     int failed = 0;
+    /* each thread's buffer (its scratch, kept across calls): the plain path's scores and a row, then the task's
+     * queries and outputs, each part starting on a 64-byte line (the vector loops load and store them whole) */
+    const int64_t scores_floats = (rows * longest + 15) / 16 * 16, row_floats = (kv_heads * d + 15) / 16 * 16;
+    const int64_t head_floats = (rows * d + 15) / 16 * 16;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc((size_t)(rows * longest + kv_heads * d + 2 * rows * d) * sizeof(float));
+        float *scores = thread_scratch((size_t)(scores_floats + row_floats + 2 * head_floats) * sizeof(float));
         if (!scores) {
 #pragma omp atomic write
             failed = 2;
         }
-        float *row = scores ? scores + rows * longest : NULL;
-        float *qi = row ? row + kv_heads * d : NULL, *oi = qi ? qi + rows * d : NULL;
+        float *row = scores ? scores + scores_floats : NULL;
+        float *qi = row ? row + row_floats : NULL, *oi = qi ? qi + head_floats : NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < num_seqs * per_seq; task++) {
             if (!scores) continue;
@@ -407,7 +411,6 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
             }
             store_floats(oi, rows * d, out, q_dtype, (token * kv_heads * groups + h0 * groups) * d);
         }
-        free(scores);
     }
     return failed;
 }
