@@ -20,8 +20,8 @@
  *   - AMX-INT8 (`tdpbusd`, AMX_INT8_MIN_ROWS rows of x or more, k a multiple of 64): a task's 32 weight rows
  *     packed once into the quads the tiles multiply by, then every 16 rows of x (two blocks of 16 where the packed
  *     rows outgrow the L1), as they lie, against them (two tiles of sums a block); x past AMX_PASS_BYTES in passes
- *     of rows against every task's weights packed beforehand; the columns past the last whole tile pair through
- *     the vector blocks;
+ *     of rows against every task's weights packed beforehand, each pass's rows quantized as it starts; the columns
+ *     past the last whole tile pair through the vector blocks;
  *   - anything else: plain C.
  * A whole task's sums are finished in vectors on AVX-512 (32 consecutive columns: `finish32`; glu, 16 gate and
  * their 16 up outputs: `finish16_glu`), a partial task's and float16's by `finish_sums`.
@@ -128,20 +128,28 @@ static inline __m128i reduce4(vi a, vi b, vi c, vi d) {
  * x / s's float is within 2^-17 of it (|x / s| <= 127), so x r rounds to the division's integer unless it lies
  * within 2^-15 of a half; a vector with a value within 2^-14 of one (about one in 500 of random rows' vectors) is
  * divided. r is an IEEE division too (under -ffast-math a reciprocal estimate would be less exact); where s is
- * outside [2^-100, 2^100] (or not finite) r may not be finite: the row is divided. */
-static float quantize_x(const void *x, int dtype, int64_t i, int64_t k, int64_t kp, float *row, uint8_t *out) {
+ * outside [2^-100, 2^100] (or not finite) r may not be finite: the row is divided. Where `ahead` (row i + 2 of x
+ * exists), the AVX-512 loop asks for that row's lines as it widens this one's: x comes from memory (a layer's
+ * output, megabytes for a vision tile), and the rows' reading waited on each line. */
+static float quantize_x(const void *x, int dtype, int64_t i, int64_t k, int64_t kp, int ahead, float *row,
+                        uint8_t *out) {
     float amax = 0.0f;
     int64_t w = 0;
 #ifdef __AVX512F__
     {  /* widened and its largest magnitude taken in one pass */
         __m512 top = _mm512_setzero_ps();
+        const int64_t item = dtype == F32 ? 4 : 2;
+        const char *next = (const char *)x + (i + 2) * k * item;
         for (; w + 16 <= k; w += 16) {
+            if (ahead && w * item % 64 == 0) __builtin_prefetch(next + w * item, 0, 3);
             const __m512 v = widen16(x, dtype, i * k + w);
             _mm512_storeu_ps(row + w, v);
             top = _mm512_max_ps(top, _mm512_abs_ps(v));
         }
         amax = _mm512_reduce_max_ps(top);
     }
+#else
+    (void)ahead;
 #endif
     load_floats(x, dtype, i * k + w, k - w, row + w);
     for (int64_t t = w; t < k; t++) amax = fmaxf(amax, fabsf(row[t]));
@@ -615,11 +623,18 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
     {
         float *row = thread_scratch_at(1, row_bytes);
         if (!row) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++)
-            if (row) xs[i] = quantize_x(x, io_dtype, i, k, kp, row, xq + i * kp);
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
-        if (amx_tasks && !__atomic_load_n(&failed, __ATOMIC_RELAXED)) {
+        const int by_pass = amx_tasks > 0;  /* x quantized a pass of rows at a time, just before the pass uses it */
+#else
+        const int by_pass = 0;
+#endif
+        if (!by_pass) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < m; i++)
+                if (row) xs[i] = quantize_x(x, io_dtype, i, k, kp, i + 2 < m, row, xq + i * kp);
+        }
+#if defined(__AMX_INT8__) && defined(__AMX_BF16__)
+        if (amx_tasks) {
             int64_t configured = -1;  /* the tiles' configuration (amx_task's key; other code may reconfigure them) */
             uint32_t *packed = (uint32_t *)(xq + x_bytes + scale_bytes);
             const int64_t task_words = (int64_t)row_bytes / 4;
@@ -632,7 +647,12 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
                 }
             }
             for (int64_t r0 = 0; r0 < m; r0 += pass_rows) {
-#pragma omp barrier
+                /* the pass's rows quantized as it starts, so that they are in the caches when its tasks read them
+                 * (the loop's closing barrier: every thread's tasks of the last pass done before the next deal) */
+#pragma omp for schedule(static)
+                for (int64_t i = r0; i < MIN(m, r0 + pass_rows); i++)
+                    if (row) xs[i] = quantize_x(x, io_dtype, i, k, kp, i + 2 < m, row, xq + i * kp);
+                if (__atomic_load_n(&failed, __ATOMIC_RELAXED)) continue;
                 deal_team(shares, amx_tasks);
                 for (int64_t task; (task = next_task(shares)) >= 0;)
                     amx_task(xq, r0, MIN(m, r0 + pass_rows), k, w, w_stride, n, scale, row_sums, xs, glu_mode, gelu,
