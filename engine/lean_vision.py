@@ -168,15 +168,16 @@ class LeanVisionLayer:
         split = both.view(*hidden.shape[:-1], 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         return split[0], split[1], split[2]
 
-    def attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
-               ) -> torch.Tensor:
-        """Some heads' attention ([batch, heads, patches, head_dim] each) -> [batch, patches, heads, head_dim]:
-        the CPU kernel's where it is the faster here (`own_attention`) and there is no mask, else SDPA's."""
+    def attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+               out: torch.Tensor) -> None:
+        """Some heads' attention ([batch, heads, patches, head_dim] each) into `out` [batch, patches, heads,
+        head_dim] (those heads of the layer's attended tensor): the CPU kernel's where it is the faster here
+        (`own_attention`) and there is no mask, written in place, else SDPA's, copied there."""
         if mask is None and own_attention(queries.dtype, self.heads, self.head_dim):
-            attended = ops.full_attention(queries, keys, values, self.scale)
-            if attended is not None:
-                return attended
-        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale).transpose(1, 2)
+            if ops.full_attention(queries, keys, values, self.scale, out=out) is not None:
+                return
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
+        out.copy_(attended.transpose(1, 2))
 
     def attended_out(self, attended: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """hidden + out_proj(attended [batch, patches, dim])."""

@@ -228,22 +228,28 @@ def decode_layers(step: DecodeStepArgs, layers: ctypes.Array) -> None:
         raise ValueError(f"decode_layers: a kernel of {what} refused its inputs: {why}")
 
 
-def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, products: str | None = None
-                   ) -> torch.Tensor | None:
+def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, products: str | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor | None:
     """Every position's attention to every position of its input, no mask (a vision tower's layer): q, k, v [batch,
     heads, n, d] views of one packed projection (the same strides, each row contiguous) -> [batch, n, heads, d],
-    contiguous, q's dtype (engine/csrc/full_attention.c), bfloat16 scores by the products `products` names
-    (`attention_mode`; None: the AMX tiles where the build has them, else the Linear kernel's). None where the kernel
-    does not take these inputs (a head size it has no loop for, other strides), so that the caller runs SDPA."""
+    q's dtype (engine/csrc/full_attention.c), bfloat16 scores by the products `products` names (`attention_mode`;
+    None: the AMX tiles where the build has them, else the Linear kernel's). Into `out` where given (that shape and
+    dtype, its heads' rows contiguous and one after another: some heads of a wider tensor), else a new contiguous
+    tensor. None where the kernel does not take these inputs (a head size it has no loop for, other strides), so
+    that the caller runs SDPA."""
     batch, heads, n, d = q.shape
     if (q.dtype not in DTYPE_CODES or not q.dtype == k.dtype == v.dtype or not q.stride() == k.stride() == v.stride()
             or q.stride(3) != 1 or q.device.type != "cpu"):
         return None
-    out = torch.empty(batch, n, heads, d, dtype=q.dtype)
+    if out is None:
+        out = torch.empty(batch, n, heads, d, dtype=q.dtype)
+    elif tuple(out.shape) != (batch, n, heads, d) or out.dtype != q.dtype or out.stride()[2:] != (d, 1):
+        raise ValueError(f"full attention's out is [{batch}, {n}, {heads}, {d}] {q.dtype} with contiguous heads, "
+                         f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     lib = build.lib()
     failed = lib.full_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), DTYPE_CODES[q.dtype], batch, heads, n, d,
-                                q.stride(0), q.stride(1), q.stride(2), float(scale), out.data_ptr(),
-                                attention_mode(lib, products), torch.get_num_threads())
+                                q.stride(0), q.stride(1), q.stride(2), float(scale), out.data_ptr(), out.stride(0),
+                                out.stride(1), attention_mode(lib, products), torch.get_num_threads())
     if failed == 2:
         raise MemoryError(f"full attention could not allocate its buffers ({n} positions of {d})")
     return None if failed else out

@@ -3,7 +3,9 @@
  * paged KV cache (`chunk_attention`, at the end).
  *
  * q, k and v [batch, heads, n, d] are views of one packed projection (rows `row_stride` elements apart, heads
- * `head_stride`, inputs `batch_stride`), in `dtype`; out [batch, n, heads, d] contiguous, in `dtype`. A task is
+ * `head_stride`, inputs `batch_stride`), in `dtype`; out [batch, n, heads, d] in `dtype`, each row's heads one after
+ * another (d apart), rows `out_row_stride` elements apart, inputs `out_batch_stride` (a view of some heads of a
+ * wider output: a vision layer's two attention slices write their halves of one tensor). A task is
  * one input's head: its keys are packed once as float32, transposed ([d][n], each d-th value of NR keys a
  * vector), and its values as float32 rows; then each tile of MR query rows takes all its scores at once
  * (MR x NR outer products, one FMA per score and step along d), their softmax in float32, and their sum of
@@ -507,7 +509,7 @@ static void configure_tiles(int tiles) {
 /* Returns 0; 1 where d is not a multiple of the vector width (or above 256); 2 where memory runs out. */
 int full_attention(const void *q, const void *k, const void *v, int dtype, int64_t batch, int64_t heads, int64_t n,
                    int64_t d, int64_t batch_stride, int64_t head_stride, int64_t row_stride, float scale, void *out,
-                   int mode, int num_threads) {
+                   int64_t out_batch_stride, int64_t out_row_stride, int mode, int num_threads) {
     if (d % FW || d > 256 || n < 1) return 1;
     const int dot = dot_products(dtype, mode, d), tiles = tile_products(dtype, mode, d);
     int failed = 0;
@@ -523,7 +525,7 @@ int full_attention(const void *q, const void *k, const void *v, int dtype, int64
             for (int64_t j = 0; j < n; j++) b.at[j] = base + j * row_stride;
             pack_task(k, v, NULL, NULL, dtype, b.at, n, d, dot, &b);
             attend_rows(q, dtype, base, row_stride, 0, n - 1, scale, dot, tiles, n, d, -1, 0, &b, out,
-                        (i * n * heads + h) * d, heads * d);
+                        i * out_batch_stride + h * d, out_row_stride);
         }
     }
     return failed;

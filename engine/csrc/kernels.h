@@ -79,7 +79,7 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
                            float scale, int64_t window, void *out, int mode, int num_threads);
 int full_attention(const void *q, const void *k, const void *v, int dtype, int64_t batch, int64_t heads, int64_t n,
                    int64_t d, int64_t batch_stride, int64_t head_stride, int64_t row_stride, float scale, void *out,
-                   int mode, int num_threads);
+                   int64_t out_batch_stride, int64_t out_row_stride, int mode, int num_threads);
 int chunk_attention(const void *q, int dtype, int64_t q_head_stride, int64_t q_row_stride, int64_t query_start,
                     int64_t n, int64_t start, const void *key_cache, const void *value_cache, const float *key_scales,
                     const float *value_scales, int cache_dtype, const int64_t *block_table, int64_t block_size,

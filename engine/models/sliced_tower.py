@@ -43,20 +43,23 @@ def run_slice(layer: torch.nn.Module, which: int, hidden: torch.Tensor, mask: An
         count = queries.shape[1]
         half = (count + 1) // 2  # the first slice takes the odd head (a one-head tower's only one)
         heads = slice(0, half) if which == 1 else slice(half, count)
+        if lean is not None:  # each slice's heads written into their place in one [batch, patches, heads, d] tensor
+            attended = done[0] if done else queries.new_empty(queries.shape[0], queries.shape[2], count,
+                                                              queries.shape[3])
+            if heads.start < heads.stop:
+                lean.attend(queries[:, heads], keys[:, heads], values[:, heads], mask, attended[:, :, heads])
+            if which == 1:
+                return hidden, (queries, keys, values, attended)
+            return lean.attended_out(attended.view(*hidden.shape[:-1], -1), hidden), None
         if heads.start < heads.stop:
-            if lean is not None:
-                attended = lean.attend(queries[:, heads], keys[:, heads], values[:, heads], mask)
-            else:
-                attended, _ = _attention_function(attention)(
-                    attention, queries[:, heads], keys[:, heads], values[:, heads], mask,
-                    is_causal=False, scaling=attention.scale, dropout=0.0,
-                )  # [batch, patches, heads, head_dim]
+            attended, _ = _attention_function(attention)(
+                attention, queries[:, heads], keys[:, heads], values[:, heads], mask,
+                is_causal=False, scaling=attention.scale, dropout=0.0,
+            )  # [batch, patches, heads, head_dim]
             done.append(attended)
         if which == 1:
             return hidden, (queries, keys, values, *done)
         attended = torch.cat(done, dim=2).reshape(*hidden.shape[:-1], -1).contiguous()
-        if lean is not None:
-            return lean.attended_out(attended, hidden), None
         return hidden + attention.out_proj(attended), None
     if which == 3:
         if lean is not None:

@@ -448,6 +448,27 @@ def test_full_attention_of_each_build_equals_sdpa(monkeypatch, name, dtype, prod
     assert ops.full_attention(queries, keys.contiguous(), values, 0.2) is None  # strides that differ
 
 
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_full_attention_writes_some_heads_into_their_place_of_a_wider_output(monkeypatch, name):
+    """A vision layer's two attention slices write their heads into one [batch, patches, heads, d] tensor (no cat
+    after): each half, called on its own, gives there what the whole call gives, the other heads untouched; an
+    `out` of another shape, dtype or layout is refused by name."""
+    monkeypatch.setattr(build, "variant", lambda: name)
+    torch.manual_seed(7)
+    both = torch.randn(2, 37, 3, 5, 64).bfloat16()
+    queries, keys, values = both.permute(2, 0, 3, 1, 4)
+    whole = ops.full_attention(queries, keys, values, 0.125)
+    out = torch.full((2, 37, 5, 64), float("nan"), dtype=torch.bfloat16)
+    assert ops.full_attention(queries[:, :3], keys[:, :3], values[:, :3], 0.125, out=out[:, :, :3]) is not None
+    assert out[:, :, 3:].isnan().all()
+    ops.full_attention(queries[:, 3:], keys[:, 3:], values[:, 3:], 0.125, out=out[:, :, 3:])
+    assert torch.equal(out, whole)
+    for bad in (torch.empty(2, 37, 3, 64), torch.empty(2, 37, 64, 3, dtype=torch.bfloat16).transpose(2, 3),
+                torch.empty(2, 36, 3, 64, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="out"):
+            ops.full_attention(queries[:, :3], keys[:, :3], values[:, :3], 0.125, out=bad)
+
+
 @pytest.mark.skipif(not any(build.has_dot_products(build.load_variant(name)) for name in RUNNABLE),
                     reason="no runnable build with AVX-512's bfloat16 dot products on this CPU")
 def test_full_attention_s_dot_products_are_as_close_to_float32_as_torch_s_bfloat16_attention(monkeypatch):
