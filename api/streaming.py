@@ -19,12 +19,18 @@ from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
 
+# What str.splitlines takes for a line's end and JSON leaves as it is: NEL, LINE SEPARATOR, PARAGRAPH SEPARATOR (the
+# other line ends are control characters, which JSON escapes). Readers that split a stream with it (httpx's
+# `iter_lines`, as many SSE clients and this server's own fan-in of choices do) would cut an event whose text holds
+# one (a model can write any of them); as JSON escapes they read back the same.
+_LINE_ENDS_ESCAPED = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
 
 def sse(data: Any, event: str | None = None, event_id: str | None = None) -> str:
     """One server-sent event; `data` is JSON-encoded (strictly: NaN or Infinity raise ValueError, they are not
-    JSON) unless it is already a string."""
+    JSON; every character a reader may take for a line's end escaped) unless it is already a string."""
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False,
-                                                         allow_nan=False)
+                                                         allow_nan=False).translate(_LINE_ENDS_ESCAPED)
     head = (f"id: {event_id}\n" if event_id else "") + (f"event: {event}\n" if event else "")
     return f"{head}data: {text}\n\n"
 

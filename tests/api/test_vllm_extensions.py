@@ -161,3 +161,26 @@ def test_chat_prompt_logprobs_score_every_prompt_token(http):
                    for entry in score.values())
     refused = chat(http, prompt_logprobs=1, stream=True)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_an_answer_with_unicode_line_separators_streams_as_one_line_an_event(http):
+    """A model may write NEL, LINE SEPARATOR or PARAGRAPH SEPARATOR, which httpx's `iter_lines` (and str.splitlines)
+    take for line ends: forced here by a choice, two choices streamed (the server's own fan-in reads their events),
+    stored. Every event reads back whole, each choice's text is the choice, and the stored answer is too."""
+    text = "a\u2028b\x85c\u2029d"
+    events = []
+    with http.stream("POST", "/v1/chat/completions", json={
+            "model": MODEL, "messages": ASK, "max_tokens": 40, "stream": True, "n": 2, "store": True,
+            "guided_choice": [text]}) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    texts = ["", ""]
+    for event in events:
+        for choice in event["choices"]:
+            texts[choice["index"]] += choice["delta"].get("content") or ""
+    assert texts == [text, text]
+    stored = http.get(f"/v1/chat/completions/{events[0]['id']}")
+    assert stored.status_code == 200, stored.text
+    assert [c["message"]["content"] for c in stored.json()["choices"]] == [text, text]
