@@ -23,7 +23,7 @@ from typing import Any
 
 from api.percentiles import percentiles_ms
 from bench.configs import OverheadConfig
-from bench.report import machine, pyplot, save_figure
+from bench.report import machine, pyplot, save_figure, stream_lines
 
 CHAT = [{"role": "user", "content": "Tell me a long story about a bus driver in a rainy city."}]
 
@@ -71,7 +71,7 @@ async def _stream(client: Any, model: str, max_tokens: int, times: list[float]) 
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
+        async for line in stream_lines(response):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])

@@ -9,8 +9,9 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,13 +120,30 @@ def mp4_bytes(frames: list, fps: float) -> bytes:
         return path.read_bytes()
 
 
+LINE_END = re.compile(r"\r\n|\r|\n")  # where server-sent events and NDJSON end a line, and only there
+
+
+async def stream_lines(response: Any) -> AsyncIterator[str]:
+    """The lines of a streamed httpx response (server-sent events, NDJSON), split at CR, LF and CRLF only. httpx's
+    `aiter_lines` splits as str.splitlines does, at NEL, LINE SEPARATOR and PARAGRAPH SEPARATOR too, which a
+    server may leave as they are inside its JSON strings (a model can write any of them): a peer's event would
+    be cut."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = LINE_END.split(pending + text)
+        for line in lines:
+            yield line
+    if pending:
+        yield pending
+
+
 async def stream_chat(client: Any, body: dict[str, Any], times: list[float]) -> str | None:
     """Stream one chat completion, appending the arrival time of every chunk that carries text. Returns an
     error message, or None when the stream ended (a chat is cancelled once the measurement is over)."""
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             return f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
-        async for line in response.aiter_lines():
+        async for line in stream_lines(response):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])

@@ -25,7 +25,7 @@ import numpy as np
 
 from api.percentiles import percentiles_ms
 from bench.configs import ServeConfig
-from bench.report import machine, pyplot, sample_images, save_figure
+from bench.report import machine, pyplot, sample_images, save_figure, stream_lines
 
 WORDS = "a person walks past the bus while two friends talk near the station entrance in the rain".split()
 
@@ -89,7 +89,7 @@ async def _one(
             if response.status_code != 200:
                 rec.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return
-            async for line in response.aiter_lines():
+            async for line in stream_lines(response):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])

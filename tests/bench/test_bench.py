@@ -267,3 +267,33 @@ def test_bench_linear_ab_times_this_trees_kernel_against_another_library():
         linear_ab.main([str(other), "--shapes", "63x64", "--rows", "2", "--glu", "silu"])
     with pytest.raises(ValueError, match="glu is one of .* got 'relu'"):
         linear_ab.main([str(other), "--shapes", "64x64", "--rows", "2", "--glu", "relu"])
+
+
+def test_stream_lines_split_where_sse_ends_a_line_only():
+    """A peer may leave NEL, LINE SEPARATOR and PARAGRAPH SEPARATOR as they are in its events' JSON: the bench's
+    clients read each event whole (httpx's aiter_lines cuts it there), whatever chunks the body arrives in (a CRLF,
+    a character's UTF-8 bytes split across two)."""
+    import asyncio
+
+    import httpx
+
+    from bench.report import stream_lines
+
+    events = [{"choices": [{"delta": {"content": "a\u2028b\x85c\u2029d"}}]}, {"choices": []}]
+    body = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\r\n\r\n" for e in events).encode() + b"data: [DONE]"
+
+    class Chunks(httpx.AsyncByteStream):  # the body 7 bytes at a time, as a network may deliver it
+        async def __aiter__(self):
+            for at in range(0, len(body), 7):
+                yield body[at : at + 7]
+
+    async def read(lines_of) -> list[str]:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=Chunks()))
+        async with httpx.AsyncClient(transport=transport) as client, client.stream("GET", "http://peer/") as response:
+            return [line async for line in lines_of(response)]
+
+    lines = asyncio.run(read(stream_lines))
+    assert [json.loads(line[6:]) for line in lines if line.startswith("data: {")] == events
+    assert lines[-1] == "data: [DONE]"
+    cut = asyncio.run(read(lambda response: response.aiter_lines()))  # what the helper avoids
+    assert len(cut) > len(lines) and cut[0].startswith("data: {") and not cut[0].endswith("}")
