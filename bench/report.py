@@ -130,11 +130,15 @@ async def stream_lines(response: Any) -> AsyncIterator[str]:
     be cut."""
     pending = ""
     async for text in response.aiter_text():
-        *lines, pending = LINE_END.split(pending + text)
+        text = pending + text
+        held = text.endswith("\r")  # a CR that may be a CRLF's first half: held back for the next chunk
+        *lines, pending = LINE_END.split(text[:-1] if held else text)
+        pending += "\r" if held else ""
         for line in lines:
             yield line
-    if pending:
-        yield pending
+    *lines, last = LINE_END.split(pending)
+    for line in lines + ([last] if last else []):
+        yield line
 
 
 async def stream_chat(client: Any, body: dict[str, Any], times: list[float]) -> str | None:

@@ -271,8 +271,8 @@ def test_bench_linear_ab_times_this_trees_kernel_against_another_library():
 
 def test_stream_lines_split_where_sse_ends_a_line_only():
     """A peer may leave NEL, LINE SEPARATOR and PARAGRAPH SEPARATOR as they are in its events' JSON: the bench's
-    clients read each event whole (httpx's aiter_lines cuts it there), whatever chunks the body arrives in (a CRLF,
-    a character's UTF-8 bytes split across two)."""
+    clients read each event whole (httpx's aiter_lines cuts it there), whatever chunks the body arrives in (a CRLF
+    or a character's UTF-8 bytes split across two: chunks of 1 to 7 bytes)."""
     import asyncio
 
     import httpx
@@ -282,18 +282,19 @@ def test_stream_lines_split_where_sse_ends_a_line_only():
     events = [{"choices": [{"delta": {"content": "a\u2028b\x85c\u2029d"}}]}, {"choices": []}]
     body = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\r\n\r\n" for e in events).encode() + b"data: [DONE]"
 
-    class Chunks(httpx.AsyncByteStream):  # the body 7 bytes at a time, as a network may deliver it
-        async def __aiter__(self):
-            for at in range(0, len(body), 7):
-                yield body[at : at + 7]
+    async def read(lines_of, size: int) -> list[str]:
+        class Chunks(httpx.AsyncByteStream):  # the body `size` bytes at a time, as a network may deliver it
+            async def __aiter__(self):
+                for at in range(0, len(body), size):
+                    yield body[at : at + size]
 
-    async def read(lines_of) -> list[str]:
         transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=Chunks()))
         async with httpx.AsyncClient(transport=transport) as client, client.stream("GET", "http://peer/") as response:
             return [line async for line in lines_of(response)]
 
-    lines = asyncio.run(read(stream_lines))
-    assert [json.loads(line[6:]) for line in lines if line.startswith("data: {")] == events
-    assert lines[-1] == "data: [DONE]"
-    cut = asyncio.run(read(lambda response: response.aiter_lines()))  # what the helper avoids
+    for size in range(1, 8):
+        lines = asyncio.run(read(stream_lines, size))
+        assert [json.loads(line[6:]) for line in lines if line.startswith("data: {")] == events, size
+        assert lines[1] == lines[3] == "" and lines[4:] == ["data: [DONE]"], size  # each CRLF one line's end
+    cut = asyncio.run(read(lambda response: response.aiter_lines(), 7))  # what the helper avoids
     assert len(cut) > len(lines) and cut[0].startswith("data: {") and not cut[0].endswith("}")
