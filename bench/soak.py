@@ -315,22 +315,32 @@ class Client:
 
     async def stored_chat(self, tally: Tally, rng: random.Random) -> None:
         """A chat completion sent with `store: true` (now and then streamed), read back by id and deleted; one that
-        is not found after a 200 counts as a 500."""
+        is not found after a 200 counts as a 500. Half the streamed ones are two choices forced to text holding the
+        characters str.splitlines takes for line ends (as a model may write them): read here by splitlines, every
+        event must parse and the stored answer hold that text."""
         body = self.chat_body(f"Who waits at stop {rng.randrange(1000)}?", store=True, stream=rng.random() < 0.5,
                               metadata={"soak": "yes"})
+        forced = body["stream"] and rng.random() < 0.5
+        if forced:
+            body.update(n=2, max_tokens=64, guided_choice=[SEPARATED])
         try:
             response = await self.http.post("/v1/chat/completions", json=body)
             status, error = response.status_code, None
             if status == 200:
                 lines = [line for line in response.text.splitlines() if line.startswith("data: {")]
-                completion_id = json.loads(lines[0][6:])["id"] if body["stream"] else response.json()["id"]
+                events = [json.loads(line[6:]) for line in lines]
+                completion_id = events[0]["id"] if body["stream"] else response.json()["id"]
                 got = await self.http.get(f"/v1/chat/completions/{completion_id}")
                 deleted = await self.http.delete(f"/v1/chat/completions/{completion_id}")
                 if got.status_code != 200 or deleted.status_code != 200:
                     status, error = 500, f"stored {completion_id}: get {got.status_code}, delete {deleted.status_code}"
+                elif forced and [c["message"]["content"] for c in got.json()["choices"]] != [SEPARATED] * 2:
+                    status, error = 500, f"stored {completion_id}: {got.json()['choices']!r}"[:300]
             tally.outcomes.append(Outcome("store", status, error))
         except httpx.HTTPError as exc:
             tally.outcomes.append(Outcome("store", None, f"{type(exc).__name__}: {exc}"))
+        except ValueError as exc:  # an event cut where a reader splits lines
+            tally.outcomes.append(Outcome("store", 500, f"{type(exc).__name__}: {exc}"[:300]))
 
     async def hostile(self, tally: Tally, rng: random.Random) -> None:
         name = rng.choice(sorted(HOSTILE_REQUESTS))
@@ -356,6 +366,7 @@ SOAK_TOOLS = [
 SOAK_FORMAT = {"type": "object", "properties": {"people": {"type": "integer", "minimum": 0, "maximum": 9}},
                "required": ["people"], "additionalProperties": False}
 MCP_HEADERS = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-06-18"}
+SEPARATED = "stop\u2028two\x85three\u2029"  # LINE SEPARATOR, NEL, PARAGRAPH SEPARATOR: str.splitlines' line ends
 TOOL_MAX_TOKENS = 160  # a whole call of the tools above, written out by the tiny model's byte-level tokens
 
 
