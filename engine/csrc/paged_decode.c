@@ -52,6 +52,12 @@ static inline void prefetch_values(const void *cache, int64_t at, int64_t count,
     for (int64_t b = 0; b < count * item; b += 64) __builtin_prefetch(base + b);
 }
 
+/* The lines of `bytes` bytes from `p`, asked for into the L2 cache. */
+static inline void prefetch_span(const void *p, int64_t bytes) {
+    const char *line = (const char *)((uintptr_t)p & ~(uintptr_t)63), *end = (const char *)p + bytes;
+    for (; line < end; line += 64) __builtin_prefetch(line, 0, 2);
+}
+
 /* The plain C path asks for the next block's rows (heads h0.. of each) while this block's are used. */
 static inline void prefetch_block(const void *cache, int64_t block, int64_t block_size, int64_t width, int dtype,
                                   int64_t h0, int64_t heads, int64_t d) {
@@ -227,6 +233,10 @@ static inline __attribute__((always_inline)) void attend_vec(
          * positions through 30 layers of SmolVLM-256M's cache, 2 threads, Zen 4, 10.4 ms into the L1, 6.0 ms
          * into the L2 (a block further ahead, 7.0 ms). */
         const int64_t ahead = p - offset + block_size < n ? table[p / block_size + 1] * block_size + offset : -1;
+        if (dtype == I8 && ahead >= 0) {  /* and that run's scales (the run's first key waited on their lines) */
+            prefetch_span(key_scales + ahead * kv_heads, run * kv_heads * (int64_t)sizeof(float));
+            prefetch_span(value_scales + ahead * kv_heads, run * kv_heads * (int64_t)sizeof(float));
+        }
         for (int64_t h = h0; h < h1; h++) {
             const int64_t row0 = slot * width + h * d;  /* the run's position r: row0 + r * width */
             for (int64_t g0 = 0; g0 < groups; g0 += GMAX) {
