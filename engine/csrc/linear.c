@@ -362,13 +362,14 @@ void finish_row(float *sums, int64_t blocks, int glu_mode, const float *bias, co
     glu_tail(gate, up, count, glu_mode, dtype, out);
 }
 
-/* act(gate) * up for `count` outputs (gate and up with their bias; count at most 2 * NB), each operator's result
+/* act(gate) * up for `count` outputs (gate and up with their bias; count at most GLU_MOST), each operator's result
  * rounded to `dtype` as torch's `act(gate) * up` rounds it, into `out`: finish_row's, and the int8 kernel's
- * vector epilogue's, so that a task's outputs are finished by the same code either way. */
+ * vector epilogue's (many rows' at once there), so that a task's outputs are finished by the same code either
+ * way. */
 void glu_tail(float *gate, float *up, int64_t count, int glu_mode, int dtype, float *out) {
     round_to(gate, count, dtype);
     round_to(up, count, dtype);
-    float denominator[2 * NB];
+    float denominator[GLU_MOST];
     for (int64_t c = 0; c < count; c++) denominator[c] = activation_denominator(gate[c], glu_mode), out[c] = gate[c];
     divide(out, denominator, count);
     round_to(out, count, dtype);

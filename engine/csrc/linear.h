@@ -75,6 +75,7 @@ int64_t next_task(uint64_t *shares);
 void block_rows(int64_t block, int glu_mode, int64_t n, int64_t out_cols, int64_t r[RW]);
 void finish_row(float *sums, int64_t blocks, int glu_mode, const float *bias, const int64_t *rows_of, int dtype,
                 float *out);
+#define GLU_MOST (16 * 16)  /* glu_tail's most outputs a call: 16 rows of a task's 16 */
 void glu_tail(float *gate, float *up, int64_t count, int glu_mode, int dtype, float *out);
 void gelu_floats(float *values, int64_t count);  /* gelu.c: gelu_tanh's steps on float32 values, in place */
 

@@ -23,8 +23,8 @@
  *     of rows against every task's weights packed beforehand, each pass's rows quantized as it starts; the columns
  *     past the last whole tile pair through the vector blocks;
  *   - anything else: plain C.
- * A whole task's sums are finished in vectors on AVX-512 (32 consecutive columns: `finish32`; glu, 16 gate and
- * their 16 up outputs: `finish16_glu`), a partial task's and float16's by `finish_sums`.
+ * A whole task's sums are finished in vectors on AVX-512, many rows at once (32 consecutive columns: `finish32_rows`;
+ * glu, 16 gate and their 16 up outputs: `finish16_glu_rows`), a partial task's and float16's by `finish_sums`.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -405,17 +405,31 @@ static inline void finish32_rows(const columns32 *c, const int32_t *lo, const in
     }
 }
 
-/* One row's sums of 16 gate columns (`gate`) and their 16 up columns (`up`) finished as finish_sums finishes them
- * in glu mode, bit for bit: the sums in vectors (sums16), act(gate) * up by finish_row's own `glu_tail`, into the
- * row's 16 outputs `out` (+ `res`). finish_sums took a decode step's gate/up product a third longer than its
- * reading. */
-static inline void finish16_glu(const columns32 *c, const int32_t *gate, const int32_t *up, float s, int glu_mode,
-                                int dtype, void *out, const void *res) {
-    float g[16], u[16], done[16];
-    _mm512_storeu_ps(g, sums16(c, 0, gate, s));
-    _mm512_storeu_ps(u, sums16(c, 1, up, s));
-    glu_tail(g, u, 16, glu_mode, dtype, done);
-    store16_adding(_mm512_loadu_ps(done), dtype, out, res);
+/* `rows` rows' sums of 16 gate columns and their 16 up columns finished as finish_sums finishes them in glu
+ * mode, bit for bit: row r's 32 sums are the 16 at lo + r * stride then the 16 at hi + r * stride, its gate sums
+ * the lanes order[0] picks of them and its up sums those order[1] picks; in vectors (sums16), then act(gate) * up
+ * by finish_row's own `glu_tail` over up to 16 rows a call (a row's 16 alone left its exponentials and divisions
+ * waiting on each other), into row r's 16 outputs at `out` + r * out_stride bytes (+ the residual's at `res`, same
+ * strides; NULL: none). finish_sums took a decode step's gate/up product a third longer than its reading. */
+static inline void finish16_glu_rows(const columns32 *c, const int32_t *lo, const int32_t *hi, int64_t stride,
+                                     const __m512i order[2], const float *s, int64_t rows, int glu_mode, int dtype,
+                                     char *out, const char *res, int64_t out_stride) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t count = MIN(16, rows - r0);
+        float g[GLU_MOST], u[GLU_MOST], done[GLU_MOST];
+        for (int64_t r = r0; r < r0 + count; r++) {
+            const __m512i a = _mm512_loadu_si512(lo + r * stride), b = _mm512_loadu_si512(hi + r * stride);
+            int32_t gate[16], up[16];
+            _mm512_storeu_si512(gate, _mm512_permutex2var_epi32(a, order[0], b));
+            _mm512_storeu_si512(up, _mm512_permutex2var_epi32(a, order[1], b));
+            _mm512_storeu_ps(g + (r - r0) * 16, sums16(c, 0, gate, s[r]));
+            _mm512_storeu_ps(u + (r - r0) * 16, sums16(c, 1, up, s[r]));
+        }
+        glu_tail(g, u, count * 16, glu_mode, dtype, done);
+        for (int64_t r = r0; r < r0 + count; r++)
+            store16_adding(_mm512_loadu_ps(done + (r - r0) * 16), dtype, out + r * out_stride,
+                           res ? res + r * out_stride : NULL);
+    }
 }
 #endif
 
@@ -466,8 +480,8 @@ static void amx_pack_weights(const int8_t *w, int64_t w_stride, int64_t k, int64
 }
 
 /* A task's 32 columns (or 16 gate and their 16 up rows) as its blocks' sums are finished: the first weight row of
- * each tile; where y is bfloat16 or float32 what the vector epilogue reads (`vector`: finish32, finish16_glu), else
- * their blocks' rows (block_rows), scales and x's offset (task_scales) for finish_sums. */
+ * each tile; where y is bfloat16 or float32 what the vector epilogue reads (`vector`: finish32_rows,
+ * finish16_glu_rows), else their blocks' rows (block_rows), scales and x's offset (task_scales) for finish_sums. */
 typedef struct {
     int64_t first, second;
     int64_t rows_of[NB * RW];
@@ -507,11 +521,11 @@ static void amx_finish_block(int32_t sums[2][16][16], int64_t rows, int64_t row0
                           residual ? (const char *)residual + at : NULL, out_cols * item);
             return;
         }
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t row_at = at + r * out_cols * item;
-            finish16_glu(columns, sums[0][r], sums[1][r], xs[row0 + r], glu_mode, dtype, (char *)y + row_at,
-                         residual ? (const char *)residual + row_at : NULL);
-        }
+        /* a row's gate sums in the first tile, its up sums in the second */
+        const __m512i order[2] = {_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                  _mm512_setr_epi32(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31)};
+        finish16_glu_rows(columns, sums[0][0], sums[1][0], 16, order, xs + row0, rows, glu_mode, dtype,
+                          (char *)y + at, residual ? (const char *)residual + at : NULL, out_cols * item);
         return;
     }
     /* glu: block b's columns are gate rows 2b, 2b + 1 (the first tile's) and the same two up rows (the second's) */
@@ -709,25 +723,19 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
                         const columns32 c = columns32_of(scale, row_sums, bias, t.first_col,
                                                          glu_mode ? out_cols + t.first_col : t.first_col + 16, gelu);
                         const int64_t item = io_dtype == F32 ? 4 : 2;
-                        /* glu: block b's sums are gate 2b, 2b + 1, up 2b, 2b + 1 */
-                        const __m512i gates = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
-                                                                29);
-                        const __m512i ups = _mm512_add_epi32(gates, _mm512_set1_epi32(2));
                         const int64_t at = (i0 * out_cols + t.first_col) * item;
-                        if (!glu_mode) {
-                            finish32_rows(&c, sums, sums + 16, NB * RW, xs + i0, chunk, io_dtype, (char *)y + at,
-                                          residual ? (const char *)residual + at : NULL, out_cols * item);
-                            continue;
-                        }
-                        for (int64_t s = 0; s < chunk; s++) {
-                            const int64_t row_at = at + s * out_cols * item;
-                            const int32_t *row = sums + s * NB * RW;
-                            int32_t gate[16], up[16];
-                            const __m512i a = _mm512_loadu_si512(row), b = _mm512_loadu_si512(row + 16);
-                            _mm512_storeu_si512(gate, _mm512_permutex2var_epi32(a, gates, b));
-                            _mm512_storeu_si512(up, _mm512_permutex2var_epi32(a, ups, b));
-                            finish16_glu(&c, gate, up, xs[i0 + s], glu_mode, io_dtype, (char *)y + row_at,
-                                         residual ? (const char *)residual + row_at : NULL);
+                        char *out = (char *)y + at;
+                        const char *res = residual ? (const char *)residual + at : NULL;
+                        if (glu_mode) {
+                            /* block b's sums are gate 2b, 2b + 1, up 2b, 2b + 1 */
+                            const __m512i gates = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25,
+                                                                    28, 29);
+                            const __m512i order[2] = {gates, _mm512_add_epi32(gates, _mm512_set1_epi32(2))};
+                            finish16_glu_rows(&c, sums, sums + 16, NB * RW, order, xs + i0, chunk, glu_mode, io_dtype,
+                                              out, res, out_cols * item);
+                        } else {
+                            finish32_rows(&c, sums, sums + 16, NB * RW, xs + i0, chunk, io_dtype, out, res,
+                                          out_cols * item);
                         }
                         continue;
                     }
