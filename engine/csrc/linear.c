@@ -38,8 +38,7 @@
  * on with it front to back, so a thread that loses its core leaves its work to the others. A share is one 64-bit
  * word, next | end << 32, changed by compare-and-swap. `deal` runs once (`deal_team`) before any `next_task`. */
 void deal(uint64_t *shares, int count_of_shares, int64_t count) {
-    for (int s = 0; s < count_of_shares; s++)
-        shares[s] = (uint64_t)(count * s / count_of_shares) | (uint64_t)(count * (s + 1) / count_of_shares) << 32;
+    for (int s = 0; s < count_of_shares; s++) shares[s] = share_of(s, count_of_shares, count);
 }
 
 /* Share `share` less its first task (returned), or, `halve`, less its back half (set in *taken); -1 or 0 when it
@@ -873,7 +872,9 @@ static int float_linear(const void *x, int io_dtype, int64_t m, int64_t k, const
                 store_floats(done, t.cols, y, io_dtype, (i0 + s) * out_cols + t.first_col);
             }
         }
+        if (i0 + MC < m) {  /* the next chunk's deal waits for this one's tasks (the last's: the region's end) */
 #pragma omp barrier
+        }
     }
     return 0;
 }

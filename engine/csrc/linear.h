@@ -70,6 +70,10 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
 
 enum { GLU_SILU = 1, GLU_GELU = 2 }; /* `glu_mode`: which act, or 0 (no glu) */
 
+/* Share s of `of` of tasks [0, count): tasks count * s / of up to count * (s + 1) / of (`deal`'s). */
+static inline uint64_t share_of(int s, int of, int64_t count) {
+    return (uint64_t)(count * s / of) | (uint64_t)(count * (s + 1) / of) << 32;
+}
 void deal(uint64_t *shares, int count_of_shares, int64_t count);
 int64_t next_task(uint64_t *shares);
 void block_rows(int64_t block, int glu_mode, int64_t n, int64_t out_cols, int64_t r[RW]);
@@ -84,6 +88,12 @@ void gelu_floats(float *values, int64_t count);  /* gelu.c: gelu_tanh's steps on
 static inline __attribute__((always_inline)) void deal_team(uint64_t *shares, int64_t count) {
 #pragma omp single
     deal(shares, team_size(), count);
+}
+
+/* The calling thread's own share of `deal`'s: where every thread of the team deals its own, a barrier the team
+ * meets anyway (a loop's) stands for deal_team's, before any `next_task`. */
+static inline __attribute__((always_inline)) void deal_own(uint64_t *shares, int64_t count) {
+    shares[team_index()] = share_of(team_index(), team_size(), count);
 }
 
 /* Rows of x per block when a chunk of `chunk` rows goes in blocks of at most `most` rows, all of about the same

@@ -660,6 +660,7 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
         const int by_pass = 0;
 #endif
         if (!by_pass) {
+            if (tasks > 0) deal_own(shares, tasks);  /* the first chunk's: the quantizing loop's barrier is deal's */
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < m; i++)
                 if (row) xs[i] = quantize_x(x, io_dtype, i, k, kp, i + 2 < m, row, xq + i * kp);
@@ -698,7 +699,7 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
             for (int64_t i0 = 0; i0 < m; i0 += chunk_rows) {
                 const int64_t chunk = MIN(chunk_rows, m - i0), per_block = rows_per_block(chunk, RX);
                 int64_t rows_of[(NB + MAX_AHEAD) * RW];  /* a task's (take_task) */
-                deal_team(shares, tasks);
+                if (by_pass || i0 > 0) deal_team(shares, tasks);
                 for (task_blocks t; take_task(shares, block0, blocks, glu_mode, n, out_cols, ahead, rows_of, &t);) {
                     const int8_t *wr[NB + MAX_AHEAD][RW];
                     for (int64_t b = 0; b < t.count + ahead; b++)
@@ -747,7 +748,9 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
                         finish_sums(sums + s * NB * RW, scale_of, offset_of, t.count, rows_of, xs[i0 + s], glu_mode,
                                     gelu, bias, io_dtype, y, residual, i0 + s, out_cols, t.first_col, t.cols);
                 }
+                if (i0 + chunk_rows < m) {  /* the next chunk's deal waits for this one's tasks (the last's: the end) */
 #pragma omp barrier
+                }
             }
     }
     return failed ? 2 : 0;
