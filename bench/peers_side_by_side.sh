@@ -151,33 +151,4 @@ if [ "$WHICH" = llama ]; then
   stop_server
 fi
 
-$PY - "$OUT" <<'EOF'
-import json, sys
-from pathlib import Path
-
-out = Path(sys.argv[1])
-def load(name, workload):
-    path = out / f"{name}-{workload}.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-rows = [
-    ("8 chats: ITL p50 (ms)", "chats8", lambda r: r["itl_ms"]["p50"]),
-    ("stall: worst chat gap (ms)", "stall", lambda r: next(iter(r["runs"].values()))["worst_gap_ms"]),
-    ("stall: image TTFT (s)", "stall", lambda r: next(iter(r["runs"].values()))["ttft_ms"] / 1000),
-    ("stall: chat tok/s in window", "stall", lambda r: next(iter(r["runs"].values()))["chat_tok_s_in_window"]),
-    ("32 text requests: output tok/s", "text32", lambda r: r["output_token_throughput"]),
-    ("24 at 1/s: TTFT p50 (ms)", "mixed24", lambda r: r["ttft_ms"]["p50"]),
-    ("24 at 1/s: e2e p50 (s)", "mixed24", lambda r: r["e2e_ms"]["p50"] / 1000),
-]
-names = [n for n in ("vllm", "llama-bf16", "llama-q8_0") if (out / f"{n}-chats8.json").exists()]
-ours = sorted(p.name.removesuffix("-chats8.json") for p in out.glob("vlmcap*-chats8.json"))
-lines = [f"| workload | {' | '.join(names + ours)} | " + " | ".join(f"{o} / {n}" for o in ours for n in names) + " |",
-         "| --- " * (1 + len(names + ours) + len(ours) * len(names)) + "|"]
-for label, workload, get in rows:
-    vals = {n: load(n, workload) for n in names + ours}
-    vals = {n: get(v) if v else float("nan") for n, v in vals.items()}
-    lines.append(f"| {label} | " + " | ".join(f"{vals[n]:.1f}" for n in names + ours) + " | "
-                 + " | ".join(f"{vals[o] / vals[n]:.2f}" for o in ours for n in names) + " |")
-(out / "summary.md").write_text("\n".join(lines) + "\n")
-print("\n".join(lines))
-EOF
+$PY -m bench.side_by_side "$OUT"

@@ -298,3 +298,30 @@ def test_stream_lines_split_where_sse_ends_a_line_only():
         assert lines[1] == lines[3] == "" and lines[4:] == ["data: [DONE]"], size  # each CRLF one line's end
     cut = asyncio.run(read(lambda response: response.aiter_lines(), 7))  # what the helper avoids
     assert len(cut) > len(lines) and cut[0].startswith("data: {") and not cut[0].endswith("}")
+
+
+def test_side_by_side_summary_reads_each_servers_workloads_and_vllm_bench_tables(tmp_path):
+    """bench/peers_side_by_side.sh's summary: a server per results file (the workloads' JSON or `vllm bench serve`'s
+    table alone, as VBENCH_ONLY leaves), a row per workload some server ran, each vlmcap server over each peer."""
+    from bench.side_by_side import main, summary
+
+    def vbench(duration: float, mean: float, median: float, p99_itl: float) -> str:
+        return "\n".join([
+            "Namespace(seed=11, base_url='http://127.0.0.1:8799', random_mm_bucket_config={(256, 256, 1): 1.0})",
+            "============ Serving Benchmark Result ============", "Successful requests:                     16",
+            f"Benchmark duration (s):                  {duration}", f"Mean TTFT (ms):    {mean}",
+            f"Median TTFT (ms):   {median}", f"P99 ITL (ms):   {p99_itl}", "=" * 50])
+
+    (tmp_path / "vllm-chats8.json").write_text(json.dumps({"itl_ms": {"p50": 40.0}}))
+    (tmp_path / "vlmcap-chats8.json").write_text(json.dumps({"itl_ms": {"p50": 20.0}}))
+    (tmp_path / "vllm-vbench-random-mm.txt").write_text(vbench(100.0, 18000.0, 8000.0, 5000.0))
+    (tmp_path / "vlmcap-itl1000-vbench-random-mm.txt").write_text(vbench(70.0, 19000.0, 18000.0, 600.0))
+    table = summary(tmp_path).splitlines()
+    assert table[0] == ("| workload | vllm | vlmcap | vlmcap-itl1000 | vlmcap / vllm | vlmcap-itl1000 / vllm |")
+    assert table[2] == "| 8 chats: ITL p50 (ms) | 40.0 | 20.0 | nan | 0.50 | nan |"
+    assert "| random-mm: duration (s) | 100.0 | nan | 70.0 | nan | 0.70 |" in table
+    assert "| random-mm: median TTFT (s) | 8.0 | nan | 18.0 | nan | 2.25 |" in table
+    assert "| random-mm: P99 ITL (ms) | 5000.0 | nan | 600.0 | nan | 0.12 |" in table
+    assert not any("stall" in line or "text requests" in line for line in table)  # no server ran them
+    main([str(tmp_path)])
+    assert (tmp_path / "summary.md").read_text() == summary(tmp_path)
