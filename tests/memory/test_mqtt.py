@@ -173,8 +173,9 @@ class Subscriber:
         with self.lock:
             return {m.topic for m in self.messages}
 
-    def wait_for(self, topic: str, count: int = 1) -> list[mqtt.MQTTMessage]:
-        wait_until(lambda: len(self.on(topic)) >= count, f"{count} message(s) on {topic} (got {self.topics()})")
+    def wait_for(self, topic: str, count: int = 1, timeout: float = WAIT_S) -> list[mqtt.MQTTMessage]:
+        wait_until(lambda: len(self.on(topic)) >= count, f"{count} message(s) on {topic} (got {self.topics()})",
+                   timeout)
         return self.on(topic)
 
     def close(self) -> None:
