@@ -130,7 +130,9 @@ def test_a_remote_worker_sends_a_clip_job_as_a_video_url_part(redis_url, video_s
 
     async def work() -> tuple:
         captioner = OpenAICaptioner(video_server.url, model="tiny-qwen2-vl", max_tokens=4)
-        worker = QueueWorker(redis_url, captioner, claim_idle_seconds=0, max_deliveries=1, block_seconds=0.1)
+        # the tiny model samples (temperature 1: the request sets none), and a caption of only blanks fails its
+        # attempt (the captioner rightly refuses it): three deliveries, retried at once (claim_idle_seconds=0)
+        worker = QueueWorker(redis_url, captioner, claim_idle_seconds=0, max_deliveries=3, block_seconds=0.1)
         try:
             for _ in range(200):  # a bound that only turns a hang into a failure
                 if worker.stats.done + worker.stats.dead == 2:
