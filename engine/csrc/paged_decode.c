@@ -52,7 +52,8 @@ static inline void prefetch_values(const void *cache, int64_t at, int64_t count,
     for (int64_t b = 0; b < count * item; b += 64) __builtin_prefetch(base + b);
 }
 
-/* The lines of `bytes` bytes from `p`, asked for into the L2 cache. */
+/* The lines of `bytes` bytes from `p`, however they lie across lines, asked for into the L2 cache (the vector path's
+ * way; `prefetch_values`, the plain path's, asks for the L1). */
 static inline void prefetch_span(const void *p, int64_t bytes) {
     const char *line = (const char *)((uintptr_t)p & ~(uintptr_t)63), *end = (const char *)p + bytes;
     for (; line < end; line += 64) __builtin_prefetch(line, 0, 2);
