@@ -434,12 +434,18 @@ static inline void finish16_glu_rows(const columns32 *c, const int32_t *lo, cons
 #endif
 
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
-#define AMX_INT8_MIN_ROWS 32  /* fewer rows go through the vector blocks: faster, packing a task's weights costs */
+#define AMX_INT8_MIN_ROWS 32  /* fewer rows go the other way round (amx_few_task): packing a task's weights costs */
+/* From this many rows of x (fewer than AMX_INT8_MIN_ROWS) amx_few_task's tiles; fewer rows are one block of the
+ * vector loop, each weight byte read once, about as fast (weights of SmolVLM-256M's decode products, 1 to 6 rows:
+ * the blocks 0.8-1.2x the tiles' time; 8 rows, two blocks of 4: 1.05-1.2x). */
+#define AMX_INT8_FEW_ROWS (RX + 1)
 
 #if OFFSET
 #define AMX_DP _tile_dpbusd  /* x's bytes unsigned (qx + 128), the weights signed */
+#define AMX_DP_WX _tile_dpbsud  /* the same with the weights first */
 #else
 #define AMX_DP _tile_dpbssd
+#define AMX_DP_WX _tile_dpbssd
 #endif
 
 /* Tiles 0-1: sums of x's first block (`rows` rows x 16 weight rows, int32); 2-3: of its second block (`rows2`
@@ -616,6 +622,110 @@ static void amx_task(const uint8_t *xq, int64_t r0, int64_t m, int64_t k, const 
 }
 #endif
 
+#if defined(__AMX_INT8__) && defined(__AMX_BF16__)
+/* Fewer than AMX_INT8_MIN_ROWS rows of x (a decode step's) go through the tiles the other way round, as linear.c's
+ * bfloat16 tiles do: the weights are the first operand, read as they lie (16 weight rows of 64 bytes, w_stride
+ * apart, a tile), x the second, as quads of k, so that nothing of the weights is packed and the sums come out
+ * [weight row][row of x], transposed back for the epilogue. The vector loop's sums take an instruction per 64
+ * bytes of a weight row and row of x (two blocks of x and each weight read twice from the L1 past RX rows); the
+ * tiles' take a few cycles per kilobyte of weights, whose reading is then what is left.
+ *
+ * x's quantized rows (xq, kp bytes apart) as the tiles' second operand, into the calling thread's own xt: for each
+ * 64 bytes of k and each block of 16 rows, 16 rows of quads (row q: the rows' bytes 4q..4q+3, one word a row of x;
+ * rows past m zero), [k / 64][blocks][16][16] words. Each thread lays out all of x for itself: where each wrote the
+ * words of its own rows of x, the two threads wrote into the same lines (a decode product took 1.5x its time). */
+static void few_x_quads(const uint8_t *xq, int64_t kp, int64_t m, int64_t k, uint32_t *xt) {
+    const int64_t blocks = (m + AMX_ROWS - 1) / AMX_ROWS;
+    for (int64_t step = 0; step < k / 64; step++)
+        for (int64_t b = 0; b < blocks; b++) {
+            __m512i r[16];
+            for (int64_t i = 0; i < 16; i++)
+                r[i] = b * 16 + i < m ? _mm512_loadu_si512(xq + (b * 16 + i) * kp + step * 64) : _mm512_setzero_si512();
+            transpose16(r);
+            for (int q = 0; q < 16; q++) _mm512_store_si512(xt + ((step * blocks + b) * 16 + q) * 16, r[q]);
+        }
+}
+
+/* Tiles 0-1: the first block's sums (16 weight rows x `rows` rows of x, int32), 2-3 the second's (`rows2` rows;
+ * 0: none); 4-5: the two blocks' quads of x; 6-7: 16 weight rows of 64 bytes. */
+static void amx_configure_few(int rows, int rows2) {
+    const uint8_t r2 = rows2 ? 16 : 0;
+    const uint16_t c = (uint16_t)(4 * rows), c2 = (uint16_t)(4 * rows2);
+    const uint8_t tile_rows[8] = {16, 16, r2, r2, 16, r2, 16, 16};
+    const uint16_t colsb[8] = {c, c, c2, c2, c, c2, 64, 64};
+    amx_load_config(tile_rows, colsb);
+}
+
+/* Task `task` (amx_task's columns) against the m (< 2 * AMX_ROWS) rows of x as `few_x_quads` laid them out in xt:
+ * every weight tile loaded once and multiplied by each block of x, the next task's weights asked for meanwhile; the
+ * sums stored, transposed to [row of x][weight row] and finished as amx_task's (`amx_finish_block`). */
+static void amx_few_task(const uint32_t *xt, int64_t m, int64_t k, const int8_t *w, int64_t w_stride, int64_t n,
+                         const float *scale, const int32_t *row_sums, const float *xs, int glu_mode, int gelu,
+                         int64_t task, const float *bias, void *y, const void *residual, int dtype) {
+    const int64_t out_cols = glu_mode ? n / 2 : n, blocks = (m + AMX_ROWS - 1) / AMX_ROWS;
+    amx_columns c;
+    amx_columns_of(task, glu_mode, gelu, n, scale, row_sums, bias, dtype, &c);
+    const int8_t *w1 = w + c.first * w_stride, *w2 = w + c.second * w_stride;
+    /* the next task's weight rows (each tile's 16 lie together: 16 * w_stride bytes), asked for into the L2 cache
+     * over this task's steps: a tile's rows are 16 short streams (9 lines at k = 576), which the hardware's
+     * prefetching did not keep ahead of (a decode step 1.1x the time without; the next task's lines of each step
+     * alone, or each row's first line, 1.05x) */
+    const int64_t tasks = glu_mode ? out_cols / 16 : n / 32, next = task + 1 < tasks ? task + 1 : -1;
+    const char *n1 = next < 0 ? NULL : (const char *)(w + (glu_mode ? 16 * next : 32 * next) * w_stride);
+    const char *n2 = next < 0 ? NULL : (const char *)(w + (glu_mode ? out_cols + 16 * next : 32 * next + 16) * w_stride);
+    const int64_t span = 16 * w_stride, per_step = (span / 64 + k / 64 - 1) / (k / 64);  /* lines a tile a step */
+    int64_t line = 0;
+#define PREFETCH_FEW() \
+    for (int64_t e = 0; n1 && e < per_step && line < span; e++, line += 64) \
+        __builtin_prefetch(n1 + line, 0, 2), __builtin_prefetch(n2 + line, 0, 2);
+    _tile_zero(0);
+    _tile_zero(1);
+    if (blocks > 1) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t step = 0; step < k / 64; step++) {
+            _tile_loadd(6, w1 + step * 64, w_stride);
+            _tile_loadd(7, w2 + step * 64, w_stride);
+            _tile_loadd(4, xt + step * 2 * 256, 64);
+            _tile_loadd(5, xt + (step * 2 + 1) * 256, 64);
+            AMX_DP_WX(0, 6, 4);
+            AMX_DP_WX(1, 7, 4);
+            AMX_DP_WX(2, 6, 5);
+            AMX_DP_WX(3, 7, 5);
+            PREFETCH_FEW()
+        }
+    } else {
+        for (int64_t step = 0; step < k / 64; step++) {
+            _tile_loadd(6, w1 + step * 64, w_stride);
+            _tile_loadd(7, w2 + step * 64, w_stride);
+            _tile_loadd(4, xt + step * 256, 64);
+            AMX_DP_WX(0, 6, 4);
+            AMX_DP_WX(1, 7, 4);
+            PREFETCH_FEW()
+        }
+    }
+#undef PREFETCH_FEW
+    int32_t sums[2][16][16] __attribute__((aligned(64)));  /* [tile][weight row][row of x], then [tile][row][weight] */
+    for (int64_t b = 0; b < blocks; b++) {
+        if (b == 0) {
+            _tile_stored(0, sums[0], 64);
+            _tile_stored(1, sums[1], 64);
+        } else {
+            _tile_stored(2, sums[0], 64);
+            _tile_stored(3, sums[1], 64);
+        }
+        for (int t = 0; t < 2; t++) {
+            __m512i r[16];
+            for (int q = 0; q < 16; q++) r[q] = _mm512_load_si512(sums[t][q]);
+            transpose16(r);
+            for (int q = 0; q < 16; q++) _mm512_store_si512(sums[t][q], r[q]);
+        }
+        amx_finish_block(sums, MIN(AMX_ROWS, m - b * AMX_ROWS), b * AMX_ROWS, xs, glu_mode, &c, bias, dtype, y,
+                         residual, out_cols);
+    }
+}
+#endif
+
 int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t *w, int64_t w_stride, int64_t n,
                 const float *scale, const int32_t *row_sums, const float *bias, int glu_mode, int gelu, void *y,
                 const void *residual, int num_threads) {
@@ -628,10 +738,15 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
     size_t packed_bytes = 0;  /* every AMX task's packed weights, where x goes in passes */
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
     int64_t amx_tasks = 0, pass_rows = m;
-    if (k % 64 == 0 && m >= AMX_INT8_MIN_ROWS && amx_permitted()) {
+    int few = 0;  /* fewer than AMX_INT8_MIN_ROWS rows: amx_few_task's, x laid out by few_x_quads in `row` */
+    if (k % 64 == 0 && m >= AMX_INT8_FEW_ROWS && amx_permitted()) {
         const int64_t amx_cols = glu_mode ? out_cols / 16 * 16 : n / 32 * 32;
         amx_tasks = glu_mode ? amx_cols / 16 : amx_cols / 32;
         block0 = glu_mode ? amx_cols / 2 : amx_cols / RW;
+        few = amx_tasks > 0 && m < AMX_INT8_MIN_ROWS;
+    }
+    if (few) row_bytes = MAX(row_bytes, (size_t)(k / 64) * (size_t)((m + AMX_ROWS - 1) / AMX_ROWS) * 1024);
+    else if (amx_tasks) {
         row_bytes = (size_t)k * 32;  /* amx_pack_weights' */
         const int64_t passes = (m * k + AMX_PASS_BYTES - 1) / AMX_PASS_BYTES;
         if (passes > 1 && (size_t)amx_tasks * row_bytes <= AMX_PACKED_MAX) {  /* passes of equal rows, whole pairs */
@@ -655,18 +770,36 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
         float *row = thread_scratch_at(1, row_bytes);
         if (!row) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
-        const int by_pass = amx_tasks > 0;  /* x quantized a pass of rows at a time, just before the pass uses it */
+        const int by_pass = amx_tasks > 0 && !few;  /* x quantized a pass of rows at a time, just before it is used */
 #else
-        const int by_pass = 0;
+        const int by_pass = 0, few = 0;
 #endif
         if (!by_pass) {
-            if (tasks > 0) deal_own(shares, tasks);  /* the first chunk's: the quantizing loop's barrier is deal's */
+            /* the first chunk's tasks (few: the tiles'): the quantizing loop's barrier is deal's */
+#if defined(__AMX_INT8__) && defined(__AMX_BF16__)
+            if (few) deal_own(shares, amx_tasks);
+            else
+#endif
+            if (tasks > 0) deal_own(shares, tasks);
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < m; i++)
                 if (row) xs[i] = quantize_x(x, io_dtype, i, k, kp, i + 2 < m, row, xq + i * kp);
         }
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
-        if (amx_tasks) {
+        if (few) {
+            uint32_t *xt = (uint32_t *)row;  /* the thread's own quads of x (the quantizing's row is done with) */
+            if (xt) few_x_quads(xq, kp, m, k, xt);
+            const int64_t rows2 = m > AMX_ROWS ? m - AMX_ROWS : 0;
+            amx_configure_few((int)MIN(AMX_ROWS, m), (int)rows2);
+            if (!__atomic_load_n(&failed, __ATOMIC_RELAXED))
+                for (int64_t task; (task = next_task(shares)) >= 0;)
+                    amx_few_task(xt, m, k, w, w_stride, n, scale, row_sums, xs, glu_mode, gelu, task, bias, y,
+                                 residual, io_dtype);
+            _tile_release();
+            if (tasks > 0) {  /* the vector blocks' deal below reuses the shares */
+#pragma omp barrier
+            }
+        } else if (amx_tasks) {
             int64_t configured = -1;  /* the tiles' configuration (amx_task's key; other code may reconfigure them) */
             uint32_t *packed = (uint32_t *)(xq + x_bytes + scale_bytes);
             const int64_t task_words = (int64_t)row_bytes / 4;
@@ -699,7 +832,7 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
             for (int64_t i0 = 0; i0 < m; i0 += chunk_rows) {
                 const int64_t chunk = MIN(chunk_rows, m - i0), per_block = rows_per_block(chunk, RX);
                 int64_t rows_of[(NB + MAX_AHEAD) * RW];  /* a task's (take_task) */
-                if (by_pass || i0 > 0) deal_team(shares, tasks);
+                if (by_pass || few || i0 > 0) deal_team(shares, tasks);
                 for (task_blocks t; take_task(shares, block0, blocks, glu_mode, n, out_cols, ahead, rows_of, &t);) {
                     const int8_t *wr[NB + MAX_AHEAD][RW];
                     for (int64_t b = 0; b < t.count + ahead; b++)

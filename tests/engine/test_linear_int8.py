@@ -59,9 +59,10 @@ def _check_all(lib, threads: tuple[int, ...], rows: tuple[int, ...], shapes: tup
 
 @pytest.mark.parametrize("name", RUNNABLE)
 def test_int8_linear_gives_the_reference_s_bits(name):
-    """m = 1, 3, 8 (decode), 40 and 257 (a prefill chunk, past a 192-row pass), bfloat16 and float32 x, with and
-    without bias, plain and glu, on one thread and on two."""
-    _check_all(build.load_variant(name), (1, 2), (1, 3, 8, 40, 257), SHAPES, (torch.bfloat16, torch.float32),
+    """m = 1, 3 (the vector blocks), 8, 20 and 31 (decode: the vector blocks, or where the CPU has AMX its tiles
+    with the weights first, one block of x and two), 40 and 257 (a prefill chunk, past a 192-row pass), bfloat16 and
+    float32 x, with and without bias, plain and glu, on one thread and on two."""
+    _check_all(build.load_variant(name), (1, 2), (1, 3, 8, 20, 31, 40, 257), SHAPES, (torch.bfloat16, torch.float32),
                (None, "silu", "gelu_tanh"))
 
 
@@ -79,11 +80,12 @@ def test_long_rows_of_k(name):
 def test_a_residual_is_added_as_torch_adds_it(name):
     """linear(..., residual) = residual + linear(...), as torch rounds it (the product rounded to x's dtype, the
     sum rounded again): in the vector epilogue (32 consecutive columns), in finish_sums (the columns past them,
-    float16, glu), and after a float weight's products; 8 rows (the vector blocks) and 40 (the AMX tiles where the
-    CPU has them). A residual of another shape or dtype is refused by name."""
+    float16, glu), and after a float weight's products; 4 rows (the vector blocks), 8 and 20 (the vector blocks, or
+    the AMX tiles with the weights first where the CPU has them) and 40 (the AMX tiles). A residual of another shape
+    or dtype is refused by name."""
     lib = build.load_variant(name)
     generator = torch.Generator().manual_seed(11)
-    for m in (8, 40):
+    for m in (4, 8, 20, 40):
         for dtype in (torch.bfloat16, torch.float32, torch.float16):
             x, weight, bias = _case(m, 70, 576, dtype, seed=m + 1)
             float_weight = (torch.randn(70, 576, generator=generator) * 0.05).to(dtype)
@@ -108,13 +110,14 @@ def test_a_residual_is_added_as_torch_adds_it(name):
 def test_the_vector_epilogue_is_finish_sums_bit_for_bit(name):
     """A whole task's columns are finished in vectors (finish32; glu: finish16_glu, with finish_row's own glu
     tail), a task's partial columns by finish_sums: outputs 3-5 of a weight with 19 outputs (a whole first task)
-    against the same three outputs as a weight of their own (a partial task), bit for bit; 8 rows (the vector
-    blocks) and 40 (the AMX tiles where the CPU has them), with and without bias, with a residual. (Float32 glu
+    against the same three outputs as a weight of their own (a partial task), bit for bit; 4 rows (the vector
+    blocks), 8 (the vector blocks, or the AMX tiles with the weights first) and 40 (the AMX tiles where the CPU has
+    them), with and without bias, with a residual. (Float32 glu
     only where rounding to bfloat16 follows: a whole task's 16 e^x go by the compiler's vector expf, a partial
     task's by libm's scalar one, a few ulps apart in float32, as they were before the vector epilogue.)"""
     lib = build.load_variant(name)
     generator = torch.Generator().manual_seed(12)
-    for m in (8, 40):
+    for m in (4, 8, 40):
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(m, 576, generator=generator).to(dtype)
             for glu in (None, "silu", "gelu_tanh") if dtype == torch.bfloat16 else (None,):
@@ -135,13 +138,14 @@ def test_the_vector_epilogue_is_finish_sums_bit_for_bit(name):
 @pytest.mark.parametrize("name", RUNNABLE)
 def test_a_products_gelu_is_gelu_tanh_of_it(name):
     """linear(..., act="gelu_tanh") = gelu_tanh(linear(...)) (the same build's), bit for bit: in the int8 epilogue
-    (whole tasks in vectors, the partial task's columns and float16 by finish_sums), 8 rows (the vector blocks), 40
-    and 700 (the AMX tiles, one pass and passes of rows, where the CPU has them), with and without bias, then a
+    (whole tasks in vectors, the partial task's columns and float16 by finish_sums), 4 rows (the vector blocks), 20
+    (the vector blocks, or the AMX tiles with the weights first), 40 and 700 (the AMX tiles, one pass and passes of
+    rows, where the CPU has them), with and without bias, then a
     residual added; and after a float weight's products. `act` with glu, or another activation, is refused by
     name."""
     lib = build.load_variant(name)
     generator = torch.Generator().manual_seed(13)
-    for m in (8, 40, 700):
+    for m in (4, 20, 40, 700):
         for dtype in (torch.bfloat16, torch.float32, torch.float16):
             x, weight, bias = _case(m, 70, 576, dtype, seed=m + 2)
             x = x * 3  # products spread over GELU's curve, past its tails
