@@ -20,8 +20,10 @@
  *   - AMX-INT8 (`tdpbusd`, AMX_INT8_MIN_ROWS rows of x or more, k a multiple of 64): a task's 32 weight rows
  *     packed once into the quads the tiles multiply by, then every 16 rows of x (two blocks of 16 where the packed
  *     rows outgrow the L1), as they lie, against them (two tiles of sums a block); x past AMX_PASS_BYTES in passes
- *     of rows against every task's weights packed beforehand, each pass's rows quantized as it starts; the columns
- *     past the last whole tile pair through the vector blocks;
+ *     of rows against every task's weights packed beforehand, each pass's rows quantized as it starts; fewer rows
+ *     than AMX_INT8_MIN_ROWS but more than a vector block's (a decode step's) the other way round (`tdpbsud`, the
+ *     weight rows first as they lie, against x's quads: amx_few_task); the columns past the last whole tile pair
+ *     through the vector blocks;
  *   - anything else: plain C.
  * A whole task's sums are finished in vectors on AVX-512, many rows at once (32 consecutive columns: `finish32_rows`;
  * glu, 16 gate and their 16 up outputs: `finish16_glu_rows`), a partial task's and float16's by `finish_sums`.
