@@ -322,6 +322,17 @@ def sample_rows(logits: torch.Tensor, index: torch.Tensor, top: torch.Tensor, in
     return tokens
 
 
+def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's maximum of float32 x [rows, vocab] (contiguous, CPU) and the index of its first occurrence
+    (sampling.c: torch's max(dim=-1) rule, a NaN the largest)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError(f"row_max takes contiguous CPU float32 rows [rows, vocab], got {x.dtype} {tuple(x.shape)} "
+                         f"on {x.device}")
+    top, at = torch.empty(x.shape[0]), torch.empty(x.shape[0], dtype=torch.int64)
+    build.lib().row_max(x.data_ptr(), x.shape[0], x.shape[1], top.data_ptr(), at.data_ptr(), torch.get_num_threads())
+    return top, at
+
+
 def release_scratch() -> None:
     """The kernels' scratch buffers of the calling thread freed (engine/csrc/scratch.c): start-up's timings grew
     them to shapes that steps may never run; steps grow them again to what they need. Not while a kernel runs on

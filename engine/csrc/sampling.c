@@ -405,3 +405,59 @@ int sample_rows(const float *logits, int64_t vocab, const int64_t *index, int64_
     }
     return failed;
 }
+
+/* Whether float bits are a NaN's: by the bits, not a comparison (the build's -ffast-math assumes no NaN). */
+static inline int nan_bits(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof(bits));
+    return (bits & 0x7fffffffu) > 0x7f800000u;
+}
+
+/* Each row of logits [rows, vocab] (float32, rows vocab apart): its largest value into top[r] and the index of its
+ * first occurrence into at[r], torch's max(dim=-1) rule: the first of equal maxima, a NaN the largest (the first
+ * NaN). One pass for the maximum (a NaN ends it), one for its first index; the rows split among the threads. torch's
+ * `max` took 0.25 ms of a decode step for 8 rows of a 49,280-token vocabulary on 2 AMX cores. */
+int row_max(const float *logits, int64_t rows, int64_t vocab, float *top, int64_t *at, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 1 && rows * vocab >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = logits + r * vocab;
+        float best = -INFINITY;
+        int64_t j = 0, nan_at = -1;
+#ifdef __AVX512F__
+        __m512 most = _mm512_set1_ps(-INFINITY);
+        for (; j + 16 <= vocab; j += 16) {
+            const __m512 v = _mm512_loadu_ps(row + j);
+            const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+                _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+            if (nan) {
+                nan_at = j + __builtin_ctz(nan);
+                break;
+            }
+            most = _mm512_max_ps(most, v);
+        }
+        if (nan_at < 0) best = _mm512_reduce_max_ps(most);
+#endif
+        for (; nan_at < 0 && j < vocab; j++) {
+            if (nan_bits(row[j])) nan_at = j;
+            else best = row[j] > best ? row[j] : best;
+        }
+        if (nan_at >= 0) {
+            top[r] = row[nan_at], at[r] = nan_at;
+            continue;
+        }
+        int64_t first = 0;
+#ifdef __AVX512F__
+        const __m512 target = _mm512_set1_ps(best);
+        for (; first + 16 <= vocab; first += 16) {
+            const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + first), target, _CMP_EQ_OQ);
+            if (hit) {
+                first += __builtin_ctz(hit);
+                break;
+            }
+        }
+#endif
+        while (first < vocab && row[first] != best) first++;
+        top[r] = best, at[r] = first < vocab ? first : 0;
+    }
+    return 0;
+}

@@ -220,10 +220,16 @@ def test_a_forced_tokens_draws_are_those_of_sampling_it(params, path):
     assert torch.equal(torch.rand(4, generator=sampled), torch.rand(4, generator=skipped))
 
 
+@pytest.mark.parametrize("build_name", [None, *build.runnable_variants()])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_max_is_torch_s_amax_and_argmax_ties_nan_and_infinities_too(dtype):
-    """`engine.sampling.row_max` (max, for speed) gives torch.amax's values and what torch.argmax picks: the first of
-    equal maxima however far apart in a 49,152-token row, a NaN over any number, +inf, a row of -inf's first."""
+def test_row_max_is_torch_s_amax_and_argmax_ties_nan_and_infinities_too(monkeypatch, dtype, build_name):
+    """`engine.sampling.row_max` (float32 on the CPU: each kernel build's; else `max`) gives torch.amax's values and
+    what torch.argmax picks: the first of equal maxima however far apart in a 49,152-token row, a NaN over any
+    number (one in a vector's tail too), +inf, a row of -inf's first; a width that ends in a partial vector."""
+    if build_name is not None:
+        monkeypatch.setattr(build, "variant", lambda: build_name)
+    elif dtype == torch.float32:
+        monkeypatch.setattr(engine.sampling, "_kernel", lambda device: False)  # torch's max
     torch.manual_seed(0)
     rows = torch.randn(9, 49152).to(dtype)
     rows[0, [5, 30000, 49151]] = 50.0  # ties far apart
@@ -238,3 +244,9 @@ def test_row_max_is_torch_s_amax_and_argmax_ties_nan_and_infinities_too(dtype):
     torch.testing.assert_close(values, rows.amax(dim=-1), equal_nan=True, rtol=0, atol=0)
     assert torch.equal(got, rows.argmax(dim=-1))
     assert got[:7].tolist() == [5, 40000, 777, 0, 100, 0, 49151]
+    narrow = torch.randn(5, 37).to(dtype)  # two vectors and a tail of 5
+    narrow[1, 35] = float("nan")
+    narrow[2, [3, 36]] = 9.0
+    values, got = engine.sampling.row_max(narrow)
+    torch.testing.assert_close(values, narrow.amax(dim=-1), equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(got, narrow.argmax(dim=-1)) and got[1:3].tolist() == [35, 3]
