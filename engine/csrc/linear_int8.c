@@ -438,8 +438,8 @@ static inline void finish16_glu_rows(const columns32 *c, const int32_t *lo, cons
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
 #define AMX_INT8_MIN_ROWS 32  /* fewer rows go the other way round (amx_few_task): packing a task's weights costs */
 /* From this many rows of x (fewer than AMX_INT8_MIN_ROWS) amx_few_task's tiles; fewer rows are one block of the
- * vector loop, each weight byte read once, about as fast (weights of SmolVLM-256M's decode products, 1 to 6 rows:
- * the blocks 0.8-1.2x the tiles' time; 8 rows, two blocks of 4: 1.05-1.2x). */
+ * vector loop, each weight byte read once, as fast or faster (weights of SmolVLM-256M's decode products, 1 to 6 rows:
+ * the blocks 0.8-1.0x the tiles' time; 8 rows, two blocks of 4: 1.05-1.2x). */
 #define AMX_INT8_FEW_ROWS (RX + 1)
 
 #if OFFSET
@@ -673,8 +673,9 @@ static void amx_few_task(const uint32_t *xt, int64_t m, int64_t k, const int8_t 
      * prefetching did not keep ahead of (a decode step 1.1x the time without; the next task's lines of each step
      * alone, or each row's first line, 1.05x) */
     const int64_t tasks = glu_mode ? out_cols / 16 : n / 32, next = task + 1 < tasks ? task + 1 : -1;
-    const char *n1 = next < 0 ? NULL : (const char *)(w + (glu_mode ? 16 * next : 32 * next) * w_stride);
-    const char *n2 = next < 0 ? NULL : (const char *)(w + (glu_mode ? out_cols + 16 * next : 32 * next + 16) * w_stride);
+    const int64_t next1 = glu_mode ? 16 * next : 32 * next, next2 = glu_mode ? out_cols + next1 : next1 + 16;
+    const char *n1 = next < 0 ? NULL : (const char *)(w + next1 * w_stride);
+    const char *n2 = next < 0 ? NULL : (const char *)(w + next2 * w_stride);
     const int64_t span = 16 * w_stride, per_step = (span / 64 + k / 64 - 1) / (k / 64);  /* lines a tile a step */
     int64_t line = 0;
 #define PREFETCH_FEW() \
