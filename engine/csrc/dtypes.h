@@ -39,6 +39,9 @@ static inline void load_floats(const void *src, int dtype, int64_t offset, int64
     }
 }
 
+/* Whether a float's bits are a NaN's: by the bits, not a comparison (the builds' -ffast-math assumes no NaN). */
+static inline int nan_word(uint32_t bits) { return (bits & 0x7fffffffu) > 0x7f800000u; }
+
 /* `count` float32 values into `dst` (from element `offset`) in `dtype`, rounded to nearest even as torch does. */
 static inline void store_floats(const float *src, int64_t count, void *dst, int dtype, int64_t offset) {
     if (dtype == BF16) {
@@ -46,8 +49,7 @@ static inline void store_floats(const float *src, int64_t count, void *dst, int 
         for (int64_t t = 0; t < count; t++) {  /* one expression, so that the compiler vectorises the loop */
             uint32_t bits;
             memcpy(&bits, src + t, sizeof(bits));
-            const uint32_t nan = (bits & 0x7fffffffu) > 0x7f800000u;
-            out[t] = (uint16_t)(nan ? (bits >> 16) | 0x40u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+            out[t] = (uint16_t)(nan_word(bits) ? (bits >> 16) | 0x40u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
         }
     } else if (dtype == F16) {
         _Float16 *out = (_Float16 *)dst + offset;
@@ -61,8 +63,8 @@ static inline void store_floats(const float *src, int64_t count, void *dst, int 
 static inline float rounded_bf16(float v) {
     uint32_t bits;
     memcpy(&bits, &v, sizeof(bits));
-    bits = (bits & 0x7fffffffu) > 0x7f800000u ? (bits | 0x00400000u) & 0xffff0000u  /* NaN stays NaN */
-                                              : (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    bits = nan_word(bits) ? (bits | 0x00400000u) & 0xffff0000u  /* NaN stays NaN */
+                          : (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
     memcpy(&v, &bits, sizeof(bits));
     return v;
 }

@@ -302,8 +302,7 @@ static inline void round_to(float *v, int64_t count, int dtype) {
         for (int64_t c = 0; c < count; c++) {
             uint32_t bits;
             memcpy(&bits, v + c, sizeof(bits));
-            const uint32_t nan = (bits & 0x7fffffffu) > 0x7f800000u;
-            bits = nan ? (bits | 0x00400000u) & 0xffff0000u : (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+            bits = nan_word(bits) ? (bits | 0x00400000u) & 0xffff0000u : (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
             memcpy(v + c, &bits, sizeof(bits));
         }
     } else if (dtype == F16) {

@@ -406,13 +406,6 @@ int sample_rows(const float *logits, int64_t vocab, const int64_t *index, int64_
     return failed;
 }
 
-/* Whether float bits are a NaN's: by the bits, not a comparison (the build's -ffast-math assumes no NaN). */
-static inline int nan_bits(float v) {
-    uint32_t bits;
-    memcpy(&bits, &v, sizeof(bits));
-    return (bits & 0x7fffffffu) > 0x7f800000u;
-}
-
 /* Each row of logits [rows, vocab] (float32, rows vocab apart): its largest value into top[r] and the index of its
  * first occurrence into at[r], torch's max(dim=-1) rule: the first of equal maxima, a NaN the largest (the first
  * NaN). One pass for the maximum (a NaN ends it), one for its first index; the rows split among the threads. torch's
@@ -438,7 +431,9 @@ int row_max(const float *logits, int64_t rows, int64_t vocab, float *top, int64_
         if (nan_at < 0) best = _mm512_reduce_max_ps(most);
 #endif
         for (; nan_at < 0 && j < vocab; j++) {
-            if (nan_bits(row[j])) nan_at = j;
+            uint32_t bits;
+            memcpy(&bits, row + j, sizeof(bits));
+            if (nan_word(bits)) nan_at = j;
             else best = row[j] > best ? row[j] : best;
         }
         if (nan_at >= 0) {
