@@ -35,10 +35,11 @@
 /* Tasks [0, count) shared by a team as contiguous runs: each thread starts on a share of its own and goes front
  * to back, one stream through the weights that the prefetchers follow (faster than tasks dealt one at a time,
  * which interleave the threads' reads); a thread done with its share takes the back half of another's, and goes
- * on with it front to back, so a thread that loses its core leaves its work to the others. A share is one 64-bit
- * word, next | end << 32, changed by compare-and-swap. `deal` runs once (`deal_team`) before any `next_task`. */
-void deal(uint64_t *shares, int count_of_shares, int64_t count) {
-    for (int s = 0; s < count_of_shares; s++) shares[s] = share_of(s, count_of_shares, count);
+ * on with it front to back, so a thread that loses its core leaves its work to the others. A share (task_share)
+ * is one 64-bit word, next | end << 32, changed by compare-and-swap. `deal` runs once (`deal_team`) before any
+ * `next_task`. */
+void deal(task_share *shares, int count_of_shares, int64_t count) {
+    for (int s = 0; s < count_of_shares; s++) shares[s].word = share_of(s, count_of_shares, count);
 }
 
 /* Share `share` less its first task (returned), or, `halve`, less its back half (set in *taken); -1 or 0 when it
@@ -60,16 +61,16 @@ static int64_t take(uint64_t *share, int halve, uint64_t *taken) {
 
 /* The calling thread's next task: its own share's first, else the first of the back half it takes from another
  * share; -1 when no share has a task left. */
-int64_t next_task(uint64_t *shares) {
+int64_t next_task(task_share *shares) {
     const int count_of_shares = team_size(), own = team_index();
     for (;;) {
-        const int64_t task = take(shares + own, 0, NULL);
+        const int64_t task = take(&shares[own].word, 0, NULL);
         if (task >= 0) return task;
         uint64_t taken = 0;
         int other = 1;
-        while (other < count_of_shares && !take(shares + (own + other) % count_of_shares, 1, &taken)) other++;
+        while (other < count_of_shares && !take(&shares[(own + other) % count_of_shares].word, 1, &taken)) other++;
         if (other == count_of_shares) return -1;
-        __atomic_store_n(shares + own, taken, __ATOMIC_RELEASE);
+        __atomic_store_n(&shares[own].word, taken, __ATOMIC_RELEASE);
     }
 }
 
@@ -479,7 +480,7 @@ static void amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
                 packed[(rb * pairs + p) * AMX_ROWS + r] = pair;
             }
     const int64_t tasks = glu_mode ? amx_cols / 16 : amx_cols / 32;
-    uint64_t shares[num_threads];
+    task_share shares[num_threads];
 #pragma omp parallel num_threads(num_threads)
     {
         float sums[2][16][16] __attribute__((aligned(64)));
@@ -692,7 +693,7 @@ static void gemm(const void *x, int64_t m, int64_t k, const void *w, int w_dtype
 #ifndef __AVX512BF16__
     (void)dot;
 #endif
-    uint64_t shares[num_threads];
+    task_share shares[num_threads];
 #pragma omp parallel num_threads(num_threads)
     {
         float *wp = (float *)(((uintptr_t)(panels + team_index() * (span * k * NR + 16)) + 63) & ~(uintptr_t)63);
@@ -831,7 +832,7 @@ static int float_linear(const void *x, int io_dtype, int64_t m, int64_t k, const
 #endif
         xf = converted;
     }
-    uint64_t shares[num_threads];
+    task_share shares[num_threads];
     const int64_t ahead = blocks_ahead(k * item);
 #pragma omp parallel num_threads(num_threads) if (m * n * k >= 65536)
     for (int64_t i0 = 0; i0 < m; i0 += MC) {

@@ -767,7 +767,7 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
     const int64_t ahead = blocks_ahead(k);  /* a row is k bytes */
     /* rows of x per pass over the weights: as many as keep a pass's x in the L2 cache (X_BYTES), at most MCI */
     const int64_t chunk_rows = MIN(MCI, MAX(RX, X_BYTES / kp / RX * RX));
-    uint64_t shares[num_threads];
+    task_share shares[num_threads];
 #pragma omp parallel num_threads(num_threads) if (m * n * k >= 65536)
     {
         float *row = thread_scratch_at(1, row_bytes);
