@@ -154,6 +154,12 @@ static inline vf sums(const vf *a) {  /* r[i] = a[i][0] + ... + a[i][15] */
 static inline vf first_lanes(vf v, int64_t run, float fill) {
     return _mm512_mask_mov_ps(_mm512_set1_ps(fill), (__mmask16)((1u << run) - 1u), v);
 }
+/* scales[0], scales[stride], ... of `run` lanes, 1 in the others (a run's positions' scales of one KV head) */
+static inline vf strided_lanes(const float *scales, int64_t stride, int64_t run) {
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32((int)stride));
+    return _mm512_mask_i32gather_ps(_mm512_set1_ps(1.0f), (__mmask16)((1u << run) - 1u), at, scales, 4);
+}
 #else
 typedef __m256 vf;
 #define VW 8
@@ -181,17 +187,28 @@ static inline vf first_lanes(vf v, int64_t run, float fill) {
     const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)run), lane));
     return _mm256_blendv_ps(_mm256_set1_ps(fill), v, live);
 }
+static inline vf strided_lanes(const float *scales, int64_t stride, int64_t run) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)run), lane));
+    const __m256i at = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)stride));
+    return _mm256_mask_i32gather_ps(_mm256_set1_ps(1.0f), scales, at, live, 4);
+}
 #endif
 
 enum { GMAX = 3 };  /* query heads (of one KV head) scored and summed together: each key and value widened once */
 enum { OB = VW == 16 ? 4 : 3 };  /* output vectors of a head that its values are summed into at a time: GMAX x OB sums,
                                      OB values and a weight in registers (32 with AVX-512, 16 with AVX2) */
+/* An I8 cache's values go 2 vectors at a time with AVX-512: at 4, the loop's other live vectors (the softmax's
+ * constants among them) left the third head's sums in memory, a load and a store each a position (SmolVLM-256M's
+ * 3 heads a KV head, 8 sequences x 350 positions x 30 layers: 0.94x the time at 2; a bfloat16 cache 1.01x, kept at
+ * OB). */
+#define OB_OF(dtype) ((dtype) == I8 && VW == 16 ? 2 : OB)
 
 /* One pass over the positions with an online softmax, VW positions (a run within one block) at a time, GMAX query
  * heads of a KV head at a time. Each key is widened once, into registers, and scored against each of the heads:
  * one product vector per position and head, the run's VW of them reduced together (`sums`). Each value is
- * widened once into registers too and added to the heads' sums, OB vectors of each (kept in registers over the
- * run). Widening the run's keys and values into a buffer first, then scoring and summing the heads one at a
+ * widened once into registers too and added to the heads' sums, OB_OF(dtype) vectors of each (kept in registers
+ * over the run). Widening the run's keys and values into a buffer first, then scoring and summing the heads one at a
  * time from it, left the loop waiting on chains of dependent FMAs: 70 cycles a position and KV head, twice its
  * reading from memory (a scratch timing of SmolVLM-256M's step, 8 sequences x 300 positions x 30 layers). */
 static inline __attribute__((always_inline)) void attend_vec(
@@ -263,7 +280,6 @@ static inline __attribute__((always_inline)) void attend_vec(
                                 ? _mm512_cvtne2ps_pbh(widen16(keys, I8, at + 16), widen16(keys, I8, at))
                                 : (__m512bh)_mm512_loadu_si512(keys + at * 2);
                         }
-                        const float key_scale = dtype == I8 ? key_scales[(slot + r) * kv_heads + h] : 1.0f;
 #pragma GCC unroll 3
                         for (int g = 0; g < GMAX; g++) {
                             if (g >= count) break;
@@ -271,36 +287,44 @@ static inline __attribute__((always_inline)) void attend_vec(
                             vf sum[2] = {(vf){0}, (vf){0}};
                             for (int64_t v = 0; v < d / 32; v++)
                                 sum[v % 2] = _mm512_dpbf16_ps(sum[v % 2], words[v], qx[v]);
-                            prod[g][r] = dtype == I8 ? (sum[0] + sum[1]) * key_scale : sum[0] + sum[1];
+                            prod[g][r] = sum[0] + sum[1];
                         }
                         continue;
                     }
 #endif
                     vf key[MAXV];
                     for (int64_t v = 0; v < vectors; v++) key[v] = vwiden(key_cache, dtype, row0 + r * width + v * VW);
-                    const float key_scale = dtype == I8 ? key_scales[(slot + r) * kv_heads + h] : 1.0f;
 #pragma GCC unroll 3
                     for (int g = 0; g < GMAX; g++) {
                         if (g >= count) break;
                         const float *qx = qi + (x0 + g) * d;
                         vf sum[2] = {(vf){0}, (vf){0}};  /* two chains of FMAs, each half as long */
                         for (int64_t v = 0; v < vectors; v++) sum[v % 2] += key[v] * vloadu(qx + v * VW);
-                        prod[g][r] = dtype == I8 ? (sum[0] + sum[1]) * key_scale : sum[0] + sum[1];
+                        prod[g][r] = sum[0] + sum[1];
                     }
+                }
+                /* an I8 cache's scales, applied to the run's scores and weights at once: the keys' to the scores, the
+                 * values' to the weights they are summed with (powers of two: the same bits as each key's products
+                 * and each value scaled on its own) */
+                const int64_t at = slot * kv_heads + h;
+                vf to_scores = (vf){0} + scale, to_weights = (vf){0} + 1.0f;
+                if (dtype == I8) {
+                    to_scores = strided_lanes(key_scales + at, kv_heads, run) * scale;
+                    to_weights = strided_lanes(value_scales + at, kv_heads, run);
                 }
                 float w[GMAX][VW] __attribute__((aligned(64))), c[GMAX];  /* the heads' weights, corrections */
                 for (int g = 0; g < count; g++) {
                     const int64_t x = x0 + g;
-                    const vf scores = first_lanes(sums(prod[g]) * scale, run, -INFINITY);
+                    const vf scores = first_lanes(sums(prod[g]) * to_scores, run, -INFINITY);
                     const float best = vmax_of(scores), shifted = best > top[x] ? best : top[x];
                     c[g] = top[x] == -INFINITY ? 0.0f : vexp((vf){0} + (top[x] - shifted))[0];
                     const vf weights = first_lanes(vexp(scores - shifted), run, 0.0f);
                     total[x] = total[x] * c[g] + vsum_of(weights);
                     top[x] = shifted;
-                    *(vf *)w[g] = weights;
+                    *(vf *)w[g] = dtype == I8 ? (vf)(weights * to_weights) : weights;
                 }
-                for (int64_t v0 = 0; v0 < vectors; v0 += OB) {
-                    const int64_t span = MIN(OB, vectors - v0);
+                for (int64_t v0 = 0; v0 < vectors; v0 += OB_OF(dtype)) {
+                    const int64_t span = MIN(OB_OF(dtype), vectors - v0);
                     vf o[GMAX][OB];
 #pragma GCC unroll 3
                     for (int g = 0; g < GMAX; g++)
@@ -309,14 +333,13 @@ static inline __attribute__((always_inline)) void attend_vec(
                             if (g < count && b < span) o[g][b] = vloadu(oi + (x0 + g) * d + (v0 + b) * VW) * c[g];
                     for (int64_t r = 0; r < run; r++) {
                         vf value[OB];
-                        const float value_scale = dtype == I8 ? value_scales[(slot + r) * kv_heads + h] : 1.0f;
 #pragma GCC unroll 4
                         for (int b = 0; b < OB; b++)
                             if (b < span) value[b] = vwiden(value_cache, dtype, row0 + r * width + (v0 + b) * VW);
 #pragma GCC unroll 3
                         for (int g = 0; g < GMAX; g++) {
                             if (g >= count) break;
-                            const float weight = dtype == I8 ? w[g][r] * value_scale : w[g][r];
+                            const float weight = w[g][r];
 #pragma GCC unroll 4
                             for (int b = 0; b < OB; b++)
                                 if (b < span) o[g][b] += weight * value[b];
