@@ -269,6 +269,23 @@ def test_bench_linear_ab_times_this_trees_kernel_against_another_library():
         linear_ab.main([str(other), "--shapes", "64x64", "--rows", "2", "--glu", "relu"])
 
 
+def test_bench_step_ab_times_a_decode_step_with_each_library():
+    """`python -m bench.step_ab OTHER.so`: here OTHER is this tree's own build, so both engines' steps are timed
+    and each round gives a ratio; a count that is not positive is refused, naming it."""
+    from bench import step_ab
+    from engine.cpu import build
+
+    other = str(build.compile_variant(build.variant()))
+    chosen = build.lib
+    result = step_ab.main([other, "--model", "tiny", "--decodes", "2", "--context", "12", "--rounds", "3",
+                           "--steps", "2", "--threads", "1"])
+    assert result["this_ms"] > 0 and result["other_ms"] > 0 and result["rounds"] == 3
+    assert 0 < result["ratio_q1"] <= result["ratio_median"] <= result["ratio_q3"]
+    assert build.lib is chosen  # the process's kernels are its own again
+    with pytest.raises(ValueError, match="rounds 0"):
+        step_ab.main([other, "--model", "tiny", "--rounds", "0"])
+
+
 def test_stream_lines_split_where_sse_ends_a_line_only():
     """A peer may leave NEL, LINE SEPARATOR and PARAGRAPH SEPARATOR as they are in its events' JSON: the bench's
     clients read each event whole (httpx's aiter_lines cuts it there), whatever chunks the body arrives in (a CRLF
