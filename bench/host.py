@@ -287,10 +287,25 @@ def held_bytes(device: str) -> int:
     return resident_bytes()
 
 
-def memory_besides_kv(engine: Engine, before: int) -> dict[str, float]:
+def file_backed_bytes() -> int:
+    """The process's resident pages that map files (/proc/self/status RssFile: libraries' code and data; 0 where
+    there is none): shared with other processes and dropped by the kernel under pressure, unlike its own memory."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssFile:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def memory_besides_kv(engine: Engine, before: int, before_files: int | None = None) -> dict[str, float]:
     """What the engine holds once started, in MB: `held_bytes` less what it held before the engine was built
     (`before`: on the CPU the interpreter, torch and transformers, the benchmark) and less the KV cache, against
-    the bytes of the model's own tensors (parameters, buffers, int8 layers)."""
+    the bytes of the model's own tensors (parameters, buffers, int8 layers). With `before_files` (the CPU's
+    `file_backed_bytes` before the engine), also the file-backed part of that (libraries' pages the start-up
+    touched first, torch's kernels among them) and the ratio without it."""
     from engine.quantization import int8_bytes
 
     model = engine.adapter.model
@@ -299,9 +314,13 @@ def memory_besides_kv(engine: Engine, before: int) -> dict[str, float]:
     weights = sum(storages.values()) + int8_bytes(model)
     kv = sum(t.numel() * t.element_size() for t in kv_tensors(engine))
     held = held_bytes(str(engine.device)) - before
-    return {"engine_mb": held / 1e6, "before_engine_mb": before / 1e6, "kv_cache_mb": kv / 1e6,
-            "weights_mb": weights / 1e6, "besides_kv_mb": (held - kv) / 1e6,
-            "besides_kv_vs_weights": (held - kv) / weights}
+    memory = {"engine_mb": held / 1e6, "before_engine_mb": before / 1e6, "kv_cache_mb": kv / 1e6,
+              "weights_mb": weights / 1e6, "besides_kv_mb": (held - kv) / 1e6,
+              "besides_kv_vs_weights": (held - kv) / weights}
+    if before_files is not None:
+        files = file_backed_bytes() - before_files
+        memory |= {"file_backed_mb": files / 1e6, "besides_kv_and_files_vs_weights": (held - kv - files) / weights}
+    return memory
 
 
 def read_floor(engine: Engine, cfg: HostConfig, context: float, late_context: float) -> dict[str, float]:
@@ -348,6 +367,7 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
     # prefill (a step budgeted by time can give each prompt only a chunk while the first ones already decode)
     extra = cfg.warmup + 2 * cfg.steps + cfg.counted_steps + cfg.later + 8 + cfg.context
     before = held_bytes(cfg.device)
+    before_files = file_backed_bytes() if torch.device(cfg.device).type == "cpu" else None
     engine = Engine(EngineConfig(
         model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_batched_tokens=max(cfg.budget, cfg.decodes),
         max_num_seqs=cfg.decodes, max_model_len=cfg.context + extra + 16, num_threads=cfg.threads,
@@ -357,7 +377,7 @@ def run_host(cfg: HostConfig) -> dict[str, Any]:
         **({} if cfg.attention_backend is None else {"attention_backend": cfg.attention_backend}),
         **({} if cfg.kv_cache_dtype is None else {"kv_cache_dtype": cfg.kv_cache_dtype}),
     ))
-    memory = memory_besides_kv(engine, before)
+    memory = memory_besides_kv(engine, before, before_files)
     params = SamplingParams(max_tokens=extra, ignore_eos=True)
     ids = [engine.add_request(prompt=_prompt(engine, cfg.context, i), sampling=params) for i in range(cfg.decodes)]
     prefill_began = time.perf_counter()
@@ -451,7 +471,10 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(f"memory after start: the engine holds {memory['engine_mb']:.0f} MB (over "
                      f"{memory['before_engine_mb']:.0f} MB before it), {memory['kv_cache_mb']:.0f} MB of KV cache, "
                      f"{memory['besides_kv_mb']:.0f} MB besides it for {memory['weights_mb']:.0f} MB of the model's "
-                     f"tensors ({memory['besides_kv_vs_weights']:.2f}x)")
+                     f"tensors ({memory['besides_kv_vs_weights']:.2f}x"
+                     + (f"; {memory['file_backed_mb']:.0f} MB of it libraries' pages, "
+                        f"{memory['besides_kv_and_files_vs_weights']:.2f}x without them)"
+                        if "file_backed_mb" in memory else ")"))
     vision = result.get("vision")
     if vision:
         lines.append(f"vision tower: {vision['engine_ms_per_input']:.1f} ms per input ({vision['input_rows']} image "

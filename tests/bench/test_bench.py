@@ -166,6 +166,10 @@ def test_bench_host_splits_a_step_into_phases_and_counts_ops(tmp_path):
     assert result["ratios"]["engine_vs_floor_early"] > 0
     assert result["engine"]["cpu_kernels"] in build.VARIANTS
     assert result["engine"]["lean_layers"] == 2
+    memory = result["memory"]  # on the CPU also what of it maps files (libraries' pages), and the ratio without it
+    assert memory["weights_mb"] > 0 and memory["file_backed_mb"] >= 0
+    assert memory["besides_kv_and_files_vs_weights"] * memory["weights_mb"] == pytest.approx(
+        memory["besides_kv_mb"] - memory["file_backed_mb"])
     vision = result["vision"]  # the tiny SmolVLM's tower, one photo as one input, lean and stock
     assert vision["lean_layers"] == 2 and vision["input_rows"] > 0
     assert vision["engine_ms_per_input"] > 0 and vision["stock_ms_per_input"] > 0
