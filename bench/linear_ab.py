@@ -4,8 +4,9 @@ engine/csrc/ is timed against the code before it under the same machine phase (`
 tree built (`<tmp>/vlmcap-kernels/vlmcap-cpu-<variant>-<hash>.so`, the same variant as this CPU's). For each weight
 shape (n x k, bfloat16, or quantized to int8 with `--int8`; `copies` copies, so that most passes read them from
 memory as a step does; with `--glu silu` or `gelu_tanh` each weight is an MLP's gate and up, n / 2 outputs) and row
-count of x: each library's time a call, the median of `repeats` passes over the copies, taken twice in turn, the
-lower kept.
+count of x: each library's time a call, the median of `repeats` passes over the copies, taken `rounds` times each
+in turn, the order reversed every other time, the lowest kept (each library's passes taken together, the other's
+first, gave this tree 0.76-1.03x the other's time with the same library).
 Prints one JSON object: per shape and rows the two times and this tree's over the other's."""
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def call_ms(lib: ctypes.CDLL, x: torch.Tensor, weights: list, repeats: int, glu:
 
 
 def compare(other: ctypes.CDLL, shapes: list[tuple[int, int]], rows: list[int], copies: int = 8,
-            repeats: int = 5, int8: bool = False, glu: str | None = None) -> list[dict[str, float]]:
+            repeats: int = 5, int8: bool = False, glu: str | None = None, rounds: int = 4) -> list[dict[str, float]]:
     if glu is not None and glu not in ops.GLU_ACTIVATIONS:
         raise ValueError(f"glu is one of {list(ops.GLU_ACTIVATIONS)}, got {glu!r}")
     if glu is not None and any(n % 2 for n, _ in shapes):
@@ -43,8 +44,11 @@ def compare(other: ctypes.CDLL, shapes: list[tuple[int, int]], rows: list[int], 
             weights = [quantize_weight(weight) for weight in weights]
         for m in rows:
             x = torch.randn(m, k, generator=generator).bfloat16()
-            theirs = min(call_ms(other, x, weights, repeats, glu) for _ in range(2))
-            mine = min(call_ms(ours, x, weights, repeats, glu) for _ in range(2))
+            times: list[list[float]] = [[], []]  # the other's, this tree's
+            for turn in range(rounds):  # in turn, the order reversed every other time (ABBA)
+                for i in ((0, 1) if turn % 2 == 0 else (1, 0)):
+                    times[i].append(call_ms((other, ours)[i], x, weights, repeats, glu))
+            theirs, mine = min(times[0]), min(times[1])
             results.append({"n": n, "k": k, "rows": m, "other_ms": theirs, "this_ms": mine, "ratio": mine / theirs})
     return results
 
