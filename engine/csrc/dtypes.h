@@ -122,11 +122,16 @@ static inline __attribute__((always_inline)) __m512 widen16(const void *p, int d
     return _mm512_loadu_ps((const float *)p + at);
 }
 
+/* The lanes of v that hold a NaN: nan_word's test, 16 at a time. */
+static inline __attribute__((always_inline)) __mmask16 nan_lanes16(__m512 v) {
+    return _mm512_cmpgt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)),
+                                   _mm512_set1_epi32(0x7f800000));
+}
+
 /* 16 floats rounded to bfloat16 as store_floats rounds them (nearest even, NaN kept a NaN), widened back. */
 static inline __attribute__((always_inline)) __m512 rounded_bf16_16(__m512 v) {
     const __m512i bits = _mm512_castps_si512(v);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
+    const __mmask16 nan = nan_lanes16(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
     const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000));

@@ -420,8 +420,7 @@ int row_max(const float *logits, int64_t rows, int64_t vocab, float *top, int64_
         __m512 most = _mm512_set1_ps(-INFINITY);
         for (; j + 16 <= vocab; j += 16) {
             const __m512 v = _mm512_loadu_ps(row + j);
-            const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-                _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+            const __mmask16 nan = nan_lanes16(v);
             if (nan) {
                 nan_at = j + __builtin_ctz(nan);
                 break;
