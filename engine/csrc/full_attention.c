@@ -158,8 +158,8 @@ static void weighted_values(const float *p, int64_t rows, int64_t n, int64_t n_p
 }
 
 #ifdef __AVX512BF16__
-/* 2^t of the softmax's scaled, shifted scores (t <= 0), 16 at a time: 2^n p(f), n = round(t), f = t - n (exact) in
- * [-1/2, 1/2], p Cephes' exp2f polynomial (about a float's precision: the weights are rounded to bfloat16 after); 0
+/* 2^t of the softmax's scaled, shifted scores (t <= 0), 16 at a time: 2^n 2^f (exp2_fraction16; about a float's
+ * precision: the weights are rounded to bfloat16 after); 0
  * below -125 (-inf, a key the row does not see, included), where 2^t would leave the normal floats: a denormal
  * result costs the core a slow assist. Eleven operations (with the caller's fused product) where e^x of the shifted
  * score (exp16, its clamp, the shift's product and the mask) took eighteen: the softmax was a tenth of a SigLIP
@@ -167,14 +167,7 @@ static void weighted_values(const float *p, int64_t rows, int64_t n, int64_t n_p
 static inline __m512 weight16(__m512 t) {
     const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(normal, p, n);
+    return _mm512_maskz_scalef_ps(normal, exp2_fraction16(f), n);
 }
 
 /* One row of softmax_rows_dot after its maximum `shift`: 2^(x * scaled - shift * scaled) (`scaled`: the scale times
