@@ -112,7 +112,7 @@ static inline __m512 exp16(__m512 x) {
 }
 
 /* 2^f for f in [-1/2, 1/2], 16 at a time, to about a float's precision (Cephes' exp2f polynomial): 2^t as 2^n 2^f,
- * n = round(t), f = t - n (exact), the 2^n put back by vscalefps (the attention's softmax weights, GELU). */
+ * n = round(t), f = t - n (exact), the 2^n put back by vscalefps (GELU). */
 static inline __m512 exp2_fraction16(__m512 f) {
     __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
