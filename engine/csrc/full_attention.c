@@ -161,12 +161,12 @@ static void weighted_values(const float *p, int64_t rows, int64_t n, int64_t n_p
 /* 2^t of the softmax's scaled, shifted scores (t <= 0), 16 at a time: 2^n 2^f, n = round(t), f = t - n (exact) in
  * [-1/2, 1/2], 2^f by a degree-4 polynomial (fitted for relative error: at most 2.6e-6, where the weights are then
  * rounded to bfloat16, a relative step of 2^-8, and their float32 sum divides the output, itself rounded to the
- * inputs' dtype; exp2_fraction16's degree 6, a float's precision, took a SigLIP tile's attention 1.09x as long:
- * the softmax's vector work bounds it, not the tiles' products); 0 below -125 (-inf, a key
- * the row does not see, included), where 2^t would leave the normal floats: a denormal result costs the core a slow
- * assist. Nine operations (with the caller's fused product) where e^x of the shifted score (exp16, its clamp, the
- * shift's product and the mask) took eighteen: the softmax was a tenth of a SigLIP tile's time, more than either of
- * its products. */
+ * inputs' dtype; exp2_fraction16's degree 6, a float's precision, took a SigLIP tile's attention 1.09x as long: the
+ * softmax's vector work bounds it, not the tiles' products); 0 below -125 (-inf, a key the row does not see,
+ * included), where 2^t would leave the normal floats: a denormal result costs the core a slow assist. Nine
+ * operations (with the caller's fused product) where e^x of the shifted score (exp16, its clamp, the shift's
+ * product and the mask) took eighteen: the softmax was a tenth of a SigLIP tile's time, more than either of its
+ * products. */
 static inline __m512 weight16(__m512 t) {
     const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
@@ -425,7 +425,10 @@ static void pack_task(const void *k, const void *v, const float *k_scales, const
     }
     uint16_t pick[2][32] __attribute__((aligned(64)));  /* word 2i: the even key's value 16 h + i, 2i + 1: the odd's */
     for (int h = 0; h < 2; h++)
-        for (int i = 0; i < 16; i++) pick[h][2 * i] = (uint16_t)(16 * h + i), pick[h][2 * i + 1] = (uint16_t)(32 + 16 * h + i);
+        for (int i = 0; i < 16; i++) {
+            pick[h][2 * i] = (uint16_t)(16 * h + i);
+            pick[h][2 * i + 1] = (uint16_t)(32 + 16 * h + i);
+        }
     for (int64_t j = 0; dot && whole && j < keys; j += 2) {  /* two keys' values interleaved by vpermt2w */
         const uint16_t *even = source_row_bf16(v, v_scales, src_dtype, at[j], d, bits[0]);
         const uint16_t *odd = j + 1 < keys ? source_row_bf16(v, v_scales, src_dtype, at[j + 1], d, bits[1]) : NULL;
