@@ -158,24 +158,24 @@ static void weighted_values(const float *p, int64_t rows, int64_t n, int64_t n_p
 }
 
 #ifdef __AVX512BF16__
-/* 2^t of the softmax's scaled, shifted scores (t <= 0), 16 at a time: 2^n 2^f, n = round(t), f = t - n (exact) in
- * [-1/2, 1/2], 2^f by a degree-4 polynomial (fitted for relative error: at most 2.6e-6, where the weights are then
- * rounded to bfloat16, a relative step of 2^-8, and their float32 sum divides the output, itself rounded to the
- * inputs' dtype; exp2_fraction16's degree 6, a float's precision, took a SigLIP tile's attention 1.09x as long: the
- * softmax's vector work bounds it, not the tiles' products); 0 below -125 (-inf, a key the row does not see,
- * included), where 2^t would leave the normal floats: a denormal result costs the core a slow assist. Nine
- * operations (with the caller's fused product) where e^x of the shifted score (exp16, its clamp, the shift's
- * product and the mask) took eighteen: the softmax was a tenth of a SigLIP tile's time, more than either of its
- * products. */
+/* 2^t of the softmax's scaled, shifted scores (t <= 0), 16 at a time: 2^floor(t) 2^f, f = t - floor(t) in [0, 1) by
+ * vreduceps (exact), 2^f by a degree-4 polynomial (fitted for relative error: at most 2.7e-6, where the weights are
+ * then rounded to bfloat16, a relative step of 2^-8, and their float32 sum divides the output, itself rounded to
+ * the inputs' dtype), 2^floor(t) by vscalefps, which floors its exponent itself; 0 below -125 (-inf, a key the row
+ * does not see, included), where 2^t would leave the normal floats: a denormal result costs the core a slow assist.
+ * Eight operations (with the caller's fused product) where e^x of the shifted score (exp16, its clamp, the shift's
+ * product and the mask) took eighteen. The softmax's vector work bounds a SigLIP tile's attention, not the tiles'
+ * products: degree 6 (exp2_fraction16's, a float's precision) on t - round(t) took it 1.09x as long, the rounding
+ * and subtraction for vreduceps's one operation 1.07x. */
 static inline __m512 weight16(__m512 t) {
     const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(0.009570101276040077f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05591786280274391f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240247443318367f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931217908859253f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999992847442627f));
-    return _mm512_maskz_scalef_ps(normal, p, n);
+    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  /* t - floor(t), exact */
+    __m512 p = _mm512_set1_ps(0.013534167781472206f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05201146379113197f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2414427548646927f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6930038332939148f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026226043701f));
+    return _mm512_maskz_scalef_ps(normal, p, t);  /* p 2^floor(t) */
 }
 
 /* One row of softmax_rows_dot after its maximum `shift`: 2^(x * scaled - shift * scaled) (`scaled`: the scale times
