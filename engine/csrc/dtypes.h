@@ -111,18 +111,6 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* 2^f for f in [-1/2, 1/2], 16 at a time, to about a float's precision (Cephes' exp2f polynomial): 2^t as 2^n 2^f,
- * n = round(t), f = t - n (exact), the 2^n put back by vscalefps (GELU). */
-static inline __m512 exp2_fraction16(__m512 f) {
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    return _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-}
-
 /* 16 consecutive values from element `at` of `p` (in `dtype`) as float32 (I8: the integers, unscaled). */
 static inline __attribute__((always_inline)) __m512 widen16(const void *p, int dtype, int64_t at) {
     if (dtype == I8)

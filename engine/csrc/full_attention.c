@@ -165,8 +165,8 @@ static void weighted_values(const float *p, int64_t rows, int64_t n, int64_t n_p
  * does not see, included), where 2^t would leave the normal floats: a denormal result costs the core a slow assist.
  * Eight operations (with the caller's fused product) where e^x of the shifted score (exp16, its clamp, the shift's
  * product and the mask) took eighteen. The softmax's vector work bounds a SigLIP tile's attention, not the tiles'
- * products: degree 6 (exp2_fraction16's, a float's precision) on t - round(t) took it 1.09x as long, the rounding
- * and subtraction for vreduceps's one operation 1.07x. */
+ * products: degree 6 (Cephes', a float's precision) on t - round(t) took it 1.09x as long, the rounding and
+ * subtraction for vreduceps's one operation 1.07x. */
 static inline __m512 weight16(__m512 t) {
     const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
     const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  /* t - floor(t), exact */
