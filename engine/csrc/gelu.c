@@ -22,25 +22,6 @@
 #define BLOCK 4096
 #define PARALLEL_VALUES 65536 /* fewer values than this run on the calling thread */
 
-/* e^x to about a float's precision for x in [-87, 88]: 2^n e^r with |r| <= ln 2 / 2. */
-static inline float exp_poly(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693145751953125f;
-    r = r - n * 1.428606765330187045e-06f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + (r + 1.0f);
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof(scale));
-    return p * scale;
-}
-
 #ifdef __AVX512F__
 /* gelu of 16 values as v / (1 + 2^t), t = -2 sqrt(2/pi) log2(e) (v + 0.044715 v^3), 2^t = 2^floor(t) 2^f: f = t -
  * floor(t) in [0, 1) by vreduceps (exact), 2^f by a degree-5 polynomial fitted for relative error (9e-8: a float's
@@ -65,6 +46,25 @@ static inline __m512 gelu16(__m512 v) {
     const __m512 d = _mm512_add_ps(_mm512_scalef_ps(p, t), _mm512_set1_ps(1.0f));  /* 1 + p 2^floor(t) */
     const __m512 r = _mm512_rcp14_ps(d);  /* one Newton step: 1 / d to about 2^-28 */
     return _mm512_mul_ps(v, _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f))));
+}
+#else
+/* e^x to about a float's precision for x in [-87, 88]: 2^n e^r with |r| <= ln 2 / 2. */
+static inline float exp_poly(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187045e-06f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + (r + 1.0f);
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof(scale));
+    return p * scale;
 }
 #endif
 
