@@ -111,6 +111,14 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* c[0] + c[1] x + ... + c[degree] x^degree, 16 at a time, by Horner's rule in fused products (the softmax's and
+ * GELU's 2^f: each caller's table is fitted for its own precision). */
+static inline __attribute__((always_inline)) __m512 polynomial16(__m512 x, const float *c, int degree) {
+    __m512 p = _mm512_set1_ps(c[degree]);
+    for (int i = degree - 1; i >= 0; i--) p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(c[i]));
+    return p;
+}
+
 /* 16 consecutive values from element `at` of `p` (in `dtype`) as float32 (I8: the integers, unscaled). */
 static inline __attribute__((always_inline)) __m512 widen16(const void *p, int dtype, int64_t at) {
     if (dtype == I8)

@@ -170,12 +170,9 @@ static void weighted_values(const float *p, int64_t rows, int64_t n, int64_t n_p
 static inline __m512 weight16(__m512 t) {
     const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
     const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  /* t - floor(t), exact */
-    __m512 p = _mm512_set1_ps(0.013534167781472206f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05201146379113197f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2414427548646927f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6930038332939148f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026226043701f));
-    return _mm512_maskz_scalef_ps(normal, p, t);  /* p 2^floor(t) */
+    static const float c[5] = {1.0000026226043701f, 0.6930038332939148f, 0.2414427548646927f, 0.05201146379113197f,
+                               0.013534167781472206f};
+    return _mm512_maskz_scalef_ps(normal, polynomial16(f, c, 4), t);  /* 2^f 2^floor(t) */
 }
 
 /* One row of softmax_rows_dot after its maximum `shift`: 2^(x * scaled - shift * scaled) (`scaled`: the scale times

@@ -37,13 +37,9 @@ static inline __m512 gelu16(__m512 v) {
     const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, _mm512_fmadd_ps(_mm512_mul_ps(v, v), b, a)),
                                                  _mm512_set1_ps(-126.0f)), _mm512_set1_ps(100.0f));
     const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  /* t - floor(t), exact */
-    __m512 p = _mm512_set1_ps(0.0018775766948238015f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.008989340625703335f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05582631751894951f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24015361070632935f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931530833244324f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999999403953552f));
-    const __m512 d = _mm512_add_ps(_mm512_scalef_ps(p, t), _mm512_set1_ps(1.0f));  /* 1 + p 2^floor(t) */
+    static const float c[6] = {0.9999999403953552f, 0.6931530833244324f, 0.24015361070632935f, 0.05582631751894951f,
+                               0.008989340625703335f, 0.0018775766948238015f};
+    const __m512 d = _mm512_add_ps(_mm512_scalef_ps(polynomial16(f, c, 5), t), _mm512_set1_ps(1.0f));  /* 1 + 2^t */
     const __m512 r = _mm512_rcp14_ps(d);  /* one Newton step: 1 / d to about 2^-28 */
     return _mm512_mul_ps(v, _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f))));
 }
