@@ -331,20 +331,30 @@ def read_floor(engine: Engine, cfg: HostConfig, context: float, late_context: fl
             "late_ms": sum(late.values()) / bandwidth * 1e3}
 
 
+def vision_inputs(engine: Engine, tiles: int) -> tuple[list, int] | None:
+    """`tiles` encoder inputs of one 512 px photo (a tile for SmolVLM), as the scheduler batches them for the
+    adapter's `encode`, and the rows each gives; None for a model without images or tiles 0."""
+    adapter = engine.adapter
+    if tiles < 1 or adapter.image_marker is None:
+        return None
+    from PIL import Image
+
+    photo = Image.new("RGB", (512, 512), (120, 90, 60))
+    prompt = adapter.render_messages([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}])
+    _, mm = adapter.process(prompt, [photo], options=dict(adapter.single_input_options) or None)
+    return mm.encoder_inputs[:1] * tiles, mm.input_rows[0]
+
+
 @torch.inference_mode()
 def vision_tile_ms(engine: Engine, tiles: int, repeats: int = 2) -> dict[str, float]:
     """The vision tower's time per encoder input (one photo as one input: a 512 px tile for SmolVLM), `tiles`
     inputs encoded together as the scheduler batches them: through the engine's path (lean layers where it runs
     them) and through the stock layers. Empty for a model without images or tiles 0."""
     adapter = engine.adapter
-    if tiles < 1 or adapter.image_marker is None:
+    made = vision_inputs(engine, tiles)
+    if made is None:
         return {}
-    from PIL import Image
-
-    photo = Image.new("RGB", (512, 512), (120, 90, 60))
-    prompt = adapter.render_messages([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}])
-    _, mm = adapter.process(prompt, [photo], options=dict(adapter.single_input_options) or None)
-    inputs = mm.encoder_inputs[:1] * tiles
+    inputs, rows = made
     lean = lean_paths.vision_layers(adapter.vision_layers)
     result = {}
     for name, layers in (("engine", lean), ("stock", None)):
@@ -356,7 +366,7 @@ def vision_tile_ms(engine: Engine, tiles: int, repeats: int = 2) -> dict[str, fl
         result[f"{name}_ms_per_input"] = (time.perf_counter() - began) / repeats / tiles * 1e3
     lean_paths.set_vision(adapter.vision_layers, lean)
     result["lean_layers"] = sum(layer is not None for layer in lean or ())
-    result["input_rows"] = mm.input_rows[0]
+    result["input_rows"] = rows
     return result
 
 

@@ -1,8 +1,10 @@
-"""A decode step with this tree's CPU kernels against another build's, in one process, so that a change to
-engine/csrc/ is timed against the code before it under the same machine phase (`python -m bench.step_ab OTHER.so
-[--model dummy:smolvlm-256m] [--quantization int8] [--kv-cache-dtype int8] [--decodes 8] [--context 300]
-[--rounds 12] [--steps 15] [--threads 2]`). OTHER.so: a library the other tree built
-(`<tmp>/vlmcap-kernels/vlmcap-cpu-<variant>-<hash>.so`, the same variant as this CPU's).
+"""A decode step (or a vision tile) with this tree's CPU kernels against another build's, in one process, so that a
+change to engine/csrc/ is timed against the code before it under the same machine phase (`python -m bench.step_ab
+OTHER.so [--model dummy:smolvlm-256m] [--quantization int8] [--kv-cache-dtype int8] [--decodes 8] [--context 300]
+[--tiles 0] [--rounds 12] [--steps 15] [--threads 2]`). OTHER.so: a library the other tree built
+(`<tmp>/vlmcap-kernels/vlmcap-cpu-<variant>-<hash>.so`, the same variant as this CPU's). With `--tiles N` the unit
+timed is the vision tower's encoding of N inputs of a 512 px photo together (`bench.host.vision_inputs`; the
+adapter's `encode`, a step's tower slices at once), reported per input, instead of a decode step.
 
 One engine (built with this tree's library, its `decodes` prompts of about `context` tokens prefilled) steps with
 each library in turn as the one every kernel call takes (`build.lib`), `steps` decode steps a round, the order
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import statistics
 import time
@@ -23,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench.host import _prompt
+from bench.host import _prompt, vision_inputs
 from bench.report import machine
 from engine import Engine, EngineConfig, SamplingParams
 from engine.cpu import abi, build
@@ -52,6 +55,15 @@ def _ready_engine(args: argparse.Namespace) -> Engine:
     return engine
 
 
+def _tiles_engine(args: argparse.Namespace) -> tuple[Engine, list]:
+    engine = Engine(EngineConfig(model=args.model, dtype="bfloat16", num_threads=args.threads,
+                                 quantization=args.quantization))
+    made = vision_inputs(engine, args.tiles)
+    if made is None:
+        raise ValueError(f"--tiles {args.tiles}: {args.model} has no vision tower to encode tiles with")
+    return engine, made[0]
+
+
 def _steps_s(engine: Engine, count: int) -> list[float]:
     times = []
     for _ in range(count):
@@ -61,17 +73,32 @@ def _steps_s(engine: Engine, count: int) -> list[float]:
     return times
 
 
+@torch.inference_mode()
+def _tiles_s(engine: Engine, inputs: list, count: int) -> list[float]:
+    """`count` encodings of `inputs` together, each time per input."""
+    times = []
+    for _ in range(count):
+        began = time.perf_counter()
+        engine.adapter.encode(inputs)
+        times.append((time.perf_counter() - began) / len(inputs))
+    return times
+
+
 def compare(other: ctypes.CDLL, args: argparse.Namespace) -> dict[str, float]:
     libs = [build.lib(), other]  # this tree's, the other's
-    engine = _ready_engine(args)
+    if args.tiles:
+        engine, inputs = _tiles_engine(args)
+        unit = functools.partial(_tiles_s, engine, inputs)
+    else:
+        unit = functools.partial(_steps_s, _ready_engine(args))
     for lib in libs:
-        _with_lib(lib, lambda: _steps_s(engine, 3))  # warm: each library's first steps untimed
+        _with_lib(lib, lambda: unit(1 if args.tiles else 3))  # warm: each library's first untimed
     times: list[list[float]] = [[], []]
     ratios = []
     for r in range(args.rounds):
         medians = [0.0, 0.0]
         for i in ((0, 1) if r % 2 == 0 else (1, 0)):
-            steps = _with_lib(libs[i], lambda: _steps_s(engine, args.steps))
+            steps = _with_lib(libs[i], lambda: unit(args.steps))
             times[i] += steps
             medians[i] = statistics.median(steps)
         ratios.append(medians[0] / medians[1])
@@ -89,20 +116,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--kv-cache-dtype", default=None, help="int8: an int8 KV cache (default: the model's)")
     parser.add_argument("--decodes", type=int, default=8)
     parser.add_argument("--context", type=int, default=300, help="each prompt's tokens, about")
+    parser.add_argument("--tiles", type=int, default=0,
+                        help="time the vision tower's encoding of this many 512 px inputs instead (0: decode steps)")
     parser.add_argument("--rounds", type=int, default=12, help="rounds of steps, each library's in turn")
-    parser.add_argument("--steps", type=int, default=15, help="decode steps of each library a round")
+    parser.add_argument("--steps", type=int, default=15, help="decode steps (or encodings) of each library a round")
     parser.add_argument("--threads", type=int, default=None, help="torch's and the kernels' threads")
     args = parser.parse_args(argv)
-    if args.decodes < 1 or args.context < 2 or args.rounds < 1 or args.steps < 1:
-        raise ValueError(f"decodes, rounds and steps must be positive and context at least 2, got decodes "
-                         f"{args.decodes}, context {args.context}, rounds {args.rounds}, steps {args.steps}")
+    if args.decodes < 1 or args.context < 2 or args.rounds < 1 or args.steps < 1 or args.tiles < 0:
+        raise ValueError(f"decodes, rounds and steps must be positive, context at least 2 and tiles not negative, "
+                         f"got decodes {args.decodes}, context {args.context}, rounds {args.rounds}, steps "
+                         f"{args.steps}, tiles {args.tiles}")
     if args.threads:
         torch.set_num_threads(args.threads)
     other = abi.declare(ctypes.CDLL(args.other))
     result = compare(other, args)
     print(json.dumps({"machine": machine(), "this": build.variant(), "other": args.other, "model": args.model,
                       "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-                      "decodes": args.decodes, "context": args.context, "threads": torch.get_num_threads(),
+                      "decodes": args.decodes, "context": args.context, "tiles": args.tiles,
+                      "threads": torch.get_num_threads(),
                       "result": result}, indent=1))
     return result
 

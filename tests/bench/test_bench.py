@@ -275,7 +275,8 @@ def test_bench_linear_ab_times_this_trees_kernel_against_another_library():
 
 def test_bench_step_ab_times_a_decode_step_with_each_library():
     """`python -m bench.step_ab OTHER.so`: here OTHER is this tree's own build, so both engines' steps are timed
-    and each round gives a ratio; a count that is not positive is refused, naming it."""
+    and each round gives a ratio, and with `--tiles` a vision tile's encoding; a count out of range is refused,
+    naming it."""
     from bench import step_ab
     from engine.cpu import build
 
@@ -288,6 +289,11 @@ def test_bench_step_ab_times_a_decode_step_with_each_library():
     assert build.lib is chosen  # the process's kernels are its own again
     with pytest.raises(ValueError, match="rounds 0"):
         step_ab.main([other, "--model", "tiny", "--rounds", "0"])
+    tiles = step_ab.main([other, "--model", "tiny", "--tiles", "2", "--rounds", "2", "--steps", "1", "--threads", "1"])
+    assert tiles["this_ms"] > 0 and tiles["other_ms"] > 0 and tiles["rounds"] == 2  # a tile's encoding, each library
+    assert build.lib is chosen
+    with pytest.raises(ValueError, match="tiles -1"):
+        step_ab.main([other, "--model", "tiny", "--tiles", "-1"])
 
 
 def test_stream_lines_split_where_sse_ends_a_line_only():
