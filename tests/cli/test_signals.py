@@ -145,6 +145,8 @@ def test_sigterm_ends_a_soak_with_its_server_and_redis(tmp_path):
     def serving() -> bool:
         """The soak's server listens and its Redis (named by its reaper's command line) runs. Short-lived
         children (a compiler building the CPU kernels on a fresh clone) may be gone before they are read."""
+        if soak.poll() is not None:
+            raise AssertionError(f"the soak ended ({soak.returncode}) before its server and Redis were seen")
         for child in psutil.Process(soak.pid).children(recursive=True):
             try:
                 command = " ".join(child.cmdline())
@@ -159,8 +161,12 @@ def test_sigterm_ends_a_soak_with_its_server_and_redis(tmp_path):
 
     try:
         wait_for(serving, "the soak's server and Redis", timeout=180)
-    finally:
+    except AssertionError as late:  # the soak's own output says why (once, in a full suite, it never came up)
         soak.send_signal(signal.SIGTERM)
+        raise AssertionError(f"{late}; the soak's output: {stopped(soak, [], timeout=120)[-3000:]}") from None
+    finally:
+        if soak.poll() is None:
+            soak.send_signal(signal.SIGTERM)
     stopped(soak, [], timeout=120)
     wait_for(lambda: not running(found["server"]) and not running(found["redis"]),
              "the soak's server and Redis to stop", timeout=60)
