@@ -42,23 +42,6 @@ static inline void load_floats(const void *src, int dtype, int64_t offset, int64
 /* Whether a float's bits are a NaN's: by the bits, not a comparison (the builds' -ffast-math assumes no NaN). */
 static inline int nan_word(uint32_t bits) { return (bits & 0x7fffffffu) > 0x7f800000u; }
 
-/* `count` float32 values into `dst` (from element `offset`) in `dtype`, rounded to nearest even as torch does. */
-static inline void store_floats(const float *src, int64_t count, void *dst, int dtype, int64_t offset) {
-    if (dtype == BF16) {
-        uint16_t *out = (uint16_t *)dst + offset;
-        for (int64_t t = 0; t < count; t++) {  /* one expression, so that the compiler vectorises the loop */
-            uint32_t bits;
-            memcpy(&bits, src + t, sizeof(bits));
-            out[t] = (uint16_t)(nan_word(bits) ? (bits >> 16) | 0x40u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-        }
-    } else if (dtype == F16) {
-        _Float16 *out = (_Float16 *)dst + offset;
-        for (int64_t t = 0; t < count; t++) out[t] = (_Float16)src[t];
-    } else {
-        memcpy((float *)dst + offset, src, (size_t)count * sizeof(float));
-    }
-}
-
 /* v rounded to bfloat16 (nearest even, as torch rounds) and widened back. */
 static inline float rounded_bf16(float v) {
     uint32_t bits;
@@ -136,17 +119,61 @@ static inline __attribute__((always_inline)) __mmask16 nan_lanes16(__m512 v) {
                                    _mm512_set1_epi32(0x7f800000));
 }
 
-/* 16 floats rounded to bfloat16 as store_floats rounds them (nearest even, NaN kept a NaN), widened back. */
-static inline __attribute__((always_inline)) __m512 rounded_bf16_16(__m512 v) {
+/* 16 floats rounded to bfloat16 as store_floats rounds them (nearest even, NaN kept a NaN), in the upper halves
+ * of their words, by integer arithmetic. */
+static inline __attribute__((always_inline)) __m512i bf16_high_words16(__m512 v) {
     const __m512i bits = _mm512_castps_si512(v);
     const __mmask16 nan = nan_lanes16(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
     const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000));
-    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_mask_mov_epi32(rounded, nan, quiet),
-                                                _mm512_set1_epi32((int)0xffff0000u)));
+    return _mm512_and_si512(_mm512_mask_mov_epi32(rounded, nan, quiet), _mm512_set1_epi32((int)0xffff0000u));
+}
+
+/* 16 floats as bfloat16 words, rounded as store_floats rounds them. With AVX-512 BF16 by vcvtneps2bf16 (one
+ * instruction for some eleven): it rounds to nearest even and quiets a NaN as store_floats does, but flushes a
+ * denormal float to zero, so lanes holding one (a value below 2^-126: rare) take the integer way. */
+static inline __attribute__((always_inline)) __m256i bf16_words16(__m512 v) {
+#ifdef __AVX512BF16__
+    const __m256i words = (__m256i)_mm512_cvtneps_pbh(v);
+    const __mmask16 denormal = _mm512_fpclass_ps_mask(v, 0x20);
+    if (__builtin_expect(denormal == 0, 1)) return words;
+    return _mm256_mask_mov_epi16(words, denormal, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_high_words16(v), 16)));
+#else
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_high_words16(v), 16));
+#endif
+}
+
+/* 16 floats rounded to bfloat16 as store_floats rounds them, widened back. */
+static inline __attribute__((always_inline)) __m512 rounded_bf16_16(__m512 v) {
+#ifdef __AVX512BF16__
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_words16(v)), 16));
+#else
+    return _mm512_castsi512_ps(bf16_high_words16(v));
+#endif
 }
 #endif
+
+/* `count` float32 values into `dst` (from element `offset`) in `dtype`, rounded to nearest even as torch does. */
+static inline void store_floats(const float *src, int64_t count, void *dst, int dtype, int64_t offset) {
+    if (dtype == BF16) {
+        uint16_t *out = (uint16_t *)dst + offset;
+        int64_t t = 0;
+#ifdef __AVX512BF16__
+        for (; t + 16 <= count; t += 16) _mm256_storeu_si256((__m256i *)(out + t), bf16_words16(_mm512_loadu_ps(src + t)));
+#endif
+        for (; t < count; t++) {  /* one expression, so that the compiler vectorises the loop */
+            uint32_t bits;
+            memcpy(&bits, src + t, sizeof(bits));
+            out[t] = (uint16_t)(nan_word(bits) ? (bits >> 16) | 0x40u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+        }
+    } else if (dtype == F16) {
+        _Float16 *out = (_Float16 *)dst + offset;
+        for (int64_t t = 0; t < count; t++) out[t] = (_Float16)src[t];
+    } else {
+        memcpy((float *)dst + offset, src, (size_t)count * sizeof(float));
+    }
+}
 
 #ifdef VECTOR
 /* a / b, 8 at a time, as IEEE divides (div16). */

@@ -325,7 +325,7 @@ static inline void store16(__m512 v, int dtype, void *out) {
         _mm512_storeu_ps(out, v);
         return;
     }
-    _mm256_storeu_si256(out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded_bf16_16(v)), 16)));
+    _mm256_storeu_si256(out, bf16_words16(v));
 }
 
 /* 32 output columns as a row's sums are finished: 16 consecutive from `first` and 16 from `second` (no glu: first

@@ -252,3 +252,27 @@ def test_quotients_near_a_half_round_as_the_division_rounds(name):
     for rows in (x, x[:3]):
         got = ops.run_linear(lib, rows, identity, None, None)
         assert torch.equal(got, reference_linear_int8(rows, identity)), rows.shape
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_outputs_below_the_smallest_normal_float_round_as_torch_rounds(name):
+    """Outputs below 2^-126 (denormal floats: x of about 1e-39, its scale and the products' too) rounded to
+    bfloat16 as torch rounds them, where the builds with AVX-512 BF16 round with vcvtneps2bf16, which alone would
+    flush them to zero: the plain product bit for bit against the reference, its GELU (the epilogue's) bit for bit
+    against the build's own `gelu_tanh`, which keeps them too; 40 rows (the AMX tiles where the CPU has them) and
+    4 (the vector blocks)."""
+    lib = build.load_variant(name)
+    x, weight, _ = _case(40, 64, 576, torch.bfloat16, seed=17)
+    x[1::3] *= 1e-39
+    smallest_normal = torch.finfo(torch.float32).tiny
+    for rows in (x, x[:4]):
+        plain = ops.run_linear(lib, rows, weight, None, None)
+        assert torch.equal(plain, reference_linear_int8(rows, weight)), rows.shape
+        tiny = plain[1].float().abs()
+        assert ((tiny > 0) & (tiny < smallest_normal)).sum() > 32  # denormal outputs, kept
+        activated = ops.run_linear(lib, rows, weight, None, None, act="gelu_tanh")
+        expected = plain.clone()
+        assert lib.gelu_tanh(expected.data_ptr(), ops.DTYPE_CODES[torch.bfloat16], expected.numel(), 2) == 0
+        assert torch.equal(activated, expected), rows.shape
+        halved = activated[1].float().abs()
+        assert ((halved > 0) & (halved < smallest_normal)).sum() > 32
