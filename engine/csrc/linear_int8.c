@@ -166,18 +166,24 @@ static float quantize_x(const void *x, int dtype, int64_t i, int64_t k, int64_t 
 #ifdef __AVX512F__
     const __m512 divisor = _mm512_set1_ps(s), low = _mm512_set1_ps(-INT8_LIMIT), high = _mm512_set1_ps(INT8_LIMIT);
     const __m512 reciprocal = div16(_mm512_set1_ps(1.0f), divisor), near_half = _mm512_set1_ps(0.5f - 0x1p-14f);
+    const __m512i lowest = _mm512_set1_epi32(-(int)INT8_LIMIT);
     for (; t + 16 <= k; t += 16) {
         const __m512 v = _mm512_loadu_ps(row + t);
-        __m512 q;
+        __m512i q;
         if (by_reciprocal) {
+            /* |x r| <= 127 (1 + 2^-22): the integers need no clamp but a NaN's (the conversion's INT_MIN), which
+             * becomes -127 as the clamp below makes it */
             const __m512 y = _mm512_mul_ps(v, reciprocal);
-            q = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            if (_mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(y, q)), near_half, _CMP_GT_OQ))
-                q = _mm512_roundscale_ps(div16(v, divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512 off = _mm512_reduce_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  /* y - q */
+            if (_mm512_cmp_ps_mask(_mm512_abs_ps(off), near_half, _CMP_GT_OQ))
+                q = _mm512_cvt_roundps_epi32(div16(v, divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q = _mm512_max_epi32(q, lowest);
         } else {
-            q = _mm512_roundscale_ps(div16(v, divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(
+                div16(v, divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), low), high));
         }
-        __m128i bytes = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, low), high)));
+        __m128i bytes = _mm512_cvtsepi32_epi8(q);
         if (OFFSET) bytes = _mm_xor_si128(bytes, _mm_set1_epi8((char)0x80));
         _mm_storeu_si128((__m128i *)(out + t), bytes);
     }
