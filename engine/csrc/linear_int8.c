@@ -555,6 +555,63 @@ static void amx_finish_block(int32_t sums[2][16][16], int64_t rows, int64_t row0
     }
 }
 
+/* A pass's products into the tiles (0-1, and 2-3 for a second block), from row block rb: one block of 16 rows of
+ * x, or two where per_pass is 2, against the task's packed weights (the configuration changed where its rows did:
+ * `configured` is its key); their rows into *rows, *rows2 (0: one block). The next pass's outputs are fetched for
+ * writing, and the residual's lines its epilogue reads, spread over the steps: y's lines, written once each, are not
+ * in the cache (a vision tile's outputs are megabytes), a store or a residual load waiting for its line stalls the
+ * loop, and a burst of them stalls it on the core's outstanding misses. */
+static inline void amx_issue(const uint8_t *xq, int64_t rb, int64_t m, int64_t k, const uint32_t *packed,
+                             int64_t per_pass, int64_t first, int64_t out_cols, void *y, const void *residual,
+                             int dtype, int64_t *configured, int64_t *rows_out, int64_t *rows2_out) {
+    const int64_t row_blocks = (m + AMX_ROWS - 1) / AMX_ROWS;
+    const int64_t rows = MIN(AMX_ROWS, m - rb * AMX_ROWS);
+    const int64_t rows2 = per_pass == 2 && rb + 1 < row_blocks ? MIN(AMX_ROWS, m - (rb + 1) * AMX_ROWS) : 0;
+    *rows_out = rows, *rows2_out = rows2;
+    if (rows * 32 + rows2 != *configured)  /* the configuration's key: both blocks' rows */
+        amx_configure_rows((int)rows, (int)rows2), *configured = rows * 32 + rows2;
+    const int64_t next0 = (rb + per_pass) * AMX_ROWS;
+    const int64_t next_rows = MAX(0, MIN((rb + 2 * per_pass) * AMX_ROWS, m) - next0);
+    const int64_t item = dtype == F32 ? 4 : 2, lines = residual ? 2 * next_rows : next_rows;
+    const int64_t per_step = (lines + k / 64 - 1) / (k / 64);
+    int64_t line = 0;
+#define PREFETCH_NEXT()                                                                                              \
+    for (int64_t e = 0; e < per_step && line < lines; e++, line++) {                                                 \
+        const int64_t row = line < next_rows ? line : line - next_rows; /* y's lines, then the residual's */        \
+        const int64_t at = ((next0 + row) * out_cols + first) * item;                                                \
+        if (line < next_rows) __builtin_prefetch((char *)y + at, 1, 3);                                              \
+        else __builtin_prefetch((const char *)residual + at, 0, 3);                                                  \
+    }
+    const uint8_t *x0 = xq + rb * AMX_ROWS * k, *x1 = x0 + AMX_ROWS * k;  /* rows k bytes apart (k % 64 == 0) */
+    _tile_zero(0);
+    _tile_zero(1);
+    if (rows2) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t step = 0; step < k / 64; step++) {
+            _tile_loadd(6, packed + step * 512, 64);
+            _tile_loadd(7, packed + step * 512 + 256, 64);
+            _tile_loadd(4, x0 + step * 64, k);
+            AMX_DP(0, 4, 6);
+            AMX_DP(1, 4, 7);
+            _tile_loadd(5, x1 + step * 64, k);
+            AMX_DP(2, 5, 6);
+            AMX_DP(3, 5, 7);
+            PREFETCH_NEXT()
+        }
+    } else {
+        for (int64_t step = 0; step < k / 64; step++) {
+            _tile_loadd(4, x0 + step * 64, k);
+            _tile_loadd(6, packed + step * 512, 64);
+            _tile_loadd(7, packed + step * 512 + 256, 64);
+            AMX_DP(0, 4, 6);
+            AMX_DP(1, 4, 7);
+            PREFETCH_NEXT()
+        }
+    }
+#undef PREFETCH_NEXT
+}
+
 /* Task `task` through the tiles: 32 weight columns (or 16 gate and their 16 up rows), packed (`amx_pack_weights`,
  * into `packed`, where `pack`; else packed there before), against rows r0..m-1 of x (r0 a multiple of 32) read as
  * they lie (x's bytes are qx + OFFSET, multiplied as unsigned where OFFSET is 128), one block of 16 rows a pass, or
@@ -570,62 +627,27 @@ static void amx_task(const uint8_t *xq, int64_t r0, int64_t m, int64_t k, const 
     const int64_t first = c.first, second = c.second;
     if (pack) amx_pack_weights(w, w_stride, k, first, second, packed);
     int32_t sums[2][2][16][16] __attribute__((aligned(64)));  /* [block][tile][row of x][weight row] */
-    for (int64_t rb = r0 / AMX_ROWS; rb < row_blocks; rb += per_pass) {  /* the packed weights stay in the cache */
-        const int64_t rows = MIN(AMX_ROWS, m - rb * AMX_ROWS);
-        const int64_t rows2 = per_pass == 2 && rb + 1 < row_blocks ? MIN(AMX_ROWS, m - (rb + 1) * AMX_ROWS) : 0;
-        if (rows * 32 + rows2 != *configured)  /* the configuration's key: both blocks' rows */
-            amx_configure_rows((int)rows, (int)rows2), *configured = rows * 32 + rows2;
-        /* the next pass's outputs fetched for writing, and the residual's lines its epilogue reads, spread over
-         * this pass's steps: y's lines, written once each, are not in the cache (a vision tile's outputs are
-         * megabytes), a store or a residual load waiting for its line stalls the loop, and a burst of them stalls
-         * it on the core's outstanding misses */
-        const int64_t next0 = (rb + per_pass) * AMX_ROWS;
-        const int64_t next_rows = MAX(0, MIN((rb + 2 * per_pass) * AMX_ROWS, m) - next0);
-        const int64_t item = dtype == F32 ? 4 : 2, lines = residual ? 2 * next_rows : next_rows;
-        const int64_t per_step = (lines + k / 64 - 1) / (k / 64);
-        int64_t line = 0;
-#define PREFETCH_NEXT()                                                                                              \
-    for (int64_t e = 0; e < per_step && line < lines; e++, line++) {                                                 \
-        const int64_t row = line < next_rows ? line : line - next_rows; /* y's lines, then the residual's */        \
-        const int64_t at = ((next0 + row) * out_cols + first) * item;                                                \
-        if (line < next_rows) __builtin_prefetch((char *)y + at, 1, 3);                                              \
-        else __builtin_prefetch((const char *)residual + at, 0, 3);                                                  \
-    }
-        const uint8_t *x0 = xq + rb * AMX_ROWS * k, *x1 = x0 + AMX_ROWS * k;  /* rows k bytes apart (k % 64 == 0) */
-        _tile_zero(0);
-        _tile_zero(1);
-        if (rows2) {
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t step = 0; step < k / 64; step++) {
-                _tile_loadd(6, packed + step * 512, 64);
-                _tile_loadd(7, packed + step * 512 + 256, 64);
-                _tile_loadd(4, x0 + step * 64, k);
-                AMX_DP(0, 4, 6);
-                AMX_DP(1, 4, 7);
-                _tile_loadd(5, x1 + step * 64, k);
-                AMX_DP(2, 5, 6);
-                AMX_DP(3, 5, 7);
-                PREFETCH_NEXT()
-            }
-            _tile_stored(2, sums[1][0], 64);
-            _tile_stored(3, sums[1][1], 64);
-        } else {
-            for (int64_t step = 0; step < k / 64; step++) {
-                _tile_loadd(4, x0 + step * 64, k);
-                _tile_loadd(6, packed + step * 512, 64);
-                _tile_loadd(7, packed + step * 512 + 256, 64);
-                AMX_DP(0, 4, 6);
-                AMX_DP(1, 4, 7);
-                PREFETCH_NEXT()
-            }
-        }
-#undef PREFETCH_NEXT
+    /* each pass's products are issued once the pass before has stored its sums and before that pass's epilogue:
+     * the tiles multiply while the vectors finish the pass before (in program order the epilogue came first, and
+     * the core's window of instructions did not reach past a block's epilogue to the next block's products) */
+    int64_t rb = r0 / AMX_ROWS;
+    int64_t rows = 0, rows2 = 0;
+    if (rb < row_blocks)
+        amx_issue(xq, rb, m, k, packed, per_pass, first, out_cols, y, residual, dtype, configured, &rows, &rows2);
+    while (rb < row_blocks) {
         _tile_stored(0, sums[0][0], 64);
         _tile_stored(1, sums[0][1], 64);
-        for (int b = 0; b < (rows2 ? 2 : 1); b++)
-            amx_finish_block(sums[b], b ? rows2 : rows, (rb + b) * AMX_ROWS, xs, glu_mode, &c, bias, dtype, y,
-                             residual, out_cols);
+        if (rows2) {
+            _tile_stored(2, sums[1][0], 64);
+            _tile_stored(3, sums[1][1], 64);
+        }
+        const int64_t done = rb, done_rows = rows, done_rows2 = rows2;
+        rb += per_pass;
+        if (rb < row_blocks)
+            amx_issue(xq, rb, m, k, packed, per_pass, first, out_cols, y, residual, dtype, configured, &rows, &rows2);
+        for (int b = 0; b < (done_rows2 ? 2 : 1); b++)
+            amx_finish_block(sums[b], b ? done_rows2 : done_rows, (done + b) * AMX_ROWS, xs, glu_mode, &c, bias, dtype,
+                             y, residual, out_cols);
     }
 }
 #endif
