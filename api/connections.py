@@ -21,6 +21,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -114,21 +115,23 @@ def connection_class(settings: ServerSettings) -> type[GuardedH11Protocol]:
 
 class RateLimitedLog(logging.Filter):
     """Lets at most `per_s` records a second through (a token bucket of one second's worth); the next record
-    let through after some were dropped says how many."""
+    let through after some were dropped says how many. `clock`: the seconds it reads (tests give their own, so that
+    nothing else in the process sees a changed `time.monotonic`)."""
 
-    def __init__(self, per_s: float) -> None:
+    def __init__(self, per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         if per_s <= 0:
             raise ValueError(f"access_log_per_s must be positive, got {per_s}")
         self.per_s = per_s
+        self._clock = clock
         self._tokens = max(1.0, per_s)
-        self._last = time.monotonic()
+        self._last = clock()
         self._lock = threading.Lock()
         self.dropped = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
         with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             self._tokens = min(max(1.0, self.per_s), self._tokens + (now - self._last) * self.per_s)
             self._last = now
             if self._tokens < 1:
