@@ -71,7 +71,7 @@ SIGNATURES = {  # function -> argument types (every one returns an int: 0, or wh
     "chunk_attention": [_P, _INT, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _INT, _P, _I64, _I64, _I64, _I64, _F,
                         _I64, _P, _INT, _INT],
     "decode_layers": [ctypes.POINTER(DecodeStepArgs), ctypes.POINTER(LeanLayerArgs), _I64],
-    "release_scratch": [],
+    "release_scratch": [_INT],
 }
 
 

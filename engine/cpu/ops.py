@@ -334,10 +334,10 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def release_scratch() -> None:
-    """The kernels' scratch buffers of the calling thread freed (engine/csrc/scratch.c): start-up's timings grew
-    them to shapes that steps may never run; steps grow them again to what they need. Not while a kernel runs on
-    this thread."""
-    build.lib().release_scratch()
+    """The kernels' scratch buffers freed, the calling thread's and its team's (torch's thread count; the kernels'
+    parallel regions run on the same pooled threads) (engine/csrc/scratch.c): start-up's timings grew them to
+    shapes that steps may never run; steps grow them again to what they need. Not while a kernel runs."""
+    build.lib().release_scratch(torch.get_num_threads())
 
 
 @torch.library.custom_op("vlmcap::linear", mutates_args=())

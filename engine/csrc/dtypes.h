@@ -258,8 +258,9 @@ static inline void load_dequantized(const void *src, int64_t offset, int64_t cou
 }
 
 /* Growable buffers of the calling thread (SCRATCH_SLOTS of them, one set per source file), kept across calls: no
- * allocation per call. release_scratch (scratch.c) frees the calling thread's in every file: the engine calls it
- * once start-up's timings, which ran the largest shapes, are done, so that a buffer keeps only what steps need. */
+ * allocation per call. release_scratch (scratch.c) frees those of the calling thread and its OpenMP team in every
+ * file: the engine calls it once start-up's timings, which ran the largest shapes, are done, so that a buffer keeps
+ * only what steps need. */
 #define SCRATCH_SLOTS 2
 /* A buffer's start, a page: malloc's 16 bytes would leave every 64-byte row a kernel reads from it (x's quantized
  * rows, an AMX tile's packed weights) across two cache lines, at a place varying with the heap's state. */

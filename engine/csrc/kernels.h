@@ -94,6 +94,6 @@ int sample_rows(const float *logits, int64_t vocab, const int64_t *index, int64_
 int row_max(const float *logits, int64_t rows, int64_t vocab, float *top, int64_t *at, int num_threads);
 int decode_layers(const decode_step *s, const lean_layer *layers, int64_t count);
 const char *linear_isa(void);
-int release_scratch(void);
+int release_scratch(int num_threads);
 
 #endif
