@@ -90,19 +90,21 @@ def test_release_scratch_frees_the_buffers_of_every_thread_of_the_team():
     team, not only on the calling one, and the next call computes the same."""
     from engine.cpu import ops
 
-    if torch.get_num_threads() < 2:
-        pytest.skip("one thread: no team")
-    generator = torch.Generator().manual_seed(0)
-    both = torch.randn(1, 4096, 3, 2, 64, generator=generator).bfloat16()
-    queries, keys, values = both.permute(2, 0, 3, 1, 4)
-    first = ops.full_attention(queries, keys, values, 0.125)
-    if first is None:
-        pytest.skip("the kernel does not run this shape here")
-    before = _in_use_bytes()
-    ops.release_scratch()
-    per_thread = (2 * 64 * 4096 + 16 * 4096) * 4
-    assert before - _in_use_bytes() >= 1.9 * per_thread
-    assert torch.equal(ops.full_attention(queries, keys, values, 0.125), first)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # a team of two, whatever an earlier test in this process left
+    try:
+        generator = torch.Generator().manual_seed(0)
+        both = torch.randn(1, 4096, 3, 2, 64, generator=generator).bfloat16()
+        queries, keys, values = both.permute(2, 0, 3, 1, 4)
+        first = ops.full_attention(queries, keys, values, 0.125)
+        assert first is not None
+        before = _in_use_bytes()
+        ops.release_scratch()
+        per_thread = (2 * 64 * 4096 + 16 * 4096) * 4
+        assert before - _in_use_bytes() >= 1.9 * per_thread
+        assert torch.equal(ops.full_attention(queries, keys, values, 0.125), first)
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the rule is glibc's malloc; elsewhere it does nothing")
