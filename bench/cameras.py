@@ -41,7 +41,7 @@ from typing import IO, Any
 
 from api.percentiles import percentile, percentiles_ms
 from bench.configs import SAMPLE_VIDEO
-from bench.report import machine, pyplot, save_figure, stream_chat
+from bench.report import listens, machine, pyplot, save_figure, stream_chat
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,8 @@ def _cli(*args: str) -> list[str]:
 
 def _wait_ready(process: subprocess.Popen, url: str | None, timeout: float, log_file: IO[str],
                 ready: Any = None) -> None:
-    """Until `url`'s /ready answers 200 (or `ready()` holds); RuntimeError with the log's tail otherwise."""
+    """Until `url`'s /ready answers 200 from `process` itself (`listens`: the port picked for it may have gone to
+    another process), or `ready()` holds; RuntimeError with the log's tail otherwise."""
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -244,7 +245,8 @@ def _wait_ready(process: subprocess.Popen, url: str | None, timeout: float, log_
         if process.poll() is not None:
             raise RuntimeError(f"{process.args[3]} exited with {process.returncode}: {_tail(log_file)}")
         try:
-            if ready() if ready else httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+            if ready() if ready else (httpx.get(f"{url}/ready", timeout=5).status_code == 200
+                                      and listens(process.pid, int(url.rsplit(":", 1)[1]))):
                 return
         except httpx.HTTPError:
             pass

@@ -32,6 +32,19 @@ def machine(with_torch: bool = True) -> dict[str, Any]:
     return info
 
 
+def listens(pid: int, port: int) -> bool:
+    """Whether process `pid` holds the listening TCP socket on `port`: a server a benchmark started on a port it
+    picked beforehand (`free_tcp_port`) may have lost that port to another process in between, whose answers
+    would then pass for its own."""
+    import psutil
+
+    try:
+        return any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                   for c in psutil.Process(pid).net_connections("tcp"))
+    except psutil.Error:
+        return False
+
+
 def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2, allow_nan=True) + "\n")

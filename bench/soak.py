@@ -42,7 +42,7 @@ import httpx
 
 from api.percentiles import percentiles_ms
 from bench.configs import SoakConfig
-from bench.report import machine, photo_paths, pyplot, save_figure
+from bench.report import listens, machine, photo_paths, pyplot, save_figure
 
 
 @dataclass
@@ -1001,33 +1001,39 @@ async def _events_kept(url: str, tally: Tally) -> int:
 def _start_server(cfg: SoakConfig, redis_url: str, webhook_url: str, log: IO[str],
                   data_dir: str) -> tuple[subprocess.Popen, str]:
     """The soak's server, ready; its log goes to `log` (a file: a pipe read only at the end would fill and
-    block the server). Killed again if it does not become ready, or if the soak is interrupted meanwhile."""
+    block the server). Ready means /ready answers 200 on a port the server itself listens on (`listens`): the port
+    picked for it may be taken by another process before it binds, which answering /ready would pass for it; the
+    server then exits, and a new port is tried (three in all). Killed again if it does not become ready, or if the
+    soak is interrupted meanwhile."""
     from jobqueue.connection import free_tcp_port
 
-    port = free_tcp_port()
-    server = subprocess.Popen(
-        [sys.executable, "-c", "from cli.main import app; app()", "serve", "--model", cfg.model,
-         "--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url,
-         "--caption-max-tokens", str(cfg.max_tokens), "--max-body-bytes", str(cfg.max_body_bytes),
-         "--max-deliveries", "2", "--claim-idle-seconds", "10", "--max-sse-subscribers", str(SSE_CAP),
-         "--alert-webhook", webhook_url, "--data-dir", data_dir, "--log-level", "warning",
-         "--body-timeout-s", str(SLOW_BODY_TIMEOUT_S)],
-        stdout=subprocess.DEVNULL, stderr=log, text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + cfg.startup_timeout
-    try:
-        while time.monotonic() < deadline and server.poll() is None:
-            try:
-                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                    return server, url
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-    except BaseException:  # interrupted (Ctrl-C, SIGTERM): the server goes with the soak
+    for attempt in range(3):
+        port = free_tcp_port()
+        server = subprocess.Popen(
+            [sys.executable, "-c", "from cli.main import app; app()", "serve", "--model", cfg.model,
+             "--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url,
+             "--caption-max-tokens", str(cfg.max_tokens), "--max-body-bytes", str(cfg.max_body_bytes),
+             "--max-deliveries", "2", "--claim-idle-seconds", "10", "--max-sse-subscribers", str(SSE_CAP),
+             "--alert-webhook", webhook_url, "--data-dir", data_dir, "--log-level", "warning",
+             "--body-timeout-s", str(SLOW_BODY_TIMEOUT_S)],
+            stdout=subprocess.DEVNULL, stderr=log, text=True,
+        )
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + cfg.startup_timeout
+        try:
+            while time.monotonic() < deadline and server.poll() is None:
+                try:
+                    if httpx.get(f"{url}/ready", timeout=5).status_code == 200 and listens(server.pid, port):
+                        return server, url
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM): the server goes with the soak
+            _stop(server)
+            raise
         _stop(server)
-        raise
-    _stop(server)
+        if "address already in use" not in _tail(log, 2000).lower() or attempt == 2:
+            break
     raise RuntimeError(f"the server did not become ready: {_tail(log, 2000)}")
 
 

@@ -352,3 +352,67 @@ def test_side_by_side_summary_reads_each_servers_workloads_and_vllm_bench_tables
     assert not any("stall" in line or "text requests" in line for line in table)  # no server ran them
     main([str(tmp_path)])
     assert (tmp_path / "summary.md").read_text() == summary(tmp_path)
+
+
+def test_listens_names_the_process_that_holds_a_port():
+    """`bench.report.listens`: this process holds the listening socket it opened, another process does not, and
+    nobody once it is closed."""
+    import os
+    import socket
+
+    from bench.report import listens
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        assert listens(os.getpid(), port)
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            assert not listens(other.pid, port)
+        finally:
+            other.kill()
+            other.wait()
+    assert not listens(os.getpid(), port)
+
+
+def test_the_soak_s_server_is_its_own_even_when_another_takes_its_port(tmp_path, monkeypatch):
+    """The port the soak picks for its server can go to another process before the server binds it: a foreign
+    HTTP server that answers /ready with 200 holds the first port picked; the soak does not take it for its own
+    (its server, unable to bind, exits saying why) and starts it again on the next port, where it is its own."""
+    import http.server
+    import tempfile
+    import threading
+
+    import jobqueue.connection as connection
+    from bench import soak
+    from bench.configs import SoakConfig
+    from bench.report import listens
+
+    class Ready(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    foreign = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ready)
+    threading.Thread(target=foreign.serve_forever, daemon=True).start()
+    redis_server = connection.EmbeddedRedis()  # before the ports are fixed: it picks its own
+    taken, free = foreign.server_address[1], connection.free_tcp_port()
+    ports = iter([taken, free])
+    monkeypatch.setattr(connection, "free_tcp_port", lambda: next(ports))
+    log = tempfile.TemporaryFile("w+")
+    server = None
+    try:
+        server, url = soak._start_server(SoakConfig(), redis_server.url, "http://127.0.0.1:9/alerts", log,
+                                         str(tmp_path))
+        assert url.endswith(f":{free}") and listens(server.pid, free)
+        assert "address already in use" in soak._tail(log, 100_000).lower()
+    finally:
+        if server is not None:
+            soak._stop(server)
+        foreign.shutdown()
+        redis_server.close()
+        log.close()
