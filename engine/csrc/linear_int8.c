@@ -137,7 +137,27 @@ static float quantize_x(const void *x, int dtype, int64_t i, int64_t k, int64_t 
                         uint8_t *out) {
     float amax = 0.0f;
     int64_t w = 0;
+    int64_t direct = 0;  /* bfloat16 x: values [0, direct) are read from x where they are quantized, not from row */
 #ifdef __AVX512F__
+    if (dtype == BF16 && k >= 32) {
+        /* the largest magnitude in bfloat16 itself, 32 values a step: without the sign bit a bfloat16's bits order
+         * as its magnitude does (a NaN's above infinity's, counted as infinity: min with 0x7f80) */
+        const uint16_t *words = (const uint16_t *)x + i * k, *next = (const uint16_t *)x + (i + 2) * k;
+        const __m512i magnitude = _mm512_set1_epi16(0x7fff);
+        __m512i top = _mm512_setzero_si512();
+        for (; w + 32 <= k; w += 32) {
+            if (ahead) __builtin_prefetch(next + w, 0, 3);
+            top = _mm512_max_epu16(top, _mm512_and_si512(_mm512_loadu_si512(words + w), magnitude));
+        }
+        const __m256i half = _mm256_max_epu16(_mm512_castsi512_si256(top), _mm512_extracti64x4_epi64(top, 1));
+        __m128i q = _mm_max_epu16(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+        q = _mm_max_epu16(q, _mm_srli_si128(q, 8));
+        q = _mm_max_epu16(q, _mm_srli_si128(q, 4));
+        q = _mm_max_epu16(q, _mm_srli_si128(q, 2));
+        const uint32_t bits = (uint32_t)MIN(_mm_extract_epi16(q, 0), 0x7f80) << 16;
+        memcpy(&amax, &bits, sizeof amax);
+        direct = w;
+    }
     {  /* widened and its largest magnitude taken in one pass */
         __m512 top = _mm512_setzero_ps();
         const int64_t item = dtype == F32 ? 4 : 2;
@@ -148,10 +168,10 @@ static float quantize_x(const void *x, int dtype, int64_t i, int64_t k, int64_t 
             _mm512_storeu_ps(row + w, v);
             top = _mm512_max_ps(top, _mm512_abs_ps(v));
         }
-        amax = _mm512_reduce_max_ps(top);
+        amax = fmaxf(amax, _mm512_reduce_max_ps(top));
     }
 #else
-    (void)ahead;
+    (void)ahead, (void)direct;
 #endif
     load_floats(x, dtype, i * k + w, k - w, row + w);
     for (int64_t t = w; t < k; t++) amax = fmaxf(amax, fabsf(row[t]));
@@ -167,8 +187,32 @@ static float quantize_x(const void *x, int dtype, int64_t i, int64_t k, int64_t 
     const __m512 divisor = _mm512_set1_ps(s), low = _mm512_set1_ps(-INT8_LIMIT), high = _mm512_set1_ps(INT8_LIMIT);
     const __m512 reciprocal = div16(_mm512_set1_ps(1.0f), divisor), near_half = _mm512_set1_ps(0.5f - 0x1p-14f);
     const __m512i lowest = _mm512_set1_epi32(-(int)INT8_LIMIT);
+    /* bfloat16 x read where it lies, 64 values a step: their integers packed to bytes together (the packs'
+     * saturation and the max with -127 keep a NaN's -127) */
+    const __m512i in_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (; by_reciprocal && t + 64 <= direct; t += 64) {
+        __m512i q[4];
+        __mmask16 near = 0;
+        for (int j = 0; j < 4; j++) {
+            const __m512 y = _mm512_mul_ps(widen16(x, BF16, i * k + t + 16 * j), reciprocal);
+            q[j] = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            near |= _mm512_cmp_ps_mask(
+                _mm512_abs_ps(_mm512_reduce_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)), near_half,
+                _CMP_GT_OQ);
+        }
+        if (near)  /* the division's integers (the products' where no value lies near a half) */
+            for (int j = 0; j < 4; j++)
+                q[j] = _mm512_cvt_roundps_epi32(div16(widen16(x, BF16, i * k + t + 16 * j), divisor),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        /* per 128-bit lane l the packs leave q0's values 4l..4l+3, q1's, q2's, q3's: words put back in order */
+        __m512i bytes = _mm512_permutexvar_epi32(in_order, _mm512_packs_epi16(_mm512_packs_epi32(q[0], q[1]),
+                                                                              _mm512_packs_epi32(q[2], q[3])));
+        bytes = _mm512_max_epi8(bytes, _mm512_set1_epi8((char)-(int)INT8_LIMIT));
+        if (OFFSET) bytes = _mm512_xor_si512(bytes, _mm512_set1_epi8((char)0x80));
+        _mm512_storeu_si512(out + t, bytes);
+    }
     for (; t + 16 <= k; t += 16) {
-        const __m512 v = _mm512_loadu_ps(row + t);
+        const __m512 v = t < direct ? widen16(x, BF16, i * k + t) : _mm512_loadu_ps(row + t);
         __m512i q;
         if (by_reciprocal) {
             /* |x r| <= 127 (1 + 2^-22): the integers need no clamp but a NaN's (the conversion's INT_MIN), which

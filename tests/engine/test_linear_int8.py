@@ -254,6 +254,50 @@ def test_quotients_near_a_half_round_as_the_division_rounds(name):
         assert torch.equal(got, reference_linear_int8(rows, identity)), rows.shape
 
 
+def _bfloat16_ties(rows: int, k: int, seed: int) -> torch.Tensor:
+    """bfloat16 rows holding values whose quotient by the row's scale (max|x| / 127) is a tie that a product by the
+    scale's reciprocal rounds the other way: half the largest magnitude (x / s = 63.5) for largest magnitudes
+    where 1 / s is inexact so, found by search; the rest random values of the row's range."""
+    generator = torch.Generator().manual_seed(seed)
+    out = torch.empty(rows, k, dtype=torch.bfloat16)
+    for i in range(rows):
+        while True:
+            amax = torch.empty(()).uniform_(0.01, 50.0, generator=generator).bfloat16().float()
+            s = amax / 127.0
+            if torch.round(amax / 2 / s) != torch.round(amax / 2 * (1.0 / s)):
+                break
+        row = (torch.rand(k, generator=generator) * 2 - 1) * amax
+        spots = torch.randperm(k, generator=generator)[: k // 8]
+        row[spots] = amax / 2 * torch.where(torch.rand(len(spots), generator=generator) < 0.5, -1.0, 1.0)
+        row[0] = amax
+        out[i] = row.bfloat16()
+    return out
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_bfloat16_quotients_near_a_half_round_as_the_division_rounds(name):
+    """The same for bfloat16 x, which the AVX-512 builds quantize where it lies, 64 values a step with their
+    integers packed together (a step with a value near a half divided whole): rows with ties that the reciprocal's
+    product rounds the other way (checked), 40 rows (the AMX tiles where the CPU has them) and 3 (the vector
+    blocks), k = 128 (the tiles) and 184 (the vector blocks; 64 values a step, then 16, then one at a time); a
+    row with a NaN or an infinity leaves the other rows' outputs as they were."""
+    lib = build.load_variant(name)
+    for k in (128, 184):
+        x = _bfloat16_ties(40, k, seed=k)
+        qx, s = quantize_activations(x)
+        by_reciprocal = torch.round(x.float() * (1.0 / s)[:, None]).clamp(-127, 127)
+        assert (by_reciprocal != qx.float()).sum() >= 40  # the hazard is there to be avoided
+        identity = quantize_weight(torch.eye(k))
+        for rows in (x, x[:3]):
+            got = ops.run_linear(lib, rows, identity, None, None)
+            assert torch.equal(got, reference_linear_int8(rows, identity)), (rows.shape, k)
+        hostile = x.clone()  # a NaN or an infinity counts as the largest magnitude of its own row alone
+        hostile[5, 7], hostile[6, 3] = float("nan"), float("inf")
+        got = ops.run_linear(lib, hostile, identity, None, None)
+        others = [i for i in range(40) if i not in (5, 6)]
+        assert torch.equal(got[others], reference_linear_int8(x, identity)[others])
+
+
 @pytest.mark.parametrize("name", RUNNABLE)
 def test_outputs_below_the_smallest_normal_float_round_as_torch_rounds(name):
     """Outputs below 2^-126 (denormal floats: x of about 1e-39, its scale and the products' too) rounded to
