@@ -604,7 +604,8 @@ static void amx_finish_block(int32_t sums[2][16][16], int64_t rows, int64_t row0
  * `configured` is its key); their rows into *rows, *rows2 (0: one block). The next pass's outputs are fetched for
  * writing, and the residual's lines its epilogue reads, spread over the steps: y's lines, written once each, are not
  * in the cache (a vision tile's outputs are megabytes), a store or a residual load waiting for its line stalls the
- * loop, and a burst of them stalls it on the core's outstanding misses. */
+ * loop, and a burst of them stalls it on the core's outstanding misses. They are fetched into the L2 cache, not the
+ * L1, whose miss buffers the tiles' loads of x from the L2 need (the tile 0.98x). */
 static inline void amx_issue(const uint8_t *xq, int64_t rb, int64_t m, int64_t k, const uint32_t *packed,
                              int64_t per_pass, int64_t first, int64_t out_cols, void *y, const void *residual,
                              int dtype, int64_t *configured, int64_t *rows_out, int64_t *rows2_out) {
@@ -623,8 +624,8 @@ static inline void amx_issue(const uint8_t *xq, int64_t rb, int64_t m, int64_t k
     for (int64_t e = 0; e < per_step && line < lines; e++, line++) {                                                 \
         const int64_t row = line < next_rows ? line : line - next_rows; /* y's lines, then the residual's */        \
         const int64_t at = ((next0 + row) * out_cols + first) * item;                                                \
-        if (line < next_rows) __builtin_prefetch((char *)y + at, 1, 3);                                              \
-        else __builtin_prefetch((const char *)residual + at, 0, 3);                                                  \
+        if (line < next_rows) __builtin_prefetch((char *)y + at, 1, 1);                                              \
+        else __builtin_prefetch((const char *)residual + at, 0, 1);                                                  \
     }
     const uint8_t *x0 = xq + rb * AMX_ROWS * k, *x1 = x0 + AMX_ROWS * k;  /* rows k bytes apart (k % 64 == 0) */
     _tile_zero(0);
