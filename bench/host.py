@@ -229,28 +229,32 @@ def _summary_of(steps: list[dict[str, float]]) -> dict[str, Any]:
     }
 
 
-def read_bandwidth(threads: int | None, megabytes: int = 512, device: str = "cpu") -> float:
-    """Bytes a second `device` reads from its memory (on the CPU with torch's threads): the best of three passes
-    over an array larger than any cache, summed in float32 and multiplied as a bfloat16 matrix by one row, and on
-    the CPU by 8 rows in the engine's own Linear kernel (a decode step's own kind of read: on the AMX machine its
-    tiles read 15-20% faster than torch's two); whichever reads faster here is the floor's bandwidth."""
+def read_rates(threads: int | None, megabytes: int = 512, device: str = "cpu") -> dict[str, float]:
+    """Bytes a second `device` reads from its memory (on the CPU with torch's threads), three ways, each the best of
+    three passes over an array larger than any cache: "sum" (summed in float32), "row_product" (a bfloat16 matrix
+    multiplied by one row) and, where the CPU kernels build, "kernel" (the same matrix by 8 rows in the engine's
+    own Linear kernel: a decode step's own kind of read; on the AMX machine 15-20% faster than torch's two)."""
     if threads:
         torch.set_num_threads(threads)
     array = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
     array.sum()
-    by_sum = array.numel() * 4 / min(_timed(array.sum, device) for _ in range(3))
+    rates = {"sum": array.numel() * 4 / min(_timed(array.sum, device) for _ in range(3))}
     del array
     matrix = torch.zeros(megabytes * 2**20 // 2 // 4096, 4096, dtype=torch.bfloat16, device=device)
     row = torch.zeros(1, 4096, dtype=torch.bfloat16, device=device)
     torch.nn.functional.linear(row, matrix)
-    by_product = matrix.numel() * 2 / min(_timed(lambda: torch.nn.functional.linear(row, matrix), device)
-                                          for _ in range(3))
-    by_kernel = 0.0
+    rates["row_product"] = matrix.numel() * 2 / min(
+        _timed(lambda: torch.nn.functional.linear(row, matrix), device) for _ in range(3))
     if build.available(torch.device(device)):
         rows = torch.zeros(8, 4096, dtype=torch.bfloat16)
         ops.linear(rows, matrix)
-        by_kernel = matrix.numel() * 2 / min(_timed(lambda: ops.linear(rows, matrix)) for _ in range(3))
-    return max(by_sum, by_product, by_kernel)
+        rates["kernel"] = matrix.numel() * 2 / min(_timed(lambda: ops.linear(rows, matrix)) for _ in range(3))
+    return rates
+
+
+def read_bandwidth(threads: int | None, megabytes: int = 512, device: str = "cpu") -> float:
+    """The fastest of `read_rates`: the read floor's bandwidth."""
+    return max(read_rates(threads, megabytes, device).values())
 
 
 def _timed(fn: Callable, device: str = "cpu") -> float:
@@ -330,10 +334,12 @@ def memory_besides_kv(engine: Engine, before: int, before_files: int | None = No
     return memory
 
 
-def read_floor(engine: Engine, cfg: HostConfig, context: float, late_context: float) -> dict[str, float]:
-    bandwidth = read_bandwidth(cfg.threads, device=cfg.device)
+def read_floor(engine: Engine, cfg: HostConfig, context: float, late_context: float) -> dict[str, Any]:
+    rates = read_rates(cfg.threads, device=cfg.device)
+    bandwidth = max(rates.values())
     early, late = step_read_bytes(engine, cfg.decodes, context), step_read_bytes(engine, cfg.decodes, late_context)
-    return {"bandwidth_gb_s": bandwidth / 1e9, "weights_mb": early["weights"] / 1e6, "kv_mb_early": early["kv"] / 1e6,
+    return {"bandwidth_gb_s": bandwidth / 1e9, "reads_gb_s": {name: rate / 1e9 for name, rate in rates.items()},
+            "weights_mb": early["weights"] / 1e6, "kv_mb_early": early["kv"] / 1e6,
             "kv_mb_late": late["kv"] / 1e6, "early_ms": sum(early.values()) / bandwidth * 1e3,
             "late_ms": sum(late.values()) / bandwidth * 1e3}
 
@@ -475,10 +481,11 @@ def summary(result: dict[str, Any]) -> str:
     ]
     floor = result.get("read_floor")
     if floor:
+        reads = ", ".join(f"{name} {rate:.1f}" for name, rate in floor.get("reads_gb_s", {}).items())
         lines.append(
             f"read floor: {floor['weights_mb']:.0f} MB of weights + {floor['kv_mb_early']:.0f} / "
-            f"{floor['kv_mb_late']:.0f} MB of keys and values at {floor['bandwidth_gb_s']:.1f} GB/s = "
-            f"{floor['early_ms']:.2f} / {floor['late_ms']:.2f} ms; engine / floor: "
+            f"{floor['kv_mb_late']:.0f} MB of keys and values at {floor['bandwidth_gb_s']:.1f} GB/s (the fastest of "
+            f"{reads}) = {floor['early_ms']:.2f} / {floor['late_ms']:.2f} ms; engine / floor: "
             f"{ratios['engine_vs_floor_early']:.2f}x early, {ratios['engine_vs_floor_late']:.2f}x late")
         lines.append(f"CPU kernels: {eng.get('cpu_kernels')} build (bfloat16 products: "
                      f"{eng.get('cpu_bf16_products')}), {eng.get('lean_layers')} lean decoder layers, "

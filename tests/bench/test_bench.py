@@ -163,6 +163,8 @@ def test_bench_host_splits_a_step_into_phases_and_counts_ops(tmp_path):
     assert math.isfinite(result["ratios"]["engine_vs_bare_early"])
     floor = result["read_floor"]  # what a step must read: the text model's weights once, every context's keys
     assert floor["bandwidth_gb_s"] > 0.1 and floor["weights_mb"] > 0 and floor["kv_mb_late"] > floor["kv_mb_early"] > 0
+    reads = floor["reads_gb_s"]  # the fastest of three reads, the engine's own kernel's among them
+    assert set(reads) == {"sum", "row_product", "kernel"} and floor["bandwidth_gb_s"] == max(reads.values())
     assert result["ratios"]["engine_vs_floor_early"] > 0
     assert result["engine"]["cpu_kernels"] in build.VARIANTS
     assert result["engine"]["lean_layers"] == 2
