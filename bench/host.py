@@ -211,6 +211,7 @@ def bare_forward_ms(engine: Engine, decodes: int, context: int, steps: int, warm
     try:
         with torch.inference_mode():
             for i in range(warmup + steps):
+                _rewind(cache, context)
                 began = time.perf_counter()
                 hidden = model(inputs_embeds=adapter.embed_tokens(ids), position_ids=positions,
                                cache_position=cache_position, cache=cache, use_cache=True).last_hidden_state
@@ -220,6 +221,17 @@ def bare_forward_ms(engine: Engine, decodes: int, context: int, steps: int, warm
     finally:
         config._attn_implementation = saved
     return times
+
+
+def _rewind(cache: Any, length: int) -> None:
+    """Each layer of a transformers `StaticCache` set to write its next token at `length`: transformers 5's layers
+    write where their own count of tokens written stands, whatever `cache_position` says, so the bare forward's
+    steps, all at one position, would fill the cache up and overflow it after `length + 1` (older layers have no
+    count and honour `cache_position`)."""
+    for layer in getattr(cache, "layers", ()):
+        written = getattr(layer, "cumulative_length", None)
+        if isinstance(written, torch.Tensor):
+            written.fill_(length)
 
 
 def _summary_of(steps: list[dict[str, float]]) -> dict[str, Any]:

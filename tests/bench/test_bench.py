@@ -178,6 +178,20 @@ def test_bench_host_splits_a_step_into_phases_and_counts_ops(tmp_path):
     assert is_png(png)
 
 
+def test_the_bare_forward_stays_at_its_position_for_more_steps_than_its_context():
+    """transformers' bare forward takes every step at the one position it is given, however many steps: its
+    StaticCache (whose layers count what they wrote) does not overflow after context + 1 of them."""
+    from bench.host import bare_forward_ms
+    from engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model="tiny", max_num_seqs=2))
+    try:
+        times = bare_forward_ms(engine, decodes=2, context=4, steps=8, warmup=1)
+    finally:
+        engine.close()
+    assert len(times) == 8 and all(t > 0 for t in times)
+
+
 def test_bench_stall_over_http_measures_a_real_server(tmp_path):
     from api.background import BackgroundServer
     from api.server import create_app
