@@ -22,7 +22,7 @@
  *     rows outgrow the L1), as they lie, against them (two tiles of sums a block); x past AMX_PASS_BYTES in passes
  *     of rows against every task's weights packed beforehand, each pass's rows quantized as it starts; fewer rows
  *     than AMX_INT8_MIN_ROWS but more than a vector block's (a decode step's) the other way round (`tdpbsud`, the
- *     weight rows first as they lie, against x's quads: amx_few_task); the columns past the last whole tile pair
+ *     weight rows first as they lie, against x's quads: amx_few_tasks); the columns past the last whole tile pair
  *     through the vector blocks;
  *   - anything else: plain C.
  * A whole task's sums are finished in vectors on AVX-512, many rows at once (32 consecutive columns: `finish32_rows`;
@@ -486,8 +486,8 @@ static inline void finish16_glu_rows(const columns32 *c, const int32_t *lo, cons
 #endif
 
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
-#define AMX_INT8_MIN_ROWS 32  /* fewer rows go the other way round (amx_few_task): packing a task's weights costs */
-/* From this many rows of x (fewer than AMX_INT8_MIN_ROWS) amx_few_task's tiles; fewer rows are one block of the
+#define AMX_INT8_MIN_ROWS 32  /* fewer rows go the other way round (amx_few_tasks): packing a task's weights costs */
+/* From this many rows of x (fewer than AMX_INT8_MIN_ROWS) amx_few_tasks' tiles; fewer rows are one block of the
  * vector loop, each weight byte read once, as fast or faster (weights of SmolVLM-256M's decode products, 1 to 6 rows:
  * the blocks 0.8-1.0x the tiles' time; 8 rows, two blocks of 4: 1.05-1.2x). */
 #define AMX_INT8_FEW_ROWS (RX + 1)
@@ -731,16 +731,15 @@ static void amx_configure_few(int rows, int rows2) {
     amx_load_config(tile_rows, colsb);
 }
 
-/* Task `task` (amx_task's columns) against the m (< 2 * AMX_ROWS) rows of x as `few_x_quads` laid them out in xt:
- * every weight tile loaded once and multiplied by each block of x, the next task's weights asked for meanwhile; the
- * sums stored, transposed to [row of x][weight row] and finished as amx_task's (`amx_finish_block`). */
-static void amx_few_task(const uint32_t *xt, int64_t m, int64_t k, const int8_t *w, int64_t w_stride, int64_t n,
-                         const float *scale, const int32_t *row_sums, const float *xs, int glu_mode, int gelu,
-                         int64_t task, const float *bias, void *y, const void *residual, int dtype) {
+/* Task `task` (amx_task's columns, `c`) against the m (< 2 * AMX_ROWS) rows of x as `few_x_quads` laid them out in
+ * xt, issued into tiles 0-1 (2-3: the second block of x): every weight tile loaded once and multiplied by each block
+ * of x, the next task's weights asked for meanwhile. `amx_few_store` stores the sums and `amx_few_finish` finishes
+ * them; the caller finishes a task after issuing the next one's products, so that the tiles multiply while the
+ * vectors transpose and finish the task before (as amx_task's passes). */
+static inline void amx_few_issue(const uint32_t *xt, int64_t m, int64_t k, const int8_t *w, int64_t w_stride,
+                                 int64_t n, int glu_mode, int64_t task, const amx_columns *c) {
     const int64_t out_cols = glu_mode ? n / 2 : n, blocks = (m + AMX_ROWS - 1) / AMX_ROWS;
-    amx_columns c;
-    amx_columns_of(task, glu_mode, gelu, n, scale, row_sums, bias, dtype, &c);
-    const int8_t *w1 = w + c.first * w_stride, *w2 = w + c.second * w_stride;
+    const int8_t *w1 = w + c->first * w_stride, *w2 = w + c->second * w_stride;
     /* the next task's weight rows (each tile's 16 lie together: 16 * w_stride bytes), asked for into the L2 cache
      * over this task's steps: a tile's rows are 16 short streams (9 lines at k = 576), which the hardware's
      * prefetching did not keep ahead of (a decode step 1.1x the time without; the next task's lines of each step
@@ -781,24 +780,52 @@ static void amx_few_task(const uint32_t *xt, int64_t m, int64_t k, const int8_t 
         }
     }
 #undef PREFETCH_FEW
-    int32_t sums[2][16][16] __attribute__((aligned(64)));  /* [tile][weight row][row of x], then [tile][row][weight] */
-    for (int64_t b = 0; b < blocks; b++) {
-        if (b == 0) {
-            _tile_stored(0, sums[0], 64);
-            _tile_stored(1, sums[1], 64);
-        } else {
-            _tile_stored(2, sums[0], 64);
-            _tile_stored(3, sums[1], 64);
-        }
+}
+
+/* The issued task's sums, [block][tile][weight row][row of x]. */
+static inline void amx_few_store(int64_t blocks, int32_t sums[2][2][16][16]) {
+    _tile_stored(0, sums[0][0], 64);
+    _tile_stored(1, sums[0][1], 64);
+    if (blocks > 1) {
+        _tile_stored(2, sums[1][0], 64);
+        _tile_stored(3, sums[1][1], 64);
+    }
+}
+
+/* A task's stored sums transposed to [row of x][weight row] and finished as amx_task's (`amx_finish_block`). */
+static void amx_few_finish(const amx_columns *c, int32_t sums[2][2][16][16], int64_t m, const float *xs,
+                           int glu_mode, const float *bias, int dtype, void *y, const void *residual,
+                           int64_t out_cols) {
+    for (int64_t b = 0; b < (m + AMX_ROWS - 1) / AMX_ROWS; b++) {
         for (int t = 0; t < 2; t++) {
             __m512i r[16];
-            for (int q = 0; q < 16; q++) r[q] = _mm512_load_si512(sums[t][q]);
+            for (int q = 0; q < 16; q++) r[q] = _mm512_load_si512(sums[b][t][q]);
             transpose16(r);
-            for (int q = 0; q < 16; q++) _mm512_store_si512(sums[t][q], r[q]);
+            for (int q = 0; q < 16; q++) _mm512_store_si512(sums[b][t][q], r[q]);
         }
-        amx_finish_block(sums, MIN(AMX_ROWS, m - b * AMX_ROWS), b * AMX_ROWS, xs, glu_mode, &c, bias, dtype, y,
+        amx_finish_block(sums[b], MIN(AMX_ROWS, m - b * AMX_ROWS), b * AMX_ROWS, xs, glu_mode, c, bias, dtype, y,
                          residual, out_cols);
     }
+}
+
+/* The calling thread's tasks (`next_task`) through amx_few_issue, _store and _finish, each task finished after the
+ * next one's products are issued. */
+static void amx_few_tasks(task_share *shares, const uint32_t *xt, int64_t m, int64_t k, const int8_t *w,
+                          int64_t w_stride, int64_t n, const float *scale, const int32_t *row_sums, const float *xs,
+                          int glu_mode, int gelu, const float *bias, void *y, const void *residual, int dtype) {
+    const int64_t out_cols = glu_mode ? n / 2 : n, blocks = (m + AMX_ROWS - 1) / AMX_ROWS;
+    amx_columns c[2];
+    int32_t sums[2][2][2][16][16] __attribute__((aligned(64)));  /* [task in turn][block][tile][...] */
+    int done = -1;  /* the stored task's slot, or -1 */
+    for (int64_t task; (task = next_task(shares)) >= 0;) {
+        const int slot = done == 0 ? 1 : 0;
+        amx_columns_of(task, glu_mode, gelu, n, scale, row_sums, bias, dtype, &c[slot]);
+        amx_few_issue(xt, m, k, w, w_stride, n, glu_mode, task, &c[slot]);
+        if (done >= 0) amx_few_finish(&c[done], sums[done], m, xs, glu_mode, bias, dtype, y, residual, out_cols);
+        amx_few_store(blocks, sums[slot]);
+        done = slot;
+    }
+    if (done >= 0) amx_few_finish(&c[done], sums[done], m, xs, glu_mode, bias, dtype, y, residual, out_cols);
 }
 #endif
 
@@ -814,7 +841,7 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
     size_t packed_bytes = 0;  /* every AMX task's packed weights, where x goes in passes */
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
     int64_t amx_tasks = 0, pass_rows = m;
-    int few = 0;  /* fewer than AMX_INT8_MIN_ROWS rows: amx_few_task's, x laid out by few_x_quads in `row` */
+    int few = 0;  /* fewer than AMX_INT8_MIN_ROWS rows: amx_few_tasks', x laid out by few_x_quads in `row` */
     if (k % 64 == 0 && m >= AMX_INT8_FEW_ROWS && amx_permitted()) {
         const int64_t amx_cols = glu_mode ? out_cols / 16 * 16 : n / 32 * 32;
         amx_tasks = glu_mode ? amx_cols / 16 : amx_cols / 32;
@@ -868,9 +895,8 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
             const int64_t rows2 = m > AMX_ROWS ? m - AMX_ROWS : 0;
             amx_configure_few((int)MIN(AMX_ROWS, m), (int)rows2);
             if (!__atomic_load_n(&failed, __ATOMIC_RELAXED))
-                for (int64_t task; (task = next_task(shares)) >= 0;)
-                    amx_few_task(xt, m, k, w, w_stride, n, scale, row_sums, xs, glu_mode, gelu, task, bias, y,
-                                 residual, io_dtype);
+                amx_few_tasks(shares, xt, m, k, w, w_stride, n, scale, row_sums, xs, glu_mode, gelu, bias, y,
+                              residual, io_dtype);
             _tile_release();
             if (tasks > 0) {  /* the vector blocks' deal below reuses the shares */
 #pragma omp barrier
