@@ -499,19 +499,11 @@ static void amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
             const int64_t first = glu_mode ? 16 * task : 32 * task;  /* first weight row of each tile */
             const int64_t second = glu_mode ? out_cols + first : first + 16;
             const uint16_t *w1 = w + first * w_stride, *w2 = w + second * w_stride;
-            /* where a task is one pass (a decode step's rows), the next task's weight rows asked for into the L2
-             * over its steps, as linear_int8.c's amx_few_issue does: a tile's 16 rows are streams too short for the
-             * hardware's prefetching (a decode step 0.95x). With more passes the first brings the weights in for
-             * the others, and the prefetches only cost (512 rows: 1.06x). */
-            const int64_t next = row_blocks <= 2 && task + 1 < tasks ? task + 1 : -1;
-            const int64_t next1 = glu_mode ? 16 * next : 32 * next, next2 = glu_mode ? out_cols + next1 : next1 + 16;
-            const char *n1 = next < 0 ? NULL : (const char *)(w + next1 * w_stride);
-            const char *n2 = next < 0 ? NULL : (const char *)(w + next2 * w_stride);
-            const int64_t span = 16 * w_stride * 2, per_step = (span / 64 + k / 32 - 1) / (k / 32);
-            int64_t line = 0;
-#define PREFETCH_NEXT() \
-    for (int64_t e = 0; n1 && e < per_step && line < span; e++, line += 64) \
-        __builtin_prefetch(n1 + line, 0, 2), __builtin_prefetch(n2 + line, 0, 2);
+            /* where a task is one pass (a decode step's rows), the next task's weight rows over its steps, as the
+             * int8 tiles' (a decode step 0.95x); with more passes the first brings the weights in for the others,
+             * and the prefetches only cost (512 rows: 1.06x) */
+            next_tiles ahead = next_tiles_of(w, w_stride * 2, row_blocks <= 2 && task + 1 < tasks ? task + 1 : -1,
+                                             glu_mode, out_cols, k / 32);
             for (int64_t rb = 0; rb < row_blocks; rb += 2) {  /* two blocks of x a pass: each weight tile twice */
                 const int64_t rows = MIN(AMX_ROWS, m - rb * AMX_ROWS);
                 const int64_t rows2 = rb + 1 < row_blocks ? MIN(AMX_ROWS, m - (rb + 1) * AMX_ROWS) : 0;
@@ -532,7 +524,7 @@ static void amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
                         _tile_dpbf16ps(1, 5, 6);
                         _tile_dpbf16ps(2, 4, 7);
                         _tile_dpbf16ps(3, 5, 7);
-                        PREFETCH_NEXT()
+                        next_tiles_step(&ahead);
                     }
                 } else {
                     for (int64_t c = 0; c < k; c += 32) {
@@ -541,7 +533,7 @@ static void amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
                         _tile_loadd(6, x1 + c / 2 * AMX_ROWS, 4 * AMX_ROWS);
                         _tile_dpbf16ps(0, 4, 6);
                         _tile_dpbf16ps(1, 5, 6);
-                        PREFETCH_NEXT()
+                        next_tiles_step(&ahead);
                     }
                 }
                 if (done >= 0) {
@@ -563,7 +555,6 @@ static void amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *
             FINISH_DONE()
         }
 #undef FINISH_DONE
-#undef PREFETCH_NEXT
         _tile_release();
     }
 }

@@ -143,6 +143,29 @@ void add_residual(void *y, const void *residual, int dtype, int64_t offset, int6
 #define AMX_ROWS 16
 int amx_permitted(void);
 void amx_load_config(const uint8_t rows[8], const uint16_t colsb[8]);
+
+/* The next task's weight rows (task `next` of the tiles' tasks: 32 consecutive rows, or in glu mode 16 gate rows
+ * and their 16 up rows; each tile's 16 rows lie together, 16 * row_bytes), asked for into the L2 cache a few lines
+ * at a time over the `steps` steps of the task before (`next_tiles_step` once a step): a tile's 16 rows are streams
+ * too short for the hardware's prefetching. next < 0: none. */
+typedef struct {
+    const char *first, *second;
+    int64_t span, per_step, line;
+} next_tiles;
+
+static inline __attribute__((always_inline)) next_tiles next_tiles_of(const void *w, int64_t row_bytes, int64_t next,
+                                                                      int glu_mode, int64_t out_cols, int64_t steps) {
+    const int64_t first = glu_mode ? 16 * next : 32 * next, second = glu_mode ? out_cols + first : first + 16;
+    const int64_t span = 16 * row_bytes;
+    next_tiles t = {next < 0 ? NULL : (const char *)w + first * row_bytes,
+                    next < 0 ? NULL : (const char *)w + second * row_bytes, span, (span / 64 + steps - 1) / steps, 0};
+    return t;
+}
+
+static inline __attribute__((always_inline)) void next_tiles_step(next_tiles *t) {
+    for (int64_t e = 0; t->first && e < t->per_step && t->line < t->span; e++, t->line += 64)
+        __builtin_prefetch(t->first + t->line, 0, 2), __builtin_prefetch(t->second + t->line, 0, 2);
+}
 #endif
 
 #endif

@@ -740,19 +740,10 @@ static inline void amx_few_issue(const uint32_t *xt, int64_t m, int64_t k, const
                                  int64_t n, int glu_mode, int64_t task, const amx_columns *c) {
     const int64_t out_cols = glu_mode ? n / 2 : n, blocks = (m + AMX_ROWS - 1) / AMX_ROWS;
     const int8_t *w1 = w + c->first * w_stride, *w2 = w + c->second * w_stride;
-    /* the next task's weight rows (each tile's 16 lie together: 16 * w_stride bytes), asked for into the L2 cache
-     * over this task's steps: a tile's rows are 16 short streams (9 lines at k = 576), which the hardware's
-     * prefetching did not keep ahead of (a decode step 1.1x the time without; the next task's lines of each step
-     * alone, or each row's first line, 1.05x) */
-    const int64_t tasks = glu_mode ? out_cols / 16 : n / 32, next = task + 1 < tasks ? task + 1 : -1;
-    const int64_t next1 = glu_mode ? 16 * next : 32 * next, next2 = glu_mode ? out_cols + next1 : next1 + 16;
-    const char *n1 = next < 0 ? NULL : (const char *)(w + next1 * w_stride);
-    const char *n2 = next < 0 ? NULL : (const char *)(w + next2 * w_stride);
-    const int64_t span = 16 * w_stride, per_step = (span / 64 + k / 64 - 1) / (k / 64);  /* lines a tile a step */
-    int64_t line = 0;
-#define PREFETCH_FEW() \
-    for (int64_t e = 0; n1 && e < per_step && line < span; e++, line += 64) \
-        __builtin_prefetch(n1 + line, 0, 2), __builtin_prefetch(n2 + line, 0, 2);
+    /* the next task's weight rows over this task's steps (without, a decode step took 1.1x the time; the next
+     * task's lines of each step alone, or each row's first line, 1.05x) */
+    const int64_t tasks = glu_mode ? out_cols / 16 : n / 32;
+    next_tiles ahead = next_tiles_of(w, w_stride, task + 1 < tasks ? task + 1 : -1, glu_mode, out_cols, k / 64);
     _tile_zero(0);
     _tile_zero(1);
     if (blocks > 1) {
@@ -767,7 +758,7 @@ static inline void amx_few_issue(const uint32_t *xt, int64_t m, int64_t k, const
             AMX_DP_WX(1, 7, 4);
             AMX_DP_WX(2, 6, 5);
             AMX_DP_WX(3, 7, 5);
-            PREFETCH_FEW()
+            next_tiles_step(&ahead);
         }
     } else {
         for (int64_t step = 0; step < k / 64; step++) {
@@ -776,10 +767,9 @@ static inline void amx_few_issue(const uint32_t *xt, int64_t m, int64_t k, const
             _tile_loadd(4, xt + step * 256, 64);
             AMX_DP_WX(0, 6, 4);
             AMX_DP_WX(1, 7, 4);
-            PREFETCH_FEW()
+            next_tiles_step(&ahead);
         }
     }
-#undef PREFETCH_FEW
 }
 
 /* The issued task's sums, [block][tile][weight row][row of x]. */
