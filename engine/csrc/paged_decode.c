@@ -5,9 +5,10 @@
  * its context length and first is 0 (or n - window in a sliding-window layer). Key p lies in the cache at slot
  * block_tables[i][p / block_size] * block_size + p % block_size. The query heads that share a KV head are one
  * task's `groups` rows, so each key and value is read once per KV head; tasks (sequence, KV head) run in
- * parallel. The vector builds (AVX2, AVX-512) take one pass with an online softmax (`attend_vec`); the plain C
- * build keeps the scores of the whole context (a thread's scratch), then softmaxes them in float32 and sums the
- * values: two passes, one over the keys, one over the values, with no copy of either.
+ * parallel. Both paths keep the scores of the whole context (a thread's scratch), then softmax them in float32
+ * and sum the values: one pass over the keys, one over the values, with no copy of either; the vector builds
+ * (AVX2, AVX-512: `attend_vec`) a run of positions at a time in registers, the plain C build a position at a
+ * time.
  *
  * An int8 cache (dtype I8, engine/kv_cache.py) is read in place too: its scales (key_scales / value_scales
  * [slots, kv_heads]) are powers of two (dtypes.h's kv_scale), so (float)q * s is exact, in float32 and in the
@@ -133,6 +134,7 @@ typedef __m512 vf;
 #define VW 16
 #define vwiden widen16
 #define vexp exp16
+#define vmax _mm512_max_ps
 #define vmax_of _mm512_reduce_max_ps
 #define vsum_of _mm512_reduce_add_ps
 #define vloadu _mm512_loadu_ps
@@ -165,6 +167,7 @@ typedef __m256 vf;
 #define VW 8
 #define vwiden widen8
 #define vexp exp8
+#define vmax _mm256_max_ps
 #define vloadu _mm256_loadu_ps
 #define vstoreu _mm256_storeu_ps
 static inline float vmax_of(vf v) {
@@ -204,18 +207,20 @@ enum { OB = VW == 16 ? 4 : 3 };  /* output vectors of a head that its values are
  * OB). */
 #define OB_OF(dtype) ((dtype) == I8 && VW == 16 ? 2 : OB)
 
-/* One pass over the positions with an online softmax, VW positions (a run within one block) at a time, GMAX query
- * heads of a KV head at a time. Each key is widened once, into registers, and scored against each of the heads:
- * one product vector per position and head, the run's VW of them reduced together (`sums`). Each value is
- * widened once into registers too and added to the heads' sums, OB_OF(dtype) vectors of each (kept in registers
- * over the run). Widening the run's keys and values into a buffer first, then scoring and summing the heads one at a
- * time from it, left the loop waiting on chains of dependent FMAs: 70 cycles a position and KV head, twice its
- * reading from memory (a scratch timing of SmolVLM-256M's step, 8 sequences x 300 positions x 30 layers). */
+/* Three passes, VW positions (a run within one block) at a time, GMAX query heads of a KV head at a time: the keys'
+ * scores into `scores` (the task's rows, `stride` floats apart), the softmax over each row, the values summed by
+ * its weights. Each key is widened once, into registers, and scored against each of the heads: one product vector
+ * per position and head, the run's VW of them reduced together (`sums`). Each value is widened once into registers
+ * too and added to the heads' sums, OB_OF(dtype) vectors of each (kept in registers over the run). One pass with an
+ * online softmax left each run's maximum, exponentials and sums, a chain of dependent steps, between its keys and
+ * its values: 40% of the loop's perf samples with the cache in the L2. Apart, each pass is a loop of independent
+ * runs and the scores, a few KB a task, stay in the L1 between them: SmolVLM-256M's 3 heads a KV head, 8 sequences
+ * at 300 positions, 2 threads, AMX machine, 0.92x the time with the cache in the L2, 0.986x a decode step. */
 static inline __attribute__((always_inline)) void attend_vec(
         int64_t i, int64_t h0, int64_t h1, const float *qi, const void *key_cache, const void *value_cache,
         const float *key_scales, const float *value_scales, int dtype, const int64_t *block_tables,
         const int64_t *context_lens, int64_t kv_heads, int64_t groups, const int64_t d, int64_t block_size,
-        int64_t table_width, float scale, int64_t window, const int dot, float *oi) {
+        int64_t table_width, float scale, int64_t window, const int dot, float *oi, float *scores, int64_t stride) {
     enum { MAXV = 256 / VW };
 #ifdef __AVX512BF16__
     /* `dot` (bfloat16 queries, a bfloat16 or I8 cache, d a multiple of 32): the keys are scored by vdpbf16ps, 32
@@ -232,29 +237,29 @@ static inline __attribute__((always_inline)) void attend_vec(
     (void)dot;
 #endif
     const int64_t n = context_lens[i];
-    const int64_t first = (window > 0 && n > window) ? n - window : 0;
+    const int64_t first = (window > 0 && n > window) ? n - window : 0, len = n - first;
     const int64_t rows = (h1 - h0) * groups, width = kv_heads * d, vectors = d / VW;
     const int64_t *table = block_tables + i * table_width;
     const int64_t item = item_bytes(dtype), lines = (d * item + 63) / 64;  /* cache lines of a head's row */
     const char *keys = key_cache, *values = value_cache;
-    float top[rows], total[rows];
-    for (int64_t x = 0; x < rows; x++) top[x] = -INFINITY, total[x] = 0.0f;
-    memset(oi, 0, (size_t)(rows * d) * sizeof(float));
+    float total[rows];
+    /* The scores: scores[x * stride + p - first], each run's VW lanes stored whole (-inf past the run). The slot a
+     * block ahead (the same position of the next block), or -1 in the last block: each key scored asks for that
+     * one's, one head at a time, spread over the work; the last block's ask for the first block's values. Asking
+     * for the whole next block at once (up to 192 lines) stalled the loop on the prefetches, a sixth of its time.
+     * Into the L2 cache (prefetcht1), not the L1, whose few miss buffers the lines in flight filled: 8 sequences
+     * at 800 positions through 30 layers of SmolVLM-256M's cache, 2 threads, Zen 4, 10.4 ms into the L1, 6.0 ms
+     * into the L2 (a block further ahead, 7.0 ms). */
     for (int64_t p = first; p < n;) {
         const int64_t offset = p % block_size;
         const int64_t run = MIN(MIN(block_size - offset, n - p), VW);
         const int64_t slot = table[p / block_size] * block_size + offset;
-        /* The slot a block ahead (the same position of the next block), or -1 in the last block: each key scored
-         * below asks for that one's, one head at a time, spread over the work. Asking for the whole next block at
-         * once (up to 192 lines) stalled the loop on the prefetches, a sixth of its time. Into the L2 cache
-         * (prefetcht1), not the L1, whose few miss buffers the lines in flight filled: 8 sequences at 800
-         * positions through 30 layers of SmolVLM-256M's cache, 2 threads, Zen 4, 10.4 ms into the L1, 6.0 ms
-         * into the L2 (a block further ahead, 7.0 ms). */
         const int64_t ahead = p - offset + block_size < n ? table[p / block_size + 1] * block_size + offset : -1;
-        if (dtype == I8 && ahead >= 0) {  /* and that run's scales (the run's first key waited on their lines) */
-            prefetch_span(key_scales + ahead * kv_heads, run * kv_heads * (int64_t)sizeof(float));
-            prefetch_span(value_scales + ahead * kv_heads, run * kv_heads * (int64_t)sizeof(float));
-        }
+        const char *next = ahead >= 0 ? keys : values;
+        const int64_t next_slot = ahead >= 0 ? ahead : table[first / block_size] * block_size + first % block_size;
+        if (dtype == I8)  /* that run's scales (the run's first key waited on their lines) */
+            prefetch_span((ahead >= 0 ? key_scales : value_scales) + next_slot * kv_heads,
+                          run * kv_heads * (int64_t)sizeof(float));
         for (int64_t h = h0; h < h1; h++) {
             const int64_t row0 = slot * width + h * d;  /* the run's position r: row0 + r * width */
             for (int64_t g0 = 0; g0 < groups; g0 += GMAX) {
@@ -265,11 +270,9 @@ static inline __attribute__((always_inline)) void attend_vec(
                         for (int g = 0; g < GMAX; g++) prod[g][r] = (vf){0};
                         continue;
                     }
-                    if (g0 == 0 && ahead >= 0) {
-                        const int64_t at = ((ahead + r) * width + h * d) * item;
-                        for (int64_t line = 0; line < lines; line++)
-                            __builtin_prefetch(keys + at + 64 * line, 0, 2),
-                                __builtin_prefetch(values + at + 64 * line, 0, 2);
+                    if (g0 == 0) {
+                        const int64_t at = ((next_slot + r) * width + h * d) * item;
+                        for (int64_t line = 0; line < lines; line++) __builtin_prefetch(next + at + 64 * line, 0, 2);
                     }
 #ifdef __AVX512BF16__
                     if (dot) {
@@ -303,24 +306,58 @@ static inline __attribute__((always_inline)) void attend_vec(
                         prod[g][r] = sum[0] + sum[1];
                     }
                 }
-                /* an I8 cache's scales, applied to the run's scores and weights at once: the keys' to the scores, the
-                 * values' to the weights they are summed with (powers of two: the same bits as each key's products
-                 * and each value scaled on its own) */
-                const int64_t at = slot * kv_heads + h;
-                vf to_scores = (vf){0} + scale, to_weights = (vf){0} + 1.0f;
-                if (dtype == I8) {
-                    to_scores = strided_lanes(key_scales + at, kv_heads, run) * scale;
-                    to_weights = strided_lanes(value_scales + at, kv_heads, run);
-                }
-                float w[GMAX][VW] __attribute__((aligned(64))), c[GMAX];  /* the heads' weights, corrections */
+                /* an I8 cache's key scales, applied to the run's scores at once (powers of two: the same bits as
+                 * each key's products scaled on its own) */
+                const vf to_scores = dtype == I8 ? strided_lanes(key_scales + slot * kv_heads + h, kv_heads, run) * scale
+                                                 : (vf){0} + scale;
+                for (int g = 0; g < count; g++)
+                    vstoreu(scores + (x0 + g) * stride + (p - first), first_lanes(sums(prod[g]) * to_scores, run,
+                                                                                  -INFINITY));
+            }
+        }
+        p += run;
+    }
+    /* each row's softmax weights, unnormalised (exp(score - its row's maximum)) in place, and their total; the
+     * lanes past len count as -inf */
+    const int64_t whole = len / VW * VW, rest = len - whole;
+    for (int64_t x = 0; x < rows; x++) {
+        float *s = scores + x * stride;
+        vf top = (vf){0} + -INFINITY;
+        for (int64_t v = 0; v < whole; v += VW) top = vmax(top, vloadu(s + v));
+        if (rest) top = vmax(top, first_lanes(vloadu(s + whole), rest, -INFINITY));
+        const vf best = (vf){0} + vmax_of(top);
+        vf sum = (vf){0};
+        for (int64_t v = 0; v < whole; v += VW) {
+            const vf e = vexp(vloadu(s + v) - best);
+            vstoreu(s + v, e);
+            sum += e;
+        }
+        if (rest) {
+            const vf e = first_lanes(vexp(vloadu(s + whole) - best), rest, 0.0f);
+            vstoreu(s + whole, e);
+            sum += e;
+        }
+        total[x] = vsum_of(sum);
+    }
+    memset(oi, 0, (size_t)(rows * d) * sizeof(float));
+    for (int64_t p = first; p < n;) {
+        const int64_t offset = p % block_size;
+        const int64_t run = MIN(MIN(block_size - offset, n - p), VW);
+        const int64_t slot = table[p / block_size] * block_size + offset;
+        const int64_t ahead = p - offset + block_size < n ? table[p / block_size + 1] * block_size + offset : -1;
+        if (dtype == I8 && ahead >= 0)
+            prefetch_span(value_scales + ahead * kv_heads, run * kv_heads * (int64_t)sizeof(float));
+        for (int64_t h = h0; h < h1; h++) {
+            const int64_t row0 = slot * width + h * d;
+            /* an I8 cache's value scales, applied to the run's weights at once (powers of two: the same bits as
+             * each value scaled on its own) */
+            vf to_weights = (vf){0} + 1.0f;
+            if (dtype == I8) to_weights = strided_lanes(value_scales + slot * kv_heads + h, kv_heads, run);
+            for (int64_t g0 = 0; g0 < groups; g0 += GMAX) {
+                const int64_t count = MIN(GMAX, groups - g0), x0 = (h - h0) * groups + g0;
+                float w[GMAX][VW] __attribute__((aligned(64)));  /* the heads' weights of the run */
                 for (int g = 0; g < count; g++) {
-                    const int64_t x = x0 + g;
-                    const vf scores = first_lanes(sums(prod[g]) * to_scores, run, -INFINITY);
-                    const float best = vmax_of(scores), shifted = best > top[x] ? best : top[x];
-                    c[g] = top[x] == -INFINITY ? 0.0f : vexp((vf){0} + (top[x] - shifted))[0];
-                    const vf weights = first_lanes(vexp(scores - shifted), run, 0.0f);
-                    total[x] = total[x] * c[g] + vsum_of(weights);
-                    top[x] = shifted;
+                    const vf weights = vloadu(scores + (x0 + g) * stride + (p - first));
                     *(vf *)w[g] = dtype == I8 ? (vf)(weights * to_weights) : weights;
                 }
                 for (int64_t v0 = 0; v0 < vectors; v0 += OB_OF(dtype)) {
@@ -330,8 +367,13 @@ static inline __attribute__((always_inline)) void attend_vec(
                     for (int g = 0; g < GMAX; g++)
 #pragma GCC unroll 4
                         for (int b = 0; b < OB; b++)
-                            if (g < count && b < span) o[g][b] = vloadu(oi + (x0 + g) * d + (v0 + b) * VW) * c[g];
+                            if (g < count && b < span) o[g][b] = vloadu(oi + (x0 + g) * d + (v0 + b) * VW);
                     for (int64_t r = 0; r < run; r++) {
+                        if (ahead >= 0 && g0 == 0 && v0 == 0) {
+                            const int64_t at = ((ahead + r) * width + h * d) * item;
+                            for (int64_t line = 0; line < lines; line++)
+                                __builtin_prefetch(values + at + 64 * line, 0, 2);
+                        }
                         vf value[OB];
 #pragma GCC unroll 4
                         for (int b = 0; b < OB; b++)
@@ -389,7 +431,8 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
     int failed = 0;
     /* each thread's buffer (its scratch, kept across calls): the plain path's scores and a row, then the task's
      * queries and outputs, each part starting on a 64-byte line (the vector loops load and store them whole) */
-    const int64_t scores_floats = (rows * longest + 15) / 16 * 16, row_floats = (kv_heads * d + 15) / 16 * 16;
+    const int64_t stride = (longest + 15) / 16 * 16 + 16;  /* a row's scores: whole vectors past its last run */
+    const int64_t scores_floats = rows * stride, row_floats = (kv_heads * d + 15) / 16 * 16;
     const int64_t head_floats = (rows * d + 15) / 16 * 16;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -416,9 +459,10 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
     if ((D) % 32 == 0 && dot) { \
         if (dtype == I8) attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, I8, \
                                     block_tables, context_lens, kv_heads, groups, D, block_size, table_width, scale, \
-                                    window, 1, oi); \
+                                    window, 1, oi, scores, stride); \
         else attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, BF16, block_tables, \
-                        context_lens, kv_heads, groups, D, block_size, table_width, scale, window, 1, oi); \
+                        context_lens, kv_heads, groups, D, block_size, table_width, scale, window, 1, oi, scores, \
+                        stride); \
         break; \
     }
 #else
@@ -428,9 +472,10 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
     DOT_CASE(D) \
     if (dtype == I8) attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, I8, \
                                 block_tables, context_lens, kv_heads, groups, D, block_size, table_width, scale, \
-                                window, 0, oi); \
+                                window, 0, oi, scores, stride); \
     else attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, block_tables, \
-                    context_lens, kv_heads, groups, D, block_size, table_width, scale, window, 0, oi); \
+                    context_lens, kv_heads, groups, D, block_size, table_width, scale, window, 0, oi, scores, \
+                    stride); \
     break;
 #else
 #define CASE(D) case D: attend(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, \
