@@ -112,7 +112,8 @@ class ModelRunner:
             run_at = time.perf_counter()
             timings.prepare = run_at - prepared
             hidden = self.adapter.forward_text(embeds, positions, batch)
-            logits = self.adapter.lm_head(hidden[sample_index]).float() if sampled_chunks else None
+            rows = hidden if sample_index is None else hidden[sample_index]
+            logits = self.adapter.lm_head(rows).float() if sampled_chunks else None
         forwarded = time.perf_counter()
         timings.forward = forwarded - run_at
         result = ModelRunnerOutput()
@@ -150,8 +151,8 @@ class ModelRunner:
 
     # -- the step's inputs ----------------------------------------------------------------------
     def _prepare(self, chunks: list[ScheduledChunk]):
-        """Token ids, positions, attention metadata (engine/attention_backends.py), the rows to sample and the
-        encoder features to merge, from one upload."""
+        """Token ids, positions, attention metadata (engine/attention_backends.py), the rows to sample (None: every
+        row, in order) and the encoder features to merge, from one upload."""
         bs = self.block_size
         packer = IntPacker()
         streams = self.adapter.rope_streams or 1
@@ -188,7 +189,8 @@ class ModelRunner:
         ids = values[at_ids]
         slot_mapping = values[at_slots]
         position_ids = torch.stack([values[s] for s in at_positions]) if streams > 1 else values[at_positions[0]]
-        sample_index = values[at_samples]
+        # every row samples only where every chunk is one token (a step of decodes): no gather of the rows then
+        sample_index = None if len(samples) == len(token_ids) else values[at_samples]
         merges = (values[at_where], features) if features else None
         return ids, position_ids, builder.build(reserved, values, slot_mapping), sample_index, merges
 

@@ -261,15 +261,16 @@ def sample(
         suppress_before_min_tokens(logits, params, histories)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     top, tokens = row_max(logits)  # each row's maximum, and the greedy rows' tokens
-    failed = torch.zeros_like(tokens)
-    if rows:
-        index = torch.tensor(rows, device=logits.device)
-        chosen_top = top if len(rows) == len(params) else top[index]
-        picked = choose(logits, index, chosen_top, [params[i] for i in rows], draws([generators[i] for i in rows],
-                                                                                  logits.device))
-        bad = ~torch.isfinite(chosen_top)  # NaN somewhere, no finite logit at all, or +inf
-        tokens = tokens.index_copy(0, index, picked)
-        failed = failed.index_copy(0, index, bad.to(failed.dtype))
+    if not rows:  # greedy rows do not fail
+        chosen = tokens.tolist()  # the one read-back
+        return chosen, [False] * len(chosen), token_logprobs(logits, params, tokens, chosen)
+    index = torch.tensor(rows, device=logits.device)
+    chosen_top = top if len(rows) == len(params) else top[index]
+    picked = choose(logits, index, chosen_top, [params[i] for i in rows], draws([generators[i] for i in rows],
+                                                                              logits.device))
+    bad = ~torch.isfinite(chosen_top)  # NaN somewhere, no finite logit at all, or +inf
+    tokens = tokens.index_copy(0, index, picked)
+    failed = torch.zeros_like(tokens).index_copy(0, index, bad.to(tokens.dtype))
     both = torch.stack([tokens, failed]).tolist()  # the one read-back
     return both[0], [bool(f) for f in both[1]], token_logprobs(logits, params, tokens, both[0])
 
