@@ -264,15 +264,19 @@ def sample(
     if not rows:  # greedy rows do not fail
         chosen = tokens.tolist()  # the one read-back
         return chosen, [False] * len(chosen), token_logprobs(logits, params, tokens, chosen)
+    every = len(rows) == len(params)
     index = torch.tensor(rows, device=logits.device)
-    chosen_top = top if len(rows) == len(params) else top[index]
+    chosen_top = top if every else top[index]
     picked = choose(logits, index, chosen_top, [params[i] for i in rows], draws([generators[i] for i in rows],
                                                                               logits.device))
-    bad = ~torch.isfinite(chosen_top)  # NaN somewhere, no finite logit at all, or +inf
-    tokens = tokens.index_copy(0, index, picked)
-    failed = torch.zeros_like(tokens).index_copy(0, index, bad.to(tokens.dtype))
-    both = torch.stack([tokens, failed]).tolist()  # the one read-back
-    return both[0], [bool(f) for f in both[1]], token_logprobs(logits, params, tokens, both[0])
+    tokens = picked if every else tokens.index_copy(0, index, picked)
+    # the one read-back: the tokens (exact in float64) and the rows' maxima, whose not being finite (NaN somewhere,
+    # no finite logit at all, or +inf) fails a sampled row
+    chosen, maxima = torch.stack([tokens.double(), top.double()]).tolist()
+    sampled = set(rows)
+    failed = [r in sampled and not math.isfinite(m) for r, m in enumerate(maxima)]
+    chosen = [int(t) for t in chosen]
+    return chosen, failed, token_logprobs(logits, params, tokens, chosen)
 
 
 def draws(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
