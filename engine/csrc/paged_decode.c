@@ -308,7 +308,8 @@ static inline __attribute__((always_inline)) void attend_vec(
                 }
                 /* an I8 cache's key scales, applied to the run's scores at once (powers of two: the same bits as
                  * each key's products scaled on its own) */
-                const vf to_scores = dtype == I8 ? strided_lanes(key_scales + slot * kv_heads + h, kv_heads, run) * scale
+                const int64_t at = slot * kv_heads + h;
+                const vf to_scores = dtype == I8 ? strided_lanes(key_scales + at, kv_heads, run) * scale
                                                  : (vf){0} + scale;
                 for (int g = 0; g < count; g++)
                     vstoreu(scores + (x0 + g) * stride + (p - first), first_lanes(sums(prod[g]) * to_scores, run,
