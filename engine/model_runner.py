@@ -113,7 +113,7 @@ class ModelRunner:
             timings.prepare = run_at - prepared
             hidden = self.adapter.forward_text(embeds, positions, batch)
             rows = hidden if sample_index is None else hidden[sample_index]
-            logits = self.adapter.lm_head(rows).float() if sampled_chunks else None
+            logits = self.adapter.lm_head(rows) if sampled_chunks else None  # `sample` takes bfloat16 as it is
         forwarded = time.perf_counter()
         timings.forward = forwarded - run_at
         result = ModelRunnerOutput()
@@ -124,6 +124,7 @@ class ModelRunner:
             if any(s.matcher is not None for s in inputs):
                 from engine.grammar import apply_token_masks
 
+                logits = logits.float()  # xgrammar's masks take float32
                 apply_token_masks(logits, [s.matcher for s in inputs])
             histories = [(s.prompt_ids, s.output_token_ids) for s in inputs]
             tokens, failed, logprobs = sample(logits, [s.sampling for s in inputs], [s.generator for s in inputs],

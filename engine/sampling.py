@@ -230,24 +230,27 @@ def suppress_before_min_tokens(logits: torch.Tensor, params: list[SamplingParams
 
 def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's maximum along the last dimension and its argmax: argmax's rule (the first of equal maxima, a NaN
-    the largest). Float32 rows [rows, vocab] on the CPU by the kernel (engine/csrc/sampling.c's `row_max`: 8 rows of
-    a 49,280-token vocabulary took 0.25 ms of a decode step by torch's `max`), else by `max` (one pass, a third of
-    `argmax`'s time)."""
-    if x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] and _kernel(x.device):
+    the largest), the maxima as float32. Float32 or bfloat16 rows [rows, vocab] on the CPU by the kernel
+    (engine/csrc/sampling.c's `row_max`: 8 rows of a 49,280-token vocabulary took 0.25 ms of a decode step by torch's
+    `max`), else by `max` (one pass, a third of `argmax`'s time)."""
+    if x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.is_contiguous() and x.shape[1] and _kernel(
+            x.device):
         from engine.cpu import ops
 
         return ops.row_max(x)
     values, indices = x.max(dim=-1)
-    return values, indices
+    return values.float(), indices
 
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
     histories: list[tuple[list[int] | np.ndarray, list[int]]] | None = None,
 ) -> tuple[list[int], list[bool], dict[int, TokenLogprobs]]:
-    """One token for each row of float32 logits [rows, vocab], whether that row failed (its distribution had no
-    finite mass: the model's logits for it were not finite), and the log-probabilities of the rows whose request
-    asks for them (by row). All rows in tensor ops, one read-back (two when a row asks for log-probabilities).
+    """One token for each row of logits [rows, vocab], whether that row failed (its distribution had no finite
+    mass: the model's logits for it were not finite), and the log-probabilities of the rows whose request asks for
+    them (by row). All rows in tensor ops, one read-back (two when a row asks for log-probabilities). The logits are
+    float32, or a bfloat16 head's as it wrote them: the CPU's kernels read those as they are (the same tokens as
+    from their float32 copy, which is exact), others take that copy (penalties, torch's path).
 
     Penalties first (`apply_penalties`, in place; `histories` are needed only when a request has one). Greedy rows
     take the argmax. The others weigh each token by e^((logit - the row's maximum) / temperature) (finite at any
@@ -256,6 +259,9 @@ def sample(
     cumulative sum at one uniform draw u from the request's own generator (one draw a sampled token, whatever the
     parameters, the logits or the other rows: a seeded request repeats whatever else is batched).
     """
+    if logits.dtype != torch.float32 and (logits.dtype != torch.bfloat16 or any(p.penalized for p in params)
+                                          or not _kernel(logits.device) or not logits.is_contiguous()):
+        logits = logits.float()  # penalized in float32, or torch's sampling (the kernels read bfloat16 as it is)
     if histories is not None:
         apply_penalties(logits, params, histories)
         suppress_before_min_tokens(logits, params, histories)

@@ -47,6 +47,8 @@ from engine.quantization import Int8Weight
 if TYPE_CHECKING:
     from engine.cpu.routing import Norm
 
+LOGITS = (torch.float32, torch.bfloat16)  # the sampling kernels' logits (a bfloat16 model's head, read as it wrote)
+
 
 def cache_code(key_cache: torch.Tensor, value_cache: torch.Tensor,
                scales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[int, int | None, int | None]:
@@ -297,16 +299,16 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 def sample_rows(logits: torch.Tensor, index: torch.Tensor, top: torch.Tensor, inv_temperature: torch.Tensor,
                 top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """A token for each row `index[r]` of float32 logits [rows, vocab] (sampling.c: weights by the row's maximum
-    `top[r]` and `inv_temperature[r]`, cut by `top_k[r]` (0: none) and `top_p[r]` (1: none), drawn at `u[r]` in
-    [0, 1)); 0 for a row whose maximum is not finite. Per-row tensors: contiguous, on the CPU, index / top_k int64,
+    """A token for each row `index[r]` of float32 or bfloat16 logits [rows, vocab] (sampling.c: weights by the row's
+    maximum `top[r]` and `inv_temperature[r]`, cut by `top_k[r]` (0: none) and `top_p[r]` (1: none), drawn at `u[r]`
+    in [0, 1)); 0 for a row whose maximum is not finite. Per-row tensors: contiguous, on the CPU, index / top_k int64,
     top / inv_temperature / top_p float32, u float64."""
     n = index.shape[0]
     wanted = ((index, torch.int64), (top, torch.float32), (inv_temperature, torch.float32), (top_k, torch.int64),
               (top_p, torch.float32), (u, torch.float64))
-    if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous() or logits.device.type != "cpu":
-        raise ValueError(f"sample_rows takes contiguous CPU float32 logits [rows, vocab], got {logits.dtype} "
-                         f"{tuple(logits.shape)} on {logits.device}")
+    if logits.dtype not in LOGITS or logits.dim() != 2 or not logits.is_contiguous() or logits.device.type != "cpu":
+        raise ValueError(f"sample_rows takes contiguous CPU float32 or bfloat16 logits [rows, vocab], got "
+                         f"{logits.dtype} {tuple(logits.shape)} on {logits.device}")
     for tensor, dtype in wanted:
         fits = tensor.dtype == dtype and tuple(tensor.shape) == (n,) and tensor.is_contiguous()
         if not fits or tensor.device.type != "cpu":
@@ -315,7 +317,8 @@ def sample_rows(logits: torch.Tensor, index: torch.Tensor, top: torch.Tensor, in
     if n and not (0 <= int(index.min()) and int(index.max()) < logits.shape[0]):
         raise ValueError(f"sample_rows' rows {index.tolist()} are not all within the logits' {logits.shape[0]}")
     tokens = torch.empty(n, dtype=torch.int64)
-    if build.lib().sample_rows(logits.data_ptr(), logits.shape[1], index.data_ptr(), n, top.data_ptr(),
+    if build.lib().sample_rows(logits.data_ptr(), DTYPE_CODES[logits.dtype], logits.shape[1], index.data_ptr(), n,
+                               top.data_ptr(),
                                inv_temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), u.data_ptr(),
                                tokens.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"sample_rows could not allocate its buffers for a vocabulary of {logits.shape[1]}")
@@ -323,13 +326,14 @@ def sample_rows(logits: torch.Tensor, index: torch.Tensor, top: torch.Tensor, in
 
 
 def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's maximum of float32 x [rows, vocab] (contiguous, CPU) and the index of its first occurrence
-    (sampling.c: torch's max(dim=-1) rule, a NaN the largest)."""
-    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu":
-        raise ValueError(f"row_max takes contiguous CPU float32 rows [rows, vocab], got {x.dtype} {tuple(x.shape)} "
-                         f"on {x.device}")
+    """Each row's maximum of float32 or bfloat16 x [rows, vocab] (contiguous, CPU), as float32, and the index of its
+    first occurrence (sampling.c: torch's max(dim=-1) rule, a NaN the largest)."""
+    if x.dtype not in LOGITS or x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError(f"row_max takes contiguous CPU float32 or bfloat16 rows [rows, vocab], got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
     top, at = torch.empty(x.shape[0]), torch.empty(x.shape[0], dtype=torch.int64)
-    build.lib().row_max(x.data_ptr(), x.shape[0], x.shape[1], top.data_ptr(), at.data_ptr(), torch.get_num_threads())
+    build.lib().row_max(x.data_ptr(), DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], top.data_ptr(), at.data_ptr(),
+                        torch.get_num_threads())
     return top, at
 
 

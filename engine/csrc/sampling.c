@@ -35,16 +35,28 @@ static inline uint32_t key_of(float w) {
     return bits & 0x7fffffffu;
 }
 
-/* w[i] = e^((logits[i] - top) * inv_t), 0 below EXP_FLOOR; returns their sum. The vector builds' last partial
- * vector masked. */
-static double weights(const float *logits, int64_t vocab, float top, float inv_t, float *w) {
+/* Logit i of `logits` (float32 or bfloat16, widened exactly as torch's float() widens it). */
+static inline float logit_at(const void *logits, int dtype, int64_t i) {
+    if (dtype == F32) return ((const float *)logits)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)logits)[i] << 16;
+    float v;
+    memcpy(&v, &bits, sizeof(v));
+    return v;
+}
+
+/* w[i] = e^((logits[at + i] - top) * inv_t) (float32 or bfloat16 logits), 0 below EXP_FLOOR; returns their sum. The
+ * vector builds' last partial vector masked. */
+static double weights(const void *logits, int dtype, int64_t at, int64_t vocab, float top, float inv_t, float *w) {
     int64_t i = 0;
 #ifdef __AVX512F__
     const __m512 t = _mm512_set1_ps(top), s = _mm512_set1_ps(inv_t), floor = _mm512_set1_ps(EXP_FLOOR);
     __m512d sum = _mm512_setzero_pd();  /* in float64: top_p's bound is a fraction of it */
     for (; i < vocab; i += 16) {
         const __mmask16 lanes = vocab - i >= 16 ? 0xffff : (__mmask16)((1u << (vocab - i)) - 1);
-        const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, logits + i), t), s);
+        const __m512 v = dtype == F32 ? _mm512_maskz_loadu_ps(lanes, (const float *)logits + at + i)
+                                      : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                            _mm256_maskz_loadu_epi16(lanes, (const uint16_t *)logits + at + i)), 16));
+        const __m512 x = _mm512_mul_ps(_mm512_sub_ps(v, t), s);
         const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, floor, _CMP_GE_OQ) & lanes, exp16(x));
         _mm512_mask_storeu_ps(w + i, lanes, e);
         sum = _mm512_add_pd(sum, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
@@ -57,7 +69,10 @@ static double weights(const float *logits, int64_t vocab, float top, float inv_t
     for (; i < vocab; i += 8) {
         const int64_t n = MIN(8, vocab - i);
         const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        const __m256 x = _mm256_mul_ps(_mm256_sub_ps(_mm256_maskload_ps(logits + i, lanes), t), s);
+        float tail[8] = {0};  /* a partial vector's logits as float32 */
+        if (n < 8) load_floats(logits, dtype, at + i, n, tail);
+        const __m256 v = n < 8 ? _mm256_loadu_ps(tail) : widen8(logits, dtype, at + i);
+        const __m256 x = _mm256_mul_ps(_mm256_sub_ps(v, t), s);
         const __m256 e = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(x, floor, _CMP_GE_OQ), _mm256_castsi256_ps(lanes)),
                                        exp8(x));
         _mm256_maskstore_ps(w + i, lanes, e);
@@ -70,7 +85,7 @@ static double weights(const float *logits, int64_t vocab, float top, float inv_t
 #else
     double total = 0.0;
     for (; i < vocab; i++) {
-        const float x = (logits[i] - top) * inv_t;
+        const float x = (logit_at(logits, dtype, at + i) - top) * inv_t;
         w[i] = x >= EXP_FLOOR ? expf(x) : 0.0f;
         total += w[i];
     }
@@ -322,12 +337,12 @@ static uint32_t top_p_key(const item *items, int64_t m, float top_p) {
 }
 
 /* One row's token (the file's comment); 0 where its maximum `top` is not finite (the caller fails that row). */
-static int64_t sample_row(const float *logits, int64_t vocab, float top, float inv_t, int64_t top_k, float top_p,
-                          double u, const buffers *b) {
+static int64_t sample_row(const void *logits, int dtype, int64_t at, int64_t vocab, float top, float inv_t,
+                          int64_t top_k, float top_p, double u, const buffers *b) {
     uint32_t bits;
     memcpy(&bits, &top, sizeof(bits));
     if ((bits & 0x7f800000u) == 0x7f800000u) return 0;  /* a NaN or an infinity: bits, since -ffast-math */
-    const double total = weights(logits, vocab, top, inv_t, b->w);
+    const double total = weights(logits, dtype, at, vocab, top, inv_t, b->w);
     const int by_count = top_k > 0 && top_k < vocab, by_mass = top_p < 1.0f;
     if (!by_count && !by_mass) return draw_row(b->w, vocab, u, b->sums);
     uint32_t least = 0;
@@ -368,10 +383,10 @@ static int64_t sample_row(const float *logits, int64_t vocab, float top, float i
     return draw_items(b->items, m, least, u);
 }
 
-/* tokens[r] for the rows index[r] of logits [*, vocab] (float32, rows vocab apart), r < rows: each row's maximum
- * top[r], 1 / its temperature inv_temperature[r], top_k[r] (0: none), top_p[r] (1: none) and draw u[r] in [0, 1).
- * The rows split among the threads. Returns 2 where memory runs out. */
-int sample_rows(const float *logits, int64_t vocab, const int64_t *index, int64_t rows, const float *top,
+/* tokens[r] for the rows index[r] of logits [*, vocab] (`dtype`: float32 or bfloat16; rows vocab apart), r < rows:
+ * each row's maximum top[r], 1 / its temperature inv_temperature[r], top_k[r] (0: none), top_p[r] (1: none) and draw
+ * u[r] in [0, 1). The rows split among the threads. Returns 2 where memory runs out. */
+int sample_rows(const void *logits, int dtype, int64_t vocab, const int64_t *index, int64_t rows, const float *top,
                 const float *inv_temperature, const int64_t *top_k, const float *top_p, const double *u,
                 int64_t *tokens, int num_threads) {
     int failed = 0;
@@ -399,27 +414,27 @@ int sample_rows(const float *logits, int64_t vocab, const int64_t *index, int64_
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < rows; r++) {
             if (!scratch) continue;
-            tokens[r] = sample_row(logits + index[r] * vocab, vocab, top[r], inv_temperature[r], top_k[r], top_p[r],
-                                   u[r], &b);
+            tokens[r] = sample_row(logits, dtype, index[r] * vocab, vocab, top[r], inv_temperature[r], top_k[r],
+                                   top_p[r], u[r], &b);
         }
     }
     return failed;
 }
 
-/* Each row of logits [rows, vocab] (float32, rows vocab apart): its largest value into top[r] and the index of its
- * first occurrence into at[r], torch's max(dim=-1) rule: the first of equal maxima, a NaN the largest (the first
- * NaN). One pass for the maximum (a NaN ends it), one for its first index; the rows split among the threads. torch's
- * `max` took 0.25 ms of a decode step for 8 rows of a 49,280-token vocabulary on 2 AMX cores. */
-int row_max(const float *logits, int64_t rows, int64_t vocab, float *top, int64_t *at, int num_threads) {
+/* Each row of logits [rows, vocab] (`dtype` float32 or bfloat16, rows vocab apart): its largest value into top[r]
+ * and the index of its first occurrence into at[r], torch's max(dim=-1) rule: the first of equal maxima, a NaN the
+ * largest (the first NaN). One pass for the maximum (a NaN ends it), one for its first index; the rows split among the
+ * threads. torch's `max` took 0.25 ms of a decode step for 8 rows of a 49,280-token vocabulary on 2 AMX cores. */
+int row_max(const void *logits, int dtype, int64_t rows, int64_t vocab, float *top, int64_t *at, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 1 && rows * vocab >= 65536)
     for (int64_t r = 0; r < rows; r++) {
-        const float *row = logits + r * vocab;
+        const int64_t row = r * vocab;
         float best = -INFINITY;
         int64_t j = 0, nan_at = -1;
 #ifdef __AVX512F__
         __m512 most = _mm512_set1_ps(-INFINITY);
         for (; j + 16 <= vocab; j += 16) {
-            const __m512 v = _mm512_loadu_ps(row + j);
+            const __m512 v = widen16(logits, dtype, row + j);
             const __mmask16 nan = nan_lanes16(v);
             if (nan) {
                 nan_at = j + __builtin_ctz(nan);
@@ -430,27 +445,28 @@ int row_max(const float *logits, int64_t rows, int64_t vocab, float *top, int64_
         if (nan_at < 0) best = _mm512_reduce_max_ps(most);
 #endif
         for (; nan_at < 0 && j < vocab; j++) {
+            const float v = logit_at(logits, dtype, row + j);
             uint32_t bits;
-            memcpy(&bits, row + j, sizeof(bits));
+            memcpy(&bits, &v, sizeof(bits));
             if (nan_word(bits)) nan_at = j;
-            else best = row[j] > best ? row[j] : best;
+            else best = v > best ? v : best;
         }
         if (nan_at >= 0) {
-            top[r] = row[nan_at], at[r] = nan_at;
+            top[r] = logit_at(logits, dtype, row + nan_at), at[r] = nan_at;
             continue;
         }
         int64_t first = 0;
 #ifdef __AVX512F__
         const __m512 target = _mm512_set1_ps(best);
         for (; first + 16 <= vocab; first += 16) {
-            const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + first), target, _CMP_EQ_OQ);
+            const __mmask16 hit = _mm512_cmp_ps_mask(widen16(logits, dtype, row + first), target, _CMP_EQ_OQ);
             if (hit) {
                 first += __builtin_ctz(hit);
                 break;
             }
         }
 #endif
-        while (first < vocab && row[first] != best) first++;
+        while (first < vocab && logit_at(logits, dtype, row + first) != best) first++;
         top[r] = best, at[r] = first < vocab ? first : 0;
     }
     return 0;

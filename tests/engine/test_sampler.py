@@ -168,6 +168,29 @@ def test_each_build_draws_the_rule_s_token(monkeypatch, name):
                 assert (kept[token] > 0 or cut_close) and expected in (None, token), (name, p, u)
 
 
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_a_bfloat16_head_s_logits_are_sampled_as_their_float32_copy(monkeypatch, name):
+    """A bfloat16 model's logits go to `sample` as the head wrote them (engine/model_runner.py): each build's kernels
+    read them in place and give the tokens, failures and log-probabilities of their float32 copy, drawing alike
+    (every kind of row, a NaN row and a row of -inf's; greedy, sampled, cut and penalized rows)."""
+    monkeypatch.setattr(build, "variant", lambda: name)
+    vocab = 4099
+    logits = torch.cat([rows_of_every_kind(vocab)] * 2).to(torch.bfloat16)  # 16 rows: every params' twice or so
+    logits[1, 7] = float("nan")
+    logits[2] = float("-inf")
+    rows = len(logits)
+    params = [SamplingParams(), *PARAMS, SamplingParams(temperature=1.0, repetition_penalty=1.3, logprobs=2)]
+    params = [params[r % len(params)] for r in range(rows)]
+    histories = [([3, 5, 7], [11, 13]) for _ in range(rows)]
+    for penalized in (False, True):
+        chosen = params if penalized else [p if not p.penalized else SamplingParams(logprobs=2) for p in params]
+        got, wide = (sample(x.clone(), chosen, [torch.Generator().manual_seed(r) for r in range(rows)], histories)
+                     for x in (logits, logits.float()))
+        assert got[0] == wide[0] and got[1] == wide[1] and got[1][1] and got[1][2] and got[2]
+        assert {r: (t.token_id, t.logprob, t.top) for r, t in got[2].items()} == {
+            r: (t.token_id, t.logprob, t.top) for r, t in wide[2].items()}
+
+
 def test_sample_rows_refuses_what_does_not_fit_naming_it():
     logits = torch.randn(2, 10)
     one = dict(index=torch.tensor([0]), top=torch.tensor([1.0]), inv_temperature=torch.tensor([1.0]),
@@ -220,13 +243,14 @@ def test_a_forced_tokens_draws_are_those_of_sampling_it(params, path):
     assert torch.equal(torch.rand(4, generator=sampled), torch.rand(4, generator=skipped))
 
 
-@pytest.mark.parametrize(("dtype", "build_name"), [(torch.float32, name) for name in build.runnable_variants()]
+@pytest.mark.parametrize(("dtype", "build_name"), [(dtype, name) for name in build.runnable_variants()
+                                                    for dtype in (torch.float32, torch.bfloat16)]
                          + [(torch.float32, None), (torch.bfloat16, None)])
 def test_row_max_is_torch_s_amax_and_argmax_ties_nan_and_infinities_too(monkeypatch, dtype, build_name):
-    """`engine.sampling.row_max` (float32 on the CPU: each kernel build's; else, and with the kernels off, `max`)
-    gives torch.amax's values and what torch.argmax picks: the first of equal maxima however far apart in a
-    49,152-token row, a NaN over any number (one in a vector's tail too), +inf, a row of -inf's first; a width that
-    ends in a partial vector."""
+    """`engine.sampling.row_max` (float32 or bfloat16 on the CPU: each kernel build's; else, and with the kernels
+    off, `max`) gives torch.amax's values (as float32) and what torch.argmax picks: the first of equal maxima however
+    far apart in a 49,152-token row, a NaN over any number (one in a vector's tail too), +inf, a row of -inf's first;
+    a width that ends in a partial vector."""
     if build_name is not None:
         monkeypatch.setattr(build, "variant", lambda: build_name)
     else:
@@ -242,12 +266,12 @@ def test_row_max_is_torch_s_amax_and_argmax_ties_nan_and_infinities_too(monkeypa
     rows[5] = 0.0
     rows[6, 49151] = 50.0  # the last column
     values, got = engine.sampling.row_max(rows)
-    torch.testing.assert_close(values, rows.amax(dim=-1), equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(values, rows.amax(dim=-1).float(), equal_nan=True, rtol=0, atol=0)
     assert torch.equal(got, rows.argmax(dim=-1))
     assert got[:7].tolist() == [5, 40000, 777, 0, 100, 0, 49151]
     narrow = torch.randn(5, 37).to(dtype)  # two vectors and a tail of 5
     narrow[1, 35] = float("nan")
     narrow[2, [3, 36]] = 9.0
     values, got = engine.sampling.row_max(narrow)
-    torch.testing.assert_close(values, narrow.amax(dim=-1), equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(values, narrow.amax(dim=-1).float(), equal_nan=True, rtol=0, atol=0)
     assert torch.equal(got, narrow.argmax(dim=-1)) and got[1:3].tolist() == [35, 3]
