@@ -69,9 +69,14 @@ static double weights(const void *logits, int dtype, int64_t at, int64_t vocab, 
     for (; i < vocab; i += 8) {
         const int64_t n = MIN(8, vocab - i);
         const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        float tail[8] = {0};  /* a partial vector's logits as float32 */
-        if (n < 8) load_floats(logits, dtype, at + i, n, tail);
-        const __m256 v = n < 8 ? _mm256_loadu_ps(tail) : widen8(logits, dtype, at + i);
+        __m256 v;
+        if (n == 8) {
+            v = widen8(logits, dtype, at + i);
+        } else {  /* the last partial vector's logits as float32, zeros past them */
+            float tail[8] = {0};
+            load_floats(logits, dtype, at + i, n, tail);
+            v = _mm256_loadu_ps(tail);
+        }
         const __m256 x = _mm256_mul_ps(_mm256_sub_ps(v, t), s);
         const __m256 e = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(x, floor, _CMP_GE_OQ), _mm256_castsi256_ps(lanes)),
                                        exp8(x));
