@@ -38,6 +38,7 @@ from engine.attention import AttentionBatch
 from engine.cpu import abi, build, ops, routing, tuning
 from engine.cpu.routing import Norm
 from engine.quantization import Int8Linear, Int8Weight, compute_dtype
+from engine.rotary_tables import RotaryTables
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +251,7 @@ class LeanTextModel:
         self.text_model = text_model
         self.ropes = [_rope_kind(text_model, layer) for layer in text_model.layers]
         self.rope_kinds = sorted(set(self.ropes), key=str)  # the rotary tables a step makes
+        self.rope_tables = RotaryTables(text_model.rotary_emb, self.rope_kinds, head_dim)  # decode steps' rows
         self.layers = [LeanLayer(layer, rope) if fits(layer) else None
                        for layer, rope in zip(text_model.layers, self.ropes)]
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -331,7 +333,6 @@ class LeanTextModel:
             raise RuntimeError("lean layers run the CPU's attention, not the paged kernel's metadata")
         tokens, hidden = embeds.shape
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        tables = self._rotary_tables(embeds, position_ids)
         h = embeds.contiguous()  # the residual stream, updated in place
         new = embeds.new_empty
         normed, o, down = new(tokens, hidden), new(tokens, hidden), new(tokens, hidden)
@@ -339,8 +340,9 @@ class LeanTextModel:
         layer_args = self._in_one_call(batch, tokens)
         if layer_args is not None:
             gate_up = new(tokens, self.layers[0].intermediate)
-            self._run_in_one_call(layer_args, batch, h, (normed, qkv, attended, o, gate_up, down), tables)
+            self._run_in_one_call(layer_args, batch, h, (normed, qkv, attended, o, gate_up, down), position_ids)
             return normed
+        tables = self._rotary_tables(embeds, position_ids)
         queries = qkv[:, :q_width].view(tokens, self.heads, self.head_dim).transpose(0, 1)  # [heads, T, d]
         attended_rows = attended.view(tokens, q_width)
         gate_up = None
@@ -384,19 +386,26 @@ class LeanTextModel:
         return normed
 
     def _run_in_one_call(self, layer_args: ctypes.Array, batch: AttentionBatch, h: torch.Tensor,
-                         buffers: tuple[torch.Tensor, ...],
-                         tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]]) -> None:
+                         buffers: tuple[torch.Tensor, ...], position_ids: torch.Tensor) -> None:
         """forward's layers and final norm in one C call: h and the buffers (normed, qkv, attended, o, gate_up,
-        down) as forward made them, the rotary tables (the first kind's the step's cos and sin, the second's its
-        local ones), the step's attention metadata checked as each kernel's wrapper checks it."""
+        down) as forward made them, the rotary tables (the first kind's cos and sin, the second's the local ones:
+        `rope_tables` read at the step's positions where they hold the module's values, else the module's rows for
+        the step), the step's attention metadata checked as each kernel's wrapper checks it."""
         if self._step is None:
             self._step = abi.DecodeStepArgs()
         group, step, cache = batch.decodes[0], self._step, batch.kv_cache.keys[0]
         metadata = (batch.slot_mapping, group.query_index, group.block_tables, group.context_lens)
-        if not all(t.dtype == torch.int64 and t.is_contiguous() for t in metadata):
-            raise ValueError(f"the decode step's slots, query index, block tables and context lengths must be "
-                             f"contiguous int64, got {[t.dtype for t in metadata]}")
+        if not all(t.dtype == torch.int64 and t.is_contiguous() for t in (*metadata, position_ids)):
+            raise ValueError(f"the decode step's slots, query index, block tables, context lengths and positions "
+                             f"must be contiguous int64, got {[t.dtype for t in (*metadata, position_ids)]}")
         tokens, hidden = h.shape
+        # a decode row's position is its context length less one (one position stream), within the block tables
+        reach = group.block_tables.shape[1] * batch.kv_cache.block_size
+        tables = self.rope_tables.covering(reach, h.dtype) if position_ids.dim() == 1 else None
+        if tables is None:
+            tables, step.positions, step.rope_rows = self._rotary_tables(h, position_ids), None, 0
+        else:
+            step.positions, step.rope_rows = position_ids.data_ptr(), self.rope_tables.rows
         (cos, sin), (local_cos, local_sin) = tables[self.rope_kinds[0]], tables[self.rope_kinds[-1]]
         codes = abi.DTYPE_CODES
         cache_dtype, _, _ = ops.cache_code(cache, batch.kv_cache.values[0], batch.kv_cache.scales(0))

@@ -45,14 +45,15 @@ class LeanLayerArgs(ctypes.Structure):
 
 
 class DecodeStepArgs(ctypes.Structure):
-    """kernels.h's `decode_step`: a step's buffers, rotary tables, attention metadata and sizes."""
+    """kernels.h's `decode_step`: a step's buffers, rotary tables (and their rows: `positions`), attention metadata
+    and sizes."""
 
     _fields_ = [*((name, _P) for name in ("h", "normed", "qkv", "attended", "o", "gate_up", "down", "cos", "sin",
-                                          "local_cos", "local_sin", "slots", "query_index", "block_tables",
-                                          "context_lens")),
+                                          "local_cos", "local_sin", "positions", "slots", "query_index",
+                                          "block_tables", "context_lens")),
                 ("final_norm", NormArgs),
                 *((name, _I64) for name in ("tokens", "hidden", "heads", "kv_heads", "head_dim", "num_seqs",
-                                            "block_size", "table_width")),
+                                            "block_size", "table_width", "rope_rows")),
                 *((name, _INT) for name in ("io_dtype", "cache_dtype", "mode", "num_threads"))]
 
 
@@ -63,7 +64,7 @@ SIGNATURES = {  # function -> argument types (every one returns an int: 0, or wh
     "rms_norm": [_P, _INT, _I64, _I64, _P, _INT, _F, _P, _INT],
     "add_rms_norm": [_P, _P, ctypes.POINTER(NormArgs), _INT, _I64, _I64, ctypes.POINTER(NormArgs), _P, _INT],
     "rope_store": [_P, _INT, _I64, _I64, _I64, _I64, _I64, ctypes.POINTER(NormArgs), ctypes.POINTER(NormArgs), _P,
-                   _P, _P, _P, _P, _P, _P, _INT, _INT],
+                   _P, _P, _I64, _P, _P, _P, _P, _P, _INT, _INT],
     "gelu_tanh": [_P, _INT, _I64, _INT],
     "sample_rows": [_P, _INT, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _INT],
     "row_max": [_P, _INT, _I64, _I64, _P, _P, _INT],

@@ -225,8 +225,13 @@ def decode_layers(step: DecodeStepArgs, layers: ctypes.Array) -> None:
         layer, code = divmod(failed, 10)
         what = f"layer {layer - 1} of {len(layers)}" if layer <= len(layers) else "the final norm"
         lens = ctypes.cast(step.context_lens, ctypes.POINTER(ctypes.c_int64))[:step.num_seqs]
-        why = (f"context lengths {lens} past the block tables' {step.table_width} x {step.block_size} positions"
-               if code == 1 else "out of memory")
+        if code == 1:
+            why = f"context lengths {lens} past the block tables' {step.table_width} x {step.block_size} positions"
+        elif code == 4:
+            positions = ctypes.cast(step.positions, ctypes.POINTER(ctypes.c_int64))[:step.tokens]
+            why = f"rotary positions {positions} outside the tables' {step.rope_rows} rows"
+        else:
+            why = "out of memory"
         raise ValueError(f"decode_layers: a kernel of {what} refused its inputs: {why}")
 
 
@@ -411,25 +416,35 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, norm: Norm, out: t
 def rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
                sin: torch.Tensor, slots: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                q_norm: Norm | None = None, k_norm: Norm | None = None,
-               scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+               scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+               positions: torch.Tensor | None = None) -> None:
     """Rotary embedding of the queries (in place) and keys of qkv [T, (q_heads + 2 kv_heads) head_dim], keys and
     values written to the cache rows `slots` (int64 [T]) of [slots, kv_heads, head_dim] caches
-    (engine/csrc/rope_store.c); cos and sin [T, head_dim] in qkv's dtype; each query and key head normalised by
-    `q_norm` / `k_norm` before its rotation where given (Gemma 3). An int8 cache is written quantized, each row's
-    scale into its `scales` (engine/kv_cache.py's `quantize_kv`)."""
+    (engine/csrc/rope_store.c); cos and sin [T, head_dim] in qkv's dtype, or with `positions` (int64 [T]) tables
+    [rows, head_dim] whose row positions[t] token t takes (engine/rotary_tables.py); each query and key head
+    normalised by `q_norm` / `k_norm` before its rotation where given (Gemma 3). An int8 cache is written
+    quantized, each row's scale into its `scales` (engine/kv_cache.py's `quantize_kv`)."""
     lib = build.lib()
     code, key_scales, value_scales = cache_code(key_cache, value_cache, scales)
     tokens, width = qkv.shape
-    if not (width == (q_heads + 2 * kv_heads) * head_dim and qkv.is_contiguous() and cos.shape == (tokens, head_dim)
-            and sin.shape == cos.shape and cos.is_contiguous() and sin.is_contiguous() and cos.dtype == qkv.dtype
-            and sin.dtype == qkv.dtype and slots.dtype == torch.int64 and slots.is_contiguous()
-            and slots.shape == (tokens,) and key_cache.shape[1:] == (kv_heads, head_dim)
+    table_rows = tokens if positions is None else cos.shape[0]
+    if not (width == (q_heads + 2 * kv_heads) * head_dim and qkv.is_contiguous()
+            and cos.shape == (table_rows, head_dim) and sin.shape == cos.shape and cos.is_contiguous()
+            and sin.is_contiguous() and cos.dtype == qkv.dtype and sin.dtype == qkv.dtype
+            and all(t.dtype == torch.int64 and t.is_contiguous() and t.shape == (tokens,)
+                    for t in (slots, positions) if t is not None)
+            and key_cache.shape[1:] == (kv_heads, head_dim)
             and all(norm is None or norm.weight.shape == (head_dim,) for norm in (q_norm, k_norm))):
         raise ValueError(f"rope_store got qkv {tuple(qkv.shape)} {qkv.dtype}, cos {tuple(cos.shape)} {cos.dtype}, "
-                         f"slots {tuple(slots.shape)} {slots.dtype}, cache {tuple(key_cache.shape)} "
-                         f"{key_cache.dtype} for {q_heads}/{kv_heads} heads of {head_dim}")
+                         f"slots {tuple(slots.shape)} {slots.dtype}, positions "
+                         f"{None if positions is None else (tuple(positions.shape), positions.dtype)}, cache "
+                         f"{tuple(key_cache.shape)} {key_cache.dtype} for {q_heads}/{kv_heads} heads of {head_dim}")
     norms = [None if norm is None else ctypes.byref(norm.args) for norm in (q_norm, k_norm)]
-    if lib.rope_store(qkv.data_ptr(), DTYPE_CODES[qkv.dtype], tokens, width, q_heads, kv_heads, head_dim, *norms,
-                      cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                      key_scales, value_scales, code, torch.get_num_threads()):
+    failed = lib.rope_store(qkv.data_ptr(), DTYPE_CODES[qkv.dtype], tokens, width, q_heads, kv_heads, head_dim,
+                            *norms, cos.data_ptr(), sin.data_ptr(), None if positions is None else positions.data_ptr(),
+                            table_rows, slots.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), key_scales,
+                            value_scales, code, torch.get_num_threads())
+    if failed == 4:
+        raise ValueError(f"rope_store got positions {positions.tolist()} outside its tables' {table_rows} rows")
+    if failed:
         raise MemoryError(f"rope_store could not allocate its buffer ({6 * head_dim} floats a thread)")

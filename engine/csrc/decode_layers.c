@@ -31,8 +31,8 @@ int decode_layers(const decode_step *s, const lean_layer *layers, int64_t count)
                             L->qkv.bias, L->qkv.scale, L->qkv.row_sums, s->mode, s->qkv, NULL, threads);
         if (!failed)
             failed = rope_store(s->qkv, dt, t, width, s->heads, s->kv_heads, s->head_dim, &L->q_norm, &L->k_norm,
-                                cos, sin, s->slots, L->key_cache, L->value_cache, L->key_scales, L->value_scales,
-                                s->cache_dtype, threads);
+                                cos, sin, s->positions, s->rope_rows, s->slots, L->key_cache, L->value_cache,
+                                L->key_scales, L->value_scales, s->cache_dtype, threads);
         if (!failed)  /* the queries [heads, tokens, d]: head stride d, token stride a qkv row */
             failed = paged_decode_attention(s->qkv, dt, s->head_dim, width, s->query_index, L->key_cache,
                                             L->value_cache, L->key_scales, L->value_scales, s->cache_dtype,

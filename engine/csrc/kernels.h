@@ -50,9 +50,10 @@ typedef struct {
 typedef struct {
     void *h, *normed, *qkv, *attended, *o, *gate_up, *down;  /* [tokens, width] buffers, io_dtype */
     const void *cos, *sin, *local_cos, *local_sin;           /* [tokens, head_dim], io_dtype */
+    const int64_t *positions;  /* NULL, or the rotary tables' rows [tokens]: cos ... are then tables of rope_rows */
     const int64_t *slots, *query_index, *block_tables, *context_lens;
     norm_weights final_norm;
-    int64_t tokens, hidden, heads, kv_heads, head_dim, num_seqs, block_size, table_width;
+    int64_t tokens, hidden, heads, kv_heads, head_dim, num_seqs, block_size, table_width, rope_rows;
     int io_dtype, cache_dtype, mode, num_threads;  /* an I8 cache is read back in io_dtype */
 } decode_step;
 
@@ -69,8 +70,8 @@ int add_rms_norm(void *h, const void *delta, const norm_weights *delta_norm, int
 void normalize_row(float *row, int64_t dim, const float *w, float eps, int flavor, int dtype);
 int rope_store(void *qkv, int dtype, int64_t tokens, int64_t width, int64_t nq, int64_t nkv, int64_t d,
                const norm_weights *q_norm, const norm_weights *k_norm, const void *cos, const void *sin,
-               const int64_t *slots, void *key_cache, void *value_cache, float *key_scales, float *value_scales,
-               int cache_dtype, int num_threads);
+               const int64_t *positions, int64_t table_rows, const int64_t *slots, void *key_cache,
+               void *value_cache, float *key_scales, float *value_scales, int cache_dtype, int num_threads);
 int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, int64_t q_token_stride,
                            const int64_t *query_index, const void *key_cache, const void *value_cache,
                            const float *key_scales, const float *value_scales, int dtype,

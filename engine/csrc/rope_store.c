@@ -5,7 +5,9 @@
  * heads of d values), in the model's dtype: each query and key head is rotated as transformers' rotate-half
  * RoPE does, `x * cos + rotate_half(x) * sin` with each product and the sum rounded to the dtype as torch rounds
  * them; queries in place, keys into the cache row of their token's slot, values copied there as they are.
- * cos and sin [T, d] are the model's own (its rotary embedding module made them, M-RoPE's sections included).
+ * cos and sin [T, d] are the model's own (its rotary embedding module made them, M-RoPE's sections included);
+ * with `positions` (int64 [T]; NULL: none) they are tables of `table_rows` rows and token t reads row positions[t]
+ * (engine/rotary_tables.py), a position outside them refused (4) before anything is written.
  * Where the layer normalises each query and key head before the rotation (Gemma 3's q_norm and k_norm), `q_norm`
  * and `k_norm` are those norms (NULL, or a NULL weight: none), applied as rms_norm.c applies them.
  * An I8 cache (`cache_dtype`) gets each key and value head quantized (dtypes.h's `quantize_row`), its scale into
@@ -39,9 +41,12 @@ static inline void rotate(const float *restrict x, const float *restrict c, cons
 
 int rope_store(void *qkv, int dtype, int64_t tokens, int64_t width, int64_t nq, int64_t nkv, int64_t d,
                const norm_weights *q_norm, const norm_weights *k_norm, const void *cos, const void *sin,
-               const int64_t *slots, void *key_cache, void *value_cache, float *key_scales, float *value_scales,
-               int cache_dtype, int num_threads) {
+               const int64_t *positions, int64_t table_rows, const int64_t *slots, void *key_cache,
+               void *value_cache, float *key_scales, float *value_scales, int cache_dtype, int num_threads) {
     if (cache_dtype == I8 && !(key_scales && value_scales)) return 1;
+    if (positions)
+        for (int64_t t = 0; t < tokens; t++)
+            if (positions[t] < 0 || positions[t] >= table_rows) return 4;
     int failed = 0;
     const int norm_q = q_norm && q_norm->weight, norm_k = k_norm && k_norm->weight;
     /* tokens over the threads from 2 on: a decode step's 8 tokens of SmolVLM-256M (12 heads each, an int8 cache's
@@ -61,8 +66,9 @@ int rope_store(void *qkv, int dtype, int64_t tokens, int64_t width, int64_t nq, 
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tokens; t++) {
             if (!buffer) continue;
-            load_floats(cos, dtype, t * d, d, c);
-            load_floats(sin, dtype, t * d, d, s);
+            const int64_t at = (positions ? positions[t] : t) * d;
+            load_floats(cos, dtype, at, d, c);
+            load_floats(sin, dtype, at, d, s);
             const int64_t row = t * width;
             for (int64_t h = 0; h < nq; h++) {
                 load_floats(qkv, dtype, row + h * d, d, x);

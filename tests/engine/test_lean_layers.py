@@ -163,8 +163,9 @@ def test_a_decode_step_in_one_call_is_the_layer_by_layer_path_bit_for_bit(checkp
                                                                           name):
     """engine/csrc/decode_layers.c runs the same kernels in the same order: the same bits as a call per kernel
     (Qwen2-VL: M-RoPE's tables and q/k/v biases; Gemma 3: its four norms a layer, q/k norms, GELU, local layers'
-    windows and tables), and it is what ran the decode steps."""
-    outputs, calls = {}, {}
+    windows and tables), and it is what ran the decode steps. Its rotary rows come from the tables made once
+    (engine/rotary_tables.py), the layer-by-layer path's from the module each step; M-RoPE's from the module."""
+    outputs, calls, tables = {}, {}, {}
     for one_call in (True, False):
         calls[one_call] = []
         # token budgets only: a time budget fitted at start-up could fill the two engines' steps differently
@@ -172,10 +173,36 @@ def test_a_decode_step_in_one_call_is_the_layer_by_layer_path_bit_for_bit(checkp
         model = checkpoint if name == "smolvlm" else families(name).checkpoint
         engine = Engine(EngineConfig(model=model, device=DEVICE, **config))
         outputs[one_call] = _decode_outputs(engine, one_call, calls[one_call], monkeypatch)
+        tables[one_call] = lean_paths.text(engine.adapter.text_model).rope_tables.rows
     assert len(calls[True]) >= 5 and not calls[False]
+    assert tables == {True: 0 if name == "tiny-qwen2-vl" else 256, False: 0}
     assert len(outputs[True]) == len(outputs[False])
     for step, (one, each) in enumerate(zip(outputs[True], outputs[False])):
         assert torch.equal(one, each), f"step {step}"
+
+
+def test_one_call_refuses_a_rotary_position_outside_its_tables(checkpoint, caplog):
+    """A decode row's position past the rotary tables (the runner's positions and the block tables disagreeing)
+    fails the step naming the positions; the engine serves the next requests."""
+    engine = Engine(EngineConfig(model=checkpoint, device=DEVICE, lean_layers=True, cpu_linear_rows=ALWAYS_KERNEL))
+    engine.add_request(prompt="a person at the door " * 4, sampling=SamplingParams(max_tokens=8))
+    lean = lean_paths.text(engine.adapter.text_model)
+    run = lean._run_in_one_call
+
+    def far(layer_args, batch, h, buffers, position_ids):
+        return run(layer_args, batch, h, buffers, position_ids + (1 << 20))
+
+    lean._run_in_one_call = far
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+    assert outputs[0].finish_reason == "error" and engine.num_step_failures == 1
+    assert re.search(r"layer 0 of \d+ refused .*rotary positions \[1048576, [\d, ]+\] outside the tables' \d+ rows",
+                     caplog.text)
+    lean._run_in_one_call = run
+    engine.add_request(prompt="a person at the door", sampling=SamplingParams(max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.num_step_failures == 1
 
 
 def test_one_call_names_the_layer_whose_kernel_refused(checkpoint, caplog):
