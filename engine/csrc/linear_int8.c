@@ -22,8 +22,9 @@
  *     rows outgrow the L1), as they lie, against them (two tiles of sums a block); x past AMX_PASS_BYTES in passes
  *     of rows against every task's weights packed beforehand, each pass's rows quantized as it starts; fewer rows
  *     than AMX_INT8_MIN_ROWS but more than a vector block's (a decode step's) the other way round (`tdpbsud`, the
- *     weight rows first as they lie, against x's quads: amx_few_tasks); the columns past the last whole tile pair
- *     through the vector blocks;
+ *     weight rows first as they lie, against x's quads: amx_few_tasks; where the tiles take every column, each
+ *     thread quantizes all of x for itself, so that no thread waits at a barrier for another's rows: a decode
+ *     product 0.95-0.99x); the columns past the last whole tile pair through the vector blocks;
  *   - anything else: plain C.
  * A whole task's sums are finished in vectors on AVX-512, many rows at once (32 consecutive columns: `finish32_rows`;
  * glu, 16 gate and their 16 up outputs: `finish16_glu_rows`), a partial task's and float16's by `finish_sums`.
@@ -839,6 +840,11 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
         few = amx_tasks > 0 && m < AMX_INT8_MIN_ROWS;
     }
     if (few) row_bytes = MAX(row_bytes, (size_t)(k / 64) * (size_t)((m + AMX_ROWS - 1) / AMX_ROWS) * 1024);
+    /* own: the tiles take every column (no vector blocks), so each thread quantizes all of x for itself (its own
+     * copy after the quads' room, then its scales), and no thread waits for another's rows */
+    const int own = few && (glu_mode ? out_cols / 16 * 16 : n / 32 * 32) == (glu_mode ? out_cols : n);
+    const size_t own_x = ((size_t)(m * kp) + 63) / 64 * 64;
+    if (own) row_bytes = (row_bytes + 63) / 64 * 64 + own_x + scale_bytes;
     else if (amx_tasks) {
         row_bytes = (size_t)k * 32;  /* amx_pack_weights' */
         const int64_t passes = (m * k + AMX_PASS_BYTES - 1) / AMX_PASS_BYTES;
@@ -858,16 +864,28 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
     /* rows of x per pass over the weights: as many as keep a pass's x in the L2 cache (X_BYTES), at most MCI */
     const int64_t chunk_rows = MIN(MCI, MAX(RX, X_BYTES / kp / RX * RX));
     task_share shares[num_threads];
-#pragma omp parallel num_threads(num_threads) if (m * n * k >= 65536)
+    const int team = m * n * k >= 65536 ? num_threads : 1;
+#if defined(__AMX_INT8__) && defined(__AMX_BF16__)
+    if (own) deal(shares, team, amx_tasks);  /* each thread's share before any thread steals from it */
+#endif
+#pragma omp parallel num_threads(num_threads) if (team > 1)
     {
         float *row = thread_scratch_at(1, row_bytes);
         if (!row) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
         const int by_pass = amx_tasks > 0 && !few;  /* x quantized a pass of rows at a time, just before it is used */
+        uint8_t *own_xq = own && row ? (uint8_t *)row + (row_bytes - own_x - scale_bytes) : NULL;
+        float *own_xs = own_xq ? (float *)(own_xq + own_x) : NULL;
+        if (own && team_size() != team) deal_team(shares, amx_tasks);
+        if (own_xq)
+            for (int64_t i = 0; i < m; i++)
+                own_xs[i] = quantize_x(x, io_dtype, i, k, kp, i + 2 < m, row, own_xq + i * kp);
 #else
-        const int by_pass = 0, few = 0;
+        const int by_pass = 0, few = 0, own = 0;
+        uint8_t *own_xq = NULL;
+        float *own_xs = NULL;
 #endif
-        if (!by_pass) {
+        if (!by_pass && !own) {
             /* the first chunk's tasks (few: the tiles'): the quantizing loop's barrier is deal's */
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
             if (few) deal_own(shares, amx_tasks);
@@ -881,12 +899,12 @@ int linear_int8(const void *x, int io_dtype, int64_t m, int64_t k, const int8_t 
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__)
         if (few) {
             uint32_t *xt = (uint32_t *)row;  /* the thread's own quads of x (the quantizing's row is done with) */
-            if (xt) few_x_quads(xq, kp, m, k, xt);
+            if (xt) few_x_quads(own ? own_xq : xq, kp, m, k, xt);
             const int64_t rows2 = m > AMX_ROWS ? m - AMX_ROWS : 0;
             amx_configure_few((int)MIN(AMX_ROWS, m), (int)rows2);
             if (!__atomic_load_n(&failed, __ATOMIC_RELAXED))
-                amx_few_tasks(shares, xt, m, k, w, w_stride, n, scale, row_sums, xs, glu_mode, gelu, bias, y,
-                              residual, io_dtype);
+                amx_few_tasks(shares, xt, m, k, w, w_stride, n, scale, row_sums, own ? own_xs : xs, glu_mode, gelu,
+                              bias, y, residual, io_dtype);
             _tile_release();
             if (tasks > 0) {  /* the vector blocks' deal below reuses the shares */
 #pragma omp barrier

@@ -67,6 +67,14 @@ def test_int8_linear_gives_the_reference_s_bits(name):
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
+def test_decode_rows_whose_every_column_the_tiles_take(name):
+    """8, 20 and 31 rows against weights whose columns are all whole tiles (n a multiple of 32; glu, of 16 outputs):
+    where the CPU has AMX, each thread quantizes every row of x for itself and no thread waits for another's."""
+    _check_all(build.load_variant(name), (1, 2), (8, 20, 31), ((64, 576), (96, 1600)), (torch.bfloat16, torch.float32),
+               (None, "silu", "gelu_tanh"))
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
 def test_long_rows_of_k(name):
     """k = 1,600 (a multiple of 64 whose packed task exceeds AMX_PAIR_BYTES: the AMX tiles take two blocks of x a
     pass): 40 rows (a pair, then a block of 8 alone), 50 (a pair, then a pair whose second block has 2 rows), 257
