@@ -5,8 +5,8 @@ steps measured, each step's time is split into phases: scheduling, the vision en
 preparation (packing, embedding, the output head: what the runner does outside the text model and the
 sampler), the text model's forward, sampling, detokenizing, and the rest (the scheduler's update, stop
 conditions, outputs). The phases are timed by wrapping the methods that do them (`Scheduler.schedule`,
-`ModelRunner.execute`, `adapter.forward_text`, the sampler, the detokenizer); where the runner reports its
-own per-step timings (`runner.timings`), its split of the runner's time is used instead.
+`ModelRunner.execute`, `adapter.forward_text` and `forward_tokens`, the sampler, the detokenizer); where the
+runner reports its own per-step timings (`runner.timings`), its split of the runner's time is used instead.
 
 A few steps are then run under a counter of aten ops (a `TorchDispatchMode`) and of device read-backs
 (`aten._local_scalar_dense`, a copy from the device to the host, and the Python calls that read a tensor's
@@ -92,7 +92,8 @@ def timed_phases(engine: Engine, phases: Phases) -> Iterator[None]:
         if hasattr(runner, "_encode"):
             stack.enter_context(_patched(runner, "_encode", phases.wrap("encode", runner._encode)))
         adapter = runner.adapter
-        stack.enter_context(_patched(adapter, "forward_text", phases.wrap("forward", adapter.forward_text)))
+        for entry in ("forward_text", "forward_tokens"):  # a step calls one of them (model_runner's rule)
+            stack.enter_context(_patched(adapter, entry, phases.wrap("forward", getattr(adapter, entry))))
         if callable(getattr(model_runner, "sample", None)):
             stack.enter_context(_patched(model_runner, "sample", phases.wrap("sample", model_runner.sample)))
         stack.enter_context(_patched(IncrementalDetokenizer, "update",

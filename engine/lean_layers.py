@@ -252,6 +252,10 @@ class LeanTextModel:
         self.ropes = [_rope_kind(text_model, layer) for layer in text_model.layers]
         self.rope_kinds = sorted(set(self.ropes), key=str)  # the rotary tables a step makes
         self.rope_tables = RotaryTables(text_model.rotary_emb, self.rope_kinds, head_dim)  # decode steps' rows
+        # the embedding's rows the one call gathers itself (`forward`'s ids): a plain torch Embedding's, whose rows
+        # are the embeddings as they are (Gemma's scales them: the module embeds)
+        embed = getattr(text_model, "embed_tokens", None)
+        self.embedding = embed.weight if type(embed) is torch.nn.Embedding and embed.weight.is_contiguous() else None
         self.layers = [LeanLayer(layer, rope) if fits(layer) else None
                        for layer, rope in zip(text_model.layers, self.ropes)]
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -327,20 +331,28 @@ class LeanTextModel:
                             sin.reshape(tokens, self.head_dim).contiguous())
         return tables
 
-    def forward(self, embeds: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """[T, hidden] embeddings -> [T, hidden] final hidden states (after the model's last norm)."""
+    def forward(self, embeds: torch.Tensor | None, position_ids: torch.Tensor, batch: AttentionBatch,
+                ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, hidden] embeddings, or None and the T token ids (int64) to embed -> [T, hidden] final hidden states
+        (after the model's last norm). A step in one call gathers the ids' rows of a plain embedding itself."""
         if batch.kernel is not None:
             raise RuntimeError("lean layers run the CPU's attention, not the paged kernel's metadata")
-        tokens, hidden = embeds.shape
+        tokens = ids.shape[0] if embeds is None else embeds.shape[0]
+        layer_args = self._in_one_call(batch, tokens)
+        gather = embeds is None and layer_args is not None and self.embedding is not None
+        if embeds is None and not gather:
+            embeds = self.text_model.embed_tokens(ids)
+        dtype, hidden = (self.embedding.dtype, self.embedding.shape[1]) if gather else (embeds.dtype, embeds.shape[1])
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        h = embeds.contiguous()  # the residual stream, updated in place
-        new = embeds.new_empty
+        # the residual stream, updated in place
+        h = torch.empty(tokens, hidden, dtype=dtype) if gather else embeds.contiguous()
+        new = h.new_empty
         normed, o, down = new(tokens, hidden), new(tokens, hidden), new(tokens, hidden)
         qkv, attended = new(tokens, q_width + 2 * kv_width), new(tokens, self.heads, self.head_dim)
-        layer_args = self._in_one_call(batch, tokens)
         if layer_args is not None:
             gate_up = new(tokens, self.layers[0].intermediate)
-            self._run_in_one_call(layer_args, batch, h, (normed, qkv, attended, o, gate_up, down), position_ids)
+            self._run_in_one_call(layer_args, batch, h, (normed, qkv, attended, o, gate_up, down), position_ids,
+                                  ids if gather else None)
             return normed
         tables = self._rotary_tables(embeds, position_ids)
         queries = qkv[:, :q_width].view(tokens, self.heads, self.head_dim).transpose(0, 1)  # [heads, T, d]
@@ -386,18 +398,24 @@ class LeanTextModel:
         return normed
 
     def _run_in_one_call(self, layer_args: ctypes.Array, batch: AttentionBatch, h: torch.Tensor,
-                         buffers: tuple[torch.Tensor, ...], position_ids: torch.Tensor) -> None:
-        """forward's layers and final norm in one C call: h and the buffers (normed, qkv, attended, o, gate_up,
-        down) as forward made them, the rotary tables (the first kind's cos and sin, the second's the local ones:
-        `rope_tables` read at the step's positions where they hold the module's values, else the module's rows for
-        the step), the step's attention metadata checked as each kernel's wrapper checks it."""
+                         buffers: tuple[torch.Tensor, ...], position_ids: torch.Tensor,
+                         ids: torch.Tensor | None = None) -> None:
+        """forward's layers and final norm in one C call: h (the embeddings, or where `ids` are given their rows of
+        `embedding`, gathered in the call) and the buffers (normed, qkv, attended, o, gate_up, down) as forward
+        made them, the rotary tables (the first kind's cos and sin, the second's the local ones: `rope_tables`
+        read at the step's positions where they hold the module's values, else the module's rows for the step),
+        the step's attention metadata checked as each kernel's wrapper checks it."""
         if self._step is None:
             self._step = abi.DecodeStepArgs()
         group, step, cache = batch.decodes[0], self._step, batch.kv_cache.keys[0]
-        metadata = (batch.slot_mapping, group.query_index, group.block_tables, group.context_lens)
-        if not all(t.dtype == torch.int64 and t.is_contiguous() for t in (*metadata, position_ids)):
-            raise ValueError(f"the decode step's slots, query index, block tables, context lengths and positions "
-                             f"must be contiguous int64, got {[t.dtype for t in (*metadata, position_ids)]}")
+        metadata = (batch.slot_mapping, group.query_index, group.block_tables, group.context_lens, position_ids)
+        if ids is not None:
+            metadata += (ids,)
+        if not all(t.dtype == torch.int64 and t.is_contiguous() for t in metadata):
+            raise ValueError(f"the decode step's slots, query index, block tables, context lengths, positions and "
+                             f"ids must be contiguous int64, got {[t.dtype for t in metadata]}")
+        step.ids, step.embedding, step.embedding_rows = (
+            (None, None, 0) if ids is None else (ids.data_ptr(), self.embedding.data_ptr(), self.embedding.shape[0]))
         tokens, hidden = h.shape
         # a decode row's position is its context length less one (one position stream), within the block tables
         reach = group.block_tables.shape[1] * batch.kv_cache.block_size
@@ -415,7 +433,7 @@ class LeanTextModel:
         step.h, step.normed, step.qkv, step.attended, step.o, step.gate_up, step.down = (
             t.data_ptr() for t in (h, *buffers))
         step.cos, step.sin, step.local_cos, step.local_sin = (t.data_ptr() for t in (cos, sin, local_cos, local_sin))
-        step.slots, step.query_index, step.block_tables, step.context_lens = (t.data_ptr() for t in metadata)
+        step.slots, step.query_index, step.block_tables, step.context_lens = (t.data_ptr() for t in metadata[:4])
         step.final_norm = self.final_norm.args
         step.tokens, step.hidden, step.heads, step.kv_heads, step.head_dim = (
             tokens, hidden, self.heads, self.kv_heads, self.head_dim)

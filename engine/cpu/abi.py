@@ -45,15 +45,15 @@ class LeanLayerArgs(ctypes.Structure):
 
 
 class DecodeStepArgs(ctypes.Structure):
-    """kernels.h's `decode_step`: a step's buffers, rotary tables (and their rows: `positions`), attention metadata
-    and sizes."""
+    """kernels.h's `decode_step`: a step's buffers, rotary tables (and their rows: `positions`), token ids and
+    embedding (h gathered in the call), attention metadata and sizes."""
 
     _fields_ = [*((name, _P) for name in ("h", "normed", "qkv", "attended", "o", "gate_up", "down", "cos", "sin",
-                                          "local_cos", "local_sin", "positions", "slots", "query_index",
-                                          "block_tables", "context_lens")),
+                                          "local_cos", "local_sin", "positions", "ids", "embedding", "slots",
+                                          "query_index", "block_tables", "context_lens")),
                 ("final_norm", NormArgs),
                 *((name, _I64) for name in ("tokens", "hidden", "heads", "kv_heads", "head_dim", "num_seqs",
-                                            "block_size", "table_width", "rope_rows")),
+                                            "block_size", "table_width", "rope_rows", "embedding_rows")),
                 *((name, _INT) for name in ("io_dtype", "cache_dtype", "mode", "num_threads"))]
 
 

@@ -225,6 +225,9 @@ def decode_layers(step: DecodeStepArgs, layers: ctypes.Array) -> None:
         layer, code = divmod(failed, 10)
         what = f"layer {layer - 1} of {len(layers)}" if layer <= len(layers) else "the final norm"
         lens = ctypes.cast(step.context_lens, ctypes.POINTER(ctypes.c_int64))[:step.num_seqs]
+        if failed == 5:
+            ids = ctypes.cast(step.ids, ctypes.POINTER(ctypes.c_int64))[:step.tokens]
+            raise ValueError(f"decode_layers: token ids {ids} outside the embedding's {step.embedding_rows} rows")
         if code == 1:
             why = f"context lengths {lens} past the block tables' {step.table_width} x {step.block_size} positions"
         elif code == 4:

@@ -13,13 +13,23 @@
  * layer's. Llama-style layers have no attn_out_norm, mlp_out_norm, q_norm or k_norm (NULL weights: none); Gemma 3's
  * have all four, GELU's tanh approximation as act, a sliding window and their own rotary tables in local layers.
  */
+#include <string.h>
+
 #include "dtypes.h"
 #include "kernels.h"
 
-/* Returns 0, or 10 * (the layer + 1) + what its failing kernel returned (the final norm: layer = count). */
+/* Returns 0, or 10 * (the layer + 1) + what its failing kernel returned (the final norm: layer = count); 5 where
+ * a token id lies outside the embedding (nothing is computed then). */
 int decode_layers(const decode_step *s, const lean_layer *layers, int64_t count) {
     const int dt = s->io_dtype, threads = s->num_threads;
     const int64_t t = s->tokens, width = (s->heads + 2 * s->kv_heads) * s->head_dim;
+    if (s->ids) {  /* h = the ids' rows of the embedding, as torch's embedding copies them */
+        const size_t row = (size_t)s->hidden * (dt == F32 ? 4 : 2);
+        for (int64_t i = 0; i < t; i++)
+            if (s->ids[i] < 0 || s->ids[i] >= s->embedding_rows) return 5;
+        for (int64_t i = 0; i < t; i++)
+            memcpy((char *)s->h + i * row, (const char *)s->embedding + s->ids[i] * row, row);
+    }
     const void *pending = NULL;
     const norm_weights *pending_norm = NULL;
     for (int64_t l = 0; l < count; l++) {

@@ -51,9 +51,11 @@ typedef struct {
     void *h, *normed, *qkv, *attended, *o, *gate_up, *down;  /* [tokens, width] buffers, io_dtype */
     const void *cos, *sin, *local_cos, *local_sin;           /* [tokens, head_dim], io_dtype */
     const int64_t *positions;  /* NULL, or the rotary tables' rows [tokens]: cos ... are then tables of rope_rows */
+    const int64_t *ids;        /* NULL, or the step's token ids [tokens]: h is first their rows of `embedding` */
+    const void *embedding;     /* [embedding_rows, hidden], io_dtype */
     const int64_t *slots, *query_index, *block_tables, *context_lens;
     norm_weights final_norm;
-    int64_t tokens, hidden, heads, kv_heads, head_dim, num_seqs, block_size, table_width, rope_rows;
+    int64_t tokens, hidden, heads, kv_heads, head_dim, num_seqs, block_size, table_width, rope_rows, embedding_rows;
     int io_dtype, cache_dtype, mode, num_threads;  /* an I8 cache is read back in io_dtype */
 } decode_step;
 

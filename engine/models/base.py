@@ -263,6 +263,14 @@ class VLMAdapter:
                                  f"that {self.family} takes")
         return "\n".join(lines)
 
+    def forward_tokens(self, ids: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """`forward_text` of the token ids' embeddings (a step that merges no encoder features): the lean layers'
+        one call gathers the rows itself where it can."""
+        lean = lean_paths.text(self.text_model)
+        if lean is not None:
+            return lean.forward(None, position_ids, batch, ids=ids)
+        return self.forward_text(self.embed_tokens(ids), position_ids, batch)
+
     def forward_text(
         self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:

@@ -87,6 +87,27 @@ def make_engine(checkpoint):
     return make
 
 
+def record_text_outputs(engine: Engine, keep: Callable[[torch.Tensor], torch.Tensor] = torch.clone
+                        ) -> list[torch.Tensor]:
+    """`keep` of the text model's output at every step from now on, whichever way the runner calls it
+    (`forward_text` of embeddings with encoder features merged, `forward_tokens` of ids otherwise)."""
+    seen: list[torch.Tensor] = []
+    adapter, inside = engine.adapter, []
+    for name in ("forward_text", "forward_tokens"):
+        def recorded(*args, forward=getattr(adapter, name)):
+            inside.append(1)  # forward_tokens may call forward_text: the outer call's output is the step's
+            try:
+                out = forward(*args)
+            finally:
+                inside.pop()
+            if not inside:
+                seen.append(keep(out))
+            return out
+
+        setattr(adapter, name, recorded)
+    return seen
+
+
 def run_jobs(engine: Engine, jobs: list[Job], sampling_extra: dict | None = None) -> tuple[dict[int, list[int]], list]:
     """Add each job at its arrival step, step until all finish; return each job's tokens and, per step,
     the outputs and stats."""

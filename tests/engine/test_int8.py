@@ -23,7 +23,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.grammar import GrammarCompiler, GrammarSpec, apply_token_masks
 from engine.presets import PRESETS, build_checkpoint
 from engine.quantization import Int8Linear, int8_bytes, quantize_linears, quantize_weight
-from tests.engine.conftest import DEVICE, oracle_for, run_jobs
+from tests.engine.conftest import DEVICE, oracle_for, record_text_outputs, run_jobs
 from tests.engine.test_exactness import mixed_jobs
 from tests.engine.test_families import mixed_jobs as family_jobs
 
@@ -233,14 +233,7 @@ def test_top1_agreement_with_bfloat16_over_1000_positions(checkpoint):
     for quantization in (None, "int8"):
         engine = Engine(EngineConfig(model=checkpoint, device=DEVICE, dtype="bfloat16", quantization=quantization,
                                      max_num_batched_tokens=1024, **FAST))
-        forward, seen = engine.adapter.forward_text, []
-
-        def recorded(embeds, positions, batch, forward=forward, seen=seen):
-            out = forward(embeds, positions, batch)
-            seen.append(out.clone())
-            return out
-
-        engine.adapter.forward_text = recorded
+        seen = record_text_outputs(engine)
         text = " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(2000))
         engine.add_request(prompt_token_ids=engine.tokenizer(text, add_special_tokens=False)["input_ids"][:1000],
                            sampling=SamplingParams(max_tokens=1))

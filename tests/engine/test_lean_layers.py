@@ -13,7 +13,7 @@ import torch
 from bench.host import OpCounter
 from engine import Engine, EngineConfig, SamplingParams, lean_layers, lean_paths
 from engine.lean_layers import LeanTextModel, fits
-from tests.engine.conftest import DEVICE, run_jobs
+from tests.engine.conftest import DEVICE, record_text_outputs, run_jobs
 from tests.engine.test_exactness import mixed_jobs
 from tests.engine.test_families import mixed_jobs as family_jobs
 
@@ -55,14 +55,7 @@ def test_lean_forward_equals_the_stock_layers_in_bfloat16(checkpoint, families, 
         # machine's load made calibration measure.
         engine = Engine(EngineConfig(model=model, device=DEVICE, dtype="bfloat16", lean_layers=lean,
                                      cpu_linear_rows=ALWAYS_KERNEL, itl_target_ms=0))
-        forward, seen = engine.adapter.forward_text, []
-
-        def recorded(embeds, positions, batch, forward=forward, seen=seen):
-            out = forward(embeds, positions, batch)
-            seen.append(out.float().clone())
-            return out
-
-        engine.adapter.forward_text = recorded
+        seen = record_text_outputs(engine, lambda out: out.float().clone())
         engine.add_request(prompt="a person crossing the street " * 6, sampling=SamplingParams(max_tokens=4))
         while engine.has_unfinished_requests():
             engine.step()
@@ -130,6 +123,8 @@ def test_a_decode_step_is_a_few_operators_a_layer():
             for _ in range(3):
                 engine.step()
         counts[rows] = sum(counter.ops.values()) / 3
+        if rows == ALWAYS_KERNEL:  # the one call gathers the embeddings and reads the rotary tables itself
+            assert not {"embedding", "index_select", "cos", "sin"} & set(counter.ops), counter.ops
     assert engine.adapter.num_layers == 30
     assert counts[0] <= 400
     assert counts[ALWAYS_KERNEL] <= 100, counts
@@ -142,14 +137,7 @@ def _decode_outputs(engine: Engine, one_call: bool, calls: list[int], monkeypatc
     lean_paths.text(engine.adapter.text_model).one_call = one_call
     run = ops.decode_layers
     monkeypatch.setattr(ops, "decode_layers", lambda *a: (calls.append(1), run(*a)))
-    forward, seen = engine.adapter.forward_text, []
-
-    def recorded(embeds, positions, batch):
-        out = forward(embeds, positions, batch)
-        seen.append(out.clone())
-        return out
-
-    engine.adapter.forward_text = recorded
+    seen = record_text_outputs(engine)
     for i in range(4):
         engine.add_request(prompt=f"camera {i} sees a person " * (3 + i), sampling=SamplingParams(max_tokens=6))
     while engine.has_unfinished_requests():
@@ -189,8 +177,8 @@ def test_one_call_refuses_a_rotary_position_outside_its_tables(checkpoint, caplo
     lean = lean_paths.text(engine.adapter.text_model)
     run = lean._run_in_one_call
 
-    def far(layer_args, batch, h, buffers, position_ids):
-        return run(layer_args, batch, h, buffers, position_ids + (1 << 20))
+    def far(layer_args, batch, h, buffers, position_ids, ids=None):
+        return run(layer_args, batch, h, buffers, position_ids + (1 << 20), ids)
 
     lean._run_in_one_call = far
     while engine.has_unfinished_requests():
@@ -198,6 +186,30 @@ def test_one_call_refuses_a_rotary_position_outside_its_tables(checkpoint, caplo
     assert outputs[0].finish_reason == "error" and engine.num_step_failures == 1
     assert re.search(r"layer 0 of \d+ refused .*rotary positions \[1048576, [\d, ]+\] outside the tables' \d+ rows",
                      caplog.text)
+    lean._run_in_one_call = run
+    engine.add_request(prompt="a person at the door", sampling=SamplingParams(max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.num_step_failures == 1
+
+
+def test_one_call_refuses_a_token_id_outside_its_embedding(checkpoint, caplog):
+    """A token id past the embedding's rows (the engine's checks of ids at admission bypassed) fails the step
+    naming the ids before anything is computed; the engine serves the next requests."""
+    engine = Engine(EngineConfig(model=checkpoint, device=DEVICE, lean_layers=True, cpu_linear_rows=ALWAYS_KERNEL))
+    engine.add_request(prompt="a person at the door " * 4, sampling=SamplingParams(max_tokens=8))
+    lean = lean_paths.text(engine.adapter.text_model)
+    run = lean._run_in_one_call
+    rows = lean.embedding.shape[0]
+
+    def past(layer_args, batch, h, buffers, position_ids, ids=None):
+        return run(layer_args, batch, h, buffers, position_ids, None if ids is None else ids + rows)
+
+    lean._run_in_one_call = past
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+    assert outputs[0].finish_reason == "error" and engine.num_step_failures == 1
+    assert re.search(rf"token ids \[\d+, [\d, ]+\] outside the embedding's {rows} rows", caplog.text)
     lean._run_in_one_call = run
     engine.add_request(prompt="a person at the door", sampling=SamplingParams(max_tokens=3))
     while engine.has_unfinished_requests():
