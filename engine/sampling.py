@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -127,12 +128,30 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
+DRAW_BLOCK = 64  # a CPU stream's draws taken at once (`RandomStream`)
+
+
+class RandomStream(torch.Generator):
+    """A request's generator whose uniform draws (`uniform`: float64 in [0, 1)) are taken DRAW_BLOCK at a time on
+    the CPU, one torch operator a block instead of one a draw: the same values in the same order, since torch's CPU
+    generator draws a tensor's values one after another (tests/engine/test_sampler.py checks it)."""
+
+    def uniform(self) -> float:
+        if "block" not in self.__dict__:
+            self.block, self.taken = array("d", bytes(8 * DRAW_BLOCK)), DRAW_BLOCK
+        if self.taken == DRAW_BLOCK:  # drawn into the array's memory: no read-back
+            torch.frombuffer(self.block, dtype=torch.float64).uniform_(generator=self)
+            self.taken = 0
+        self.taken += 1
+        return self.block[self.taken - 1]
+
+
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     """A request's own random stream: seeded requests give the same tokens on every run whatever
     else is in the batch."""
     if params.greedy:
         return None
-    generator = torch.Generator(device=device)
+    generator = RandomStream(device=device)
     if params.seed is None:
         generator.seed()
     else:
@@ -276,20 +295,29 @@ def sample(
     picked = choose(logits, index, chosen_top, [params[i] for i in rows], draws([generators[i] for i in rows],
                                                                               logits.device))
     tokens = picked if every else tokens.index_copy(0, index, picked)
-    # the one read-back: the tokens (exact in float64) and the rows' maxima, whose not being finite (NaN somewhere,
-    # no finite logit at all, or +inf) fails a sampled row
-    chosen, maxima = torch.stack([tokens.double(), top.double()]).tolist()
-    sampled = set(rows)
-    failed = [r in sampled and not math.isfinite(m) for r, m in enumerate(maxima)]
-    chosen = [int(t) for t in chosen]
+    # the one read-back: a sampled row whose maximum is not finite (NaN somewhere, no finite logit at all, or +inf)
+    # has token -1 (`choose`'s rule) and fails; greedy rows do not
+    chosen = tokens.tolist()
+    failed = [token < 0 for token in chosen]
+    if any(failed):
+        chosen = [max(token, 0) for token in chosen]
+        tokens = tokens.clamp(min=0)  # the log-probabilities' gather of a failed row's (unused) token
     return chosen, failed, token_logprobs(logits, params, tokens, chosen)
 
 
 def draws(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """One uniform draw in [0, 1) (float64) from each generator (None: torch's global one), in order."""
+    """One uniform draw in [0, 1) (float64) from each generator (None: torch's global one), in order: a CPU
+    `RandomStream`'s from its block, any other's by an operator of its own."""
+    values = [g.uniform() if isinstance(g, RandomStream) and g.device.type == "cpu" else None for g in generators]
+    if device.type == "cpu" and None not in values:
+        return torch.frombuffer(array("d", values), dtype=torch.float64) if values else torch.empty(
+            0, dtype=torch.float64)
     u = torch.empty(len(generators), dtype=torch.float64, device=device)
-    for row, generator in enumerate(generators):
-        u[row : row + 1].uniform_(generator=generator)
+    for row, (generator, value) in enumerate(zip(generators, values)):
+        if value is None:
+            u[row : row + 1].uniform_(generator=generator)
+        else:
+            u[row] = value
     return u
 
 
@@ -313,14 +341,14 @@ def choose(logits: torch.Tensor, index: torch.Tensor, top: torch.Tensor, params:
     smallest prefix, largest first, whose mass reaches top_p; tied weights kept together); the token is the first,
     in token order, whose running sum of kept weights exceeds u times their total (a weight of 0 is never drawn).
     On the CPU the kernel finds the least kept weight by a radix selection of the weights' bits, with no sort
-    (engine/csrc/sampling.c); elsewhere torch sorts the cut rows. A row whose maximum is not finite gets some token
-    (the caller fails it)."""
+    (engine/csrc/sampling.c); elsewhere torch sorts the cut rows. A row whose maximum is not finite gets -1 (the
+    caller fails it)."""
     vocab = logits.shape[-1]
     if _kernel(logits.device) and logits.is_contiguous():
         from engine.cpu import ops
 
-        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype)
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:  # through an array: cheaper than torch.tensor
+            return torch.frombuffer(array("f" if dtype == torch.float32 else "q", values), dtype=dtype)
 
         return ops.sample_rows(logits, index, top.contiguous(), column([1.0 / p.temperature for p in params],
                                torch.float32), column([p.top_k for p in params], torch.int64),
@@ -346,7 +374,7 @@ def choose(logits: torch.Tensor, index: torch.Tensor, top: torch.Tensor, params:
     token = torch.searchsorted(running, u[:, None] * running[:, -1:], right=True)[:, 0]
     positions = torch.arange(vocab, device=device)
     last = torch.where(w > 0, positions, -1).max(dim=-1).values  # where rounding leaves the draw past the end
-    return torch.minimum(token, last).clamp(min=0)
+    return torch.where(top.isfinite(), torch.minimum(token, last).clamp(min=0), -1)
 
 
 def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor,

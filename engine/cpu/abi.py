@@ -66,7 +66,7 @@ SIGNATURES = {  # function -> argument types (every one returns an int: 0, or wh
     "rope_store": [_P, _INT, _I64, _I64, _I64, _I64, _I64, ctypes.POINTER(NormArgs), ctypes.POINTER(NormArgs), _P,
                    _P, _P, _I64, _P, _P, _P, _P, _P, _INT, _INT],
     "gelu_tanh": [_P, _INT, _I64, _INT],
-    "sample_rows": [_P, _INT, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _INT],
+    "sample_rows": [_P, _INT, _I64, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _INT],
     "row_max": [_P, _INT, _I64, _I64, _P, _P, _INT],
     "full_attention": [_P, _P, _P, _INT, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _I64, _I64, _INT, _INT],
     "chunk_attention": [_P, _INT, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _INT, _P, _I64, _I64, _I64, _I64, _F,

@@ -309,8 +309,9 @@ def sample_rows(logits: torch.Tensor, index: torch.Tensor, top: torch.Tensor, in
                 top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """A token for each row `index[r]` of float32 or bfloat16 logits [rows, vocab] (sampling.c: weights by the row's
     maximum `top[r]` and `inv_temperature[r]`, cut by `top_k[r]` (0: none) and `top_p[r]` (1: none), drawn at `u[r]`
-    in [0, 1)); 0 for a row whose maximum is not finite. Per-row tensors: contiguous, on the CPU, index / top_k int64,
-    top / inv_temperature / top_p float32, u float64."""
+    in [0, 1)); -1 for a row whose maximum is not finite. Per-row tensors: contiguous, on the CPU, index / top_k
+    int64, top / inv_temperature / top_p float32, u float64; an index outside the logits is refused (by the kernel,
+    before it draws)."""
     n = index.shape[0]
     wanted = ((index, torch.int64), (top, torch.float32), (inv_temperature, torch.float32), (top_k, torch.int64),
               (top_p, torch.float32), (u, torch.float64))
@@ -322,13 +323,13 @@ def sample_rows(logits: torch.Tensor, index: torch.Tensor, top: torch.Tensor, in
         if not fits or tensor.device.type != "cpu":
             raise ValueError(f"sample_rows' per-row arguments are contiguous CPU [{n}] tensors, one of {dtype} got "
                              f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
-    if n and not (0 <= int(index.min()) and int(index.max()) < logits.shape[0]):
-        raise ValueError(f"sample_rows' rows {index.tolist()} are not all within the logits' {logits.shape[0]}")
     tokens = torch.empty(n, dtype=torch.int64)
-    if build.lib().sample_rows(logits.data_ptr(), DTYPE_CODES[logits.dtype], logits.shape[1], index.data_ptr(), n,
-                               top.data_ptr(),
-                               inv_temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), u.data_ptr(),
-                               tokens.data_ptr(), torch.get_num_threads()):
+    failed = build.lib().sample_rows(logits.data_ptr(), DTYPE_CODES[logits.dtype], logits.shape[1], logits.shape[0],
+                                     index.data_ptr(), n, top.data_ptr(), inv_temperature.data_ptr(), top_k.data_ptr(),
+                                     top_p.data_ptr(), u.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
+    if failed == 3:
+        raise ValueError(f"sample_rows' rows {index.tolist()} are not all within the logits' {logits.shape[0]}")
+    if failed:
         raise MemoryError(f"sample_rows could not allocate its buffers for a vocabulary of {logits.shape[1]}")
     return tokens
 

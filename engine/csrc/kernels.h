@@ -91,9 +91,9 @@ int chunk_attention(const void *q, int dtype, int64_t q_head_stride, int64_t q_r
 int rms_norm(const void *x, int io_dtype, int64_t rows, int64_t dim, const void *weight, int w_dtype, float eps,
              void *out, int num_threads);
 int gelu_tanh(void *x, int dtype, int64_t count, int num_threads);
-int sample_rows(const void *logits, int dtype, int64_t vocab, const int64_t *index, int64_t rows, const float *top,
-                const float *inv_temperature, const int64_t *top_k, const float *top_p, const double *u,
-                int64_t *tokens, int num_threads);
+int sample_rows(const void *logits, int dtype, int64_t vocab, int64_t logit_rows, const int64_t *index, int64_t rows,
+                const float *top, const float *inv_temperature, const int64_t *top_k, const float *top_p,
+                const double *u, int64_t *tokens, int num_threads);
 int row_max(const void *logits, int dtype, int64_t rows, int64_t vocab, float *top, int64_t *at, int num_threads);
 int decode_layers(const decode_step *s, const lean_layer *layers, int64_t count);
 const char *linear_isa(void);

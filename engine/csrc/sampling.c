@@ -346,7 +346,7 @@ static int64_t sample_row(const void *logits, int dtype, int64_t at, int64_t voc
                           int64_t top_k, float top_p, double u, const buffers *b) {
     uint32_t bits;
     memcpy(&bits, &top, sizeof(bits));
-    if ((bits & 0x7f800000u) == 0x7f800000u) return 0;  /* a NaN or an infinity: bits, since -ffast-math */
+    if ((bits & 0x7f800000u) == 0x7f800000u) return -1;  /* a NaN or an infinity: bits, since -ffast-math */
     const double total = weights(logits, dtype, at, vocab, top, inv_t, b->w);
     const int by_count = top_k > 0 && top_k < vocab, by_mass = top_p < 1.0f;
     if (!by_count && !by_mass) return draw_row(b->w, vocab, u, b->sums);
@@ -388,12 +388,15 @@ static int64_t sample_row(const void *logits, int dtype, int64_t at, int64_t voc
     return draw_items(b->items, m, least, u);
 }
 
-/* tokens[r] for the rows index[r] of logits [*, vocab] (`dtype`: float32 or bfloat16; rows vocab apart), r < rows:
- * each row's maximum top[r], 1 / its temperature inv_temperature[r], top_k[r] (0: none), top_p[r] (1: none) and draw
- * u[r] in [0, 1). The rows split among the threads. Returns 2 where memory runs out. */
-int sample_rows(const void *logits, int dtype, int64_t vocab, const int64_t *index, int64_t rows, const float *top,
-                const float *inv_temperature, const int64_t *top_k, const float *top_p, const double *u,
-                int64_t *tokens, int num_threads) {
+/* tokens[r] for the rows index[r] of logits [logit_rows, vocab] (`dtype`: float32 or bfloat16; rows vocab apart),
+ * r < rows: each row's maximum top[r], 1 / its temperature inv_temperature[r], top_k[r] (0: none), top_p[r] (1: none)
+ * and draw u[r] in [0, 1); -1 for a row whose maximum is not finite. The rows split among the threads. Returns 3
+ * where an index lies outside the logits (nothing drawn), 2 where memory runs out. */
+int sample_rows(const void *logits, int dtype, int64_t vocab, int64_t logit_rows, const int64_t *index, int64_t rows,
+                const float *top, const float *inv_temperature, const int64_t *top_k, const float *top_p,
+                const double *u, int64_t *tokens, int num_threads) {
+    for (int64_t r = 0; r < rows; r++)
+        if (index[r] < 0 || index[r] >= logit_rows) return 3;
     int failed = 0;
     const int64_t blocks = (vocab + DRAW_BLOCK - 1) / DRAW_BLOCK;
     const size_t bins_bytes = 2 * sizeof(bins), items_bytes = (size_t)vocab * sizeof(item);

@@ -243,6 +243,31 @@ def test_a_forced_tokens_draws_are_those_of_sampling_it(params, path):
     assert torch.equal(torch.rand(4, generator=sampled), torch.rand(4, generator=skipped))
 
 
+def test_a_request_s_stream_draws_a_block_at_a_time_the_values_of_one_draw_a_token():
+    """A CPU RandomStream (make_generator's) hands out, across its blocks and beside other streams, the values a
+    plain generator of the same seed gives one `uniform_` a draw (the sampler's rule before the blocks), so a
+    seeded request's tokens are what they were; a jump-forward's draw takes the stream's next value too."""
+    from engine.sampling import DRAW_BLOCK, RandomStream, draw_as_sampled, draws, make_generator
+
+    streams = [make_generator(SamplingParams(temperature=1.0, seed=seed), torch.device("cpu")) for seed in (7, 8)]
+    plains = [torch.Generator().manual_seed(seed) for seed in (7, 8)]
+    assert all(isinstance(g, RandomStream) for g in streams)
+    for step in range(2 * DRAW_BLOCK + 5):
+        if step % 9 == 4:  # a forced token's draw
+            draw_as_sampled(streams[0], torch.device("cpu"))
+            torch.empty(1, dtype=torch.float64).uniform_(generator=plains[0])
+            continue
+        expected = torch.empty(2, dtype=torch.float64)
+        for row, plain in enumerate(plains):
+            expected[row : row + 1].uniform_(generator=plain)
+        got = draws(streams, torch.device("cpu"))
+        assert got.dtype == torch.float64 and torch.equal(got, expected), step
+    mixed = draws([streams[1], torch.Generator().manual_seed(1), None], torch.device("cpu"))
+    assert mixed[0].item() == torch.empty(1, dtype=torch.float64).uniform_(generator=plains[1]).item()
+    assert mixed[1].item() == torch.empty(1, dtype=torch.float64).uniform_(generator=torch.Generator().manual_seed(
+        1)).item()
+
+
 @pytest.mark.parametrize(("dtype", "build_name"), [(dtype, name) for name in build.runnable_variants()
                                                     for dtype in (torch.float32, torch.bfloat16)]
                          + [(torch.float32, None), (torch.bfloat16, None)])
