@@ -169,47 +169,30 @@ def test_a_decode_step_in_one_call_is_the_layer_by_layer_path_bit_for_bit(checkp
         assert torch.equal(one, each), f"step {step}"
 
 
-def test_one_call_refuses_a_rotary_position_outside_its_tables(checkpoint, caplog):
-    """A decode row's position past the rotary tables (the runner's positions and the block tables disagreeing)
-    fails the step naming the positions; the engine serves the next requests."""
+@pytest.mark.parametrize("broken", ["positions", "ids"])
+def test_one_call_refuses_a_row_outside_its_tables_or_embedding(checkpoint, caplog, broken):
+    """A decode row's position past the rotary tables (the runner's positions and the block tables disagreeing), or
+    a token id past the embedding's rows (the engine's checks of ids at admission bypassed), fails the step naming
+    them before anything is computed; the engine serves the next requests."""
     engine = Engine(EngineConfig(model=checkpoint, device=DEVICE, lean_layers=True, cpu_linear_rows=ALWAYS_KERNEL))
     engine.add_request(prompt="a person at the door " * 4, sampling=SamplingParams(max_tokens=8))
     lean = lean_paths.text(engine.adapter.text_model)
-    run = lean._run_in_one_call
+    run, rows = lean._run_in_one_call, lean.embedding.shape[0]
 
-    def far(layer_args, batch, h, buffers, position_ids, ids=None):
-        return run(layer_args, batch, h, buffers, position_ids + (1 << 20), ids)
+    def wrong(layer_args, batch, h, buffers, position_ids, ids=None):
+        if broken == "positions":
+            position_ids = position_ids + (1 << 20)
+        elif ids is not None:
+            ids = ids + rows
+        return run(layer_args, batch, h, buffers, position_ids, ids)
 
-    lean._run_in_one_call = far
+    lean._run_in_one_call = wrong
     while engine.has_unfinished_requests():
         outputs = engine.step()
     assert outputs[0].finish_reason == "error" and engine.num_step_failures == 1
-    assert re.search(r"layer 0 of \d+ refused .*rotary positions \[1048576, [\d, ]+\] outside the tables' \d+ rows",
-                     caplog.text)
-    lean._run_in_one_call = run
-    engine.add_request(prompt="a person at the door", sampling=SamplingParams(max_tokens=3))
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert engine.num_step_failures == 1
-
-
-def test_one_call_refuses_a_token_id_outside_its_embedding(checkpoint, caplog):
-    """A token id past the embedding's rows (the engine's checks of ids at admission bypassed) fails the step
-    naming the ids before anything is computed; the engine serves the next requests."""
-    engine = Engine(EngineConfig(model=checkpoint, device=DEVICE, lean_layers=True, cpu_linear_rows=ALWAYS_KERNEL))
-    engine.add_request(prompt="a person at the door " * 4, sampling=SamplingParams(max_tokens=8))
-    lean = lean_paths.text(engine.adapter.text_model)
-    run = lean._run_in_one_call
-    rows = lean.embedding.shape[0]
-
-    def past(layer_args, batch, h, buffers, position_ids, ids=None):
-        return run(layer_args, batch, h, buffers, position_ids, None if ids is None else ids + rows)
-
-    lean._run_in_one_call = past
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-    assert outputs[0].finish_reason == "error" and engine.num_step_failures == 1
-    assert re.search(rf"token ids \[\d+, [\d, ]+\] outside the embedding's {rows} rows", caplog.text)
+    expected = (r"layer 0 of \d+ refused .*rotary positions \[1048576, [\d, ]+\] outside the tables' \d+ rows"
+                if broken == "positions" else rf"token ids \[\d+, [\d, ]+\] outside the embedding's {rows} rows")
+    assert re.search(expected, caplog.text)
     lean._run_in_one_call = run
     engine.add_request(prompt="a person at the door", sampling=SamplingParams(max_tokens=3))
     while engine.has_unfinished_requests():
