@@ -254,8 +254,9 @@ class LeanTextModel:
         self.rope_tables = RotaryTables(text_model.rotary_emb, self.rope_kinds, head_dim)  # decode steps' rows
         # the embedding's rows the one call gathers itself (`forward`'s ids): a plain torch Embedding's, whose rows
         # are the embeddings as they are (Gemma's scales them: the module embeds)
-        embed = getattr(text_model, "embed_tokens", None)
-        self.embedding = embed.weight if type(embed) is torch.nn.Embedding and embed.weight.is_contiguous() else None
+        self.embed = text_model.get_input_embeddings()  # the adapter's `embed_tokens`
+        self.embedding = (self.embed.weight if type(self.embed) is torch.nn.Embedding
+                          and self.embed.weight.is_contiguous() else None)
         self.layers = [LeanLayer(layer, rope) if fits(layer) else None
                        for layer, rope in zip(text_model.layers, self.ropes)]
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -341,7 +342,7 @@ class LeanTextModel:
         layer_args = self._in_one_call(batch, tokens)
         gather = embeds is None and layer_args is not None and self.embedding is not None
         if embeds is None and not gather:
-            embeds = self.text_model.embed_tokens(ids)
+            embeds = self.embed(ids)
         dtype, hidden = (self.embedding.dtype, self.embedding.shape[1]) if gather else (embeds.dtype, embeds.shape[1])
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         # the residual stream, updated in place
