@@ -1,13 +1,23 @@
 """The paged KV cache: fixed-size blocks, a pool that hands them out, and one key and one value tensor per layer.
 
 A token at position p of a request lives in slot `block_ids[p // block_size] * block_size + p % block_size`.
-Which request holds which blocks is the KV cache manager's (engine/kv_cache_manager.py); the pool only counts.
+Which request holds which blocks is the KV cache manager's (engine/kv_cache_manager.py); the pool counts them
+and chooses where they lie (runs, below).
 
 Prefix caching: a computed block can be registered under its hash (engine/block_hash.py), so a later request
 whose prompt starts with the same blocks takes them instead of computing them. Blocks are reference-counted:
 several requests may read one; a block nobody holds keeps its content and stays findable until a new block is
 needed, when the least recently released such block is taken (its hash forgotten). Blocks without content are
 handed out first.
+
+Runs: the CPU's decode attention reads a sequence's blocks in turn, and blocks that follow each other in the cache
+read faster than scattered ones (8 sequences at 3,000 positions, SmolVLM-256M's cache, AMX machine: 0.83x the time
+of blocks at random, 0.90x of blocks interleaved as decodes in lockstep take them one at a time). So a request's
+next block is the one after its last where that one has no content, or holds content nobody holds that was
+released longer ago than half of such blocks (taken before its turn, its hash forgotten: a recent one, a chat's
+last turn, say, stays findable); otherwise a run starts in the middle of the widest stretch of blocks without
+content (at its start where it begins the cache), so that the runs on either side have room to grow; otherwise at
+the least recently released block.
 
 An int8 cache (`EngineConfig.kv_cache_dtype="int8"`) holds each key and value row quantized, with one float32
 scale per token and KV head beside it (`quantize_kv` states the rule); every attention path reads the rows back as
@@ -17,7 +27,7 @@ model's dtype that holds those values.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 import torch
 
@@ -63,8 +73,11 @@ class BlockPool:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))  # no content worth keeping
+        self._empty = bytearray(b"\x01") * num_blocks  # 1 where a block has no content worth keeping
+        self._num_empty = num_blocks
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # nobody holds them; least recently released first
+        self._released = [0] * num_blocks  # when each block of `_cached_free` went there (`_clock`'s count)
+        self._clock = 0
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}  # block -> the hash it is registered under
         self._block_of: dict[bytes, int] = {}  # hash -> block
@@ -72,7 +85,7 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks that can be handed out: empty ones and cached ones that no request holds."""
-        return len(self._free) + len(self._cached_free)
+        return self._num_empty + len(self._cached_free)
 
     @property
     def num_used(self) -> int:
@@ -85,19 +98,58 @@ class BlockPool:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """`n` blocks, held once each, in runs as the module's docstring says; `after`: the last block the request
+        holds already (its next one continues that run where it can)."""
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} KV blocks with {self.num_free} free")
         blocks = []
-        for _ in range(n):
-            if self._free:
-                block = self._free.popleft()
-            else:  # evict the least recently released cached block
-                block, _ = self._cached_free.popitem(last=False)
+        last = after
+        for left in range(n, 0, -1):
+            block = None if last is None else self._next_of(last)
+            if block is None:
+                block = self._run_start(left) if self._num_empty else next(iter(self._cached_free))
+            if self._empty[block]:
+                self._empty[block] = 0
+                self._num_empty -= 1
+            else:
+                del self._cached_free[block]
                 del self._block_of[self._hash_of.pop(block)]
             self._refs[block] = 1
             blocks.append(block)
+            last = block
         return blocks
+
+    def _next_of(self, block: int) -> int | None:
+        """The block after `block` where a run may take it (the module's docstring), else None."""
+        following = block + 1
+        if following >= self.num_blocks:
+            return None
+        if self._empty[following]:
+            return following
+        if following in self._cached_free:
+            oldest = self._released[next(iter(self._cached_free))]
+            if 2 * self._released[following] <= oldest + self._clock:
+                return following
+        return None
+
+    def _run_start(self, n: int) -> int:
+        """Where a run of `n` new blocks starts: in the widest stretch of empty blocks (the first such), its middle
+        less half the run, or its start where it begins the cache. The stretch's length is found by doubling, then
+        halving (is there a stretch this long?): a few scans of the pool where the empty blocks are scattered, as
+        when a decode's next block must go elsewhere in a full cache."""
+        low, high = 1, 2  # a stretch of `low` exists (an empty block does); is there one of `high`?
+        while high <= self._num_empty and self._empty.find(b"\x01" * high) >= 0:
+            low, high = high, 2 * high
+        high = min(high - 1, self._num_empty)  # none of `high + 1`
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self._empty.find(b"\x01" * mid) >= 0:
+                low = mid
+            else:
+                high = mid - 1
+        begin = self._empty.find(b"\x01" * low)
+        return begin if begin == 0 else begin + max(0, (low - n) // 2)
 
     def free(self, block_ids: list[int]) -> None:
         """Release one reference to each block; a cached block nobody holds stays findable. A request's last
@@ -106,9 +158,12 @@ class BlockPool:
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 if block in self._hash_of:
+                    self._clock += 1
+                    self._released[block] = self._clock
                     self._cached_free[block] = None
                 else:
-                    self._free.append(block)
+                    self._empty[block] = 1
+                    self._num_empty += 1
 
     # -- prefix caching -------------------------------------------------------------------------
     def find(self, hashes: list[bytes]) -> list[int]:

@@ -99,7 +99,7 @@ class KVCacheManager:
             self.pool.take(computed)
             request.block_ids = list(computed)
         if needed > 0:
-            request.block_ids.extend(self.pool.allocate(needed))
+            request.block_ids.extend(self.pool.allocate(needed, request.block_ids[-1] if request.block_ids else None))
         return True
 
     def record_admission(self, request: Request) -> None:

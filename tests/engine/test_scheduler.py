@@ -163,6 +163,48 @@ def test_a_shared_block_stays_held_until_its_last_reader_frees_it_and_a_cached_p
     assert manager.computed_blocks(request("again", 9, arrival=2)) == (shared[:1], 4)
 
 
+def runs(blocks: list[int]) -> int:
+    """How many stretches of consecutive block ids `blocks` is made of."""
+    return 1 + sum(b != a + 1 for a, b in zip(blocks, blocks[1:]))
+
+
+def test_requests_decoding_in_lockstep_keep_their_blocks_in_runs():
+    """Four prompts admitted together, prefilled a chunk at a time, then decoding a token a step each (a block
+    every fourth step): each request's table stays one run of consecutive blocks, though their blocks are taken
+    turn by turn; a request that starts once they are done takes a run of its own in the space between."""
+    s = scheduler(num_blocks=128, max_num_batched_tokens=12)
+    requests = [request(f"r{i}", 10, arrival=i, first_token=100 * i) for i in range(4)]
+    for r in requests:
+        s.add(r)
+    for _ in range(60):
+        step(s)
+    assert all(len(r.block_ids) >= 15 for r in requests)
+    assert [runs(r.block_ids) for r in requests] == [1, 1, 1, 1]
+    late = request("late", 30, arrival=9, first_token=900)
+    s.add(late)
+    for _ in range(6):
+        step(s)
+    assert runs(late.block_ids) == 1 and not set(late.block_ids) & {b for r in requests for b in r.block_ids}
+
+
+def test_a_run_takes_the_next_cached_block_only_if_it_was_released_long_ago():
+    """The block after a run's last one is cached and nobody holds it: the run takes it (its hash forgotten) where
+    it was released before half of such blocks, and goes on elsewhere where it was released recently, so that the
+    prefix a chat's next turn asks for stays findable."""
+    for recent in (False, True):
+        pool = BlockPool(12, BS)
+        blocks = pool.allocate(7)
+        assert blocks == list(range(7))  # one run, from the cache's start
+        for block in blocks[1:]:
+            pool.register(block, bytes([block]))
+        for block in (2, 3, 4, 5, 6, 1) if recent else (1, 2, 3, 4, 5, 6):
+            pool.free([block])
+        (taken,) = pool.allocate(1, after=0)
+        assert (taken == 1) is not recent
+        assert pool.find([bytes([1])]) == ([1] if recent else [])
+        assert pool.num_cached == (6 if recent else 5) and pool.num_free == 10
+
+
 # -- prompts in order ----------------------------------------------------------------------------------
 def photo_request(rid: str, first: int, tiles: int, arrival: int, rows: int = 4, slices: int = 1) -> Request:
     """A prompt with `tiles` encoder inputs of `rows` placeholders from position `first`, then 3 text tokens."""
