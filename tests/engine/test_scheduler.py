@@ -187,6 +187,18 @@ def test_requests_decoding_in_lockstep_keep_their_blocks_in_runs():
     assert runs(late.block_ids) == 1 and not set(late.block_ids) & {b for r in requests for b in r.block_ids}
 
 
+def test_a_new_run_starts_in_the_middle_of_the_widest_stretch_of_empty_blocks():
+    """Room on both sides: the run before the stretch and the new one can grow; at the cache's start the run takes
+    the stretch's start; where no two empty blocks are adjacent, the first empty block."""
+    for empty, n, expected in ((list(range(5, 10)) + list(range(20, 36)) + [38], 4, [26, 27, 28, 29]),
+                               (list(range(0, 10)) + list(range(12, 40)), 2, [25, 26]),
+                               (list(range(0, 30)), 2, [0, 1]),
+                               ([3, 7, 11], 2, [3, 7])):
+        pool = BlockPool(40, BS)
+        pool.free([b for b in pool.allocate(40) if b in empty])
+        assert pool.allocate(n) == expected, empty
+
+
 def test_a_run_takes_the_next_cached_block_only_if_it_was_released_long_ago():
     """The block after a run's last one is cached and nobody holds it: the run takes it (its hash forgotten) where
     it was released before half of such blocks, and goes on elsewhere where it was released recently, so that the
