@@ -27,6 +27,7 @@ model's dtype that holds those values.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 
 import torch
@@ -75,6 +76,10 @@ class BlockPool:
         self.block_size = block_size
         self._empty = bytearray(b"\x01") * num_blocks  # 1 where a block has no content worth keeping
         self._num_empty = num_blocks
+        # the stretches of empty blocks, start -> end (exclusive), and a heap of (-length, start, end) over them
+        # whose entries for stretches that have changed since are skipped when met (`_run_start`)
+        self._stretches: dict[int, int] = {0: num_blocks} if num_blocks else {}
+        self._heap: list[tuple[int, int, int]] = [(-num_blocks, 0, num_blocks)] if num_blocks else []
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # nobody holds them; least recently released first
         self._released = [0] * num_blocks  # when each block of `_cached_free` went there (`_clock`'s count)
         self._clock = 0
@@ -110,8 +115,7 @@ class BlockPool:
             if block is None:
                 block = self._run_start(left) if self._num_empty else next(iter(self._cached_free))
             if self._empty[block]:
-                self._empty[block] = 0
-                self._num_empty -= 1
+                self._take_empty(block)
             else:
                 del self._cached_free[block]
                 del self._block_of[self._hash_of.pop(block)]
@@ -135,21 +139,43 @@ class BlockPool:
 
     def _run_start(self, n: int) -> int:
         """Where a run of `n` new blocks starts: in the widest stretch of empty blocks (the first such), its middle
-        less half the run, or its start where it begins the cache. The stretch's length is found by doubling, then
-        halving (is there a stretch this long?): a few scans of the pool where the empty blocks are scattered, as
-        when a decode's next block must go elsewhere in a full cache."""
-        low, high = 1, 2  # a stretch of `low` exists (an empty block does); is there one of `high`?
-        while high <= self._num_empty and self._empty.find(b"\x01" * high) >= 0:
-            low, high = high, 2 * high
-        high = min(high - 1, self._num_empty)  # none of `high + 1`
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self._empty.find(b"\x01" * mid) >= 0:
-                low = mid
-            else:
-                high = mid - 1
-        begin = self._empty.find(b"\x01" * low)
-        return begin if begin == 0 else begin + max(0, (low - n) // 2)
+        less half the run, or its start where it begins the cache."""
+        while True:  # the heap's top, once a stale entry is dropped
+            _, begin, end = self._heap[0]
+            if self._stretches.get(begin) == end:
+                break
+            heapq.heappop(self._heap)
+        return begin if begin == 0 else begin + max(0, (end - begin - n) // 2)
+
+    def _take_empty(self, block: int) -> None:
+        """`block` no longer empty: its stretch split around it."""
+        begin = self._empty.rfind(0, 0, block) + 1
+        end = self._empty.find(0, block + 1)
+        end = self.num_blocks if end < 0 else end
+        del self._stretches[begin]
+        self._empty[block] = 0
+        self._num_empty -= 1
+        self._add_stretch(begin, block)
+        self._add_stretch(block + 1, end)
+
+    def _give_empty(self, block: int) -> None:
+        """`block` empty again: joined with the stretches on either side."""
+        begin = self._empty.rfind(0, 0, block) + 1
+        end = self._empty.find(0, block + 1)
+        end = self.num_blocks if end < 0 else end
+        self._stretches.pop(begin, None)  # the stretch that ended at `block`, if any
+        self._stretches.pop(block + 1, None)  # the one that began after it
+        self._empty[block] = 1
+        self._num_empty += 1
+        self._add_stretch(begin, end)
+
+    def _add_stretch(self, begin: int, end: int) -> None:
+        if begin < end:
+            self._stretches[begin] = end
+            heapq.heappush(self._heap, (begin - end, begin, end))
+            if len(self._heap) > 2 * len(self._stretches) + 64:  # mostly stale: made again from the stretches
+                self._heap = [(b - e, b, e) for b, e in self._stretches.items()]
+                heapq.heapify(self._heap)
 
     def free(self, block_ids: list[int]) -> None:
         """Release one reference to each block; a cached block nobody holds stays findable. A request's last
@@ -162,8 +188,7 @@ class BlockPool:
                     self._released[block] = self._clock
                     self._cached_free[block] = None
                 else:
-                    self._empty[block] = 1
-                    self._num_empty += 1
+                    self._give_empty(block)
 
     # -- prefix caching -------------------------------------------------------------------------
     def find(self, hashes: list[bytes]) -> list[int]:

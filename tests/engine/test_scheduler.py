@@ -199,6 +199,37 @@ def test_a_new_run_starts_in_the_middle_of_the_widest_stretch_of_empty_blocks():
         assert pool.allocate(n) == expected, empty
 
 
+def test_the_widest_stretch_is_kept_track_of_through_any_allocations_and_releases():
+    """Random requests taking, continuing and releasing runs, some blocks registered: the stretches the pool keeps
+    as blocks are taken and released are those a scan of its empty blocks finds, and each new run starts where that
+    scan says the widest one is."""
+    import random
+    import re
+
+    rng = random.Random(1)
+    for _ in range(40):
+        pool = BlockPool(rng.randint(1, 200), BS)
+        held: list[list[int]] = []
+        for step_index in range(150):
+            assert pool._stretches == {m.start(): m.end() for m in re.finditer(b"\x01+", pool._empty)}
+            if rng.random() < 0.5 and pool.num_free:
+                n = rng.randint(1, min(5, pool.num_free))
+                after = rng.choice(held)[-1] if held and rng.random() < 0.5 else None
+                expected = None
+                if after is None and pool._num_empty:  # a new run, in the widest stretch
+                    widest = max(re.finditer(b"\x01+", pool._empty), key=lambda m: (len(m.group()), -m.start()))
+                    begin, end = widest.span()
+                    expected = begin if begin == 0 else begin + max(0, (end - begin - n) // 2)
+                blocks = pool.allocate(n, after)
+                assert expected is None or blocks[0] == expected
+                for block in blocks:
+                    if rng.random() < 0.5:
+                        pool.register(block, f"{block} {step_index}".encode())
+                held.append(blocks)
+            elif held:
+                pool.free(held.pop(rng.randrange(len(held))))
+
+
 def test_a_run_takes_the_next_cached_block_only_if_it_was_released_long_ago():
     """The block after a run's last one is cached and nobody holds it: the run takes it (its hash forgotten) where
     it was released before half of such blocks, and goes on elsewhere where it was released recently, so that the
