@@ -8,7 +8,7 @@ Prefix caching: a computed block can be registered under its hash (engine/block_
 whose prompt starts with the same blocks takes them instead of computing them. Blocks are reference-counted:
 several requests may read one; a block nobody holds keeps its content and stays findable until a new block is
 needed, when the least recently released such block is taken (its hash forgotten). Blocks without content are
-handed out first.
+handed out before cached ones, except where a run goes on (below).
 
 Runs: the CPU's decode attention reads a sequence's blocks in turn, and blocks that follow each other in the cache
 read faster than scattered ones (8 sequences at 3,000 positions, SmolVLM-256M's cache, AMX machine: 0.83x the time
