@@ -16,8 +16,8 @@ of blocks at random, 0.90x of blocks interleaved as decodes in lockstep take the
 next block is the one after its last where that one has no content, or holds content nobody holds that was
 released longer ago than half of such blocks (taken before its turn, its hash forgotten: a recent one, a chat's
 last turn, say, stays findable); otherwise a run starts in the middle of the widest stretch of blocks without
-content (at its start where it begins the cache), so that the runs on either side have room to grow; otherwise at
-the least recently released block.
+content (at its start where it begins the cache), so that the runs on either side have room to grow; otherwise
+the least recently released blocks, in the cache's order.
 
 An int8 cache (`EngineConfig.kv_cache_dtype="int8"`) holds each key and value row quantized, with one float32
 scale per token and KV head beside it (`quantize_kv` states the rule); every attention path reads the rows back as
@@ -28,6 +28,7 @@ model's dtype that holds those values.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict
 
 import torch
@@ -108,21 +109,33 @@ class BlockPool:
         holds already (its next one continues that run where it can)."""
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} KV blocks with {self.num_free} free")
-        blocks = []
+        blocks: list[int] = []
         last = after
         for left in range(n, 0, -1):
             block = None if last is None else self._next_of(last)
+            if block is None and not self._num_empty:
+                # the `left` least recently released blocks, in the cache's order: a request releases its blocks
+                # last first, so that they come in reverse
+                rest = sorted(itertools.islice(self._cached_free, left))
+                for block in rest:
+                    self._take_cached(block)
+                return blocks + rest
             if block is None:
-                block = self._run_start(left) if self._num_empty else next(iter(self._cached_free))
+                block = self._run_start(left)
             if self._empty[block]:
                 self._take_empty(block)
+                self._refs[block] = 1
             else:
-                del self._cached_free[block]
-                del self._block_of[self._hash_of.pop(block)]
-            self._refs[block] = 1
+                self._take_cached(block)
             blocks.append(block)
             last = block
         return blocks
+
+    def _take_cached(self, block: int) -> None:
+        """`block`, cached and held by nobody, held now: its hash forgotten."""
+        del self._cached_free[block]
+        del self._block_of[self._hash_of.pop(block)]
+        self._refs[block] = 1
 
     def _next_of(self, block: int) -> int | None:
         """The block after `block` where a run may take it (the module's docstring), else None."""

@@ -230,6 +230,21 @@ def test_the_widest_stretch_is_kept_track_of_through_any_allocations_and_release
                 pool.free(held.pop(rng.randrange(len(held))))
 
 
+def test_with_no_empty_block_the_least_recently_released_blocks_come_in_the_cache_s_order():
+    """A request releases its blocks last first; a later chunk that evicts them takes them as one run, in order, and
+    a prefix released after them stays findable."""
+    pool = BlockPool(10, BS)
+    old, recent = pool.allocate(6), pool.allocate(4)
+    assert (old, recent) == ([0, 1, 2, 3, 4, 5], [6, 7, 8, 9])
+    for block in old + recent:
+        pool.register(block, bytes([block]))
+    pool.free(old)
+    pool.free(recent)
+    assert pool.allocate(4) == [2, 3, 4, 5]
+    assert pool.find([bytes([0]), bytes([1]), bytes([2])]) == [0, 1]
+    assert pool.find([bytes([6]), bytes([7]), bytes([8]), bytes([9])]) == [6, 7, 8, 9]
+
+
 def test_a_run_takes_the_next_cached_block_only_if_it_was_released_long_ago():
     """The block after a run's last one is cached and nobody holds it: the run takes it (its hash forgotten) where
     it was released before half of such blocks, and goes on elsewhere where it was released recently, so that the
