@@ -118,23 +118,28 @@ class BlockPool:
                 # last first, so that they come in reverse
                 rest = sorted(itertools.islice(self._cached_free, left))
                 for block in rest:
-                    self._take_cached(block)
+                    self._take(block)
                 return blocks + rest
             if block is None:
                 block = self._run_start(left)
-            if self._empty[block]:
-                self._take_empty(block)
-                self._refs[block] = 1
-            else:
-                self._take_cached(block)
+            self._take(block)
             blocks.append(block)
             last = block
         return blocks
 
-    def _take_cached(self, block: int) -> None:
-        """`block`, cached and held by nobody, held now: its hash forgotten."""
-        del self._cached_free[block]
-        del self._block_of[self._hash_of.pop(block)]
+    def _take(self, block: int) -> None:
+        """`block`, which nobody holds, held once: an empty one's stretch split around it, a cached one's hash
+        forgotten."""
+        if self._empty[block]:
+            begin, end = self._stretch_around(block)
+            del self._stretches[begin]
+            self._empty[block] = 0
+            self._num_empty -= 1
+            self._add_stretch(begin, block)
+            self._add_stretch(block + 1, end)
+        else:
+            del self._cached_free[block]
+            del self._block_of[self._hash_of.pop(block)]
         self._refs[block] = 1
 
     def _next_of(self, block: int) -> int | None:
@@ -160,22 +165,14 @@ class BlockPool:
             heapq.heappop(self._heap)
         return begin if begin == 0 else begin + max(0, (end - begin - n) // 2)
 
-    def _take_empty(self, block: int) -> None:
-        """`block` no longer empty: its stretch split around it."""
-        begin = self._empty.rfind(0, 0, block) + 1
+    def _stretch_around(self, block: int) -> tuple[int, int]:
+        """The first and past-the-last block of the empty ones on either side of `block`, `block` counted in."""
         end = self._empty.find(0, block + 1)
-        end = self.num_blocks if end < 0 else end
-        del self._stretches[begin]
-        self._empty[block] = 0
-        self._num_empty -= 1
-        self._add_stretch(begin, block)
-        self._add_stretch(block + 1, end)
+        return self._empty.rfind(0, 0, block) + 1, self.num_blocks if end < 0 else end
 
     def _give_empty(self, block: int) -> None:
         """`block` empty again: joined with the stretches on either side."""
-        begin = self._empty.rfind(0, 0, block) + 1
-        end = self._empty.find(0, block + 1)
-        end = self.num_blocks if end < 0 else end
+        begin, end = self._stretch_around(block)
         self._stretches.pop(begin, None)  # the stretch that ended at `block`, if any
         self._stretches.pop(block + 1, None)  # the one that began after it
         self._empty[block] = 1

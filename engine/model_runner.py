@@ -12,7 +12,6 @@ A decode-only step on CUDA replays a captured graph (engine/cuda_graphs.py) when
 from __future__ import annotations
 
 import time
-from array import array
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -23,7 +22,7 @@ from engine.encoder_cache import EncoderOutputCache
 from engine.kv_cache import KVCache
 from engine.models.base import VLMAdapter
 from engine.outputs import StepTimings
-from engine.sampling import TokenLogprobs, prompt_token_logprobs, sample
+from engine.sampling import TokenLogprobs, host_tensor, prompt_token_logprobs, sample
 from engine.scheduler_output import EncoderWork, ScheduledChunk, SchedulerOutput
 
 
@@ -46,8 +45,7 @@ class Uploader:
         self.done: torch.cuda.Event | None = None
 
     def upload(self, values: list[int]) -> torch.Tensor:
-        # through an array: a quarter of torch.tensor's time for a list of ints
-        host = torch.frombuffer(array("q", values), dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
+        host = host_tensor(values, torch.long)
         if self.device.type != "cuda":
             return host
         if self.pinned is None or self.pinned.numel() < host.numel():
