@@ -561,21 +561,19 @@ class _Answer:
         self.status_code = status_code
 
 
-SLOW_BODY_TIMEOUT_S = 3.0  # the soak server's --body-timeout-s (its header timeout is the default)
+SLOW_CLIENT_TIMEOUT_S = 3.0  # the soak server's --header-timeout-s and --body-timeout-s (a slow client's life)
 
 
 async def _slow_client(client: Client, body: bool) -> _Answer:
     """A client that sends the second half of its headers (or, with `body`, its body) a byte a second: the
     server closing the connection within three times its timeout is right (counted 408); a connection still
     open then, or an answer other than a 408, counts as 500."""
-    from api.settings import ServerSettings
-
     url = client.http.base_url
     reader, writer = await asyncio.open_connection(url.host, url.port)
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.host}:{url.port}\r\n"
             "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n").encode()
     sent, drip = (head, b"{" * 100_000) if body else (head[:len(head) // 2], head[len(head) // 2:])
-    ends = time.monotonic() + 3 * (SLOW_BODY_TIMEOUT_S if body else ServerSettings.header_timeout_s)
+    ends = time.monotonic() + 3 * SLOW_CLIENT_TIMEOUT_S
     try:
         writer.write(sent)
         for byte in drip:
@@ -1015,7 +1013,7 @@ def _start_server(cfg: SoakConfig, redis_url: str, webhook_url: str, log: IO[str
              "--caption-max-tokens", str(cfg.max_tokens), "--max-body-bytes", str(cfg.max_body_bytes),
              "--max-deliveries", "2", "--claim-idle-seconds", "10", "--max-sse-subscribers", str(SSE_CAP),
              "--alert-webhook", webhook_url, "--data-dir", data_dir, "--log-level", "warning",
-             "--body-timeout-s", str(SLOW_BODY_TIMEOUT_S)],
+             "--header-timeout-s", str(SLOW_CLIENT_TIMEOUT_S), "--body-timeout-s", str(SLOW_CLIENT_TIMEOUT_S)],
             stdout=subprocess.DEVNULL, stderr=log, text=True,
         )
         url = f"http://127.0.0.1:{port}"

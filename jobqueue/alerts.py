@@ -7,13 +7,15 @@ queue of alerts drops the newest, counted).
 Each delivery attempt has one total deadline (connect, send, every read together: a receiver that drips a byte
 a second is cut off at the deadline, not after a timeout per read); only a 2xx answer counts as delivered, and
 no redirect is followed (a 3xx is a failure: the webhook URL is the one place alerts may go). Any error, a
-protocol one included (a receiver that is not HTTP), is logged, counted and retried with exponential backoff;
-the delivery task outlives every error, and should it end anyway it is restarted (counted in `restarts`, shown
-in `/ready`'s body)."""
+protocol one included (a receiver that is not HTTP), is logged, counted and retried with exponential backoff
+(cut short once `stop()` has begun: the process is ending, and what is queued gets its attempts one after the
+other within the grace instead of a back-off outlasting it); the delivery task outlives every error, and should
+it end anyway it is restarted (counted in `restarts`, shown in `/ready`'s body)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -83,6 +85,7 @@ class AlertWebhook:
         self._pending: asyncio.Queue[dict] = asyncio.Queue(max_pending)
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._draining = asyncio.Event()  # set by stop(): back-offs end at once
         self._last_task_error: str | None = None
 
     def notify(self, result: CaptionResult) -> None:
@@ -107,6 +110,7 @@ class AlertWebhook:
 
     def start(self) -> asyncio.Task:
         self._stopping = False
+        self._draining.clear()
         self._task = asyncio.create_task(self._run(), name="alert-webhook")
         self._task.add_done_callback(self._ended)
         return self._task
@@ -127,9 +131,10 @@ class AlertWebhook:
             self.start()
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        """Deliver what is queued (within `timeout_s`), then stop."""
+        """Deliver what is queued (within `timeout_s`, retries without their back-off), then stop."""
         if self._task is None:
             return
+        self._draining.set()
         try:
             await asyncio.wait_for(self._pending.join(), timeout_s)
         except asyncio.TimeoutError:
@@ -168,7 +173,8 @@ class AlertWebhook:
                     delay = self.backoff_s * 2 ** attempt
                     log.warning("alert webhook: alert %s attempt %d failed (%s); retrying in %.1f s",
                                 payload.get("id"), attempt + 1, why, delay)
-                    await asyncio.sleep(delay)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._draining.wait(), delay)
                     continue
                 self.stats.failed += 1
                 log.error("alert webhook: alert %s not delivered after %d attempts: %s", payload.get("id"),

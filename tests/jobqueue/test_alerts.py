@@ -86,6 +86,31 @@ def test_a_receiver_that_is_not_http_fails_each_alert_and_the_loop_lives_on():
     assert len(ssh.sent) == 4  # every attempt reached it: the second alert was tried after the first failed
 
 
+def test_stop_tries_each_queued_alert_s_last_attempts_without_waiting_out_their_back_off():
+    """A receiver that is not HTTP and a back-off far longer than the grace: stop() cuts the back-offs short, so
+    each queued alert gets all its attempts before the process ends (a back-off sleeping through the grace would
+    leave them unmade and the shutdown waiting the whole grace)."""
+    ssh = RawReceiver(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+    async def scenario() -> AlertWebhook:
+        webhook = AlertWebhook(ssh.url, retries=2, backoff_s=600.0)
+        webhook.start()
+        for alert_id in ("b1", "b2"):
+            webhook.notify(Alert(alert_id))
+        while webhook.stats.failed_attempts == 0:  # the first alert's first attempt failed: it is backing off
+            await asyncio.sleep(0.01)
+        await webhook.stop(timeout_s=20)
+        return webhook
+
+    try:
+        webhook = asyncio.run(scenario())
+    finally:
+        ssh.close()
+    stats = webhook.stats
+    assert (stats.sent, stats.failed, stats.failed_attempts, webhook.health()["pending"]) == (0, 2, 6, 0)
+    assert len(ssh.sent) == 6 and not webhook.alive
+
+
 def test_a_dripping_receiver_is_cut_off_at_the_total_deadline():
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nX-Slow: " + b"." * 40 + b"\r\n\r\n"
     drip = RawReceiver(answer, drip_s=1.0)
