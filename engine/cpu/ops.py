@@ -341,8 +341,9 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"row_max takes contiguous CPU float32 or bfloat16 rows [rows, vocab], got {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}")
     top, at = torch.empty(x.shape[0]), torch.empty(x.shape[0], dtype=torch.int64)
-    build.lib().row_max(x.data_ptr(), DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], top.data_ptr(), at.data_ptr(),
-                        torch.get_num_threads())
+    if build.lib().row_max(x.data_ptr(), DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], top.data_ptr(),
+                           at.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"row_max could not allocate its threads' maxima for {x.shape[0]} rows")
     return top, at
 
 

@@ -1,4 +1,5 @@
-/* What the CPU kernels share: the dtypes they read and write, converted to and from float32 in registers. */
+/* What the CPU kernels share: the dtypes they read and write, converted to and from float32 in registers; the
+ * calling thread's place in its OpenMP team. */
 #ifndef VLMCAP_DTYPES_H
 #define VLMCAP_DTYPES_H
 
@@ -6,6 +7,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "kernels.h"
 
@@ -15,6 +19,14 @@
 #endif
 
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
+
+#ifdef _OPENMP
+static inline int team_size(void) { return omp_get_num_threads(); }
+static inline int team_index(void) { return omp_get_thread_num(); }
+#else
+static inline int team_size(void) { return 1; }
+static inline int team_index(void) { return 0; }
+#endif
 
 /* `count` values of `src` (from element `offset`, in `dtype`) as float32 into `dst`. */
 static inline void load_floats(const void *src, int dtype, int64_t offset, int64_t count, float *dst) {

@@ -6,19 +6,8 @@
 #define VLMCAP_LINEAR_H
 
 #include <stdint.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
-#include "dtypes.h"  /* MIN */
-
-#ifdef _OPENMP
-static inline int team_size(void) { return omp_get_num_threads(); }
-static inline int team_index(void) { return omp_get_thread_num(); }
-#else
-static inline int team_size(void) { return 1; }
-static inline int team_index(void) { return 0; }
-#endif
+#include "dtypes.h"  /* MIN, team_size, team_index */
 
 #define RW 4   /* weight rows per block */
 #define NB 8   /* blocks per task: 32 output columns (16 in glu mode), finished together */

@@ -21,6 +21,7 @@
 #define DRAW_BLOCK 64        /* the draw over a whole row sums blocks of this many weights, then walks one */
 #define EXP_FLOOR -87.0f     /* below, a weight is 0 (e^-87 is about float32's least normal number) */
 #define SMALL_TOP_K 256      /* a top_k up to this keeps its candidates in a buffer as the row is read */
+#define SCAN_AHEAD 2048      /* bytes of a row asked for ahead of row_max's pass (scan_columns) */
 
 typedef struct {
     uint32_t key;
@@ -429,53 +430,105 @@ int sample_rows(const void *logits, int dtype, int64_t vocab, int64_t logit_rows
     return failed;
 }
 
+/* Columns [begin, end) of the row at `row` (`dtype` float32 or bfloat16): their largest value into *best and the index of
+ * its first occurrence into *first, torch's max(dim=-1) rule: the first of equal maxima, a NaN the largest (the first
+ * NaN: *nan_at, else -1). One pass for the maximum (a NaN ends it), one for its first index. */
+static void scan_columns(const void *logits, int dtype, int64_t row, int64_t begin, int64_t end, float *best_out,
+                         int64_t *first_out, int64_t *nan_out) {
+    float best = -INFINITY;
+    int64_t j = begin, nan_at = -1;
+#ifdef __AVX512F__
+    /* the lines SCAN_AHEAD bytes on asked for into the L2 as the pass goes (the first SCAN_AHEAD at its start): the
+     * logits are rarely in this core's caches (the head's product streamed its weights past them), and a pass that
+     * waited for each line in turn read 786 KB of logits in 200-370 us */
+    const int64_t item = dtype == F32 ? 4 : 2;
+    const char *bytes = (const char *)logits + (row + begin) * item, *stop = (const char *)logits + (row + end) * item;
+    for (const char *line = bytes; line < bytes + SCAN_AHEAD && line < stop; line += 64) __builtin_prefetch(line, 0, 2);
+    __m512 most = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= end; j += 16) {
+        const char *ahead = (const char *)logits + (row + j) * item + SCAN_AHEAD;
+        if (ahead < stop) __builtin_prefetch(ahead, 0, 2);
+        const __m512 v = widen16(logits, dtype, row + j);
+        const __mmask16 nan = nan_lanes16(v);
+        if (nan) {
+            nan_at = j + __builtin_ctz(nan);
+            break;
+        }
+        most = _mm512_max_ps(most, v);
+    }
+    if (nan_at < 0) best = _mm512_reduce_max_ps(most);
+#endif
+    for (; nan_at < 0 && j < end; j++) {
+        const float v = logit_at(logits, dtype, row + j);
+        uint32_t bits;
+        memcpy(&bits, &v, sizeof(bits));
+        if (nan_word(bits)) nan_at = j;
+        else best = v > best ? v : best;
+    }
+    *nan_out = nan_at;
+    if (nan_at >= 0) {
+        *best_out = logit_at(logits, dtype, row + nan_at), *first_out = nan_at;
+        return;
+    }
+    int64_t first = begin;
+#ifdef __AVX512F__
+    const __m512 target = _mm512_set1_ps(best);
+    for (; first + 16 <= end; first += 16) {
+        const __mmask16 hit = _mm512_cmp_ps_mask(widen16(logits, dtype, row + first), target, _CMP_EQ_OQ);
+        if (hit) {
+            first += __builtin_ctz(hit);
+            break;
+        }
+    }
+#endif
+    while (first < end && logit_at(logits, dtype, row + first) != best) first++;
+    *best_out = best, *first_out = first < end ? first : begin;
+}
+
 /* Each row of logits [rows, vocab] (`dtype` float32 or bfloat16, rows vocab apart): its largest value into top[r]
  * and the index of its first occurrence into at[r], torch's max(dim=-1) rule: the first of equal maxima, a NaN the
- * largest (the first NaN). One pass for the maximum (a NaN ends it), one for its first index; the rows split among the
- * threads. torch's `max` took 0.25 ms of a decode step for 8 rows of a 49,280-token vocabulary on 2 AMX cores. */
+ * largest (the first NaN). torch's `max` took 0.25 ms of a decode step for 8 rows of a 49,280-token vocabulary on 2
+ * AMX cores.
+ * The threads split the columns, not the rows: thread t of T scans columns [vocab t / T, vocab (t + 1) / T) of every
+ * row (`scan_columns`), the columns that thread t of the lm head's product wrote (its tasks are contiguous shares
+ * of the columns, linear.c's `deal`), still in its core's caches; by rows, each thread read half of each row from
+ * the other core's (a decode step's 8 rows: 156-169 us after the head, 30 us over rows in its own cache). The
+ * threads' parts of a row are then taken in column order: the first with a NaN, else the first with the largest. */
 int row_max(const void *logits, int dtype, int64_t rows, int64_t vocab, float *top, int64_t *at, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 1 && rows * vocab >= 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t row = r * vocab;
-        float best = -INFINITY;
-        int64_t j = 0, nan_at = -1;
-#ifdef __AVX512F__
-        __m512 most = _mm512_set1_ps(-INFINITY);
-        for (; j + 16 <= vocab; j += 16) {
-            const __m512 v = widen16(logits, dtype, row + j);
-            const __mmask16 nan = nan_lanes16(v);
-            if (nan) {
-                nan_at = j + __builtin_ctz(nan);
-                break;
-            }
-            most = _mm512_max_ps(most, v);
-        }
-        if (nan_at < 0) best = _mm512_reduce_max_ps(most);
-#endif
-        for (; nan_at < 0 && j < vocab; j++) {
-            const float v = logit_at(logits, dtype, row + j);
-            uint32_t bits;
-            memcpy(&bits, &v, sizeof(bits));
-            if (nan_word(bits)) nan_at = j;
-            else best = v > best ? v : best;
-        }
-        if (nan_at >= 0) {
-            top[r] = logit_at(logits, dtype, row + nan_at), at[r] = nan_at;
-            continue;
-        }
-        int64_t first = 0;
-#ifdef __AVX512F__
-        const __m512 target = _mm512_set1_ps(best);
-        for (; first + 16 <= vocab; first += 16) {
-            const __mmask16 hit = _mm512_cmp_ps_mask(widen16(logits, dtype, row + first), target, _CMP_EQ_OQ);
-            if (hit) {
-                first += __builtin_ctz(hit);
-                break;
-            }
-        }
-#endif
-        while (first < vocab && logit_at(logits, dtype, row + first) != best) first++;
-        top[r] = best, at[r] = first < vocab ? first : 0;
+    const int parts = rows * vocab >= 32768 && vocab >= 64 * num_threads ? num_threads : 1;
+    float best_stack[64];
+    int64_t index_stack[128];
+    const int many = rows * parts > 64;
+    float *best = many ? malloc(sizeof(float) * (size_t)(rows * parts)) : best_stack;
+    int64_t *first = many ? malloc(sizeof(int64_t) * (size_t)(2 * rows * parts)) : index_stack;
+    if (!best || !first) {
+        if (many) free(best), free(first);
+        return 2;
     }
+    int64_t *nan_at = first + rows * parts;
+#pragma omp parallel num_threads(parts) if (parts > 1)
+    {
+        const int t = team_index(), of = team_size();
+        /* a team smaller than asked for: each thread takes the parts t, t + of, ... */
+        for (int p = t; p < parts; p += of) {
+            const int64_t begin = vocab * p / parts, end = vocab * (p + 1) / parts;
+            for (int64_t r = 0; r < rows; r++)
+                scan_columns(logits, dtype, r * vocab, begin, end, best + r * parts + p, first + r * parts + p,
+                             nan_at + r * parts + p);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        int chosen = 0;
+        for (int p = 0; p < parts; p++) {
+            const int64_t i = r * parts + p;
+            if (nan_at[i] >= 0) {
+                chosen = p;
+                break;
+            }
+            if (best[i] > best[r * parts + chosen]) chosen = p;
+        }
+        top[r] = best[r * parts + chosen], at[r] = first[r * parts + chosen];
+    }
+    if (many) free(best), free(first);
     return 0;
 }

@@ -300,3 +300,34 @@ def test_row_max_is_torch_s_amax_and_argmax_ties_nan_and_infinities_too(monkeypa
     values, got = engine.sampling.row_max(narrow)
     torch.testing.assert_close(values, narrow.amax(dim=-1).float(), equal_nan=True, rtol=0, atol=0)
     assert torch.equal(got, narrow.argmax(dim=-1)) and got[1:3].tolist() == [35, 3]
+
+
+@pytest.mark.parametrize("build_name", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_max_s_threads_split_the_columns_and_the_first_part_with_the_answer_wins(monkeypatch, dtype, build_name):
+    """The kernel's threads each scan a contiguous part of every row's columns, the parts then taken in order: for 1
+    to 5 threads (parts that end mid-vector) and one row or many, the same values
+    and indices as torch, where the answer lies in a later part than an equal value (ties across parts), a NaN lies
+    in a later part than the largest number or in two parts, a part holds only -inf, or a row's parts are all
+    -inf."""
+    monkeypatch.setattr(build, "variant", lambda: build_name)
+    torch.manual_seed(1)
+    vocab = 49_157  # parts of 49,157 / T columns: boundaries inside vectors
+    rows = torch.randn(8, vocab).to(dtype)
+    rows[0, [10, 30_000]] = 60.0  # a tie across parts: the first
+    rows[1, 10] = 60.0
+    rows[1, 40_000] = float("nan")  # a NaN after the largest number: the NaN
+    rows[2, [45_000, 20_000]] = float("nan")  # NaNs in two parts: the first
+    rows[3, : vocab // 2] = float("-inf")  # the first part(s) only -inf
+    rows[4] = float("-inf")  # all -inf: index 0
+    rows[5, vocab - 1] = 70.0  # the last column
+    rows[6, [vocab // 2, vocab // 2 + 1]] = 80.0  # about a boundary
+    lib = build.load_variant(build_name)
+    for threads in (1, 2, 3, 4, 5):
+        for batch in (rows, rows[5:6]):
+            top, at = torch.empty(batch.shape[0]), torch.empty(batch.shape[0], dtype=torch.int64)
+            assert lib.row_max(batch.data_ptr(), ops.DTYPE_CODES[dtype], batch.shape[0], vocab, top.data_ptr(),
+                               at.data_ptr(), threads) == 0
+            torch.testing.assert_close(top, batch.amax(dim=-1).float(), equal_nan=True, rtol=0, atol=0)
+            assert torch.equal(at, batch.argmax(dim=-1)), (threads, at.tolist(), batch.argmax(dim=-1).tolist())
+    assert at.tolist() == [vocab - 1]
