@@ -110,7 +110,7 @@ class AlertWebhook:
 
     def start(self) -> asyncio.Task:
         self._stopping = False
-        self._draining.clear()
+        self._draining = asyncio.Event()  # a new one: an event is bound to the loop of its first wait
         self._task = asyncio.create_task(self._run(), name="alert-webhook")
         self._task.add_done_callback(self._ended)
         return self._task
