@@ -269,15 +269,20 @@ def _rope_inputs(tokens: int, q_heads: int, kv_heads: int, d: int, dtype: torch.
     return qkv, cos, sin, (q, k, v)
 
 
+@pytest.mark.parametrize("build_name", RUNNABLE)
+@pytest.mark.parametrize(("d", "scale"), [(16, 1.0), (64, 1.0), (128, 1.0), (64, 1e-37)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_store_rotates_as_transformers_and_writes_the_cache(dtype):
+def test_rope_store_rotates_as_transformers_and_writes_the_cache(monkeypatch, dtype, d, scale, build_name):
     """Queries rotated in place and keys rotated into their slots, as `apply_rotary_pos_emb` rotates them;
-    values copied to the same slots."""
+    values copied to the same slots. Heads of 16 (the rows' way), 64 and 128 values (bfloat16: 16 of each half at
+    a time where the build has AVX-512), and values so small that their products are denormal floats (which
+    vcvtneps2bf16 would flush to zero)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+    monkeypatch.setattr(build, "variant", lambda: build_name)
     torch.manual_seed(3)
-    tokens, q_heads, kv_heads, d = 6, 4, 2, 16
-    qkv, cos, sin, (q, k, v) = _rope_inputs(tokens, q_heads, kv_heads, d, dtype, 1.0)
+    tokens, q_heads, kv_heads = 6, 4, 2
+    qkv, cos, sin, (q, k, v) = _rope_inputs(tokens, q_heads, kv_heads, d, dtype, scale)
     expected_q, expected_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
     expected_q, expected_k = expected_q[0].transpose(0, 1).clone(), expected_k[0].transpose(0, 1).clone()
     slots = torch.tensor([9, 2, 14, 0, 5, 7])
