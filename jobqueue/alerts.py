@@ -110,7 +110,10 @@ class AlertWebhook:
 
     def start(self) -> asyncio.Task:
         self._stopping = False
-        self._draining = asyncio.Event()  # a new one: an event is bound to the loop of its first wait
+        if self._task is None:
+            # a first start, or one after stop(): a new event (an event binds to the loop of its first wait); a
+            # restart (`_ended`) keeps the one that a stop() in progress may have set
+            self._draining = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="alert-webhook")
         self._task.add_done_callback(self._ended)
         return self._task

@@ -405,6 +405,42 @@ static inline __attribute__((always_inline)) void attend_vec(
 }
 #endif
 
+#ifdef VECTOR
+/* Each head size's vector loops are a function of their own (`attend_d<D>`, not inlined): an I8 cache's loop
+ * compiled apart (dtype a constant there), so that neither pays the other's branches, and likewise the dot
+ * products' (AVX-512 BF16 builds). Inlined together into the parallel region's one function, the 7 sizes' 28 copies
+ * took the compiler 34 s a build (its register dataflow passes grow faster than the function). */
+#define ATTEND_PARAMS                                                                                               \
+    int64_t i, int64_t h0, int64_t h1, const float *qi, const void *key_cache, const void *value_cache,           \
+        const float *key_scales, const float *value_scales, int dtype, const int64_t *block_tables,                \
+        const int64_t *context_lens, int64_t kv_heads, int64_t groups, int64_t block_size, int64_t table_width,   \
+        float scale, int64_t window, int dot, float *oi, float *scores, int64_t stride
+#define ATTEND_VEC(DTYPE, D, DOT)                                                                                  \
+    attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, DTYPE, block_tables, context_lens, \
+               kv_heads, groups, D, block_size, table_width, scale, window, DOT, oi, scores, stride)
+#ifdef __AVX512BF16__
+#define DOT_CASE(D)                                                                                                \
+    if ((D) % 32 == 0 && dot) {                                                                                    \
+        if (dtype == I8) ATTEND_VEC(I8, D, 1);                                                                     \
+        else ATTEND_VEC(BF16, D, 1);                                                                               \
+        return;                                                                                                    \
+    }
+#else
+#define DOT_CASE(D) (void)dot;
+#endif
+#define ATTEND_D(D)                                                                                                \
+    static __attribute__((noinline)) void attend_d##D(ATTEND_PARAMS) {                                             \
+        DOT_CASE(D)                                                                                                \
+        if (dtype == I8) ATTEND_VEC(I8, D, 0);                                                                     \
+        else ATTEND_VEC(dtype, D, 0);                                                                              \
+    }
+ATTEND_D(16) ATTEND_D(32) ATTEND_D(64) ATTEND_D(80) ATTEND_D(96) ATTEND_D(128) ATTEND_D(256)
+#undef ATTEND_D
+#undef DOT_CASE
+#undef ATTEND_VEC
+#undef ATTEND_PARAMS
+#endif
+
 /* Query head x of sequence i is q[x * q_head_stride + query_index[i] * q_token_stride], d values in q_dtype; its
  * output goes to out[(query_index[i] * kv_heads * groups + x) * d] in q_dtype (the [tokens, heads, d] layout the
  * decoder layers take back). An I8 cache needs its scales (else 3). */
@@ -418,7 +454,8 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
 #ifdef __AVX512BF16__
     const int dot = (dtype == BF16 || dtype == I8) && q_dtype == BF16 && !(mode & PRODUCTS_WIDEN) && d % 32 == 0;
 #else
-    (void)mode;
+    const int dot = 0;
+    (void)mode, (void)dot;
 #endif
     int64_t longest = 1;
     for (int64_t i = 0; i < num_seqs; i++) {
@@ -453,31 +490,9 @@ int paged_decode_attention(const void *q, int q_dtype, int64_t q_head_stride, in
                 load_floats(q, q_dtype, (h0 * groups + x) * q_head_stride + token * q_token_stride, d, qi + x * d);
             switch (d) {
 #ifdef VECTOR
-/* an I8 cache's loop compiled apart (dtype a constant there), so that neither pays the other's branches; and
- * likewise the dot products' (AVX-512 BF16 builds) */
-#ifdef __AVX512BF16__
-#define DOT_CASE(D) \
-    if ((D) % 32 == 0 && dot) { \
-        if (dtype == I8) attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, I8, \
-                                    block_tables, context_lens, kv_heads, groups, D, block_size, table_width, scale, \
-                                    window, 1, oi, scores, stride); \
-        else attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, BF16, block_tables, \
-                        context_lens, kv_heads, groups, D, block_size, table_width, scale, window, 1, oi, scores, \
-                        stride); \
-        break; \
-    }
-#else
-#define DOT_CASE(D)
-#endif
-#define CASE(D) case D: \
-    DOT_CASE(D) \
-    if (dtype == I8) attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, I8, \
-                                block_tables, context_lens, kv_heads, groups, D, block_size, table_width, scale, \
-                                window, 0, oi, scores, stride); \
-    else attend_vec(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, block_tables, \
-                    context_lens, kv_heads, groups, D, block_size, table_width, scale, window, 0, oi, scores, \
-                    stride); \
-    break;
+#define CASE(D) case D: attend_d##D(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, \
+                                    block_tables, context_lens, kv_heads, groups, block_size, table_width, scale, \
+                                    window, dot, oi, scores, stride); break;
 #else
 #define CASE(D) case D: attend(i, h0, h1, qi, key_cache, value_cache, key_scales, value_scales, dtype, \
                                block_tables, context_lens, kv_heads, groups, D, block_size, table_width, scale, \
