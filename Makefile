@@ -14,7 +14,8 @@ $(VENV): pyproject.toml
 
 # The suite's modules on TEST_WORKERS processes (pytest-xdist), each module whole on one of them (its module
 # fixtures, servers and Redis, started once): many tests wait on servers and subprocesses, so two processes keep
-# two cores busy.
+# two cores busy. Their OpenMP threads wait asleep (tests/conftest.py sets OMP_WAIT_POLICY), not spinning on the
+# core the other process needs.
 TEST_WORKERS ?= 2
 
 test: $(VENV) browser

@@ -10,6 +10,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The suite runs two worker processes on two cores (the Makefile), each with OpenMP teams as wide as the machine
+# (torch's and the kernels'), and every server and command a test starts brings its own. An OpenMP thread that
+# waits actively spins up to ~300,000 times at each barrier, taking the core from the other process's runnable
+# thread: side by side, the engine's tests ran about 3x slower than with waiting threads asleep. Set before torch (and
+# its libgomp, which reads it once) loads here and inherited by every subprocess; a value given outside wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 # -- camera pipeline and queue ----------------------------------------------------------------------
 
