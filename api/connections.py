@@ -13,18 +13,22 @@ rate-limited access log, so that slow or piling clients cannot hold the server's
   is counted in the next line that is written.
 
 `uvicorn_config(app, settings, ...)` is the one place these reach uvicorn (`vlmcap serve`, `BackgroundServer`).
+`bind_listeners` gives `vlmcap serve` its sockets before it imports the server (torch, transformers: seconds), so
+that a port in use stops it at once; `ListeningServer` serves on them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import h11
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from api.settings import ServerSettings
@@ -166,3 +170,43 @@ def uvicorn_config(app: Any, settings: ServerSettings, **options: Any) -> Any:
     import uvicorn
 
     return uvicorn.Config(app, **uvicorn_options(settings), **options)
+
+
+def bind_listeners(host: str, port: int, backlog: int = 2048) -> list[socket.socket]:
+    """A listening socket on `port` at each address `host` stands for, as asyncio's `create_server` binds them (a
+    name or "" can stand for IPv4 and IPv6 addresses, each IPv6 socket for IPv6 only; uvicorn's backlog). Listening
+    at once holds the port (Linux lets two sockets with SO_REUSEADDR bind one port until one listens); a client that
+    connects before the server has started waits in the backlog and is answered then. OSError naming the address
+    where one cannot be had (a port in use), none of them left open."""
+    infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    bound: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            bound.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+                sock.listen(backlog)
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot listen on {address[0]} port {address[1]}: {exc.strerror}") from None
+            sock.set_inheritable(True)
+    except BaseException:
+        for sock in bound:
+            sock.close()
+        raise
+    return bound
+
+
+class ListeningServer(uvicorn.Server):
+    """uvicorn's Server for sockets bound beforehand (`bind_listeners`), saying where it listens once started, as
+    uvicorn says it of the sockets it binds itself."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        for sock in (sockets or []) if self.started else []:
+            host, port = sock.getsockname()[:2]
+            logging.getLogger("uvicorn.error").info(
+                "vlmcap listening on http://%s:%d (Press CTRL+C to quit)", f"[{host}]" if ":" in host else host, port)

@@ -10,6 +10,8 @@ from api.settings import Limits, ServerSettings
 from cli.declared import Rename, command, engine_fields, from_dataclass, grammar_limit_fields, hand_option, values_for
 from cli.options import LOG_FORMAT, PORT
 
+STARTUP_FAILURE = 3  # uvicorn's exit status for a server that could not start
+
 # Options whose public name or environment variable is not the field's own.
 RENAMES = {
     "enable_chunked_prefill": Rename("--chunked-prefill/--no-chunked-prefill", "VLMCAP_CHUNKED_PREFILL"),
@@ -62,25 +64,43 @@ def run_server(**options: Any) -> None:
     import logging
 
     import typer
-    import uvicorn
 
-    from api.connections import uvicorn_options
+    from api.connections import ListeningServer, bind_listeners, uvicorn_config
     from api.guard import check_exposure
-    from api.server import create_app
     from jobqueue.alerts import validate_webhook_url
 
     logging.basicConfig(level=options["log_level"].upper(), format=LOG_FORMAT)
+    log = logging.getLogger("vlmcap.serve")
     try:
         if options["alert_webhook"]:
             validate_webhook_url(options["alert_webhook"])
         settings = settings_from(options)
         check_exposure(options["host"], settings)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    # The port first, before seconds of imports (torch, transformers) and the engine's load: one in use ends the
+    # command at once, with uvicorn's exit status for a server that could not start.
+    try:
+        sockets = bind_listeners(options["host"], options["port"])
+    except OSError as exc:
+        log.error("%s", exc)
+        raise typer.Exit(STARTUP_FAILURE) from None
+    from api.server import create_app
+
+    try:
         app = create_app(settings)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     # The connections' timeouts, limit and log rate are the settings' (api/connections.py).
-    uvicorn.run(app, host=options["host"], port=options["port"], log_level=options["log_level"].lower(),
-                timeout_graceful_shutdown=settings.shutdown_grace_s, **uvicorn_options(settings))
+    server = ListeningServer(uvicorn_config(app, settings, host=options["host"], port=options["port"],
+                                            log_level=options["log_level"].lower(),
+                                            timeout_graceful_shutdown=settings.shutdown_grace_s))
+    try:
+        server.run(sockets=sockets)
+    except KeyboardInterrupt:  # Ctrl-C, which uvicorn raises again after its graceful shutdown (as `uvicorn.run`)
+        pass
+    if not server.started:
+        raise typer.Exit(STARTUP_FAILURE)
 
 
 serve = command(run_server, HAND, DECLARED, RENAMES)

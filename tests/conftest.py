@@ -152,3 +152,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.nodeid in seen:
             raise pytest.UsageError(f"two tests have the id {item.nodeid}: pytest-xdist would run one of them")
         seen.add(item.nodeid)
+
+
+@pytest.fixture
+def served_settings(monkeypatch) -> list:
+    """`vlmcap serve` without serving: the ServerSettings each run of it built, in order (`create_app`'s argument);
+    no port bound, no server started."""
+    import api.connections
+    import api.server
+
+    built: list = []
+    monkeypatch.setattr(api.server, "create_app", lambda settings: built.append(settings))
+    monkeypatch.setattr(api.connections, "bind_listeners", lambda host, port: [])
+    monkeypatch.setattr(api.connections.ListeningServer, "run",
+                        lambda self, sockets=None: setattr(self, "started", True))
+    return built

@@ -13,7 +13,6 @@ from PIL import Image
 from typer.testing import CliRunner
 from ultralytics.utils import ASSETS
 
-import api.server
 from api.background import BackgroundServer
 from api.server import create_app
 from api.settings import ServerSettings
@@ -123,10 +122,8 @@ def test_responses_report_cached_input_tokens(server, client):
     assert again.output_text == final.output_text
 
 
-def test_serve_options_and_variables_set_caching_and_the_defaults_are_the_engines(monkeypatch):
-    built: list[ServerSettings] = []
-    monkeypatch.setattr(api.server, "create_app", lambda settings: built.append(settings))
-    monkeypatch.setattr("uvicorn.run", lambda *args, **kwargs: None)
+def test_serve_options_and_variables_set_caching_and_the_defaults_are_the_engines(monkeypatch, served_settings):
+    built = served_settings
     runner = CliRunner()
     for argv, env in ((["serve"], {}), (["serve", "--no-prefix-caching"], {}),
                       (["serve"], {"VLMCAP_PREFIX_CACHING": "0"}), (["serve", "--prefix-caching"], {}),

@@ -130,3 +130,55 @@ def test_the_access_log_keeps_to_its_rate_and_counts_what_it_left_out():
     now[0] += 1.0  # a second later: room for five more, the first says how many were left out
     later = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, "GET / %d", (100,), None)
     assert limit.filter(later) and "95 lines like this left out" in later.getMessage()
+
+
+def test_listeners_are_bound_before_they_listen_and_a_port_in_use_is_named():
+    """`bind_listeners` (what `vlmcap serve` holds before its imports): listening at once, so the port is its own (a
+    second bind fails, naming the address) and a client connecting before anything accepts waits to be answered;
+    a failure leaves none of the other sockets bound."""
+    import errno
+
+    from api.connections import bind_listeners
+
+    (sock,) = bind_listeners("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    try:
+        early = socket.create_connection(("127.0.0.1", port), timeout=5)
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1 port {port}: ") as taken:
+            bind_listeners("127.0.0.1", port)
+        assert taken.value.errno == errno.EADDRINUSE
+        accepted, _ = sock.accept()  # the early client, from the backlog
+        early.sendall(b"hi")
+        assert accepted.recv(2) == b"hi"
+        accepted.close()
+        early.close()
+    finally:
+        sock.close()
+    every = bind_listeners("", 0)  # all addresses: one socket for each family the machine has
+    try:
+        families = {s.family for s in every}
+        assert socket.AF_INET in families and families <= {socket.AF_INET, socket.AF_INET6}
+        assert all(s.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) for s in every if s.family == socket.AF_INET6)
+    finally:
+        for s in every:
+            s.close()
+    # All addresses asked for with the last one's port held: the sockets bound before the failure are closed again
+    infos = socket.getaddrinfo(None, 0, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    last = infos[-1]
+    holder = socket.socket(last[0], socket.SOCK_STREAM)
+    if last[0] == socket.AF_INET6:
+        holder.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    holder.bind(last[4])
+    held = holder.getsockname()[1]
+    try:
+        with pytest.raises(OSError, match=f"port {held}: ") as refused:  # its traceback held: closed, not collected
+            bind_listeners("", held)
+        assert refused.value.errno == errno.EADDRINUSE
+        for family, _, _, _, address in infos[:-1]:  # each free again: binding it without SO_REUSEADDR succeeds
+            again = socket.socket(family, socket.SOCK_STREAM)
+            if family == socket.AF_INET6:
+                again.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            again.bind((address[0], held, *address[2:]))
+            again.close()
+    finally:
+        holder.close()

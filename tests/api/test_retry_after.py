@@ -68,15 +68,12 @@ def test_the_media_box_limits_are_server_options_given_to_the_box():
             ServerSettings(**{name: value})
 
 
-def test_the_media_box_options_are_command_line_flags_and_variables(monkeypatch):
+def test_the_media_box_options_are_command_line_flags_and_variables(monkeypatch, served_settings):
     from typer.testing import CliRunner
 
-    import api.server
     from cli.main import app
 
-    built: list[ServerSettings] = []
-    monkeypatch.setattr(api.server, "create_app", lambda settings: built.append(settings))
-    monkeypatch.setattr("uvicorn.run", lambda *args, **kwargs: None)
+    built = served_settings
     monkeypatch.setenv("VLMCAP_DECODE_WORKERS", "2")
     result = CliRunner().invoke(app, ["serve", "--decode-timeout-s", "12", "--decode-memory-bytes", "1073741824"])
     assert result.exit_code == 0, result.output

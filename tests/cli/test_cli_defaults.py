@@ -9,7 +9,6 @@ from dataclasses import replace
 import pytest
 from typer.testing import CliRunner
 
-import api.server
 import cli.worker
 import pipeline.runner
 from api.settings import ServerSettings
@@ -31,10 +30,8 @@ def clean_env(monkeypatch):
             monkeypatch.delenv(name)
 
 
-def test_serve_without_options_builds_the_default_settings(monkeypatch, clean_env):
-    built: list[ServerSettings] = []
-    monkeypatch.setattr(api.server, "create_app", lambda settings: built.append(settings))
-    monkeypatch.setattr("uvicorn.run", lambda *args, **kwargs: None)
+def test_serve_without_options_builds_the_default_settings(monkeypatch, clean_env, served_settings):
+    built = served_settings
     result = CliRunner().invoke(app, ["serve"])
     assert result.exit_code == 0, result.output
     (settings,) = built
@@ -42,10 +39,8 @@ def test_serve_without_options_builds_the_default_settings(monkeypatch, clean_en
     assert settings.engine == EngineConfig()
 
 
-def test_zero_turns_the_encoder_limits_off(monkeypatch, clean_env):
-    built: list[ServerSettings] = []
-    monkeypatch.setattr(api.server, "create_app", lambda settings: built.append(settings))
-    monkeypatch.setattr("uvicorn.run", lambda *args, **kwargs: None)
+def test_zero_turns_the_encoder_limits_off(monkeypatch, clean_env, served_settings):
+    built = served_settings
     argv = ["serve", "--max-encoder-tokens-per-step", "0", "--encoder-slices-per-step", "0", "--max-num-seqs", "3"]
     result = CliRunner().invoke(app, argv)
     assert result.exit_code == 0, result.output
@@ -190,10 +185,8 @@ def test_each_bench_option_has_its_fields_default_and_help(name):
     check_declared(params, DECLARED[name], RENAMES, envvars=False)
 
 
-def test_existing_option_names_and_environment_variables_keep_working(monkeypatch, clean_env):
-    built: list[ServerSettings] = []
-    monkeypatch.setattr(api.server, "create_app", lambda settings: built.append(settings))
-    monkeypatch.setattr("uvicorn.run", lambda *args, **kwargs: None)
+def test_existing_option_names_and_environment_variables_keep_working(monkeypatch, clean_env, served_settings):
+    built = served_settings
     monkeypatch.setenv("VLMCAP_PREFIX_CACHING", "false")
     monkeypatch.setenv("VLMCAP_BATCH_SIZE", "3")
     argv = ["serve", "--no-chunked-prefill", "--claim-idle-seconds", "5", "--attention-backend", "reference",
@@ -208,10 +201,8 @@ def test_existing_option_names_and_environment_variables_keep_working(monkeypatc
     assert settings.limits.remote_image_hosts == ("a.example",)
 
 
-def test_grammar_limits_are_serve_options(monkeypatch, clean_env):
-    built: list[ServerSettings] = []
-    monkeypatch.setattr(api.server, "create_app", lambda settings: built.append(settings))
-    monkeypatch.setattr("uvicorn.run", lambda *args, **kwargs: None)
+def test_grammar_limits_are_serve_options(monkeypatch, clean_env, served_settings):
+    built = served_settings
     result = CliRunner().invoke(app, ["serve", "--max-schema-bytes", "1000", "--grammar-workers", "1"])
     assert result.exit_code == 0, result.output
     limits = built[0].engine.grammar_limits
@@ -246,3 +237,25 @@ def test_the_configuration_reference_is_up_to_date():
 
     page = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
     assert page.read_text() == markdown(), "run: python -m cli.reference > docs/configuration.md"
+
+
+def test_serve_on_a_port_in_use_ends_before_loading_the_server():
+    """The port is bound first: one in use ends `vlmcap serve` with uvicorn's start-up failure status (3), naming
+    the address, before torch or transformers is imported (seconds) or the model loaded."""
+    import socket
+    import subprocess
+    import sys
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    code = ("import sys\nfrom cli.main import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as done:\n"
+            "    print('exit', done.code, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    try:
+        run = subprocess.run([sys.executable, "-c", code, "serve", "--model", "tiny", "--port", str(port)],
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        holder.close()
+    assert run.stdout.split() == ["exit", "3", "False", "False"], run.stdout + run.stderr
+    assert f"cannot listen on 127.0.0.1 port {port}: Address already in use" in run.stderr
