@@ -28,6 +28,26 @@ def test_every_build_compiles(name):
     assert path is not None and path.exists(), f"the {name} build did not compile"
 
 
+def test_a_source_that_does_not_compile_fails_the_build_saying_why(tmp_path, monkeypatch, caplog):
+    """The sources compile in parallel, a compiler each: one of them failing (not the last) fails the build with
+    that compiler's message, and leaves no library behind."""
+    import logging
+    import tempfile
+
+    compiler = tmp_path / "cc"
+    compiler.write_text('#!/bin/sh\ncase "$*" in *rms_norm.c*) echo "rms_norm.c: broken on purpose" >&2; exit 1;; '
+                        'esac\nexec cc "$@"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # an empty kernel cache: this build compiles
+    assert build.SOURCES[-1].name != "rms_norm.c"
+    with caplog.at_level(logging.WARNING, logger="engine.cpu.build"):
+        assert build.compile_variant("generic") is None
+    assert "rms_norm.c: broken on purpose" in caplog.text
+    assert [path.name for path in (tmp_path / "tmp" / "vlmcap-kernels").iterdir()] == []
+
+
 def _stored_bytes(line: str, base: str) -> tuple[int, int] | None:
     """(offset, size) of what a store `line` (objdump's AT&T syntax) writes at a displacement from register
     `base`; None for any other instruction."""
