@@ -177,8 +177,11 @@ def bind_listeners(host: str, port: int, backlog: int = 2048) -> list[socket.soc
     name or "" can stand for IPv4 and IPv6 addresses, each IPv6 socket for IPv6 only; uvicorn's backlog). Listening
     at once holds the port (Linux lets two sockets with SO_REUSEADDR bind one port until one listens); a client that
     connects before the server has started waits in the backlog and is answered then. OSError naming the address
-    where one cannot be had (a port in use), none of them left open."""
-    infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    where one cannot be had (a port in use, a name that does not resolve), none of them left open."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    except socket.gaierror as exc:  # a name that does not resolve
+        raise OSError(exc.errno, f"cannot listen on {host!r} port {port}: {exc.strerror}") from None
     bound: list[socket.socket] = []
     try:
         for family, kind, proto, _, address in dict.fromkeys(infos):

@@ -154,6 +154,8 @@ def test_listeners_are_bound_before_they_listen_and_a_port_in_use_is_named():
         early.close()
     finally:
         sock.close()
+    with pytest.raises(OSError, match="cannot listen on 'no-such-host.invalid' port 0: "):
+        bind_listeners("no-such-host.invalid", 0)
     every = bind_listeners("", 0)  # all addresses: one socket for each family the machine has
     try:
         families = {s.family for s in every}
