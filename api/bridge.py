@@ -14,7 +14,6 @@ import ctypes
 import functools
 import logging
 import math
-import os
 import threading
 import time
 import uuid
@@ -28,6 +27,7 @@ from api.errors import APIError
 from api.metrics import Metrics
 from api.pools import POOL_THREADS, WorkPool
 from engine import Engine, EngineStats, RequestOutput, SamplingParams
+from engine.cpu.build import usable_cores
 from engine.request import Preprocessed
 
 log = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ class EngineBridge:
         self._thread: threading.Thread | None = None
         self.stats: EngineStats = engine.stats()
         self.num_threads = getattr(engine, "num_threads", None) or torch.get_num_threads()
-        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.cores = usable_cores()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:

@@ -167,8 +167,6 @@ def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
 
 def uvicorn_config(app: Any, settings: ServerSettings, **options: Any) -> Any:
     """uvicorn's Config for `app` with the connection settings of `settings` (`options`: uvicorn's others)."""
-    import uvicorn
-
     return uvicorn.Config(app, **uvicorn_options(settings), **options)
 
 

@@ -61,6 +61,11 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, where the system tells it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def runnable_variants() -> list[str]:
     """The builds this CPU can run, best first (on other architectures than x86-64, plain C only)."""
     x86 = platform.machine() in ("x86_64", "AMD64")
@@ -102,13 +107,11 @@ def _compile_objects(compiler: str, flags: tuple[str, ...], work: str) -> subpro
     """Each source's object in `work`, a compiler process a source, as many at once as this process has cores: a
     build then takes about its slowest file's time (paged_decode.c, SOURCES' first), not the sum of all of them. The
     first failed compilation's result, else the last's."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
     def one(source: Path) -> subprocess.CompletedProcess:
         return subprocess.run([compiler, *flags, "-c", f"-I{FOLDER}", str(source)], cwd=work, capture_output=True,
                               text=True)
 
-    with ThreadPoolExecutor(max_workers=min(cores, len(SOURCES))) as pool:
+    with ThreadPoolExecutor(max_workers=min(usable_cores(), len(SOURCES))) as pool:
         results = list(pool.map(one, SOURCES))
     return next((result for result in results if result.returncode != 0), results[-1])
 
