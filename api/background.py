@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from fastapi import FastAPI
@@ -23,18 +24,18 @@ class BackgroundServer:
     """A real uvicorn server for `app` on a thread of this process (tests, benchmarks, notebooks):
     `with BackgroundServer(app) as server: ... server.url ...`. Waits until `/ready` says so."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, ready_timeout_s: float = 300.0) -> None:
-        import socket
-
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, ready_timeout_s: float = 300.0,
+                 sockets: list[socket.socket] | None = None) -> None:
+        """`sockets`: listening sockets bound beforehand (`api.connections.bind_listeners`), else bound here on
+        `host` and `port` (OSError naming the address where they cannot be); the url is the first one's."""
         import uvicorn
 
-        from api.connections import uvicorn_config
+        from api.connections import bind_listeners, uvicorn_config
 
         self.app = app
-        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.socket.bind((host, port))
-        self.url = f"http://{host}:{self.socket.getsockname()[1]}"
+        self.sockets = sockets if sockets is not None else bind_listeners(host, port)
+        bound_host, bound_port = self.sockets[0].getsockname()[:2]
+        self.url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{bound_port}"
         self.server = uvicorn.Server(uvicorn_config(app, app_settings(app), log_level="warning",
                                                     timeout_graceful_shutdown=5))
         self.ready_timeout_s = ready_timeout_s
@@ -46,7 +47,7 @@ class BackgroundServer:
 
         import httpx
 
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": self.sockets}, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + self.ready_timeout_s
         with httpx.Client(timeout=5) as http:
@@ -66,7 +67,8 @@ class BackgroundServer:
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(60)
-        self.socket.close()
+        for sock in self.sockets:
+            sock.close()
 
     @property
     def state(self) -> ServerState:

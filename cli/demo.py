@@ -15,7 +15,7 @@ import threading
 import typer
 
 from bench.configs import SAMPLE_VIDEO
-from cli.options import PORT, run_until_signalled, stop_on_sigterm
+from cli.options import PORT, STARTUP_FAILURE, run_until_signalled, stop_on_sigterm
 
 HUB_MODEL = "HuggingFaceTB/SmolVLM-256M-Instruct"
 CAMERA = "sample-cam"
@@ -110,9 +110,10 @@ async def _print_captions(redis_url: str, pipeline_done: threading.Event, timeou
 
 
 def run_demo(model: str | None, detector: str | None, source: str | None, timeout_s: float = 900.0,
-             once: bool = False, port: int = PORT) -> int:
+             once: bool = False, port: int = PORT, sockets: list[socket.socket] | None = None) -> int:
     """Run the demo; return the number of captions printed. Without `once` it runs until Ctrl-C (the
-    video in real time, looping); with it, one pass as fast as the detector goes, within `timeout_s`."""
+    video in real time, looping); with it, one pass as fast as the detector goes, within `timeout_s`. The server
+    listens on `sockets` (bound beforehand: `bind_listeners`), else on 127.0.0.1 at `port`."""
     from api.background import BackgroundServer
     from api.server import create_app
     from api.settings import ServerSettings
@@ -128,7 +129,7 @@ def run_demo(model: str | None, detector: str | None, source: str | None, timeou
     print(f"demo: embedded Redis at {redis.url}", flush=True)
     try:
         settings = ServerSettings(engine=EngineConfig(model=served), redis_url=redis.url, run_queue_worker=True)
-        with BackgroundServer(create_app(settings), port=port) as server:
+        with BackgroundServer(create_app(settings), port=port, sockets=sockets) as server:
             print(f"demo: server on {served} at {server.url}", flush=True)
             camera = CameraPipeline(PipelineConfig(
                 source=source or str(SAMPLE_VIDEO), camera_id=CAMERA, redis_url=redis.url, detector=detector,
@@ -181,7 +182,14 @@ def demo(
                                               "many seconds."),
 ) -> None:
     """Play the sample video through the whole product: print each caption and fall alert as it arrives."""
+    from api.connections import bind_listeners
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     stop_on_sigterm()
-    if run_demo(model, detector, source, timeout, once=once, port=port) == 0 and once:
+    try:  # the port before the server's imports (seconds): one in use ends the demo at once, saying so
+        sockets = bind_listeners("127.0.0.1", port)
+    except OSError as exc:
+        typer.echo(f"demo: {exc.strerror or exc} (--port 0 takes any free port)", err=True)
+        raise typer.Exit(STARTUP_FAILURE) from None
+    if run_demo(model, detector, source, timeout, once=once, sockets=sockets) == 0 and once:
         raise typer.Exit(1)

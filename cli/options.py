@@ -15,6 +15,7 @@ import typer
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 PORT = 8000  # the API server's TCP port: `vlmcap serve` and `vlmcap demo`
+STARTUP_FAILURE = 3  # the exit status of a server that could not start (uvicorn's)
 
 
 _terminated = threading.Event()

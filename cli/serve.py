@@ -8,9 +8,7 @@ from typing import Any
 
 from api.settings import Limits, ServerSettings
 from cli.declared import Rename, command, engine_fields, from_dataclass, grammar_limit_fields, hand_option, values_for
-from cli.options import LOG_FORMAT, PORT
-
-STARTUP_FAILURE = 3  # uvicorn's exit status for a server that could not start
+from cli.options import LOG_FORMAT, PORT, STARTUP_FAILURE
 
 # Options whose public name or environment variable is not the field's own.
 RENAMES = {
@@ -83,7 +81,7 @@ def run_server(**options: Any) -> None:
     try:
         sockets = bind_listeners(options["host"], options["port"])
     except OSError as exc:
-        log.error("%s", exc)
+        log.error("%s", exc.strerror or exc)
         raise typer.Exit(STARTUP_FAILURE) from None
     from api.server import create_app
 
