@@ -242,20 +242,9 @@ def test_the_configuration_reference_is_up_to_date():
 def test_serve_on_a_port_in_use_ends_before_loading_the_server():
     """The port is bound first: one in use ends `vlmcap serve` with uvicorn's start-up failure status (3), naming
     the address, before torch or transformers is imported (seconds) or the model loaded."""
-    import socket
-    import subprocess
-    import sys
+    from cli_support import held_port, run_command
 
-    holder = socket.socket()
-    holder.bind(("127.0.0.1", 0))
-    holder.listen()
-    port = holder.getsockname()[1]
-    code = ("import sys\nfrom cli.main import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as done:\n"
-            "    print('exit', done.code, 'torch' in sys.modules, 'transformers' in sys.modules)")
-    try:
-        run = subprocess.run([sys.executable, "-c", code, "serve", "--model", "tiny", "--port", str(port)],
-                             capture_output=True, text=True, timeout=120)
-    finally:
-        holder.close()
-    assert run.stdout.split() == ["exit", "3", "False", "False"], run.stdout + run.stderr
+    with held_port() as port:
+        ended, run = run_command(["serve", "--model", "tiny", "--port", str(port)], ("torch", "transformers"))
+    assert ended == ["exit", "3", "False", "False"], run.stdout + run.stderr
     assert f"cannot listen on 127.0.0.1 port {port}: Address already in use" in run.stderr

