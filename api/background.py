@@ -30,12 +30,11 @@ class BackgroundServer:
         `host` and `port` (OSError naming the address where they cannot be); the url is the first one's."""
         import uvicorn
 
-        from api.connections import bind_listeners, uvicorn_config
+        from api.connections import bind_listeners, socket_url, uvicorn_config
 
         self.app = app
         self.sockets = sockets if sockets is not None else bind_listeners(host, port)
-        bound_host, bound_port = self.sockets[0].getsockname()[:2]
-        self.url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{bound_port}"
+        self.url = socket_url(self.sockets[0])
         self.server = uvicorn.Server(uvicorn_config(app, app_settings(app), log_level="warning",
                                                     timeout_graceful_shutdown=5))
         self.ready_timeout_s = ready_timeout_s

@@ -201,6 +201,12 @@ def bind_listeners(host: str, port: int, backlog: int = 2048) -> list[socket.soc
     return bound
 
 
+def socket_url(sock: socket.socket) -> str:
+    """The http URL of a listening socket's address (an IPv6 address in brackets)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 class ListeningServer(uvicorn.Server):
     """uvicorn's Server for sockets bound beforehand (`bind_listeners`), saying where it listens once started, as
     uvicorn says it of the sockets it binds itself."""
@@ -208,6 +214,4 @@ class ListeningServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         for sock in (sockets or []) if self.started else []:
-            host, port = sock.getsockname()[:2]
-            logging.getLogger("uvicorn.error").info(
-                "vlmcap listening on http://%s:%d (Press CTRL+C to quit)", f"[{host}]" if ":" in host else host, port)
+            logging.getLogger("uvicorn.error").info("vlmcap listening on %s (Press CTRL+C to quit)", socket_url(sock))

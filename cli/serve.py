@@ -68,7 +68,7 @@ def run_server(**options: Any) -> None:
     from jobqueue.alerts import validate_webhook_url
 
     logging.basicConfig(level=options["log_level"].upper(), format=LOG_FORMAT)
-    log = logging.getLogger("vlmcap.serve")
+    log = logging.getLogger(__name__)
     try:
         if options["alert_webhook"]:
             validate_webhook_url(options["alert_webhook"])
