@@ -266,6 +266,26 @@ def test_bench_linear_int8_times_the_products_from_memory_and_from_the_cache():
     assert result["int8_gmac_s_in_cache"] > 0 and 0 < result["layers_int8_floor_ms"] < result["int8_floor_ms"]
 
 
+def test_bench_vision_parts_times_a_lean_vision_layer_part_by_part(tmp_path):
+    """`python -m bench.vision_parts` on the tiny preset, bfloat16 and int8 weights: every part of a lean encoder
+    layer timed, the tile's cost their sum over the lean layers, each product's rate, the JSON written; a tile count
+    out of range is refused, naming it."""
+    from bench import vision_parts
+
+    for quantization in ([], ["--quantization", "int8"]):
+        out = tmp_path / f"parts{len(quantization)}.json"
+        result = vision_parts.main(["--model", "tiny", "--tiles", "1", "--threads", "1", "--repeats", "1",
+                                    "--json", str(out), *quantization])
+        assert set(result["parts_ms"]) == {"norm_qkv", "attention", "out_residual", "norm_fc1_gelu", "fc2_residual"}
+        assert all(ms > 0 for ms in result["parts_ms"].values()) and result["lean_layers"] > 0
+        assert result["tile_ms"] == pytest.approx(result["layer_ms"] * result["lean_layers"])
+        assert set(result["product_gmac_s"]) == {"qkv", "out", "fc1", "fc2"}
+        assert all(rate > 0 for rate in result["product_gmac_s"].values())
+        assert json.loads(out.read_text())["quantization"] == (quantization[1] if quantization else None)
+    with pytest.raises(ValueError, match="got 0 and 5"):
+        vision_parts.main(["--model", "tiny", "--tiles", "0"])
+
+
 def test_bench_linear_ab_times_this_trees_kernel_against_another_library():
     """`python -m bench.linear_ab OTHER.so`: here OTHER is this tree's own build (the same library), so each shape
     and row count has both times and their ratio; a shape that is not NxK is refused, naming it."""
