@@ -59,6 +59,7 @@ class CamerasConfig:
     dtype: the dtype of vlmcap's server: bfloat16, as vLLM and llama.cpp serve a bfloat16 checkpoint (the engine's
         own default, float32, would compare float32 against their bfloat16).
     threads: torch threads of vlmcap's server (default: torch's choice).
+    quantization: vlmcap's server's weights: int8 (`vlmcap serve --quantization int8`), or the checkpoint's (None).
     cameras: camera counts, in order (repeat); the ramp stops at the first that is not sustained.
     duration: seconds of load at each camera count.
     chats: chats streaming throughout.
@@ -83,6 +84,7 @@ class CamerasConfig:
     model: str = "dummy:smolvlm-256m"
     dtype: str = "bfloat16"
     threads: int | None = None
+    quantization: str | None = None
     cameras: tuple[str, ...] = ("1", "2", "4", "8", "16", "32", "64")
     duration: float = 120.0
     chats: int = 8
@@ -304,6 +306,7 @@ class Backend:
                     "--data-dir", self.data_dir, "--log-level", "warning"]
             args += ["--dtype", cfg.dtype] if cfg.dtype else []
             args += ["--num-threads", str(cfg.threads)] if cfg.threads else []
+            args += ["--quantization", cfg.quantization] if cfg.quantization else []
             args += ["--caption-max-tokens", *tokens] if tokens else []
             self.url = f"http://127.0.0.1:{port}"
             self._spawn(args)
@@ -330,7 +333,8 @@ class Backend:
 
         cfg = self.cfg
         engine = EngineConfig(model=cfg.model, **({"dtype": cfg.dtype} if cfg.dtype else {}),
-                              **({"num_threads": cfg.threads} if cfg.threads else {}))
+                              **({"num_threads": cfg.threads} if cfg.threads else {}),
+                              **({"quantization": cfg.quantization} if cfg.quantization else {}))
         tokens = {} if cfg.caption_max_tokens is None else {"caption_max_tokens": cfg.caption_max_tokens}
         settings = ServerSettings(engine=engine, redis_url=self.redis_url, data_dir=self.data_dir, **tokens)
         self.in_process = BackgroundServer(create_app(settings), ready_timeout_s=cfg.startup_timeout)

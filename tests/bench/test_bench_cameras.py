@@ -74,3 +74,36 @@ def test_bench_cameras_reports_each_camera_count(tmp_path):
     rows = [line.split() for line in lines if line.startswith("vlmcap ") and line.split()[1].isdigit()]
     assert [row[1] for row in rows] == ["1", "2"] and all(row[-1] == "yes" for row in rows)
     assert "vlmcap: largest camera count sustained 2" in answer.output
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_vlmcap_s_server_gets_the_weights_asked_for(monkeypatch, tmp_path, in_process):
+    """`--quantization int8` reaches vlmcap's server on either path: `vlmcap serve --quantization int8`, or the
+    in-process server's engine config; without it, neither carries one. (The launch is stopped where it would
+    start the server: the run's own figures are the test above's.)"""
+    import api.server
+    from bench import cameras
+
+    class Launched(Exception):
+        pass
+
+    seen = []
+
+    def spawn(self, args):
+        seen.append(args)
+        raise Launched
+
+    def create_app(settings):
+        seen.append(settings.engine.quantization)
+        raise Launched
+
+    monkeypatch.setattr(cameras.Backend, "_spawn", spawn)
+    monkeypatch.setattr(api.server, "create_app", create_app)
+    for quantization in ("int8", None):
+        cfg = CamerasConfig(model="tiny", quantization=quantization, in_process=in_process)
+        with pytest.raises(Launched):
+            cameras.Backend(cfg, cameras.VLMCAP, None, "redis://127.0.0.1:1", str(tmp_path)).__enter__()
+    if in_process:
+        assert seen == ["int8", None]
+    else:
+        assert seen[0][seen[0].index("--quantization") + 1] == "int8" and "--quantization" not in seen[1]
