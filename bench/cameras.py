@@ -59,7 +59,7 @@ class CamerasConfig:
     dtype: the dtype of vlmcap's server: bfloat16, as vLLM and llama.cpp serve a bfloat16 checkpoint (the engine's
         own default, float32, would compare float32 against their bfloat16).
     threads: torch threads of vlmcap's server (default: torch's choice).
-    quantization: vlmcap's server's weights: int8 (`vlmcap serve --quantization int8`), or the checkpoint's (None).
+    quantization: the weights of vlmcap's server: int8 (`vlmcap serve --quantization int8`), or the checkpoint's (None).
     cameras: camera counts, in order (repeat); the ramp stops at the first that is not sustained.
     duration: seconds of load at each camera count.
     chats: chats streaming throughout.
