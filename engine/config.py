@@ -63,9 +63,9 @@ class EngineConfig:
         "steps never costs a step much more than a decode (every family: SmolVLM, Gemma 3, LLaVA and "
         "LLaVA-OneVision, where a slice is one of five of a SigLIP or CLIP layer: its QKV projections, half its "
         "heads' attention, the other half with the output projection, the MLP's first or its second linear layer; "
-        "Qwen2-VL, where it is a block's attention or its MLP, with a transformers that has `vision_utils`, else "
-        "its tower runs whole). What a step leaves of the encoder budget starts the next input's tower before the "
-        "chunk reaches it.")})
+        "Qwen2-VL and Qwen2.5-VL, where it is one of five like parts of a block, with a transformers that has "
+        "`vision_utils`, else its tower runs whole). What a step leaves of the encoder budget starts the next "
+        "input's tower before the chunk reaches it.")})
     itl_target_ms: float | None = field(default=None, metadata={"help": (
         "the inter-token latency a step should stay within: the scheduler fills each step with prefill chunks and "
         "vision-tower slices only as far as the step's predicted time (engine/step_costs.py: fitted at start-up on "

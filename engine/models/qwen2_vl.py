@@ -9,8 +9,14 @@ a few blocks), never further, so the encoder input is one image or one temporal 
 Text positions follow M-RoPE: three streams (time, height, width), from the model's own `get_rope_index`
 over all of the prompt's grids (Qwen2.5-VL spaces a video's time by its frame rate), computed once.
 
-The tower runs two slices a block (its attention with the norm before it and the residual add, then its MLP
-likewise: `SLICES_PER_BLOCK`), so that an image's encoding spreads over the steps of the chats beside it; the
+The tower runs five slices a block (`SLICES_PER_BLOCK`, as engine/models/sliced_tower.py's SigLIP layers): (0) the
+normed input's query, key and value projection with the rotary positions applied; (1) attention of the first half
+of the heads; (2) attention of the other half, the output projection and the residual add; (3) the MLP's first
+part on the normed sum (Qwen2-VL's fc1 and activation, Qwen2.5-VL's gate and up projections); (4) its last linear
+layer and the residual add; so that an image's encoding spreads over the steps of the chats beside it in pieces of
+similar work (a 2B tower's block on a photo of 4,654 patches is over a second of a 2-core CPU's time; two slices a
+block made steps of 0.7-1.2 s). Each slice runs the operations of the block's own forward, each head's attention
+on its own segment (an image, or a Qwen2.5-VL window) as transformers runs it: the features are the tower's. The
 per-input metadata (rotary positions, attention segments, Qwen2.5-VL's windows) comes from transformers' own
 `vision_utils`, and where those are missing (older transformers) the tower runs whole.
 """
@@ -18,6 +24,7 @@ per-input metadata (rotary positions, attention segments, Qwen2.5-VL's windows) 
 from __future__ import annotations
 
 import functools
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,7 +35,7 @@ from engine.models.base import EncoderInput, VLMAdapter, place_inputs, video_pro
 from engine.request import MultimodalPrompt
 from engine.video import Video
 
-SLICES_PER_BLOCK = 2
+SLICES_PER_BLOCK = 5
 
 
 @functools.cache
@@ -126,7 +133,8 @@ class Qwen2VLAdapter(VLMAdapter):
     ) -> list[Any]:
         """The same operations as the tower's own forward, slices first..end-1 (`SLICES_PER_BLOCK` a block) on
         the inputs together (attention never crosses an input's patches). A state is an input's hidden states
-        [patches, dim] (Qwen2.5-VL: in its windows' order)."""
+        [patches, dim] (Qwen2.5-VL: in its windows' order) and what the last slice left for the next one (None
+        after a block's last), each tensor a row per patch."""
         visual, utils = self.visual, _vision_utils()
         grids = torch.cat([i["image_grid_thw"] for i in inputs]).to(self.device)
         windowed = hasattr(visual, "fullatt_block_indexes")  # Qwen2.5-VL
@@ -135,30 +143,33 @@ class Qwen2VLAdapter(VLMAdapter):
                 grids, spatial_merge_size=visual.spatial_merge_size, window_size=visual.window_size,
                 patch_size=visual.patch_size)
             max_window = utils.get_max_seqlen(cu_window, visual.config, kwarg_name="max_window_seqlen")
+        patches = grids.prod(-1).tolist()
         if first == 0:
             hidden = visual.patch_embed(torch.cat([i["pixel_values"] for i in inputs]).to(self.device, self.dtype))
             if windowed:
                 hidden = visual.permute_input_for_window_attn(hidden, window_index, seq_len=hidden.shape[0])
+            carried = None
         else:
-            hidden = torch.cat(states)
+            hidden = torch.cat([state[0] for state in states])
+            carried = states[0][1] if states[0][1] is None or len(states) == 1 else tuple(
+                torch.cat(tensors) for tensors in zip(*(state[1] for state in states)))
         cu, max_length = utils.get_vision_attention_seqlens(grids, visual.config)
-        rotary = visual.rotary_pos_emb(hidden, utils.get_vision_position_ids(grids, visual.spatial_merge_size))
-        if windowed:
-            rotary = tuple(visual.permute_input_for_window_attn(f, window_index, seq_len=hidden.shape[0])
-                           for f in rotary)
+        rotary = None
+        if any(index % SLICES_PER_BLOCK == 0 for index in range(first, end)):
+            rotary = visual.rotary_pos_emb(hidden, utils.get_vision_position_ids(grids, visual.spatial_merge_size))
+            if windowed:
+                rotary = tuple(visual.permute_input_for_window_attn(f, window_index, seq_len=hidden.shape[0])
+                               for f in rotary)
         for index in range(first, end):
             number = index // SLICES_PER_BLOCK
-            block = visual.blocks[number]
             whole = not windowed or number in visual.fullatt_block_indexes
-            if index % SLICES_PER_BLOCK == 0:
-                hidden = hidden + block.attn(block.norm1(hidden), cu_seqlens=cu if whole else cu_window,
-                                             position_embeddings=rotary,
-                                             max_seqlen=max_length if whole else max_window)
-            else:
-                hidden = hidden + block.mlp(block.norm2(hidden))
-        patches = grids.prod(-1).tolist()
+            segments = (cu, max_length) if whole else (cu_window, max_window)
+            hidden, carried = _run_slice(visual.blocks[number], index % SLICES_PER_BLOCK, hidden, carried, rotary,
+                                         *segments)
         if end < self.encoder_slices:
-            return list(hidden.split(patches))
+            split = [None] * len(patches) if carried is None else list(
+                zip(*(tensor.split(patches) for tensor in carried)))
+            return list(zip(hidden.split(patches), split))
         merged = visual.merger(hidden)
         if windowed:
             merged = merged[torch.argsort(window_index)]
@@ -175,3 +186,58 @@ class Qwen2VLAdapter(VLMAdapter):
         if isinstance(features, torch.Tensor):  # older transformers return all images' rows concatenated
             features = features.split((grids.prod(-1) // self.visual.spatial_merge_size**2).tolist())
         return list(features)
+
+
+def _run_slice(block: torch.nn.Module, which: int, hidden: torch.Tensor, carried: tuple[torch.Tensor, ...] | None,
+               rotary: tuple[torch.Tensor, torch.Tensor] | None, cu: torch.Tensor, max_length: Any
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """Slice `which` (0-4, see the module's docstring) of a vision block's forward: (hidden, carried) -> the same
+    after it. The attention's segments are `cu` (cumulative lengths, as the block's own forward takes them)."""
+    attention, mlp = block.attn, block.mlp
+    module = sys.modules[type(attention).__module__]
+    if which == 0:
+        normed = block.norm1(hidden)
+        queries, keys, values = attention.qkv(normed).reshape(normed.shape[0], 3, attention.num_heads, -1).permute(
+            1, 0, 2, 3).unbind(0)
+        queries, keys = module.apply_rotary_pos_emb_vision(queries, keys, *rotary)
+        return hidden, (queries, keys, values)  # each [patches, heads, head_dim]
+    if which in (1, 2):
+        queries, keys, values, *done = carried
+        count = queries.shape[1]
+        half = (count + 1) // 2  # the first slice takes the odd head (a one-head tower's only one)
+        heads = slice(0, half) if which == 1 else slice(half, count)
+        if heads.start < heads.stop:
+            done.append(_attend(attention, module, queries[:, heads], keys[:, heads], values[:, heads], cu,
+                                max_length))
+        if which == 1:
+            return hidden, (queries, keys, values, *done)
+        attended = torch.cat(done, dim=1).reshape(hidden.shape[0], -1).contiguous()
+        return hidden + attention.proj(attended), None
+    if which == 3:
+        normed = block.norm2(hidden)
+        if hasattr(mlp, "fc1"):  # Qwen2-VL: fc2(act(fc1(x)))
+            return hidden, (mlp.act(mlp.fc1(normed)),)
+        return hidden, (mlp.act_fn(mlp.gate_proj(normed)) * mlp.up_proj(normed),)  # Qwen2.5-VL
+    inner = carried[0]
+    return hidden + (mlp.fc2(inner) if hasattr(mlp, "fc2") else mlp.down_proj(inner)), None
+
+
+def _attend(attention: torch.nn.Module, module: Any, queries: torch.Tensor, keys: torch.Tensor,
+            values: torch.Tensor, cu: torch.Tensor, max_length: Any) -> torch.Tensor:
+    """Some heads' attention ([patches, heads, head_dim] each) within the segments `cu`, as the block's own
+    forward computes it (each head's on its own): [patches, heads, head_dim]."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    queries, keys, values = (tensor.transpose(0, 1).unsqueeze(0) for tensor in (queries, keys, values))
+    function = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation,
+                                                     module.eager_attention_forward)
+    options = dict(attention_mask=None, scaling=attention.scaling, dropout=0.0, is_causal=False)
+    if module.is_flash_attention_requested(attention.config):
+        longest = module.get_max_seqlen(cu, attention.config, kwargs={"max_seqlen": max_length})
+        out, _ = function(attention, queries, keys, values, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                          max_length_q=longest, max_length_k=longest, **options)
+    else:
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        parts = zip(*(torch.split(tensor, lengths, dim=2) for tensor in (queries, keys, values)))
+        out = torch.cat([function(attention, q, k, v, **options)[0] for q, k, v in parts], dim=1)
+    return out.reshape(out.shape[-3], out.shape[-2], out.shape[-1])

@@ -78,8 +78,8 @@ def test_greedy_tokens_equal_generate_under_preemption(families, images, name):
 # Families whose vision tower runs a slice of a layer at a time (besides SmolVLM), and its slices: five a layer of
 # the CLIP and SigLIP towers (LLaVA-1.5's features come from its second-to-last layer: the last never runs), two a
 # block of Qwen2-VL's.
-SLICED_TOWERS = {"tiny-llava": 5, "tiny-llava-onevision": 10, "tiny-gemma3": 10, "tiny-qwen2-vl": 4,
-                 "tiny-qwen2.5-vl": 4}
+SLICED_TOWERS = {"tiny-llava": 5, "tiny-llava-onevision": 10, "tiny-gemma3": 10, "tiny-qwen2-vl": 10,
+                 "tiny-qwen2.5-vl": 10}
 LEAN_TOWERS = {"tiny-llava-onevision", "tiny-gemma3"}  # SigLIP's layers (CLIP's quick GELU and Qwen's run stock)
 
 
@@ -134,6 +134,29 @@ def test_greedy_tokens_equal_generate_with_the_tower_a_slice_a_step(families, im
     slices = [b.encoder_slices_run - a.encoder_slices_run for (_, a), (_, b) in zip(trace, trace[1:])]
     # one slice a step of each input in lockstep (at most ENCODER_GROUP of them), over as many steps as slices
     assert max(slices) <= ENCODER_GROUP and sum(1 for n in slices if n) >= engine.adapter.encoder_slices
+
+
+@pytest.mark.parametrize(("heads", "hidden"), [(1, 32), (3, 48)])  # the one head in the first half; an odd split
+@pytest.mark.parametrize("name", QWEN_FAMILIES)
+def test_a_qwen_tower_with_any_head_count_sliced_gives_its_features(images, tmp_path, name, heads, hidden):
+    """Qwen's five slices a block split the heads into halves (the odd head in the first): with one head and with
+    three, two images of different grids a slice at a time give the whole tower's features bit for bit."""
+    from engine.presets.checkpoints import build_checkpoint
+
+    preset = PRESETS[name]
+    preset = dataclasses.replace(preset, vision=dataclasses.replace(preset.vision, heads=heads, hidden=hidden))
+    engine = Engine(EngineConfig(model=str(build_checkpoint(preset, tmp_path)), device="cpu", dtype="float32"))
+    adapter = engine.adapter
+    assert adapter.visual.blocks[0].attn.num_heads == heads and adapter.encoder_slices == 5 * preset.vision.layers
+    processor_prompt = Family(name, engine.config.model, None).prompt(2, "Compare.")
+    _, mm = adapter.process(processor_prompt, [images["bus"], images["zidane"]])
+    whole = adapter.encode(mm.encoder_inputs)
+    sliced = [None] * len(mm.encoder_inputs)
+    for stage in range(adapter.encoder_slices):
+        sliced = adapter.encode_slices(mm.encoder_inputs, sliced, stage, stage + 1)
+    assert len(sliced) == len(whole) == 2
+    for want, got in zip(whole, sliced):
+        assert torch.equal(want, got)
 
 
 @pytest.mark.parametrize("name", QWEN_FAMILIES)
