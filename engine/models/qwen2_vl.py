@@ -14,11 +14,12 @@ normed input's query, key and value projection with the rotary positions applied
 of the heads; (2) attention of the other half, the output projection and the residual add; (3) the MLP's first
 part on the normed sum (Qwen2-VL's fc1 and activation, Qwen2.5-VL's gate and up projections); (4) its last linear
 layer and the residual add; so that an image's encoding spreads over the steps of the chats beside it in pieces of
-similar work (a 2B tower's block on a photo of 4,654 patches is over a second of a 2-core CPU's time; two slices a
-block made steps of 0.7-1.2 s). Each slice runs the operations of the block's own forward, each head's attention
-on its own segment (an image, or a Qwen2.5-VL window) as transformers runs it: the features are the tower's. The
-per-input metadata (rotary positions, attention segments, Qwen2.5-VL's windows) comes from transformers' own
-`vision_utils`, and where those are missing (older transformers) the tower runs whole.
+similar work (a 2B tower's attention or MLP on a photo's thousands of patches, whole, is a second of a 2-core
+CPU: a step carrying one would hold the chats that long). Each slice runs the operations of the block's own
+forward, each head's attention on its own segment (an image, or a Qwen2.5-VL window) as transformers runs it: the
+features are the tower's. The per-input metadata (rotary positions, attention segments, Qwen2.5-VL's windows)
+comes from transformers' own `vision_utils`, and where those are missing (older transformers) the tower runs
+whole.
 """
 
 from __future__ import annotations
