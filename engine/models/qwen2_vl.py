@@ -33,6 +33,7 @@ import torch
 from PIL import Image
 
 from engine.models.base import EncoderInput, VLMAdapter, place_inputs, video_processor_kwargs
+from engine.models.sliced_tower import join, split
 from engine.request import MultimodalPrompt
 from engine.video import Video
 
@@ -152,8 +153,7 @@ class Qwen2VLAdapter(VLMAdapter):
             carried = None
         else:
             hidden = torch.cat([state[0] for state in states])
-            carried = states[0][1] if states[0][1] is None or len(states) == 1 else tuple(
-                torch.cat(tensors) for tensors in zip(*(state[1] for state in states)))
+            carried = join([state[1] for state in states])
         cu, max_length = utils.get_vision_attention_seqlens(grids, visual.config)
         rotary = None
         if any(index % SLICES_PER_BLOCK == 0 for index in range(first, end)):
@@ -168,9 +168,7 @@ class Qwen2VLAdapter(VLMAdapter):
             hidden, carried = _run_slice(visual.blocks[number], index % SLICES_PER_BLOCK, hidden, carried, rotary,
                                          *segments)
         if end < self.encoder_slices:
-            split = [None] * len(patches) if carried is None else list(
-                zip(*(tensor.split(patches) for tensor in carried)))
-            return list(zip(hidden.split(patches), split))
+            return list(zip(hidden.split(patches), split(carried, patches)))
         merged = visual.merger(hidden)
         if windowed:
             merged = merged[torch.argsort(window_index)]
