@@ -36,7 +36,8 @@ KERNEL_ROWS: dict[torch.dtype, tuple[int, int]] = {torch.float32: (1, 16), torch
 def route_linears(model: torch.nn.Module) -> int:
     """Make every `nn.Linear` of `model` a `KernelLinear` (its weights untouched): inputs whose row count lies in
     its `rows` range go through `linear`, the rest through F.linear as before; likewise every patch embedding
-    (`nn.Conv2d` whose stride is its kernel, no padding) a `KernelPatchConv`, one row a patch; an int8 layer
+    (`nn.Conv2d` or `nn.Conv3d` whose stride is its kernel, no padding) a `KernelPatchConv` or `KernelPatchConv3d`,
+    one row a patch; an int8 layer
     (engine/quantization.py `Int8Linear`) runs through the int8 kernel at every row count. Returns how many."""
     from engine.quantization import Int8Linear
 
@@ -49,7 +50,7 @@ def route_linears(model: torch.nn.Module) -> int:
         if type(module) is torch.nn.Linear and module.weight.dtype in KERNEL_ROWS:
             module.__class__ = KernelLinear
         elif _is_patch_conv(module):
-            module.__class__ = KernelPatchConv
+            module.__class__ = KernelPatchConv if type(module) is torch.nn.Conv2d else KernelPatchConv3d
         else:
             continue
         ops.check_weight(module.weight.reshape(module.weight.shape[0], -1))
@@ -61,9 +62,12 @@ def route_linears(model: torch.nn.Module) -> int:
 
 
 def _is_patch_conv(module: torch.nn.Module) -> bool:
-    return (type(module) is torch.nn.Conv2d and module.weight.dtype in KERNEL_ROWS and module.groups == 1
-            and tuple(module.stride) == tuple(module.kernel_size) and tuple(module.dilation) == (1, 1)
-            and module.padding in ((0, 0), "valid") and module.padding_mode == "zeros"
+    if type(module) not in (torch.nn.Conv2d, torch.nn.Conv3d):
+        return False
+    dims = len(module.kernel_size)
+    return (module.weight.dtype in KERNEL_ROWS and module.groups == 1
+            and tuple(module.stride) == tuple(module.kernel_size) and tuple(module.dilation) == (1,) * dims
+            and module.padding in ((0,) * dims, "valid") and module.padding_mode == "zeros"
             and module.weight.is_contiguous())
 
 
@@ -109,8 +113,31 @@ class KernelPatchConv(torch.nn.Conv2d):
 
 
 
+class KernelPatchConv3d(torch.nn.Conv3d):
+    """`KernelPatchConv` for a 3-d patch embedding (Qwen2-VL's: two frames of 14 x 14 px, each input row one
+    patch): each patch, flattened as the weight is ([channels, kt, kh, kw]), a row through `linear`."""
 
-ROUTED = (KernelLinear, KernelPatchConv)  # the classes `route_linears` gives layers
+    bias32: torch.Tensor | None
+    rows: tuple[int, int]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kt, kh, kw = self.kernel_size
+        if x.dim() != 5 or x.shape[1] != self.in_channels or x.dtype not in DTYPE_CODES or x.device.type != "cpu":
+            return super().forward(x)
+        batch, channels, time, height, width = x.shape
+        rows_t, rows_h, rows_w = (time - kt) // kt + 1, (height - kh) // kh + 1, (width - kw) // kw + 1
+        count = rows_t * rows_h * rows_w
+        if not self.rows[0] <= batch * count <= self.rows[1] or torch.compiler.is_compiling():
+            return super().forward(x)
+        patches = (x[:, :, : rows_t * kt, : rows_h * kh, : rows_w * kw]
+                   .reshape(batch, channels, rows_t, kt, rows_h, kh, rows_w, kw)
+                   .permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(batch, count, channels * kt * kh * kw))
+        weight = self.weight.view(self.out_channels, -1)
+        out = ops.run_linear(build.load_variant(build.variant()), patches, weight, self.bias32, None)
+        return out.transpose(1, 2).reshape(batch, self.out_channels, rows_t, rows_h, rows_w).contiguous()
+
+
+ROUTED = (KernelLinear, KernelPatchConv, KernelPatchConv3d)  # the classes `route_linears` gives layers
 
 
 @dataclass
