@@ -7,6 +7,7 @@ by what a norm's forward computes (its source against transformers' LlamaRMSNorm
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -65,9 +66,8 @@ def _is_patch_conv(module: torch.nn.Module) -> bool:
     """A patch embedding: a Conv2d, or a Conv3d in 16 bits (torch's float32 Conv3d is fast on every CPU and is what a
     float32 reference computes; its bfloat16 one had no fast path on an AVX2 CPU: 2.2 s for 7 GMAC), stride =
     kernel, no padding."""
-    if type(module) is torch.nn.Conv3d and module.weight.dtype == torch.float32:
-        return False
-    if type(module) not in (torch.nn.Conv2d, torch.nn.Conv3d):
+    if type(module) is not torch.nn.Conv2d and (type(module) is not torch.nn.Conv3d
+                                                or module.weight.dtype == torch.float32):
         return False
     dims = len(module.kernel_size)
     return (module.weight.dtype in KERNEL_ROWS and module.groups == 1
@@ -95,51 +95,41 @@ class KernelLinear(torch.nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-class KernelPatchConv(torch.nn.Conv2d):
-    """A patch embedding (stride = kernel, no padding) as `linear` over the image's patches: each patch,
-    flattened as the weight is ([channels, kh, kw]), is a row. The same sums as the convolution, in float32."""
+class _PatchRows:
+    """A patch embedding (stride = kernel, no padding; 2-d or 3-d) as `linear` over the input's patches: each patch,
+    flattened as the weight is ([channels, *kernel]), is a row. The same sums as the convolution, in float32."""
 
     bias32: torch.Tensor | None
     rows: tuple[int, int]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kh, kw = self.kernel_size
-        if x.dim() != 4 or x.shape[1] != self.in_channels or x.dtype not in DTYPE_CODES or x.device.type != "cpu":
+        kernel = self.kernel_size
+        dims = len(kernel)
+        if (x.dim() != dims + 2 or x.shape[1] != self.in_channels or x.dtype not in DTYPE_CODES
+                or x.device.type != "cpu"):
             return super().forward(x)
-        batch, channels, height, width = x.shape
-        rows_h, rows_w = (height - kh) // kh + 1, (width - kw) // kw + 1
-        if not self.rows[0] <= batch * rows_h * rows_w <= self.rows[1] or torch.compiler.is_compiling():
-            return super().forward(x)
-        patches = (x[:, :, : rows_h * kh, : rows_w * kw].reshape(batch, channels, rows_h, kh, rows_w, kw)
-                   .permute(0, 2, 4, 1, 3, 5).reshape(batch, rows_h * rows_w, channels * kh * kw))
-        weight = self.weight.view(self.out_channels, -1)
-        out = ops.run_linear(build.load_variant(build.variant()), patches, weight, self.bias32, None)
-        return out.transpose(1, 2).reshape(batch, self.out_channels, rows_h, rows_w).contiguous()
-
-
-
-class KernelPatchConv3d(torch.nn.Conv3d):
-    """`KernelPatchConv` for a 3-d patch embedding (Qwen2-VL's: two frames of 14 x 14 px, each input row one
-    patch): each patch, flattened as the weight is ([channels, kt, kh, kw]), a row through `linear`."""
-
-    bias32: torch.Tensor | None
-    rows: tuple[int, int]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kt, kh, kw = self.kernel_size
-        if x.dim() != 5 or x.shape[1] != self.in_channels or x.dtype not in DTYPE_CODES or x.device.type != "cpu":
-            return super().forward(x)
-        batch, channels, time, height, width = x.shape
-        rows_t, rows_h, rows_w = (time - kt) // kt + 1, (height - kh) // kh + 1, (width - kw) // kw + 1
-        count = rows_t * rows_h * rows_w
+        batch, channels, *sizes = x.shape
+        counts = [(size - k) // k + 1 for size, k in zip(sizes, kernel)]  # patches along each dimension
+        count = math.prod(counts)
         if not self.rows[0] <= batch * count <= self.rows[1] or torch.compiler.is_compiling():
             return super().forward(x)
-        patches = (x[:, :, : rows_t * kt, : rows_h * kh, : rows_w * kw]
-                   .reshape(batch, channels, rows_t, kt, rows_h, kh, rows_w, kw)
-                   .permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(batch, count, channels * kt * kh * kw))
+        cropped = x[(slice(None), slice(None), *(slice(0, c * k) for c, k in zip(counts, kernel)))]
+        split = [size for c, k in zip(counts, kernel) for size in (c, k)]  # [c0, k0, c1, k1, ...]
+        order = (0, *(2 + 2 * i for i in range(dims)), 1, *(3 + 2 * i for i in range(dims)))
+        patches = (cropped.reshape(batch, channels, *split).permute(order)
+                   .reshape(batch, count, channels * math.prod(kernel)))
         weight = self.weight.view(self.out_channels, -1)
         out = ops.run_linear(build.load_variant(build.variant()), patches, weight, self.bias32, None)
-        return out.transpose(1, 2).reshape(batch, self.out_channels, rows_t, rows_h, rows_w).contiguous()
+        return out.transpose(1, 2).reshape(batch, self.out_channels, *counts).contiguous()
+
+
+class KernelPatchConv(_PatchRows, torch.nn.Conv2d):
+    """An image's patch embedding (SigLIP's, CLIP's) through `linear`: `_PatchRows`."""
+
+
+class KernelPatchConv3d(_PatchRows, torch.nn.Conv3d):
+    """A 3-d patch embedding (Qwen2-VL's: two frames of 14 x 14 px, each input row one patch) through `linear`:
+    `_PatchRows`."""
 
 
 ROUTED = (KernelLinear, KernelPatchConv, KernelPatchConv3d)  # the classes `route_linears` gives layers

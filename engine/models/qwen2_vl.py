@@ -33,7 +33,7 @@ import torch
 from PIL import Image
 
 from engine.models.base import EncoderInput, VLMAdapter, place_inputs, video_processor_kwargs
-from engine.models.sliced_tower import join, split
+from engine.models.sliced_tower import half_of_heads, join, split
 from engine.request import MultimodalPrompt
 from engine.video import Video
 
@@ -202,9 +202,7 @@ def _run_slice(block: torch.nn.Module, which: int, hidden: torch.Tensor, carried
         return hidden, (queries, keys, values)  # each [patches, heads, head_dim]
     if which in (1, 2):
         queries, keys, values, *done = carried
-        count = queries.shape[1]
-        half = (count + 1) // 2  # the first slice takes the odd head (a one-head tower's only one)
-        heads = slice(0, half) if which == 1 else slice(half, count)
+        heads = half_of_heads(queries.shape[1], first=which == 1)
         if heads.start < heads.stop:
             done.append(_attend(attention, module, queries[:, heads], keys[:, heads], values[:, heads], cu,
                                 max_length))

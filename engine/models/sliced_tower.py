@@ -41,8 +41,7 @@ def run_slice(layer: torch.nn.Module, which: int, hidden: torch.Tensor, mask: An
     if which in (1, 2):
         queries, keys, values, *done = carried
         count = queries.shape[1]
-        half = (count + 1) // 2  # the first slice takes the odd head (a one-head tower's only one)
-        heads = slice(0, half) if which == 1 else slice(half, count)
+        heads = half_of_heads(count, first=which == 1)
         if lean is not None:  # each slice's heads written into their place in one [batch, patches, heads, d] tensor
             attended = done[0] if done else queries.new_empty(queries.shape[0], queries.shape[2], count,
                                                               queries.shape[3])
@@ -68,6 +67,13 @@ def run_slice(layer: torch.nn.Module, which: int, hidden: torch.Tensor, mask: An
     if lean is not None:
         return lean.mlp_out(carried, hidden), None
     return hidden + mlp.fc2(carried), None
+
+
+def half_of_heads(count: int, first: bool) -> slice:
+    """The heads of `count` an attention slice takes: the first half (with the odd head: a one-head tower's only
+    one) or the rest (which may be none)."""
+    half = (count + 1) // 2
+    return slice(0, half) if first else slice(half, count)
 
 
 def run_slices(layers: torch.nn.ModuleList, first: int, end: int, hidden: torch.Tensor, mask: Any, carried: Any
