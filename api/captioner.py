@@ -1,10 +1,12 @@
 """Captions on this server's own engine, through the bridge: the `Captioner` the in-process queue worker
 uses, and what the captioning REST routes run.
 
-Where each of a caption's frames is one encoder input (a job's frames; a one-image job where the family does not
-tile images), the engine pools the frames' features as it encodes them for the caption (`embed_images`), and the
-captioner hands those embeddings to `keep_embeddings` (the camera memory's, keyed by the frames' bytes), so that
-the event store's writer need not run the vision tower again for them."""
+A caption's one image is tiled no finer than its own pixels (`Engine.tiling_options`: SmolVLM's processor would
+upscale a camera frame to 2,048 px first). Where each of a caption's frames is one encoder input (a job's frames;
+a one-image job where the family does not tile images or one tile holds the image), the engine pools the frames'
+features as it encodes them for the caption (`embed_images`), and the captioner hands those embeddings to
+`keep_embeddings` (the camera memory's, keyed by the frames' bytes), so that the event store's writer need not
+run the vision tower again for them."""
 
 from __future__ import annotations
 
@@ -70,10 +72,18 @@ class EngineCaptioner:
         schema the server refuses (its message says why)."""
         with _job_turns():
             image = await work_pools(self.limits).run("decode", decode_image, image_jpeg, self.limits, "image")
-            # One image is one encoder input only where the family does not tile it (its caption sees every tile).
-            frames = [image_jpeg] if self.bridge.engine.single_input_options is None else None
+            options = self.tiling(image)
+            # One image is one encoder input where the family does not tile it or one tile holds it (its caption
+            # sees every tile).
+            one_input = self.bridge.engine.single_input_options in (None, options)
             content = [{"type": "image"}, {"type": "text", "text": prompt}]
-            return await self._caption(content, [image], frames, priority, schema, cache_salt, None)
+            return await self._caption(content, [image], [image_jpeg] if one_input else None, priority, schema,
+                                       cache_salt, options)
+
+    def tiling(self, image: Image.Image) -> dict[str, Any] | None:
+        """A caption's one image tiled no finer than its own pixels (`Engine.tiling_options`): a 640 x 480 camera
+        frame 5 SmolVLM tiles, not 13 of an upscaled copy."""
+        return self.bridge.engine.tiling_options(*image.size)
 
     async def caption_frames(self, images: list[bytes], notes: list[str], prompt: str, priority: int,
                              schema: dict | None = None, cache_salt: str | None = None) -> str:
@@ -117,7 +127,8 @@ class EngineCaptioner:
                      max_tokens: int | None = None, schema: dict | None = None,
                      cache_salt: str | None = None) -> RequestStream:
         content = [{"type": "image"}, {"type": "text", "text": prompt}]
-        return await self.submit_content(content, [image], priority, max_tokens, schema, cache_salt)
+        return await self.submit_content(content, [image], priority, max_tokens, schema, cache_salt,
+                                         mm_processor_kwargs=self.tiling(image))
 
     async def submit_content(self, content: list[dict], images: list[Image.Image], priority: int,
                              max_tokens: int | None = None, schema: dict | None = None,

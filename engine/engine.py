@@ -81,7 +81,7 @@ def _load_image(image: ImageInput, index: int) -> Image.Image:
 class Engine:
     """One model served: `add_request` / `step` / `abort` run requests; `embed` gives embeddings from the model's own
     tower; and what a server needs to know of the model without reaching into its adapter: `tokenize`,
-    `user_prompt`, `render_messages`, `has_chat_template` / `chat_template`, `single_input_options`,
+    `user_prompt`, `render_messages`, `has_chat_template` / `chat_template`, `single_input_options`, `tiling_options`,
     `takes_videos`, `model_family`, `vocab_size`, `max_model_len`, `tokenizer`, `grammars`, `stats`."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -236,7 +236,7 @@ class Engine:
         `cache_salt`: the request shares cached prefix blocks and image features only with requests of the same
         salt (engine/block_hash.py).
         `mm_processor_kwargs`: options for the model's processor that the family allows
-        (`VLMAdapter.processor_options`; SmolVLM: `do_image_splitting`).
+        (`VLMAdapter.processor_options`; SmolVLM: `do_image_splitting`, and `size` as `tiling_options` gives it).
         `videos`: each a `engine.video.Video`, a list of frames (PIL images or arrays), or a file path or encoded
         bytes (read with OpenCV, frames sampled by `VideoSampling()`), one for each video marker of the prompt.
         `embed_images`: the finished output carries `image_embeddings`, each encoder input's features as this request's
@@ -470,6 +470,13 @@ class Engine:
         """The `mm_processor_kwargs` that make each image one encoder input (SmolVLM: one 512 px tile, not up to
         17); None where every image already is one (Qwen2-VL, LLaVA, Gemma 3)."""
         return dict(type(self.adapter).single_input_options) or None
+
+    def tiling_options(self, width: int, height: int) -> dict[str, Any] | None:
+        """The `mm_processor_kwargs` that tile an image of `width` x `height` pixels no finer than its own pixels
+        (SmolVLM upscales every image to 2,048 px before tiling it: a 640 x 480 camera frame 13 tiles, 5 with
+        these; one, as `single_input_options`, where a tile holds it); None where the processor's defaults already
+        do (a large image, a family that does not tile)."""
+        return self.adapter.tiling_options(width, height) or None
 
     def tokenize(self, prompt: str, images: list[ImageInput] | None = None,
                  mm_processor_kwargs: dict[str, Any] | None = None) -> list[int]:

@@ -186,6 +186,17 @@ class VLMAdapter:
     processor_options: ClassVar[dict[str, type]] = {}
     single_input_options: ClassVar[dict[str, Any]] = {}
 
+    def option_problem(self, name: str, value: Any) -> str | None:
+        """What is wrong with processor option `name`'s `value` besides its type (`processor_options`), said after
+        the option's name; None: nothing."""
+        return None
+
+    def tiling_options(self, width: int, height: int) -> dict[str, Any]:
+        """The processor options that tile an image of `width` x `height` pixels no finer than its own pixels: the
+        fewest tiles that hold every pixel, where the processor's defaults would upscale it to more; {} where the
+        defaults already do (or the family does not tile)."""
+        return {}
+
     def process(
         self, prompt: str, images: list[Image.Image], videos: Sequence[Video] = (),
         options: dict[str, Any] | None = None,
@@ -198,7 +209,10 @@ class VLMAdapter:
                 raise ValueError(f"mm_processor_kwargs: {name!r} is not an option {self.family}'s processor takes "
                                  f"here (allowed: {sorted(self.processor_options) or 'none'})")
             if type(value) is not kind:
-                raise ValueError(f"mm_processor_kwargs: {name!r} must be a {kind.__name__}, got {value!r}")
+                raise ValueError(f"mm_processor_kwargs: {name!r} must be a {kind.__name__}, got {value!r:.80}")
+            problem = self.option_problem(name, value)
+            if problem is not None:
+                raise ValueError(f"mm_processor_kwargs: {name!r} {problem}")
         extra = {"options": dict(options)} if options else {}
         token_ids, mm = self.expand_prompt(prompt, images, list(videos), **extra)
         if mm is not None:

@@ -105,3 +105,52 @@ def test_the_openai_captioner_sends_the_frames_as_one_message(tmp_path, sample_m
     assert [part["type"] for part in message["content"]] == [
         "text", "image_url", "image_url", "text", "image_url", "text"]
     assert [part["text"] for part in message["content"] if part["type"] == "text"] == [NOTES[0], NOTES[2], PROMPT]
+
+
+@pytest.mark.timeout(300)
+def test_a_one_image_caption_is_tiled_no_finer_than_its_pixels(tmp_path):
+    """A caption's one image (a sighting, a REST caption) goes through `Engine.tiling_options`: with 64 px tiles up
+    to 4 a side, a 100 x 80 frame is 2 x 2 tiles and the global view, not 16 tiles of an upscaled copy, token for
+    token as `generate` captions it under those options; a frame one tile holds is one encoder input, whose
+    embedding comes with its caption."""
+    import dataclasses
+
+    from transformers import AutoProcessor
+    from ultralytics.utils import ASSETS
+
+    from api.images import decode_image
+
+    checkpoint = str(build_checkpoint(dataclasses.replace(PRESETS["tiny"], max_tiles_per_side=4), tmp_path))
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    content = [{"type": "image"}, {"type": "text", "text": PROMPT}]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                           tokenize=False)
+    jpegs = []
+    for size in ((100, 80), (60, 40)):
+        out = io.BytesIO()
+        Image.open(ASSETS / "bus.jpg").convert("RGB").resize(size).save(out, format="JPEG")
+        jpegs.append(out.getvalue())
+    images = [decode_image(data, Limits(), "image") for data in jpegs]
+    expected = oracle_for(checkpoint, size={"longest_edge": 128})(prompt, images[:1], MAX_TOKENS)
+    engine = Engine(EngineConfig(model=checkpoint, device=DEVICE, dtype="float32", max_num_batched_tokens=24,
+                                 max_num_seqs=4))
+    kept: list[tuple[list[bytes], int]] = []
+
+    async def caption() -> tuple[str, list[int]]:
+        bridge = EngineBridge(engine, 16)
+        bridge.start()
+        captioner = EngineCaptioner(bridge, Limits(), MAX_TOKENS)
+        captioner.keep_embeddings = lambda frames, vectors: kept.append((frames, len(vectors)))
+        try:
+            text = await captioner.caption(jpegs[0], PROMPT, priority=10)
+            stream = await captioner.submit(images[0], PROMPT, priority=10)
+            tokens = [output.token_ids async for output in stream][-1]
+            await captioner.caption(jpegs[1], PROMPT, priority=10)
+        finally:
+            await bridge.shutdown(5.0)
+        return text, list(tokens)
+
+    text, tokens = asyncio.run(caption())
+    assert text == processor.decode(expected, skip_special_tokens=True).strip()
+    assert tokens == expected  # the REST route's stream, the same options
+    assert kept == [([jpegs[1]], 1)]  # the 100 x 80 frame is 5 inputs: its embedding is the writer's to compute

@@ -179,13 +179,14 @@ def test_queue_jobs_decode_by_their_cameras_key_and_an_alert_by_its_own(monkeypa
     limits = Limits()  # pools of its own (the defaults: decode has 3 threads, a key 1 of them)
     release = threading.Event()
 
-    def decode(data: bytes, limits: Limits, param: str) -> str:
+    def decode(data: bytes, limits: Limits, param: str) -> SimpleNamespace:
         if not CLIENT_KEY.get().startswith("alert:"):
             assert release.wait(30), "never released"
-        return "image"
+        return SimpleNamespace(size=(8, 8))
 
     monkeypatch.setattr("api.captioner.decode_image", decode)
-    captioner = EngineCaptioner(SimpleNamespace(engine=SimpleNamespace(single_input_options=None)), limits, 4)
+    engine = SimpleNamespace(single_input_options=None, tiling_options=lambda width, height: None)
+    captioner = EngineCaptioner(SimpleNamespace(engine=engine), limits, 4)
 
     async def no_engine(*args) -> str:
         return f"caption for {CLIENT_KEY.get()}"

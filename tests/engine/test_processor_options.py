@@ -1,13 +1,17 @@
 """Processor options a request may set (`mm_processor_kwargs`): SmolVLM's `do_image_splitting`, which makes each
-image one tile (an event's frames); greedy tokens equal `generate` on the same processor output; anything else
-is refused by name."""
+image one tile (an event's frames), and `size`, the edge an image is resized to before it is tiled
+(`Engine.tiling_options`: no finer than the image's own pixels); greedy tokens equal `generate` on the same
+processor output; anything else is refused by name, a `size` out of its bounds by its value."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from engine import SamplingParams
-from tests.engine.conftest import PROMPTS, oracle_for
+from engine import Engine, EngineConfig, SamplingParams
+from engine.presets import PRESETS, build_checkpoint
+from tests.engine.conftest import DEVICE, PROMPTS, oracle_for
 
 
 def test_unsplit_images_are_one_tile_each_and_exact(make_engine, checkpoint, photos):
@@ -27,9 +31,43 @@ def test_unsplit_images_are_one_tile_each_and_exact(make_engine, checkpoint, pho
     assert tokens[unsplit] == expected
 
 
+def test_an_image_is_tiled_no_finer_than_its_pixels_and_exact(tmp_path, photos):
+    """With tiles of 64 px up to 4 a side, the processor resizes every image to 256 px before tiling it (17
+    inputs: 16 tiles and the global view); `tiling_options` resizes it to the fewest tiles that hold its pixels."""
+    checkpoint = str(build_checkpoint(dataclasses.replace(PRESETS["tiny"], max_tiles_per_side=4), tmp_path))
+    engine = Engine(EngineConfig(model=checkpoint, device=DEVICE, dtype="float32", max_num_batched_tokens=13,
+                                 max_num_seqs=4))
+    assert engine.tiling_options(100, 80) == {"size": {"longest_edge": 128}}
+    assert engine.tiling_options(129, 20) == {"size": {"longest_edge": 192}}
+    assert engine.tiling_options(64, 40) == engine.single_input_options == {"do_image_splitting": False}
+    assert engine.tiling_options(193, 100) is None and engine.tiling_options(1920, 1080) is None
+    prompt, small = PROMPTS[1], [photos[0].resize((100, 80))]
+    options = engine.tiling_options(*small[0].size)
+    expected = oracle_for(checkpoint, **options)(prompt, small, 8)
+    default = engine.add_request(prompt=prompt, images=small, sampling=SamplingParams(max_tokens=8))
+    tiled = engine.add_request(prompt=prompt, images=small, sampling=SamplingParams(max_tokens=8),
+                               mm_processor_kwargs=options)
+    assert engine.requests[default].mm.num_inputs == 17
+    assert engine.requests[tiled].mm.num_inputs == 5  # 2 x 2 tiles and the global view
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = out.token_ids
+    assert tokens[tiled] == expected
+
+
 @pytest.mark.parametrize(("options", "message"), [
-    ({"size": {"longest_edge": 10**6}}, "'size' is not an option"),
+    ({"size": {"longest_edge": 10**6}}, r"'size' must be \{'longest_edge': n\} with n from a tile's 64 to the "
+                                         r"processor's 128 pixels, got \{'longest_edge': 1000000\}"),
+    ({"size": {"longest_edge": 32}}, "from a tile's 64 .* got {'longest_edge': 32}"),
+    ({"size": {"longest_edge": True}}, "got {'longest_edge': True}"),
+    ({"size": {"longest_edge": 96.0}}, "got {'longest_edge': 96.0}"),
+    ({"size": {"shortest_edge": 64}}, "got {'shortest_edge': 64}"),
+    ({"size": {"longest_edge": 64, "height": 64}}, "'size' must be {'longest_edge': n}"),
+    ({"size": {str(i): i for i in range(10**4)}}, r"got \{'0': 0, .* '9': 9,$"),  # the value cut short
+    ({"size": "128"}, "'size' must be a dict, got '128'"),
     ({"do_image_splitting": "no"}, "must be a bool"),
+    ({"x": 1}, "'x' is not an option"),
 ])
 def test_other_processor_options_are_refused_by_name(make_engine, photos, options, message):
     engine = make_engine()
