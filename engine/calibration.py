@@ -28,8 +28,8 @@ DECODE_STEPS = 3  # decode steps timed after each prefill
 
 def calibrate(costs: StepCosts, config: EngineConfig, pool: BlockPool, runner: ModelRunner, max_model_len: int,
               token_id: int) -> None:
-    """Fit `costs` on: a warm-up prompt (not timed), one long prompt and its decodes, four short prompts in one
-    step and the decodes of all five. Sizes shrink to what the step budget, the model's length and the free
+    """Fit `costs` on: a warm-up prompt as long as the longest (not timed), one long prompt and its decodes, four
+    short prompts in one step and the decodes of all five. Sizes shrink to what the step budget, the model's length and the free
     blocks allow; with too little room for three distinct shapes the model stays unfitted (token budgets)."""
     longest = min(256, config.max_num_batched_tokens, max_model_len - DECODE_STEPS - 2,
                   pool.block_size * pool.num_free // 3)
@@ -57,9 +57,12 @@ def calibrate(costs: StepCosts, config: EngineConfig, pool: BlockPool, runner: M
                 shapes.append(out.shape())
                 seconds.append(runner.timings.total - runner.timings.encode)
 
-    requests = [add(min(32, longest))]
+    requests = [add(longest)]
     try:
-        run(2, timed=False)  # first calls: lazy initialisation, caches
+        # First calls of the longest shape, untimed: lazy initialisation, the first touch of the activations' and
+        # the attention's buffers (timed, a 256-token step took several times its later time on a 2-core CPU, and
+        # the fit charged it to the keys: 5-20x their cost, so that every later chunk was planned too short).
+        run(2, timed=False)
         requests.append(add(longest))
         run(1 + DECODE_STEPS)
         requests += [add(max(longest // 8, 1)) for _ in range(4)]

@@ -193,3 +193,23 @@ def test_the_encoder_cost_is_learnt_from_its_first_run():
 
 def test_chunk_keys_count_causal_reads():
     assert chunk_keys(0, 1) == 1 and chunk_keys(10, 1) == 11 and chunk_keys(0, 3) == 6 and chunk_keys(5, 2) == 13
+
+
+def test_the_start_up_fit_times_no_shape_before_its_first_call_ran_untimed(make_engine):
+    """The calibration's warm-up is as long as its longest prompt: a shape's first call (lazy initialisation, the
+    first touch of its buffers) took several times its later time, and the fit charged it to the keys."""
+    from engine import calibration
+
+    engine = make_engine()
+    calls: list[int] = []
+    execute = engine.runner.execute
+
+    def recorded(out: SchedulerOutput):
+        calls.append(max((c.num_tokens for c in out.chunks), default=0))  # its longest chunk
+        return execute(out)
+
+    engine.runner.execute = recorded
+    model = StepCosts(0.25)
+    calibration.calibrate(model, engine.config, engine.pool, engine.runner, engine.max_model_len, token_id=5)
+    assert model.ready and len(calls) >= 8
+    assert calls[0] == max(calls)  # the warm-up's prefill: the longest chunk, untimed
