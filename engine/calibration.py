@@ -29,8 +29,9 @@ DECODE_STEPS = 3  # decode steps timed after each prefill
 def calibrate(costs: StepCosts, config: EngineConfig, pool: BlockPool, runner: ModelRunner, max_model_len: int,
               token_id: int) -> None:
     """Fit `costs` on: a warm-up prompt as long as the longest (not timed), one long prompt and its decodes, four
-    short prompts in one step and the decodes of all five. Sizes shrink to what the step budget, the model's length and the free
-    blocks allow; with too little room for three distinct shapes the model stays unfitted (token budgets)."""
+    short prompts in one step and the decodes of all five. Sizes shrink to what the step budget, the model's length
+    and the free blocks allow; with too little room for three distinct shapes the model stays unfitted (token
+    budgets)."""
     longest = min(256, config.max_num_batched_tokens, max_model_len - DECODE_STEPS - 2,
                   pool.block_size * pool.num_free // 3)
     if longest < 8:
