@@ -9,10 +9,11 @@
  * one input's head: its keys are packed once as float32, transposed ([d][n], each d-th value of NR keys a
  * vector), and its values as float32 rows; then each tile of MR query rows takes all its scores at once
  * (MR x NR outer products, one FMA per score and step along d), their softmax in float32, and their sum of
- * values (RO rows at a time, d in vectors). Where the build has AVX-512's bfloat16 dot products and `mode` does
- * not ask for widened products (PRODUCTS_WIDEN, the Linear kernel's choice for this CPU), bfloat16 inputs go by
- * vdpbf16ps instead (32 products per instruction, half the instructions of FMAs on widened values): the scores
- * from the keys packed as words of two values of d ([d / 2][n_pad]) and each query's pair broadcast, scaled after;
+ * values (JB keys' values at a time for all the tile's rows, RO rows at a time, d in vectors). Where the build
+ * has AVX-512's bfloat16 dot products and `mode` does not ask for widened products (PRODUCTS_WIDEN, the Linear
+ * kernel's choice for this CPU), bfloat16 inputs go by vdpbf16ps instead (32 products per instruction, half the
+ * instructions of FMAs on widened values): the scores from the keys packed as words of two values of d
+ * ([d / 2][n_pad]) and each query's pair broadcast, scaled after;
  * the sums of values from the softmax's weights rounded to bfloat16 (as torch's flash attention rounds them for
  * bfloat16) two keys a word, against the values packed as words of two keys' ([(n + 1) / 2][d]). The softmax and
  * every sum stay float32. In the AMX build, with PRODUCTS_TILES (d a multiple of 32, the kernel permitting), those
@@ -126,35 +127,55 @@ static void softmax_rows(float *s, int64_t rows, int64_t n, int64_t n_pad, float
     }
 }
 
-/* o[r][0..d) = sum over j < n of p[r][j] * v[j][..] / total[r] for `rows` (<= RO) rows, 4 vectors of d at a time,
- * into out rows (dtype), `out_stride` elements apart. */
+/* Keys a block of weighted_values: their values (64 x d float32, 16 KB for d = 64) stay in the L1 cache while every
+ * row of the tile takes them. */
+#define JB 64
+
+/* o[r][0..d) = sum over j < n of p[r][j] * v[j][..] / total[r] for a tile's `rows` (<= MR) rows, into out rows
+ * (dtype), `out_stride` elements apart. The keys go in blocks of JB, each block's values read by all the rows
+ * (RO rows at a time, 4 vectors of d), whose sums wait in `sums` between blocks: read per RO rows instead, a tile's
+ * values (256 KB for 1,024 keys of 64) came from the L2 cache once for every RO rows, and that reading, not the
+ * FMAs, bounded the loop. Each sum still adds its keys in order, so the result is the unblocked loop's. */
 static void weighted_values(const float *p, int64_t rows, int64_t n, int64_t n_pad, const float *vrows, int64_t d,
                             const float *total, void *out, int dtype, int64_t out_offset, int64_t out_stride) {
-    float done[RO][256] __attribute__((aligned(64)));
-    for (int64_t c = 0; c < d; c += 4 * FW) {
-        const int span = (int)MIN(4, (d - c) / FW);
-        fv o[RO][4];
-        for (int r = 0; r < RO; r++)
-            for (int b = 0; b < 4; b++) o[r][b] = (fv){0};
-        for (int64_t j = 0; j < n; j++) {
-            fv value[4];
+    float sums[MR][256] __attribute__((aligned(64)));
+    for (int64_t r = 0; r < rows; r++) memset(sums[r], 0, (size_t)d * sizeof(float));
+    for (int64_t j0 = 0; j0 < n; j0 += JB) {
+        const int64_t j1 = MIN(n, j0 + JB);
+        for (int64_t r0 = 0; r0 < rows; r0 += RO) {
+            const int64_t count = MIN(RO, rows - r0);
+            const float *weights = p + r0 * n_pad;
+            for (int64_t c = 0; c < d; c += 4 * FW) {
+                const int span = (int)MIN(4, (d - c) / FW);
+                fv o[RO][4];
+                for (int r = 0; r < RO; r++)
+                    for (int b = 0; b < 4; b++)
+                        if (r < count && b < span) o[r][b] = *(const fv *)(sums[r0 + r] + c + b * FW);
+                for (int64_t j = j0; j < j1; j++) {
+                    fv value[4];
 #pragma GCC unroll 4
-            for (int b = 0; b < 4; b++)
-                if (b < span) value[b] = *(const fv *)(vrows + j * d + c + b * FW);
+                    for (int b = 0; b < 4; b++)
+                        if (b < span) value[b] = *(const fv *)(vrows + j * d + c + b * FW);
 #pragma GCC unroll 6
-            for (int r = 0; r < RO; r++) {
-                if (r >= rows) break;
-                const fv weight = SPLAT(p[r * n_pad + j]);
+                    for (int r = 0; r < RO; r++) {
+                        if (r >= count) break;
+                        const fv weight = SPLAT(weights[r * n_pad + j]);
 #pragma GCC unroll 4
-                for (int b = 0; b < 4; b++)
-                    if (b < span) o[r][b] += weight * value[b];
+                        for (int b = 0; b < 4; b++)
+                            if (b < span) o[r][b] += weight * value[b];
+                    }
+                }
+                for (int r = 0; r < RO; r++)
+                    for (int b = 0; b < 4; b++)
+                        if (r < count && b < span) *(fv *)(sums[r0 + r] + c + b * FW) = o[r][b];
             }
         }
-        for (int r = 0; r < RO; r++)
-            for (int b = 0; b < 4; b++)
-                if (r < rows && b < span) *(fv *)(done[r] + c + b * FW) = o[r][b] * (1.0f / total[r]);
     }
-    for (int64_t r = 0; r < rows; r++) store_floats(done[r], d, out, dtype, out_offset + r * out_stride);
+    for (int64_t r = 0; r < rows; r++) {
+        const fv inverse = SPLAT(1.0f / total[r]);
+        for (int64_t t = 0; t < d; t += FW) *(fv *)(sums[r] + t) *= inverse;
+        store_floats(sums[r], d, out, dtype, out_offset + r * out_stride);
+    }
 }
 
 #ifdef __AVX512BF16__
@@ -513,9 +534,9 @@ static void attend_rows(const void *q, int dtype, int64_t q_base, int64_t q_row_
                                 b->total + r0, out, dtype, out_base + (first + r0) * out_row_stride, out_row_stride);
 #endif
         if (!dot) softmax_rows(s, rows, keys, n_pad, b->total);
-        for (int64_t r0 = 0; !dot && r0 < rows; r0 += RO)
-            weighted_values(s + r0 * n_pad, MIN(RO, rows - r0), keys, n_pad, b->vrows, d, b->total + r0, out, dtype,
-                            out_base + (first + r0) * out_row_stride, out_row_stride);
+        if (!dot)
+            weighted_values(s, rows, keys, n_pad, b->vrows, d, b->total, out, dtype, out_base + first * out_row_stride,
+                            out_row_stride);
     }
 }
 

@@ -452,13 +452,15 @@ def test_decode_attention_of_each_build_equals_the_gathered_reference(monkeypatc
 def test_full_attention_of_each_build_equals_sdpa(monkeypatch, name, dtype, products):
     """Views of one packed projection as a vision layer makes them ([batch, patches, 3, heads, d] permuted), two
     inputs at once, a subset of the heads (as a slice takes them); one position, fewer than a tile of queries,
-    more than a panel of keys past the last whole one, head sizes of one to four vectors and above; the result
+    more than a panel of keys past the last whole one, keys over more than two of the values' blocks (JB, 64) and
+    past the last whole one, head sizes of one to four vectors and above; the result
     [batch, patches, heads, d]; bfloat16 scores by either products (the dot products where the build has them).
     Head sizes the build has no loop for are refused (None), not miscomputed."""
     monkeypatch.setattr(build, "variant", lambda: name)
     monkeypatch.setattr(ops, "full_attention", functools.partial(ops.full_attention, products=products))
     torch.manual_seed(5)
-    for batch, patches, heads, d in ((2, 1, 2, 64), (2, 5, 3, 32), (1, 37, 2, 64), (2, 77, 3, 128), (1, 40, 1, 256)):
+    for batch, patches, heads, d in ((2, 1, 2, 64), (2, 5, 3, 32), (1, 37, 2, 64), (2, 77, 3, 128), (1, 40, 1, 256),
+                                     (1, 150, 2, 64)):
         both = torch.randn(batch, patches, 3, heads, d).to(dtype)
         queries, keys, values = (part[:, 1:] if heads > 1 else part for part in both.permute(2, 0, 3, 1, 4))
         scale = d ** -0.5
