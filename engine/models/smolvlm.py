@@ -41,18 +41,26 @@ class SmolVLMAdapter(VLMAdapter):
     processor_options = {"do_image_splitting": bool, "size": dict}
     single_input_options = {"do_image_splitting": False}  # each image one 512 px tile: 64 image tokens
 
-    def _edges(self) -> tuple[int, int]:
+    def _edges(self) -> tuple[int, int] | None:
         """A tile's edge and the longest edge the processor resizes an image to before tiling it (512 and 2,048
-        for SmolVLM-256M: up to 16 tiles and the global view)."""
-        images = self.processor.image_processor
-        return int(images.max_image_size["longest_edge"]), int(images.size["longest_edge"])
+        for SmolVLM-256M: up to 16 tiles and the global view); None where its image processor names no such edges
+        or does not split images (its defaults are then one tile an image already)."""
+        images = getattr(self.processor, "image_processor", None)
+        try:
+            edges = int(images.max_image_size["longest_edge"]), int(images.size["longest_edge"])
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return None
+        return edges if getattr(images, "do_image_splitting", True) else None
 
     def option_problem(self, name: str, value: Any) -> str | None:
         """`size`: {"longest_edge": n}, the edge an image is resized to before it is tiled, from a tile's edge up
         to the processor's own (fewer tiles than the defaults, never more)."""
         if name != "size":
             return None
-        tile, default = self._edges()
+        edges = self._edges()
+        if edges is None:
+            return "is not an option of this checkpoint's processor (it names no tile edges, or does not tile)"
+        tile, default = edges
         edge = value.get("longest_edge") if set(value) == {"longest_edge"} else None
         if type(edge) is not int or not tile <= edge <= default:
             return (f"must be {{'longest_edge': n}} with n from a tile's {tile} to the processor's {default} "
@@ -63,7 +71,10 @@ class SmolVLMAdapter(VLMAdapter):
         """The image resized to the smallest multiple of a tile's edge that holds its longest side (a 640 x 480
         frame: 1,024 px, 4 tiles and the global view, where the defaults upscale it to 2,048 px and 12 tiles of
         interpolated pixels and the global view); one tile as `single_input_options` makes it where one holds it."""
-        tile, default = self._edges()
+        edges = self._edges()
+        if edges is None:
+            return {}
+        tile, default = edges
         edge = max(1, -(-max(width, height) // tile)) * tile
         if edge >= default:
             return {}

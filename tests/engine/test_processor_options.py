@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from PIL import Image
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.presets import PRESETS, build_checkpoint
@@ -54,6 +55,23 @@ def test_an_image_is_tiled_no_finer_than_its_pixels_and_exact(tmp_path, photos):
         for out in engine.step():
             tokens[out.request_id] = out.token_ids
     assert tokens[tiled] == expected
+
+
+def test_a_processor_that_does_not_split_images_gets_no_tiling_options(tmp_path):
+    """A checkpoint whose processor keeps each image one tile by default (`do_image_splitting: false` in its
+    processor_config.json) is tiled as its defaults tile it, and refuses `size` by name."""
+    import json
+
+    checkpoint = build_checkpoint(dataclasses.replace(PRESETS["tiny"], max_tiles_per_side=4), tmp_path)
+    config_path = checkpoint / "processor_config.json"
+    config = json.loads(config_path.read_text())
+    config["image_processor"]["do_image_splitting"] = False
+    config_path.write_text(json.dumps(config))
+    engine = Engine(EngineConfig(model=str(checkpoint), device=DEVICE, dtype="float32", max_num_seqs=4))
+    assert engine.tiling_options(100, 80) is None
+    with pytest.raises(ValueError, match="'size' is not an option of this checkpoint's processor"):
+        engine.add_request(prompt=PROMPTS[1], images=[Image.new("RGB", (100, 80))],
+                           mm_processor_kwargs={"size": {"longest_edge": 128}})
 
 
 @pytest.mark.parametrize(("options", "message"), [
