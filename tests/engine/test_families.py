@@ -90,14 +90,14 @@ def test_a_sliced_tower_gives_the_whole_tower_s_features(families, images, name,
     """Slice by slice, the features of transformers' own get_image_features (a lone image, which LLaVA-OneVision
     tiles, and two of different sizes, which Qwen2-VL gives grids of their own), bit for bit with the stock
     layers and to float32's rounding with the lean ones (engine/lean_vision.py)."""
-    from engine.cpu.routing import KernelLinear, KernelPatchConv, KernelPatchConv3d
+    from engine.cpu.routing import ROUTED
 
     engine = families(name).engine(lean_layers=lean)
     adapter = engine.adapter
     # Every row count through torch's GEMM: the whole tower and its slices may multiply different row counts, and
     # the row range each layer takes the C kernel for is a timing of this machine at start-up (engine/cpu/tuning.py).
     for module in adapter.model.modules():
-        if isinstance(module, KernelLinear | KernelPatchConv | KernelPatchConv3d):
+        if isinstance(module, ROUTED):
             module.rows = (0, 0)
     assert adapter.encoder_slices == SLICED_TOWERS[name]
     lean_vision = lean_paths.vision_layers(adapter.vision_layers)
